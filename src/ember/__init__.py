@@ -1,0 +1,45 @@
+"""ember: a lazy deep-learning framework and kernel-fusion compiler.
+
+Write tensor code with PyTorch's names; nothing runs until a value is needed, and
+then the whole pending graph is computed at once.
+"""
+
+from ember import dtypes
+from ember.autograd import enable_grad, grad, inference_mode, is_grad_enabled, no_grad, set_grad_enabled
+from ember.device import Device, default_device, device
+from ember.dtypes import (
+                          DType,
+                          bfloat16,
+                          float16,
+                          float32,
+                          float64,
+                          int8,
+                          int16,
+                          int32,
+                          int64,
+                          promote_types,
+                          result_type,
+                          uint8,
+)
+from ember.dtypes import bool_ as bool  # noqa: A001 - the PyTorch name
+from ember.errors import CompileError, DeviceError, DTypeError, EmberError, OutOfMemoryError, ShapeError
+from ember.ops import *  # noqa: F403 - the op functions are the public API
+from ember.ops import __all__ as _ops_all
+from ember.tensor import Tensor, realize
+
+half = float16
+float = float32  # noqa: A001
+double = float64
+long = int64
+int = int32  # noqa: A001
+short = int16
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DType", "Device", "Tensor", "CompileError", "DeviceError", "DTypeError", "EmberError", "OutOfMemoryError",
+    "ShapeError", "bfloat16", "bool", "default_device", "device", "double", "dtypes", "enable_grad", "float",
+    "float16", "float32", "float64", "grad", "half", "inference_mode", "int", "int8", "int16", "int32", "int64",
+    "is_grad_enabled", "long", "no_grad", "promote_types", "realize", "result_type", "set_grad_enabled",
+    "short", "uint8", *_ops_all,
+]

@@ -1,0 +1,1 @@
+"""The compiler: graph passes, fusion planning, scheduling and code generation."""

@@ -1,0 +1,1 @@
+"""Code generators, one per backend."""

@@ -1,0 +1,59 @@
+"""Device names. A device is a value ("cpu", "cuda:0"); the runtime maps it to a backend."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from ember.errors import DeviceError
+
+
+@dataclass(frozen=True)
+class Device:
+    type: str  # "cpu" or "cuda"
+    index: int = 0
+
+    def __str__(self) -> str:
+        return self.type if self.type == "cpu" else f"{self.type}:{self.index}"
+
+    def __repr__(self) -> str:
+        return f"device('{self}')"
+
+
+CPU = Device("cpu")
+_KNOWN_TYPES = ("cpu", "cuda")
+_state = threading.local()
+
+
+def as_device(d: str | Device | None) -> Device:
+    """Parse "cpu", "cuda", "cuda:1" (or a torch.device); None means the current default."""
+    if d is None:
+        return default_device()
+    if isinstance(d, Device):
+        return d
+    text = str(d)
+    kind, _, index = text.partition(":")
+    if kind not in _KNOWN_TYPES or (index and not index.isdigit()):
+        raise DeviceError(f"unknown device {text!r}; expected 'cpu', 'cuda' or 'cuda:N'")
+    if kind == "cpu":
+        return CPU
+    return Device(kind, int(index) if index else 0)
+
+
+def default_device() -> Device:
+    return getattr(_state, "default", CPU)
+
+
+class device:
+    """`with ember.device("cuda"):` makes new tensors and modules live on that device."""
+
+    def __init__(self, d: str | Device):
+        self.device = as_device(d)
+
+    def __enter__(self) -> Device:
+        self._previous = default_device()
+        _state.default = self.device
+        return self.device
+
+    def __exit__(self, *exc) -> None:
+        _state.default = self._previous

@@ -1,0 +1,97 @@
+"""Node: one value of the lazy graph, `(op, inputs, attrs, shape, dtype, device)`.
+
+Realizing a node gives it a buffer and turns it into a leaf (`Op.BUFFER`), dropping
+its inputs, so the graph behind a realized value can be freed.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+
+from ember.device import Device
+from ember.dtypes import DType
+from ember.errors import DeviceError
+from ember.ir.ops import Kind, Op, infer
+
+
+class Node:
+    __slots__ = ("op", "inputs", "attrs", "shape", "dtype", "device", "buffer", "handles", "__weakref__")
+
+    def __init__(self, op: Op, inputs: tuple[Node, ...], attrs: dict, shape: tuple[int, ...],
+                 dtype: DType, device: Device, buffer=None):
+        self.op = op
+        self.inputs = inputs
+        self.attrs = attrs
+        self.shape = shape
+        self.dtype = dtype
+        self.device = device
+        self.buffer = buffer
+        self.handles: list[weakref.ref] = []  # the Tensors that show this node to the user
+
+    @staticmethod
+    def make(op: Op, inputs: tuple[Node, ...] = (), device: Device | None = None, **attrs) -> Node:
+        """Build a node, applying the primitive's shape and dtype rule."""
+        if inputs:
+            device = inputs[0].device if op is not Op.COPY else attrs["device"]
+            if op is not Op.COPY and any(i.device != inputs[0].device for i in inputs):
+                raise DeviceError(f"{op.label}: inputs on different devices: "
+                                  f"{', '.join(str(i.device) for i in inputs)}")
+        assert device is not None, f"{op.label}: a leaf needs a device"
+        shape, dtype = infer(op, inputs, attrs)
+        return Node(op, inputs, attrs, shape, dtype, device)
+
+    @staticmethod
+    def from_buffer(buffer, dtype: DType, device: Device) -> Node:
+        return Node(Op.BUFFER, (), {}, tuple(buffer.shape), dtype, device, buffer)
+
+    @property
+    def realized(self) -> bool:
+        return self.buffer is not None
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def is_held(self) -> bool:
+        """Whether a live Tensor shows this node to the user (so its value must be kept)."""
+        return any(ref() is not None for ref in self.handles)
+
+    def set_buffer(self, buffer) -> None:
+        """Become a realized leaf: the graph behind this node is no longer needed."""
+        self.buffer = buffer
+        self.op = Op.BUFFER
+        self.inputs = ()
+        self.attrs = {}
+
+    def __repr__(self) -> str:
+        return f"Node({self.op.label}, shape={self.shape}, dtype={self.dtype.name}, device={self.device})"
+
+
+def toposort(roots: Iterable[Node]) -> list[Node]:
+    """Unrealized nodes needed for `roots`, inputs before users (iterative: graphs get deep)."""
+    order: list[Node] = []
+    seen: set[int] = set()
+    for root in roots:
+        if root.realized or id(root) in seen:
+            continue
+        seen.add(id(root))
+        stack = [(root, iter(root.inputs))]
+        while stack:
+            node, it = stack[-1]
+            for child in it:
+                if not child.realized and id(child) not in seen:
+                    seen.add(id(child))
+                    stack.append((child, iter(child.inputs)))
+                    break
+            else:
+                stack.pop()
+                order.append(node)
+    return order
+
+
+def is_elementwise(op: Op) -> bool:
+    return op.kind in (Kind.UNARY, Kind.BINARY, Kind.TERNARY)

@@ -1,0 +1,215 @@
+"""Creation ops: tensors from data, constants, ranges and identity matrices.
+
+Constants are one CONST scalar expanded to the requested shape, so `zeros(4096, 4096)`
+costs no memory until a kernel writes something computed from it.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+
+import numpy as np
+
+from ember import dtypes
+from ember.device import as_device
+from ember.dtypes import DType
+from ember.errors import DTypeError, ShapeError
+from ember.ir import Node, Op
+from ember.ops.movement import expand, reshape
+from ember.ops.pointwise import cast, scalar, where
+from ember.tensor import Tensor, leaf
+
+
+def _shape(op: str, size) -> tuple[int, ...]:
+    if len(size) == 1 and isinstance(size[0], (tuple, list)):
+        size = tuple(size[0])
+    try:
+        shape = tuple(operator.index(s) for s in size)
+    except TypeError:
+        raise TypeError(f"{op}: size must be a sequence of integers, got {size!r}") from None
+    if any(s < 0 for s in shape):
+        raise ShapeError(f"{op}: negative dimension in size {shape}")
+    if math.prod(shape) >= 2**62:
+        raise ShapeError(f"{op}: size {shape} has too many elements ({math.prod(shape)})")
+    return shape
+
+
+def _requires_grad(t: Tensor, requires_grad: bool) -> Tensor:
+    return t.requires_grad_() if requires_grad else t
+
+
+def _infer_dtype(array: np.ndarray, data) -> DType:
+    if array.dtype == np.float64 and not isinstance(data, np.ndarray):
+        return dtypes.default_float  # Python floats become float32, as in torch.tensor
+    if array.dtype.kind in "iu" and not isinstance(data, np.ndarray) and array.dtype != np.uint8:
+        return dtypes.int64
+    if array.dtype.kind == "O" or array.dtype.kind in "USV":
+        raise DTypeError(f"tensor: cannot make a tensor from data of type {type(data).__name__} "
+                         f"(NumPy sees dtype {array.dtype})")
+    return dtypes.from_numpy(array.dtype)
+
+
+def tensor(data, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
+    """A new tensor holding a copy of `data` (nested lists, scalars, NumPy arrays or Tensors)."""
+    device = as_device(device)
+    if isinstance(data, Tensor):
+        out = data.detach()
+        out = cast(out, dtypes.as_dtype(dtype)) if dtype is not None else out
+        return _requires_grad(out.to(device), requires_grad)
+    if isinstance(data, (list, tuple)) and any(isinstance(v, Tensor) for v in _flatten(data)):
+        data = _to_nested(data)
+    if hasattr(data, "__dlpack__") and not isinstance(data, np.ndarray) and type(data).__module__ == "torch":
+        data = data.detach().cpu().numpy() if data.dtype.__str__() != "torch.bfloat16" else (
+            data.detach().cpu().float().numpy().astype(dtypes.bfloat16.np))
+    array = np.asarray(data)
+    target = dtypes.as_dtype(dtype) if dtype is not None else _infer_dtype(array, data)
+    array = np.array(array, dtype=target.np, copy=True)
+    return _requires_grad(Tensor(Node.from_buffer(_to_device(array, device), target, device)), requires_grad)
+
+
+def _flatten(data):
+    for v in data:
+        if isinstance(v, (list, tuple)):
+            yield from _flatten(v)
+        else:
+            yield v
+
+
+def _to_nested(data):
+    return [_to_nested(v) if isinstance(v, (list, tuple)) else (v.numpy() if isinstance(v, Tensor) else v)
+            for v in data]
+
+
+def _to_device(array: np.ndarray, device):
+    if device.type == "cpu":
+        return array
+    from ember.errors import DeviceError
+
+    raise DeviceError(f"device {device} is not available in this build of ember")
+
+
+as_tensor = tensor
+
+
+def from_numpy(array: np.ndarray) -> Tensor:
+    if not isinstance(array, np.ndarray):
+        raise TypeError(f"from_numpy: expected a NumPy array, got {type(array).__name__}")
+    return tensor(array, dtype=dtypes.from_numpy(array.dtype))
+
+
+def from_dlpack(x) -> Tensor:
+    return from_numpy(np.from_dlpack(x))
+
+
+def full(size, fill_value, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
+    shape = _shape("full", size if isinstance(size, (tuple, list)) else (size,))
+    if isinstance(fill_value, Tensor):
+        fill_value = fill_value.item()
+    dtype = dtypes.as_dtype(dtype) if dtype is not None else dtypes.scalar_dtype(fill_value)
+    out = expand(scalar(fill_value, dtype, as_device(device)), shape)
+    return _requires_grad(out, requires_grad)
+
+
+def zeros(*size, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
+    return full(_shape("zeros", size), 0, dtype=dtype or dtypes.default_float, device=device,
+                requires_grad=requires_grad)
+
+
+def ones(*size, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
+    return full(_shape("ones", size), 1, dtype=dtype or dtypes.default_float, device=device,
+                requires_grad=requires_grad)
+
+
+def empty(*size, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
+    """Uninitialised memory in PyTorch; here simply zeros (reading it is still a bug)."""
+    return zeros(*size, dtype=dtype, device=device, requires_grad=requires_grad)
+
+
+def _like(x: Tensor, dtype, device) -> dict:
+    return {"dtype": dtype or x.dtype, "device": device or x.device}
+
+
+def zeros_like(x: Tensor, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
+    return zeros(x.shape, **_like(x, dtype, device), requires_grad=requires_grad)
+
+
+def ones_like(x: Tensor, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
+    return ones(x.shape, **_like(x, dtype, device), requires_grad=requires_grad)
+
+
+def empty_like(x: Tensor, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
+    return zeros_like(x, dtype, device, requires_grad)
+
+
+def full_like(x: Tensor, fill_value, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
+    return full(x.shape, fill_value, **_like(x, dtype, device), requires_grad=requires_grad)
+
+
+def rand_like(x: Tensor, dtype=None, device=None) -> Tensor:
+    from ember.ops.random import rand
+
+    return rand(x.shape, **_like(x, dtype, device))
+
+
+def randn_like(x: Tensor, dtype=None, device=None) -> Tensor:
+    from ember.ops.random import randn
+
+    return randn(x.shape, **_like(x, dtype, device))
+
+
+def randint_like(x: Tensor, low, high=None, dtype=None, device=None) -> Tensor:
+    from ember.ops.random import randint
+
+    return randint(low, high, x.shape, **_like(x, dtype, device))
+
+
+def arange(start, end=None, step=1, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
+    """Values start, start+step, ... below end; integer arguments give int64, floats the default float."""
+    if end is None:
+        start, end = 0, start
+    if step == 0:
+        raise ValueError("arange: step must be nonzero")
+    values = [v.item() if isinstance(v, Tensor) else v for v in (start, end, step)]
+    start, end, step = values
+    if any(not isinstance(v, numbers.Real) or math.isnan(v) or math.isinf(v) for v in values):
+        raise ValueError(f"arange: start, end and step must be finite numbers, got {values}")
+    if (end - start) * step < 0:
+        raise ValueError(f"arange: the sign of step {step} does not lead from {start} to {end}")
+    n = max(math.ceil((end - start) / step), 0)
+    if dtype is None:
+        dtype = dtypes.int64 if all(isinstance(v, (int, np.integer)) for v in values) else dtypes.default_float
+    dtype = dtypes.as_dtype(dtype)
+    iota = leaf(Op.IOTA, as_device(device), n=n)
+    if dtype.is_integer and isinstance(start, int) and isinstance(step, int):
+        out = iota * step + start if (start, step) != (0, 1) else iota
+    else:
+        out = cast(iota, dtypes.float64) * step + start
+    return _requires_grad(cast(out, dtype), requires_grad)
+
+
+def linspace(start, end, steps: int, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
+    """`steps` values evenly spaced from start to end, computed from both ends as PyTorch does."""
+    if steps < 0:
+        raise ValueError(f"linspace: steps must be non-negative, got {steps}")
+    dtype = dtypes.as_dtype(dtype) if dtype is not None else dtypes.default_float
+    if steps <= 1:
+        return _requires_grad(full((steps,), start, dtype=dtype, device=device), requires_grad)
+    step = (end - start) / (steps - 1)
+    i = cast(leaf(Op.IOTA, as_device(device), n=steps), dtypes.float64)
+    out = where(i < steps // 2, i * step + start, end - (steps - 1 - i) * step)
+    return _requires_grad(cast(out, dtype), requires_grad)
+
+
+def logspace(start, end, steps: int, base: float = 10.0, dtype=None, device=None) -> Tensor:
+    exponents = linspace(start, end, steps, dtype=dtypes.float64, device=device)
+    return cast((exponents * math.log(base)).exp(), dtypes.as_dtype(dtype) if dtype else dtypes.default_float)
+
+
+def eye(n: int, m: int | None = None, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
+    m = n if m is None else m
+    rows = reshape(arange(n, device=device), (n, 1))
+    cols = reshape(arange(m, device=device), (1, m))
+    out = cast(rows == cols, dtypes.as_dtype(dtype) if dtype is not None else dtypes.default_float)
+    return _requires_grad(out, requires_grad)

@@ -1,0 +1,90 @@
+"""Gather and scatter: embeddings, index_select, one_hot, and the core of integer indexing."""
+
+from __future__ import annotations
+
+from ember import dtypes
+from ember.errors import DTypeError, ShapeError, operands
+from ember.ir import Op
+from ember.ops.movement import expand, normalize_dim, reshape
+from ember.ops.pointwise import _check_devices, cast
+from ember.tensor import Tensor, apply
+
+
+def _check_index(op: str, x: Tensor, index: Tensor) -> None:
+    if not isinstance(index, Tensor) or not index.dtype.is_integer:
+        raise DTypeError(f"{op}: index must be an integer tensor (int64 or int32), got {operands(index)}")
+    _check_devices(op, [x, index])
+
+
+def gather(x: Tensor, dim: int, index: Tensor) -> Tensor:
+    """out[i][j] = x[index[i][j]][j] for dim 0 (torch.gather)."""
+    _check_index("gather", x, index)
+    axis = normalize_dim("gather", dim, x.ndim)
+    if index.ndim != x.ndim or any(i > s for d, (i, s) in enumerate(zip(index.shape, x.shape)) if d != axis):
+        raise ShapeError(f"gather: index of shape {index.shape} does not fit input of shape {x.shape} along "
+                         f"dim {dim} (same number of dims, no larger outside dim {axis})")
+    return apply(Op.GATHER, x, cast(index, dtypes.int64), axis=axis)
+
+
+def take_along_dim(x: Tensor, indices: Tensor, dim: int) -> Tensor:
+    return gather(x, dim, indices)
+
+
+def scatter_add(x: Tensor, dim: int, index: Tensor, src: Tensor) -> Tensor:
+    """out = x, then out[index[i][j]][j] += src[i][j] for dim 0 (torch.scatter_add)."""
+    _check_index("scatter_add", x, index)
+    axis = normalize_dim("scatter_add", dim, x.ndim)
+    if index.ndim != x.ndim or src.ndim != x.ndim or any(
+            i > s for d, (i, s) in enumerate(zip(index.shape, x.shape)) if d != axis) or any(
+            i > s for i, s in zip(index.shape, src.shape)):
+        raise ShapeError(f"scatter_add: index {index.shape} and src {src.shape} do not fit input {x.shape} "
+                         f"along dim {dim}")
+    if src.dtype is not x.dtype:
+        raise DTypeError(f"scatter_add: src dtype {src.dtype.name} must match input dtype {x.dtype.name}")
+    if src.shape != index.shape:
+        from ember.ops.movement import slice_axis
+
+        for d, n in enumerate(index.shape):
+            if src.shape[d] != n:
+                src = slice_axis(src, d, 0, n)
+    return apply(Op.SCATTER_ADD, x, cast(index, dtypes.int64), src, axis=axis)
+
+
+def index_select(x: Tensor, dim: int, index: Tensor) -> Tensor:
+    _check_index("index_select", x, index)
+    if index.ndim > 1:
+        raise ShapeError(f"index_select: index must be 1-d, got shape {index.shape}")
+    axis = normalize_dim("index_select", dim, x.ndim)
+    index = reshape(index, (-1,))
+    shape = list(x.shape)
+    shape[axis] = index.shape[0]
+    view = [1] * x.ndim
+    view[axis] = index.shape[0]
+    return gather(x, axis, expand(reshape(index, tuple(view)), tuple(shape)))
+
+
+def embedding(index: Tensor, weight: Tensor, padding_idx: int | None = None) -> Tensor:
+    """Rows of `weight` picked by `index`; the output has shape index.shape + (embedding_dim,)."""
+    if not isinstance(index, Tensor) or not index.dtype.is_integer:
+        raise DTypeError(f"embedding: indices must be an integer tensor, got {operands(index)}")
+    if weight.ndim != 2:
+        raise ShapeError(f"embedding: weight must be 2-d (num_embeddings, dim), got shape {weight.shape}")
+    rows = index_select(weight, 0, reshape(index, (-1,)))
+    if padding_idx is not None:
+        from ember.ops.pointwise import where
+
+        keep = reshape(reshape(index, (-1,)) != padding_idx % weight.shape[0], (-1, 1))
+        rows = where(keep, rows, rows.detach() * 0)
+    return reshape(rows, index.shape + (weight.shape[1],))
+
+
+def one_hot(index: Tensor, num_classes: int = -1) -> Tensor:
+    """int64 one-hot encoding; num_classes=-1 reads the largest index (a sync point)."""
+    from ember.ops.creation import arange
+
+    if not isinstance(index, Tensor) or not index.dtype.is_integer:
+        raise DTypeError(f"one_hot: expects an integer tensor, got {operands(index)}")
+    if num_classes == -1:
+        num_classes = int(index.max().item()) + 1 if index.numel() else 0
+    classes = arange(num_classes, device=index.device)
+    return cast(reshape(index, index.shape + (1,)) == classes, dtypes.int64)

@@ -1,0 +1,461 @@
+"""Pointwise ops: broadcasting, PyTorch type promotion, Python scalars on either side.
+
+Every binary op here broadcasts its operands to one shape and casts them to one
+dtype before applying a primitive, so the primitives themselves stay simple.
+Activations (relu, gelu, silu, softplus, sigmoid) are compositions of primitives.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+from ember import dtypes
+from ember.dtypes import DType
+from ember.errors import DeviceError, DTypeError, ShapeError, operands
+from ember.ir import Op
+from ember.tensor import Tensor, apply, leaf
+
+Scalar = (numbers.Number, np.bool_, np.number)
+
+
+def broadcast_shapes(op: str, *shapes: tuple[int, ...]) -> tuple[int, ...]:
+    ndim = max((len(s) for s in shapes), default=0)
+    out = []
+    for i in range(-ndim, 0):
+        sizes = {s[i] for s in shapes if len(s) >= -i} - {1}
+        if len(sizes) > 1:
+            raise ShapeError(f"{op}: shapes {', '.join(str(tuple(s)) for s in shapes)} cannot be broadcast "
+                             f"together (dimension {i}: sizes {sorted(sizes)}); make the sizes equal or 1")
+        out.append(sizes.pop() if sizes else 1)
+    return tuple(out)
+
+
+def scalar(value, dtype: DType, device) -> Tensor:
+    """A 0-d constant."""
+    return leaf(Op.CONST, device, shape=(), dtype=dtype, value=_convert(value, dtype))
+
+
+def _convert(value, dtype: DType):
+    if dtype is dtypes.bool_:
+        return bool(value)
+    if dtype.is_integer:
+        return int(value)
+    return float(value)
+
+
+def as_tensor(x, like: Tensor | None = None, dtype: DType | None = None) -> Tensor:
+    """A Tensor for x; a Python scalar takes `dtype`, or the dtype torch would give it next to `like`."""
+    if isinstance(x, Tensor):
+        return x
+    device = like.device if like is not None else None
+    if isinstance(x, Scalar):
+        if dtype is None:
+            dtype = dtypes.result_type(like, x) if like is not None else dtypes.scalar_dtype(x)
+        from ember.device import as_device
+
+        return scalar(x, dtype, as_device(device))
+    from ember.ops.creation import tensor
+
+    return tensor(x, dtype=dtype, device=device)
+
+
+def cast(x: Tensor, dtype: DType) -> Tensor:
+    dtype = dtypes.as_dtype(dtype)
+    return x if x.dtype is dtype else apply(Op.CAST, x, dtype=dtype)
+
+
+def _check_devices(op: str, tensors: list[Tensor]) -> None:
+    devices = {t.device for t in tensors if t.ndim > 0 or t._node.op is not Op.CONST}
+    if len(devices) > 1:
+        names = " and ".join(sorted(str(d) for d in devices))
+        raise DeviceError(f"{op}: operands are on different devices ({names}): {operands(*tensors)}; "
+                          f"move them to one device with .to(device)")
+
+
+def prepare(op: str, *xs, dtype: DType | None = None) -> list[Tensor]:
+    """Broadcast operands (tensors or scalars) to one shape and cast them to `dtype`
+    (by default their promoted type)."""
+    tensors = [x for x in xs if isinstance(x, Tensor)]
+    if not tensors:
+        raise TypeError(f"{op}: expected at least one Tensor operand, got {operands(*xs)}")
+    for x in xs:
+        if not isinstance(x, (Tensor, *Scalar)):
+            raise TypeError(f"{op}: unsupported operand {x!r} of type {type(x).__name__}")
+    _check_devices(op, tensors)
+    common = dtypes.result_type(*xs) if dtype is None else dtype
+    device = next((t.device for t in tensors if t.ndim > 0), tensors[0].device)
+    shape = broadcast_shapes(op, *(t.shape for t in tensors))
+    out = []
+    for x in xs:
+        t = x if isinstance(x, Tensor) else scalar(x, common, device)
+        if t.device != device:  # a 0-d constant made elsewhere
+            t = t.to(device)
+        out.append(expand_to(cast(t, common), shape))
+    return out
+
+
+def expand_to(t: Tensor, shape: tuple[int, ...]) -> Tensor:
+    if t.shape == shape:
+        return t
+    if t.ndim < len(shape):
+        t = apply(Op.RESHAPE, t, shape=(1,) * (len(shape) - t.ndim) + t.shape)
+    return apply(Op.EXPAND, t, shape=shape)
+
+
+# -- unary ----------------------------------------------------------------------------
+
+def _float_input(op: str, x) -> Tensor:
+    x = as_tensor(x)
+    return x if x.dtype.is_floating_point else cast(x, dtypes.default_float)
+
+
+def _unary_float(prim: Op):
+    def fn(x: Tensor) -> Tensor:
+        return apply(prim, _float_input(prim.label, x))
+    fn.__name__ = prim.label
+    fn.__doc__ = f"Elementwise {prim.label}; integer inputs are computed in the default float dtype."
+    return fn
+
+
+exp = _unary_float(Op.EXP)
+log = _unary_float(Op.LOG)
+log1p = _unary_float(Op.LOG1P)
+sqrt = _unary_float(Op.SQRT)
+sin = _unary_float(Op.SIN)
+cos = _unary_float(Op.COS)
+tanh = _unary_float(Op.TANH)
+erf = _unary_float(Op.ERF)
+reciprocal = _unary_float(Op.RECIPROCAL)
+
+
+def rsqrt(x: Tensor) -> Tensor:
+    return reciprocal(sqrt(x))
+
+
+def log2(x: Tensor) -> Tensor:
+    return log(x) * (1 / math.log(2))
+
+
+def exp2(x: Tensor) -> Tensor:
+    return exp(_float_input("exp2", x) * math.log(2))
+
+
+def expm1(x: Tensor) -> Tensor:
+    return exp(x) - 1
+
+
+def neg(x: Tensor) -> Tensor:
+    if x.dtype is dtypes.bool_:
+        raise DTypeError(f"neg: negation of a bool tensor is not supported ({operands(x)}); use ~ or logical_not")
+    return apply(Op.NEG, x)
+
+
+def abs(x: Tensor) -> Tensor:  # noqa: A001 - the PyTorch name
+    return apply(Op.ABS, x)
+
+
+def sign(x: Tensor) -> Tensor:
+    return apply(Op.SIGN, x)
+
+
+def _rounding(prim: Op):
+    def fn(x: Tensor) -> Tensor:
+        return x if not x.dtype.is_floating_point else apply(prim, x)
+    fn.__name__ = prim.label
+    return fn
+
+
+floor = _rounding(Op.FLOOR)
+ceil = _rounding(Op.CEIL)
+_round_even = _rounding(Op.ROUND)
+
+
+def round(x: Tensor, decimals: int = 0) -> Tensor:  # noqa: A001
+    if decimals == 0:
+        return _round_even(x)
+    scale = 10.0 ** decimals
+    return _round_even(x * scale) / scale
+
+
+def trunc(x: Tensor) -> Tensor:
+    return where(x < 0, ceil(x), floor(x)) if x.dtype.is_floating_point else x
+
+
+def logical_not(x: Tensor) -> Tensor:
+    return apply(Op.NOT, x)
+
+
+def bitwise_not(x: Tensor) -> Tensor:
+    if x.dtype is not dtypes.bool_:
+        raise DTypeError(f"bitwise_not (~): only bool tensors are supported, got {operands(x)}")
+    return logical_not(x)
+
+
+def sigmoid(x: Tensor) -> Tensor:
+    x = _float_input("sigmoid", x)
+    return reciprocal(exp(-x) + 1)
+
+
+def relu(x: Tensor) -> Tensor:
+    return where(x > 0, x, 0)
+
+
+def relu6(x: Tensor) -> Tensor:
+    return clamp(x, 0, 6)
+
+
+def leaky_relu(x: Tensor, negative_slope: float = 0.01) -> Tensor:
+    return where(x > 0, x, x * negative_slope)
+
+
+def gelu(x: Tensor, approximate: str = "none") -> Tensor:
+    """GELU: exact (`x * Φ(x)` through erf) or the tanh approximation, as in PyTorch."""
+    x = _float_input("gelu", x)
+    if approximate == "tanh":
+        inner = (x + x * x * x * 0.044715) * math.sqrt(2 / math.pi)
+        return x * 0.5 * (tanh(inner) + 1)
+    if approximate != "none":
+        raise ValueError(f"gelu: approximate must be 'none' or 'tanh', not {approximate!r}")
+    return x * 0.5 * (erf(x * (1 / math.sqrt(2))) + 1)
+
+
+def silu(x: Tensor) -> Tensor:
+    return x * sigmoid(x)
+
+
+def softplus(x: Tensor, beta: float = 1.0, threshold: float = 20.0) -> Tensor:
+    x = _float_input("softplus", x)
+    scaled = x * beta
+    # log1p(exp(z)) overflows for large z, where it equals z anyway
+    return where(scaled > threshold, x, log1p(exp(minimum(scaled, threshold))) / beta)
+
+
+def elu(x: Tensor, alpha: float = 1.0) -> Tensor:
+    return where(x > 0, x, (exp(minimum(x, 0)) - 1) * alpha)
+
+
+def hardtanh(x: Tensor, min_val: float = -1.0, max_val: float = 1.0) -> Tensor:
+    return clamp(x, min_val, max_val)
+
+
+def mish(x: Tensor) -> Tensor:
+    return x * tanh(softplus(x))
+
+
+# -- binary ---------------------------------------------------------------------------
+
+def _binary(prim: Op, name: str):
+    def fn(a, b) -> Tensor:
+        return apply(prim, *prepare(name, a, b))
+    fn.__name__ = name
+    return fn
+
+
+def add(a, b, alpha=1) -> Tensor:
+    if alpha != 1:
+        b = mul(b, alpha)
+    x, y = prepare("add", a, b)
+    return apply(Op.ADD, x, y)
+
+
+def sub(a, b, alpha=1) -> Tensor:
+    if alpha != 1:
+        b = mul(b, alpha)
+    x, y = prepare("sub", a, b)
+    if x.dtype is dtypes.bool_:
+        raise DTypeError(f"sub: subtraction of bool tensors is not supported ({operands(a, b)}); "
+                         "use logical_xor or ^")
+    return apply(Op.SUB, x, y)
+
+
+def rsub(a, b) -> Tensor:
+    return sub(b, a)
+
+
+mul = _binary(Op.MUL, "mul")
+maximum = _binary(Op.MAXIMUM, "maximum")
+minimum = _binary(Op.MINIMUM, "minimum")
+eq = _binary(Op.EQ, "eq")
+ne = _binary(Op.NE, "ne")
+lt = _binary(Op.LT, "lt")
+le = _binary(Op.LE, "le")
+
+
+def gt(a, b) -> Tensor:
+    x, y = prepare("gt", a, b)
+    return apply(Op.LT, y, x)
+
+
+def ge(a, b) -> Tensor:
+    x, y = prepare("ge", a, b)
+    return apply(Op.LE, y, x)
+
+
+def div(a, b, rounding_mode: str | None = None) -> Tensor:
+    """True division (integers give the default float dtype), or 'trunc' / 'floor' rounding."""
+    if rounding_mode == "floor":
+        return floor_divide(a, b)
+    x, y = prepare("div", a, b)
+    if rounding_mode == "trunc":
+        return apply(Op.DIV, x, y) if x.dtype.is_integer else trunc(apply(Op.DIV, x, y))
+    if rounding_mode is not None:
+        raise ValueError(f"div: rounding_mode must be None, 'trunc' or 'floor', not {rounding_mode!r}")
+    if not x.dtype.is_floating_point:
+        x, y = cast(x, dtypes.default_float), cast(y, dtypes.default_float)
+    return apply(Op.DIV, x, y)
+
+
+true_divide = divide = div
+
+
+def floor_divide(a, b) -> Tensor:
+    x, y = prepare("floor_divide", a, b)
+    if x.dtype is dtypes.bool_:
+        raise DTypeError(f"floor_divide: not supported for bool tensors ({operands(a, b)})")
+    return apply(Op.FLOORDIV, x, y)
+
+
+def remainder(a, b) -> Tensor:
+    x, y = prepare("remainder", a, b)
+    if x.dtype is dtypes.bool_:
+        raise DTypeError(f"remainder: not supported for bool tensors ({operands(a, b)})")
+    return apply(Op.MOD, x, y)
+
+
+def fmod(a, b) -> Tensor:
+    """C's remainder: the sign of the dividend."""
+    x, y = prepare("fmod", a, b)
+    if x.dtype.is_floating_point:
+        return x - trunc(x / y) * y
+    return x - apply(Op.DIV, x, y) * y
+
+
+def pow(a, b) -> Tensor:  # noqa: A001
+    x, y = prepare("pow", a, b)
+    if x.dtype.is_integer and isinstance(b, Scalar) and b < 0:
+        raise DTypeError(f"pow: integers to negative integer powers are not allowed ({operands(a, b)})")
+    if x.dtype is dtypes.bool_:
+        x, y = cast(x, dtypes.int64), cast(y, dtypes.int64)
+    if isinstance(b, Scalar) and not isinstance(a, Scalar):
+        if b == 2:
+            return x * x
+        if b == 1:
+            return x
+        if b == 0.5 and x.dtype.is_floating_point:
+            return sqrt(x)
+    return apply(Op.POW, x, y)
+
+
+def logical_and(a, b) -> Tensor:
+    return apply(Op.AND, *prepare("logical_and", a, b, dtype=dtypes.bool_))
+
+
+def logical_or(a, b) -> Tensor:
+    return apply(Op.OR, *prepare("logical_or", a, b, dtype=dtypes.bool_))
+
+
+def logical_xor(a, b) -> Tensor:
+    return apply(Op.NE, *prepare("logical_xor", a, b, dtype=dtypes.bool_))
+
+
+def _bitwise(name: str, logical):
+    def fn(a, b) -> Tensor:
+        for x in (a, b):
+            if (isinstance(x, Tensor) and x.dtype is not dtypes.bool_) or (
+                    isinstance(x, Scalar) and not isinstance(x, (bool, np.bool_))):
+                raise DTypeError(f"{name}: only bool operands are supported, got {operands(a, b)}")
+        return logical(a, b)
+    fn.__name__ = name
+    return fn
+
+
+bitwise_and = _bitwise("bitwise_and", logical_and)
+bitwise_or = _bitwise("bitwise_or", logical_or)
+bitwise_xor = _bitwise("bitwise_xor", logical_xor)
+
+
+def where(condition, x, y) -> Tensor:
+    """Elementwise `x if condition else y`, broadcasting all three; x and y are promoted together."""
+    if not isinstance(condition, Tensor):
+        raise TypeError(f"where: condition must be a bool Tensor, got {type(condition).__name__}")
+    if condition.dtype is not dtypes.bool_:
+        raise DTypeError(f"where: condition must be bool, got {operands(condition)}")
+    if not isinstance(x, Tensor) and not isinstance(y, Tensor):
+        x = as_tensor(x)
+    values = [v for v in (x, y) if isinstance(v, Tensor)]
+    common = dtypes.result_type(x, y)
+    shape = broadcast_shapes("where", condition.shape, *(v.shape for v in values))
+    _check_devices("where", [condition, *values])
+    c = expand_to(condition, shape)
+    a = expand_to(cast(as_tensor(x, like=condition, dtype=common), common), shape)
+    b = expand_to(cast(as_tensor(y, like=condition, dtype=common), common), shape)
+    return apply(Op.WHERE, c, a, b)
+
+
+def masked_fill(x: Tensor, mask: Tensor, value) -> Tensor:
+    if isinstance(value, Tensor) and value.ndim != 0:
+        raise ShapeError(f"masked_fill: value must be a scalar or 0-d tensor, got shape {value.shape}")
+    if isinstance(value, Tensor):
+        value = cast(value, x.dtype)
+    out = where(mask, value, x) if isinstance(value, Tensor) else where(mask, as_tensor(value, dtype=x.dtype), x)
+    if out.shape != x.shape:
+        raise ShapeError(f"masked_fill: mask of shape {mask.shape} does not broadcast to {x.shape}")
+    return cast(out, x.dtype)
+
+
+def clamp(x: Tensor, min=None, max=None) -> Tensor:  # noqa: A002
+    if min is None and max is None:
+        raise ValueError("clamp: at least one of min and max must be given")
+    out = x
+    if min is not None:
+        out = where(out < min, min, out) if not isinstance(min, Tensor) else maximum(out, min)
+    if max is not None:
+        out = where(out > max, max, out) if not isinstance(max, Tensor) else minimum(out, max)
+    return out
+
+
+clip = clamp
+
+
+def lerp(start: Tensor, end, weight) -> Tensor:
+    return start + (end - start) * weight
+
+
+def isnan(x: Tensor) -> Tensor:
+    return x != x
+
+
+def isinf(x: Tensor) -> Tensor:
+    if not x.dtype.is_floating_point:
+        return ne(x, x)
+    return abs(x) == math.inf
+
+
+def isfinite(x: Tensor) -> Tensor:
+    if not x.dtype.is_floating_point:
+        return eq(x, x)
+    return abs(x) < math.inf
+
+
+def nan_to_num(x: Tensor, nan: float = 0.0, posinf: float | None = None, neginf: float | None = None) -> Tensor:
+    if not x.dtype.is_floating_point:
+        return x
+    big = float(np.finfo(x.dtype.np).max) if x.dtype is not dtypes.bfloat16 else 3.3895313892515355e38
+    x = where(isnan(x), nan, x)
+    x = where(x == math.inf, big if posinf is None else posinf, x)
+    return where(x == -math.inf, -big if neginf is None else neginf, x)
+
+
+def square(x: Tensor) -> Tensor:
+    return x * x
+
+
+def addcmul(x: Tensor, a: Tensor, b: Tensor, value=1) -> Tensor:
+    return x + a * b * value
+
+
+def addcdiv(x: Tensor, a: Tensor, b: Tensor, value=1) -> Tensor:
+    return x + a / b * value

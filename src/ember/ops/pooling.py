@@ -1,0 +1,127 @@
+"""Pooling as reductions over windows: each kernel offset is a strided slice of the
+(padded) input, and the windows are reduced elementwise. No primitive of its own."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ember import dtypes
+from ember.errors import ShapeError
+from ember.ops.contraction import _pair
+from ember.ops.movement import cat, pad, reshape, slice_axis, unsqueeze
+from ember.ops.pointwise import maximum
+from ember.tensor import Tensor
+
+
+def _pool_out(size: int, k: int, s: int, p: int, d: int, ceil_mode: bool) -> int:
+    span = size + 2 * p - d * (k - 1) - 1
+    out = (-(-span // s) if ceil_mode else span // s) + 1
+    if ceil_mode and (out - 1) * s >= size + p:
+        out -= 1  # the last window would start in the right padding
+    return out
+
+
+def _windows(x: Tensor, k, s, p, d, ceil_mode: bool, fill: float):
+    """Yield, for every kernel offset, the strided slice of the padded input it sees."""
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = k, s, p, d
+    h, w = x.shape[-2:]
+    ho, wo = _pool_out(h, kh, sh, ph, dh, ceil_mode), _pool_out(w, kw, sw, pw, dw, ceil_mode)
+    if ho <= 0 or wo <= 0:
+        raise ShapeError(f"pool2d: input of spatial size {(h, w)} is too small for kernel {k} with padding {p}")
+    extra_h = max((ho - 1) * sh + dh * (kh - 1) + 1 - (h + 2 * ph), 0)
+    extra_w = max((wo - 1) * sw + dw * (kw - 1) + 1 - (w + 2 * pw), 0)
+    xp = pad(x, (pw, pw + extra_w, ph, ph + extra_h), value=fill)
+    for i in range(kh):
+        for j in range(kw):
+            rows = slice_axis(xp, xp.ndim - 2, i * dh, i * dh + (ho - 1) * sh + 1, sh)
+            yield slice_axis(rows, xp.ndim - 1, j * dw, j * dw + (wo - 1) * sw + 1, sw)
+
+
+def _check_input(op: str, x: Tensor) -> None:
+    if x.ndim not in (3, 4):
+        raise ShapeError(f"{op}: expects input (N, C, H, W) or (C, H, W), got shape {x.shape}")
+
+
+def max_pool2d(x: Tensor, kernel_size, stride=None, padding=0, dilation=1, ceil_mode: bool = False,
+               return_indices: bool = False) -> Tensor:
+    _check_input("max_pool2d", x)
+    if return_indices:
+        raise NotImplementedError("max_pool2d: return_indices=True is not supported yet")
+    k = _pair("max_pool2d", "kernel_size", kernel_size)
+    s = _pair("max_pool2d", "stride", stride if stride is not None else kernel_size)
+    p, d = _pair("max_pool2d", "padding", padding), _pair("max_pool2d", "dilation", dilation)
+    if p[0] > k[0] // 2 or p[1] > k[1] // 2:
+        raise ValueError(f"max_pool2d: padding {p} should be at most half of the kernel size {k}")
+    fill = -math.inf if x.dtype.is_floating_point else int(np.iinfo(x.dtype.np).min)
+    out = None
+    for window in _windows(x, k, s, p, d, ceil_mode, fill):
+        out = window if out is None else maximum(out, window)
+    return out
+
+
+def avg_pool2d(x: Tensor, kernel_size, stride=None, padding=0, ceil_mode: bool = False,
+               count_include_pad: bool = True, divisor_override: int | None = None) -> Tensor:
+    _check_input("avg_pool2d", x)
+    k = _pair("avg_pool2d", "kernel_size", kernel_size)
+    s = _pair("avg_pool2d", "stride", stride if stride is not None else kernel_size)
+    p = _pair("avg_pool2d", "padding", padding)
+    if p[0] > k[0] // 2 or p[1] > k[1] // 2:
+        raise ValueError(f"avg_pool2d: padding {p} should be at most half of the kernel size {k}")
+    total = None
+    for window in _windows(x, k, s, p, (1, 1), ceil_mode, 0):
+        total = window if total is None else total + window
+    if divisor_override is not None:
+        return total / divisor_override
+    if not ceil_mode and (count_include_pad or p == (0, 0)):
+        return total / (k[0] * k[1])
+    # the divisor varies per window: count the positions each window covers
+    from ember.ops.creation import ones
+
+    h, w = x.shape[-2:]
+    counted = ones((1, h, w), dtype=dtypes.float32, device=x.device)
+    if count_include_pad:
+        counted = pad(counted, (p[1], p[1], p[0], p[0]), value=1.0)
+        counted_p = (0, 0)
+    else:
+        counted_p = p
+    count = None
+    for window in _windows(counted, k, s, counted_p, (1, 1), ceil_mode, 0):
+        count = window if count is None else count + window
+    if count_include_pad:  # windows were taken over the already padded ones
+        count = _crop_to(count, total.shape[-2:])
+    return total / count.to(total.dtype if total.dtype.is_floating_point else dtypes.float32)
+
+
+def _crop_to(t: Tensor, hw: tuple[int, int]) -> Tensor:
+    return slice_axis(slice_axis(t, t.ndim - 2, 0, hw[0]), t.ndim - 1, 0, hw[1])
+
+
+def _adaptive_axis(x: Tensor, axis: int, out: int, reduce) -> Tensor:
+    n = x.shape[axis]
+    if n % out == 0:
+        shape = x.shape[:axis] + (out, n // out) + x.shape[axis + 1:]
+        return reduce(reshape(x, shape), axis + 1)
+    pieces = []
+    for i in range(out):
+        start, end = (i * n) // out, -(-((i + 1) * n) // out)
+        pieces.append(unsqueeze(reduce(slice_axis(x, axis, start, end), axis), axis))
+    return cat(pieces, axis)
+
+
+def adaptive_avg_pool2d(x: Tensor, output_size) -> Tensor:
+    _check_input("adaptive_avg_pool2d", x)
+    oh, ow = _pair("adaptive_avg_pool2d", "output_size", output_size) if output_size is not None else x.shape[-2:]
+    oh = x.shape[-2] if oh is None else oh
+    ow = x.shape[-1] if ow is None else ow
+    out = _adaptive_axis(x, x.ndim - 2, oh, lambda t, a: t.mean(a))
+    return _adaptive_axis(out, x.ndim - 1, ow, lambda t, a: t.mean(a))
+
+
+def adaptive_max_pool2d(x: Tensor, output_size) -> Tensor:
+    _check_input("adaptive_max_pool2d", x)
+    oh, ow = _pair("adaptive_max_pool2d", "output_size", output_size)
+    out = _adaptive_axis(x, x.ndim - 2, oh, lambda t, a: t.amax(a))
+    return _adaptive_axis(out, x.ndim - 1, ow, lambda t, a: t.amax(a))
+

@@ -1,0 +1,103 @@
+"""Random numbers: a counter-based generator, so a value is a pure function of (seed, offset).
+
+Each draw takes the next `numel` offsets of the global stream. Because nothing is
+stateful at run time, a lazy random tensor gives the same values however often it is
+computed, and a fused kernel can recompute a dropout mask instead of storing it.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+from ember import dtypes
+from ember.device import as_device
+from ember.ir import Op
+from ember.ops.pointwise import cast
+from ember.tensor import Tensor, leaf
+
+_state = threading.local()
+
+
+def manual_seed(seed: int) -> None:
+    """Restart the global random stream at `seed`."""
+    _state.seed = int(seed)
+    _state.offset = 0
+
+
+def initial_seed() -> int:
+    return getattr(_state, "seed", 0)
+
+
+def _take(n: int) -> tuple[int, int]:
+    if not hasattr(_state, "seed"):
+        manual_seed(0)
+    start = _state.offset
+    _state.offset += n
+    return _state.seed, start
+
+
+def _draw(op: str, size, distribution: str, device) -> Tensor:
+    from ember.ops.creation import _shape
+
+    shape = _shape(op, size)
+    seed, offset = _take(math.prod(shape))
+    return leaf(Op.RAND, as_device(device), shape=shape, seed=seed, offset=offset, distribution=distribution)
+
+
+def rand(*size, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
+    """Uniform values in [0, 1)."""
+    return _finish(_draw("rand", size, "uniform", device), dtype, requires_grad)
+
+
+def randn(*size, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
+    """Standard normal values (Box-Muller inside the generator)."""
+    return _finish(_draw("randn", size, "normal", device), dtype, requires_grad)
+
+
+def randint(low, high=None, size=None, dtype=None, device=None) -> Tensor:
+    if high is None:
+        low, high = 0, low
+    if size is None:
+        raise TypeError("randint: size is required, e.g. randint(0, 10, (3, 4))")
+    if high <= low:
+        raise ValueError(f"randint: high ({high}) must be larger than low ({low})")
+    u = rand(size, device=device, dtype=dtypes.float64 if high - low > 2**24 else None)
+    from ember.ops.pointwise import floor, minimum
+
+    values = minimum(floor(u * (high - low)), high - low - 1) + low
+    return cast(values, dtypes.as_dtype(dtype) if dtype is not None else dtypes.int64)
+
+
+def randperm(n: int, device=None, dtype=None) -> Tensor:
+    """A random permutation: the ranks of n uniform draws."""
+    keys = rand(n, device=device).numpy()
+    from ember.ops.creation import tensor
+
+    return tensor(keys.argsort(kind="stable"), dtype=dtype or dtypes.int64, device=device)
+
+
+def bernoulli(p: Tensor) -> Tensor:
+    return cast(rand(p.shape, device=p.device) < p, p.dtype)
+
+
+def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:
+    """Zero each element with probability p and scale the rest by 1 / (1 - p)."""
+    if not 0 <= p <= 1:
+        raise ValueError(f"dropout: p must be in [0, 1], got {p}")
+    if not training or p == 0:
+        return x
+    if p == 1:
+        return x * 0
+    from ember.ops.pointwise import where
+
+    keep = rand(x.shape, device=x.device) >= p
+    return where(keep, x * (1 / (1 - p)), 0)
+
+
+def _finish(out: Tensor, dtype, requires_grad: bool) -> Tensor:
+    if dtype is not None:
+        out = cast(out, dtypes.as_dtype(dtype))
+    if requires_grad:
+        out = out.detach().requires_grad_()
+    return out

@@ -1,0 +1,245 @@
+"""Reductions over one or several dims, with PyTorch's dtype rules and `keepdim`.
+
+The SUM / PROD / MAX / MIN / ARGMAX / ARGMIN primitives keep reduced dims with size
+1; these functions drop them unless `keepdim=True`. Mean, var, std, logsumexp,
+softmax and log_softmax are compositions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import namedtuple
+
+from ember import dtypes
+from ember.errors import DTypeError, ShapeError, operands
+from ember.ir import Op
+from ember.ops.movement import normalize_dim, normalize_dims, reshape
+from ember.ops.pointwise import cast, exp, log, where
+from ember.tensor import Tensor, apply
+
+MaxMin = namedtuple("MaxMin", ["values", "indices"])
+
+
+def _dims(op: str, x: Tensor, dim) -> tuple[int, ...]:
+    if isinstance(dim, (list, tuple)) and len(dim) == 0:
+        dim = None
+    return normalize_dims(op, dim, x.ndim)
+
+
+def _finish(x: Tensor, axes: tuple[int, ...], keepdim: bool) -> Tensor:
+    if keepdim:
+        return x
+    return reshape(x, tuple(s for i, s in enumerate(x.shape) if i not in axes))
+
+
+def _reduce(prim: Op, x: Tensor, axes: tuple[int, ...], keepdim: bool) -> Tensor:
+    out = apply(prim, x, axes=axes) if axes else x
+    return _finish(out, axes, keepdim)
+
+
+def sum(x: Tensor, dim=None, keepdim: bool = False, dtype=None) -> Tensor:  # noqa: A001
+    axes = _dims("sum", x, dim)
+    if dtype is not None:
+        x = cast(x, dtypes.as_dtype(dtype))
+    elif not x.dtype.is_floating_point:
+        x = cast(x, dtypes.int64)
+    return _reduce(Op.SUM, x, axes, keepdim)
+
+
+def prod(x: Tensor, dim=None, keepdim: bool = False, dtype=None) -> Tensor:
+    axes = _dims("prod", x, dim)
+    if dtype is not None:
+        x = cast(x, dtypes.as_dtype(dtype))
+    elif not x.dtype.is_floating_point:
+        x = cast(x, dtypes.int64)
+    return _reduce(Op.PROD, x, axes, keepdim)
+
+
+def mean(x: Tensor, dim=None, keepdim: bool = False, dtype=None) -> Tensor:
+    if dtype is not None:
+        x = cast(x, dtypes.as_dtype(dtype))
+    if not x.dtype.is_floating_point:
+        raise DTypeError(f"mean: input dtype must be floating point, got {operands(x)}; "
+                         "use x.float().mean() or pass dtype=")
+    axes = _dims("mean", x, dim)
+    count = math.prod(x.shape[a] for a in axes)
+    total = sum(x, dim=axes, keepdim=keepdim) if axes else x
+    return total / count if count else total * math.nan
+
+
+def _check_nonempty(op: str, x: Tensor, axes: tuple[int, ...]) -> None:
+    if any(x.shape[a] == 0 for a in axes) or (not axes and x.numel() == 0):
+        raise ShapeError(f"{op}: cannot reduce over an empty dimension (shape {x.shape}, dims {axes}); "
+                         "there is no identity for this reduction")
+
+
+def amax(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
+    axes = _dims("amax", x, dim)
+    _check_nonempty("amax", x, axes)
+    return _reduce(Op.MAX, x, axes, keepdim)
+
+
+def amin(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
+    axes = _dims("amin", x, dim)
+    _check_nonempty("amin", x, axes)
+    return _reduce(Op.MIN, x, axes, keepdim)
+
+
+def _arg(prim: Op, op: str, x: Tensor, dim, keepdim: bool) -> Tensor:
+    if dim is None:
+        flat = reshape(x, (-1,))
+        _check_nonempty(op, flat, (0,))
+        out = apply(prim, flat, axes=(0,))
+        return reshape(out, (1,) * x.ndim) if keepdim else reshape(out, ())
+    axis = normalize_dim(op, dim, x.ndim)
+    if x.ndim == 0:
+        return cast(x, dtypes.int64) * 0
+    _check_nonempty(op, x, (axis,))
+    return _finish(apply(prim, x, axes=(axis,)), (axis,), keepdim)
+
+
+def argmax(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
+    return _arg(Op.ARGMAX, "argmax", x, dim, keepdim)
+
+
+def argmin(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
+    return _arg(Op.ARGMIN, "argmin", x, dim, keepdim)
+
+
+def max(x: Tensor, dim=None, keepdim: bool = False):  # noqa: A001
+    """`max(x)` is the largest value; `max(x, dim)` gives (values, indices); `max(x, y)` is maximum."""
+    if isinstance(dim, Tensor):
+        from ember.ops.pointwise import maximum
+
+        return maximum(x, dim)
+    if dim is None:
+        return amax(x)
+    return MaxMin(amax(x, dim, keepdim), argmax(x, dim, keepdim))
+
+
+def min(x: Tensor, dim=None, keepdim: bool = False):  # noqa: A001
+    if isinstance(dim, Tensor):
+        from ember.ops.pointwise import minimum
+
+        return minimum(x, dim)
+    if dim is None:
+        return amin(x)
+    return MaxMin(amin(x, dim, keepdim), argmin(x, dim, keepdim))
+
+
+def all(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:  # noqa: A001
+    axes = _dims("all", x, dim)
+    return _reduce(Op.MIN, cast(x, dtypes.bool_), axes, keepdim) if x.numel() else _empty_logical(x, axes, keepdim, True)
+
+
+def any(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:  # noqa: A001
+    axes = _dims("any", x, dim)
+    return _reduce(Op.MAX, cast(x, dtypes.bool_), axes, keepdim) if x.numel() else _empty_logical(x, axes, keepdim, False)
+
+
+def _empty_logical(x: Tensor, axes, keepdim: bool, value: bool) -> Tensor:
+    from ember.ops.creation import full
+
+    shape = tuple(1 if i in axes else s for i, s in enumerate(x.shape))
+    return _finish(full(shape, value, dtype=dtypes.bool_, device=x.device), axes, keepdim)
+
+
+def count_nonzero(x: Tensor, dim=None) -> Tensor:
+    return sum(x != 0, dim)
+
+
+def var(x: Tensor, dim=None, unbiased: bool | None = None, keepdim: bool = False, *, correction=None) -> Tensor:
+    if not x.dtype.is_floating_point:
+        raise DTypeError(f"var: input dtype must be floating point, got {operands(x)}")
+    if correction is None:
+        correction = 0 if unbiased is False else 1
+    axes = _dims("var", x, dim)
+    n = math.prod(x.shape[a] for a in axes)
+    centred = x - mean(x, axes, keepdim=True)
+    return sum(centred * centred, axes, keepdim=keepdim) / _at_least(n - correction, 0)
+
+
+def std(x: Tensor, dim=None, unbiased: bool | None = None, keepdim: bool = False, *, correction=None) -> Tensor:
+    return var(x, dim, unbiased, keepdim, correction=correction).sqrt()
+
+
+def var_mean(x: Tensor, dim=None, unbiased: bool | None = None, keepdim: bool = False, *, correction=None):
+    return var(x, dim, unbiased, keepdim, correction=correction), mean(x, dim, keepdim)
+
+
+def std_mean(x: Tensor, dim=None, unbiased: bool | None = None, keepdim: bool = False, *, correction=None):
+    return std(x, dim, unbiased, keepdim, correction=correction), mean(x, dim, keepdim)
+
+
+def _at_least(a, b):
+    return a if a > b else b
+
+
+def _widened(x: Tensor, dtype) -> tuple[Tensor, object]:
+    """Half inputs are reduced in float32 and the result rounded back, as PyTorch does."""
+    if dtype is not None:
+        x = cast(x, dtypes.as_dtype(dtype))
+    if not x.dtype.is_floating_point:
+        x = cast(x, dtypes.default_float)
+    out_dtype = x.dtype
+    if x.dtype in (dtypes.float16, dtypes.bfloat16):
+        x = cast(x, dtypes.float32)
+    return x, out_dtype
+
+
+def _stable_shift(x: Tensor, axes) -> Tensor:
+    m = amax(x.detach(), axes, keepdim=True)
+    return where(m.abs() == math.inf, 0.0, m)
+
+
+def logsumexp(x: Tensor, dim, keepdim: bool = False) -> Tensor:
+    x, out_dtype = _widened(x, None)
+    axes = _dims("logsumexp", x, dim)
+    if x.numel() == 0:
+        return cast(log(sum(exp(x), axes, keepdim=keepdim)), out_dtype)
+    m = _stable_shift(x, axes)
+    out = log(sum(exp(x - m), axes, keepdim=True)) + m
+    return cast(_finish(out, axes, keepdim), out_dtype)
+
+
+def softmax(x: Tensor, dim: int, dtype=None) -> Tensor:
+    x, out_dtype = _widened(x, dtype)
+    axes = (normalize_dim("softmax", dim, x.ndim),) if x.ndim else ()
+    if not axes or x.numel() == 0:
+        return cast(exp(x - x.detach()), out_dtype) if not axes else cast(x, out_dtype)
+    e = exp(x - _stable_shift(x, axes))
+    return cast(e / sum(e, axes, keepdim=True), out_dtype)
+
+
+def log_softmax(x: Tensor, dim: int, dtype=None) -> Tensor:
+    x, out_dtype = _widened(x, dtype)
+    axes = (normalize_dim("log_softmax", dim, x.ndim),) if x.ndim else ()
+    if not axes or x.numel() == 0:
+        return cast(x - x.detach(), out_dtype) if not axes else cast(x, out_dtype)
+    shifted = x - _stable_shift(x, axes)
+    return cast(shifted - log(sum(exp(shifted), axes, keepdim=True)), out_dtype)
+
+
+def norm(x: Tensor, p=2, dim=None, keepdim: bool = False) -> Tensor:
+    if p == 2 or p == "fro":
+        return sum(x * x, dim, keepdim).sqrt()
+    if p == 1:
+        return sum(x.abs(), dim, keepdim)
+    if p == math.inf:
+        return amax(x.abs(), dim, keepdim)
+    return sum(x.abs() ** p, dim, keepdim) ** (1 / p)
+
+
+def cumsum(x: Tensor, dim: int) -> Tensor:
+    """Cumulative sum as a product with a triangular matrix of ones (fine for modest lengths)."""
+    from ember.ops.creation import ones
+    from ember.ops.movement import transpose, tril
+
+    axis = normalize_dim("cumsum", dim, x.ndim)
+    n = x.shape[axis] if x.ndim else 1
+    if not x.dtype.is_floating_point:
+        x = cast(x, dtypes.int64)
+    lower = tril(ones((n, n), dtype=x.dtype, device=x.device))
+    moved = transpose(x, axis, -1) if x.ndim else reshape(x, (1,))
+    out = moved @ transpose(lower, 0, 1)
+    return transpose(out, axis, -1) if x.ndim else reshape(out, ())

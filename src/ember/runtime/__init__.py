@@ -1,0 +1,1 @@
+"""The runtime: backends per device, realization of pending graphs, caches."""

@@ -1,0 +1,308 @@
+"""Tensor: a lazy handle on a Node.
+
+Building a Tensor expression builds graph; a value is computed when it is read
+(`.numpy()`, `.item()`, `print`) or when `ember.realize` is called. `apply` is the
+single place where a primitive is added to the graph and recorded for autograd.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+
+from ember import autograd, dtypes
+from ember.device import Device, as_device
+from ember.dtypes import DType
+from ember.ir import Node, Op
+from ember.runtime.executor import realize as _realize_nodes
+
+
+class Tensor:
+    __slots__ = ("_node", "requires_grad", "grad", "_grad_fn", "__weakref__")
+    __array_priority__ = 1000  # numpy scalars on the left defer to Tensor's operators
+
+    def __init__(self, node: Node, requires_grad: bool = False, grad_fn: autograd.Function | None = None):
+        self._node = node
+        self.requires_grad = requires_grad
+        self.grad: Tensor | None = None
+        self._grad_fn = grad_fn
+        _hold(node, self)
+
+    # -- properties --------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._node.shape
+
+    @property
+    def dtype(self) -> DType:
+        return self._node.dtype
+
+    @property
+    def device(self) -> Device:
+        return self._node.device
+
+    @property
+    def ndim(self) -> int:
+        return len(self._node.shape)
+
+    @property
+    def is_leaf(self) -> bool:
+        return self._grad_fn is None
+
+    @property
+    def grad_fn(self) -> autograd.Function | None:
+        return self._grad_fn
+
+    def numel(self) -> int:
+        return self._node.numel
+
+    def dim(self) -> int:
+        return self.ndim
+
+    def size(self, dim: int | None = None):
+        if dim is None:
+            return self.shape
+        from ember.ops.movement import normalize_dim
+
+        return self.shape[normalize_dim("size", dim, self.ndim)]
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    # -- realization -------------------------------------------------------------------
+    def realize(self) -> Tensor:
+        _realize_nodes([self._node])
+        return self
+
+    def numpy(self) -> np.ndarray:
+        """The value as a new NumPy array (computing it if it is pending)."""
+        self.realize()
+        buf = self._node.buffer
+        if self.device.type != "cpu":
+            buf = buf.cpu().numpy() if hasattr(buf, "cpu") else np.asarray(buf)
+        return np.array(buf, dtype=self.dtype.np, copy=True)
+
+    def item(self):
+        if self.numel() != 1:
+            raise ValueError(f"item(): a Tensor with {self.numel()} elements cannot be converted to a scalar "
+                             f"(shape {self.shape})")
+        return self.numpy().reshape(()).item()
+
+    def tolist(self):
+        value = self.numpy()
+        if self.dtype is dtypes.bfloat16:
+            value = value.astype(np.float32)
+        return value.tolist()
+
+    def __array__(self, dtype=None, copy=None):
+        value = self.numpy()
+        return value if dtype is None else value.astype(dtype)
+
+    def __dlpack__(self, *args, **kwargs):
+        return self.numpy().__dlpack__(*args, **kwargs)
+
+    def __dlpack_device__(self):
+        return self.numpy().__dlpack_device__()
+
+    def __repr__(self) -> str:
+        value = self.numpy()
+        if self.dtype is dtypes.bfloat16:
+            value = value.astype(np.float32)
+        body = np.array2string(value, separator=", ", prefix="tensor(", threshold=1000, edgeitems=3,
+                               precision=4, suppress_small=False)
+        extras = []
+        if self.device.type != "cpu":
+            extras.append(f"device='{self.device}'")
+        if self.dtype not in (dtypes.float32, dtypes.int64, dtypes.bool_):
+            extras.append(f"dtype={self.dtype!r}")
+        if self._grad_fn is not None:
+            extras.append(f"grad_fn=<{self._grad_fn.op.label}>")
+        elif self.requires_grad:
+            extras.append("requires_grad=True")
+        return "tensor(" + body + "".join(", " + e for e in extras) + ")"
+
+    __str__ = __repr__
+
+    def __len__(self) -> int:
+        if self.ndim == 0:
+            raise TypeError("len() of a 0-d tensor")
+        return self.shape[0]
+
+    def __iter__(self):
+        if self.ndim == 0:
+            raise TypeError("iteration over a 0-d tensor")
+        return (self[i] for i in range(self.shape[0]))
+
+    def __bool__(self) -> bool:
+        if self.numel() != 1:
+            raise RuntimeError(f"Boolean value of a Tensor with {self.numel()} elements is ambiguous "
+                               f"(shape {self.shape}); use .any() or .all()")
+        return bool(self.item())
+
+    def __float__(self) -> float:
+        return float(self.item())
+
+    def __int__(self) -> int:
+        return int(self.item())
+
+    def __index__(self) -> int:
+        if self.dtype.is_floating_point or self.numel() != 1:
+            raise TypeError(f"only integer tensors of a single element can be converted to an index "
+                            f"(got shape {self.shape}, dtype {self.dtype.name})")
+        return int(self.item())
+
+    __hash__ = object.__hash__
+
+    # -- autograd ----------------------------------------------------------------------
+    def backward(self, gradient: Tensor | None = None, retain_graph: bool = False) -> None:
+        autograd.backward(self, gradient, retain_graph=retain_graph)
+
+    def requires_grad_(self, requires_grad: bool = True) -> Tensor:
+        if requires_grad and not self.dtype.is_floating_point:
+            raise RuntimeError(f"only floating-point tensors can require gradients, not {self.dtype.name}")
+        if not self.is_leaf and not requires_grad:
+            raise RuntimeError("requires_grad_(False) on a non-leaf tensor; use detach()")
+        self.requires_grad = requires_grad
+        return self
+
+    def detach(self) -> Tensor:
+        return Tensor(self._node)
+
+    def detach_(self) -> Tensor:
+        self._grad_fn = None
+        self.requires_grad = False
+        return self
+
+    # -- placement and casts -----------------------------------------------------------
+    def to(self, *args, **kwargs) -> Tensor:
+        """`.to(dtype)`, `.to(device)`, `.to(device, dtype)` or `.to(other_tensor)`."""
+        dtype = kwargs.pop("dtype", None)
+        device = kwargs.pop("device", None)
+        kwargs.pop("non_blocking", None)
+        kwargs.pop("copy", None)
+        if kwargs:
+            raise TypeError(f"to(): unexpected arguments {sorted(kwargs)}")
+        for a in args:
+            if isinstance(a, Tensor):
+                dtype, device = a.dtype, a.device
+            elif isinstance(a, (Device,)) or (isinstance(a, str) and a.split(":")[0] in ("cpu", "cuda")):
+                device = a
+            elif type(a).__name__ == "device":
+                device = str(a)
+            else:
+                dtype = a
+        out = self
+        if dtype is not None:
+            from ember.ops.pointwise import cast
+
+            out = cast(out, dtypes.as_dtype(dtype))
+        if device is not None and as_device(device) != out.device:
+            out = apply(Op.COPY, out, device=as_device(device))
+        return out
+
+    def cpu(self) -> Tensor:
+        return self.to("cpu")
+
+    def cuda(self, index: int | None = None) -> Tensor:
+        return self.to("cuda" if index is None else f"cuda:{index}")
+
+    def type(self, dtype=None):
+        if dtype is None:
+            return f"ember.{self.dtype.name}"
+        return self.to(dtype)
+
+    def float(self) -> Tensor:
+        return self.to(dtypes.float32)
+
+    def double(self) -> Tensor:
+        return self.to(dtypes.float64)
+
+    def half(self) -> Tensor:
+        return self.to(dtypes.float16)
+
+    def bfloat16(self) -> Tensor:
+        return self.to(dtypes.bfloat16)
+
+    def int(self) -> Tensor:
+        return self.to(dtypes.int32)
+
+    def long(self) -> Tensor:
+        return self.to(dtypes.int64)
+
+    def short(self) -> Tensor:
+        return self.to(dtypes.int16)
+
+    def char(self) -> Tensor:
+        return self.to(dtypes.int8)
+
+    def byte(self) -> Tensor:
+        return self.to(dtypes.uint8)
+
+    def bool(self) -> Tensor:
+        return self.to(dtypes.bool_)
+
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
+
+    # -- in-place updates --------------------------------------------------------------
+    def assign(self, value) -> Tensor:
+        """Make this Tensor show `value` from now on (same shape); the core of every `x.op_()`."""
+        from ember.ops.movement import broadcast_to
+        from ember.ops.pointwise import as_tensor, cast
+
+        value = as_tensor(value, like=self)
+        if value.device != self.device:
+            value = value.to(self.device)
+        if value.shape != self.shape:
+            value = broadcast_to(value, self.shape, op="assign")
+        if value.dtype is not self.dtype:
+            value = cast(value, self.dtype)
+        if self.is_leaf and self.requires_grad and autograd.is_grad_enabled():
+            raise RuntimeError("a leaf Tensor that requires grad is being used in an in-place operation; "
+                               "wrap the update in `with ember.no_grad():`")
+        self._node = value._node
+        _hold(value._node, self)
+        if autograd.is_grad_enabled() and value.requires_grad:
+            self._grad_fn, self.requires_grad = value._grad_fn, True
+        elif not self.is_leaf:
+            self._grad_fn, self.requires_grad = value._grad_fn, value.requires_grad
+        return self
+
+    def copy_(self, src) -> Tensor:
+        return self.assign(src)
+
+    def zero_(self) -> Tensor:
+        return self.assign(0)
+
+    def fill_(self, value) -> Tensor:
+        return self.assign(value)
+
+
+def _hold(node: Node, tensor: Tensor) -> None:
+    handles = node.handles
+    if len(handles) >= 4:
+        handles[:] = [r for r in handles if r() is not None]
+    handles.append(weakref.ref(tensor))
+
+
+def apply(op: Op, *inputs: Tensor, **attrs) -> Tensor:
+    """Add primitive `op` to the graph; record it for autograd when an input needs gradients."""
+    node = Node.make(op, tuple(t._node for t in inputs), **attrs)
+    if (autograd.is_grad_enabled() and node.dtype.is_floating_point and op in autograd.VJP
+            and any(t.requires_grad for t in inputs)):
+        return Tensor(node, True, autograd.Function(op, attrs, inputs, node))
+    return Tensor(node)
+
+
+def leaf(op: Op, device: Device, **attrs) -> Tensor:
+    return Tensor(Node.make(op, (), device=device, **attrs))
+
+
+def realize(*tensors: Tensor) -> None:
+    """Compute the values of these tensors (and of everything pending they depend on) in one go."""
+    _realize_nodes([t._node for t in tensors])

@@ -194,7 +194,7 @@ def _uniform_(self, a: float = 0.0, b: float = 1.0):
     return self.assign(rand(self.shape, device=self.device) * (b - a) + a)
 
 
-def _normal_(self, mean: float = 0.0, std: float = 1.0):
+def _normal_(self, mean: float = 0.0, std: float = 1.0):  # noqa: F811 - torch's argument names
     return self.assign(randn(self.shape, device=self.device) * std + mean)
 
 
@@ -232,4 +232,23 @@ def _bind() -> None:
 
 _bind()
 
-__all__ = [name for name in dir() if not name.startswith("_") and name not in ("annotations", "Tensor")]
+
+__all__ = [
+    "abs", "adaptive_avg_pool2d", "adaptive_max_pool2d", "add", "addcdiv", "addcmul", "all", "amax", "amin", "any",
+    "arange", "argmax", "argmin", "avg_pool2d", "bernoulli", "bitwise_and", "bitwise_not", "bitwise_or",
+    "bitwise_xor", "bmm", "broadcast_shapes", "broadcast_to", "cat", "ceil", "chunk", "clamp", "clip", "clone",
+    "concat", "concatenate", "contiguous", "conv2d", "cos", "count_nonzero", "cumsum", "div", "divide", "dot",
+    "dropout", "elu", "embedding", "empty", "empty_like", "eq", "erf", "exp", "exp2", "expand", "expm1", "eye",
+    "flatten", "flip", "fliplr", "flipud", "floor", "floor_divide", "fmod", "from_dlpack", "from_numpy", "full",
+    "full_like", "gather", "ge", "gelu", "gt", "hardtanh", "hstack", "index_select", "initial_seed", "isfinite",
+    "isinf", "isnan", "le", "leaky_relu", "lerp", "linear", "linspace", "log", "log1p", "log2", "log_softmax",
+    "logical_and", "logical_not", "logical_or", "logical_xor", "logspace", "logsumexp", "lt", "manual_seed",
+    "masked_fill", "matmul", "max", "max_pool2d", "maximum", "mean", "min", "minimum", "mish", "mm", "mul",
+    "nan_to_num", "narrow", "ne", "neg", "norm", "one_hot", "ones", "ones_like", "outer", "pad", "permute", "pow",
+    "prod", "rand", "rand_like", "randint", "randint_like", "randn", "randn_like", "randperm", "reciprocal",
+    "relu", "relu6", "remainder", "repeat", "repeat_interleave", "reshape", "roll", "round", "rsqrt",
+    "scatter_add", "sigmoid", "sign", "silu", "sin", "softmax", "softplus", "split", "sqrt", "square", "squeeze",
+    "stack", "std", "std_mean", "sub", "sum", "swapaxes", "t", "take_along_dim", "tanh", "tensor", "tile",
+    "transpose", "tril", "triu", "true_divide", "trunc", "unbind", "unflatten", "unsqueeze", "var", "var_mean",
+    "view", "vstack", "where", "zeros", "zeros_like",
+]

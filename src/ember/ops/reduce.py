@@ -129,12 +129,16 @@ def min(x: Tensor, dim=None, keepdim: bool = False):  # noqa: A001
 
 def all(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:  # noqa: A001
     axes = _dims("all", x, dim)
-    return _reduce(Op.MIN, cast(x, dtypes.bool_), axes, keepdim) if x.numel() else _empty_logical(x, axes, keepdim, True)
+    if not x.numel():
+        return _empty_logical(x, axes, keepdim, True)
+    return _reduce(Op.MIN, cast(x, dtypes.bool_), axes, keepdim)
 
 
 def any(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:  # noqa: A001
     axes = _dims("any", x, dim)
-    return _reduce(Op.MAX, cast(x, dtypes.bool_), axes, keepdim) if x.numel() else _empty_logical(x, axes, keepdim, False)
+    if not x.numel():
+        return _empty_logical(x, axes, keepdim, False)
+    return _reduce(Op.MAX, cast(x, dtypes.bool_), axes, keepdim)
 
 
 def _empty_logical(x: Tensor, axes, keepdim: bool, value: bool) -> Tensor:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ember.ops import contraction, creation, index, movement, pointwise, pooling, random, reduce
+from ember.ops import contraction, index, movement, pointwise, reduce
 from ember.ops.contraction import bmm, conv2d, dot, linear, matmul, mm, outer
 from ember.ops.creation import (
     arange,

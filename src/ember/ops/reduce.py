@@ -68,7 +68,7 @@ def mean(x: Tensor, dim=None, keepdim: bool = False, dtype=None) -> Tensor:
 
 
 def _check_nonempty(op: str, x: Tensor, axes: tuple[int, ...]) -> None:
-    if any(x.shape[a] == 0 for a in axes) or (not axes and x.numel() == 0):
+    if 0 in (x.shape[a] for a in axes) or (not axes and x.numel() == 0):
         raise ShapeError(f"{op}: cannot reduce over an empty dimension (shape {x.shape}, dims {axes}); "
                          "there is no identity for this reduction")
 
@@ -160,7 +160,7 @@ def var(x: Tensor, dim=None, unbiased: bool | None = None, keepdim: bool = False
     axes = _dims("var", x, dim)
     n = math.prod(x.shape[a] for a in axes)
     centred = x - mean(x, axes, keepdim=True)
-    return sum(centred * centred, axes, keepdim=keepdim) / _at_least(n - correction, 0)
+    return sum(centred * centred, axes, keepdim=keepdim) / (n - correction if n > correction else 0)
 
 
 def std(x: Tensor, dim=None, unbiased: bool | None = None, keepdim: bool = False, *, correction=None) -> Tensor:
@@ -173,10 +173,6 @@ def var_mean(x: Tensor, dim=None, unbiased: bool | None = None, keepdim: bool = 
 
 def std_mean(x: Tensor, dim=None, unbiased: bool | None = None, keepdim: bool = False, *, correction=None):
     return std(x, dim, unbiased, keepdim, correction=correction), mean(x, dim, keepdim)
-
-
-def _at_least(a, b):
-    return a if a > b else b
 
 
 def _widened(x: Tensor, dtype) -> tuple[Tensor, object]:

@@ -32,9 +32,11 @@ class Node:
     @staticmethod
     def make(op: Op, inputs: tuple[Node, ...] = (), device: Device | None = None, **attrs) -> Node:
         """Build a node, applying the primitive's shape and dtype rule."""
-        if inputs:
-            device = inputs[0].device if op is not Op.COPY else attrs["device"]
-            if op is not Op.COPY and any(i.device != inputs[0].device for i in inputs):
+        if op is Op.COPY:
+            attrs["device"] = device  # the target; the input lives elsewhere
+        elif inputs:
+            device = inputs[0].device
+            if any(i.device != inputs[0].device for i in inputs):
                 raise DeviceError(f"{op.label}: inputs on different devices: "
                                   f"{', '.join(str(i.device) for i in inputs)}")
         assert device is not None, f"{op.label}: a leaf needs a device"

@@ -10,11 +10,47 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ember.compiler.codegen import reference
-from ember.errors import DeviceError
-from ember.ir import Node, toposort
+import numpy as np
 
-_BACKENDS = {"cpu": reference.run}
+from ember.compiler.codegen import reference
+from ember.device import Device
+from ember.errors import DeviceError
+from ember.ir import Node, Op, toposort
+
+
+def _backend(device_type: str):
+    if device_type == "cpu":
+        return reference.run
+    if device_type == "cuda":
+        from ember.runtime import cuda  # torch and triton are imported only when a GPU value is needed
+
+        return cuda.run
+    raise DeviceError(f"no backend for device type {device_type!r}")
+
+
+def to_host(buffer, device: Device) -> np.ndarray:
+    """A device buffer as a NumPy array."""
+    if device.type == "cpu":
+        return buffer
+    from ember.runtime import cuda
+
+    return cuda.to_numpy(buffer)
+
+
+def from_host(array: np.ndarray, device: Device):
+    """A NumPy array as a buffer on `device`."""
+    if device.type == "cpu":
+        return array
+    from ember.runtime import cuda
+
+    return cuda.from_numpy(array, device)
+
+
+def _transfer(node: Node) -> None:
+    """A COPY across devices: compute its input where it lives, then move the value."""
+    source = node.inputs[0]
+    realize([source])
+    node.set_buffer(from_host(to_host(source.buffer, source.device), node.device))
 
 
 def realize(nodes: Iterable[Node]) -> None:
@@ -22,6 +58,13 @@ def realize(nodes: Iterable[Node]) -> None:
     if not requested:
         return
     order = toposort(requested)
+    transfers = [n for n in order if n.op is Op.COPY and n.inputs[0].device != n.device]
+    if transfers:
+        for n in transfers:
+            _transfer(n)
+        order = toposort(requested)
+        if not order:
+            return
     keep = {id(n) for n in requested} | {id(n) for n in order if n.is_held()}
     by_device: dict = {}
     for n in order:
@@ -29,10 +72,7 @@ def realize(nodes: Iterable[Node]) -> None:
     if len(by_device) > 1:
         raise DeviceError(f"one graph spans several devices: {', '.join(by_device)}")
     ((device_type, _),) = by_device.items()
-    run = _BACKENDS.get(device_type)
-    if run is None:
-        raise DeviceError(f"no backend for device type {device_type!r}")
-    values = run(order, keep)
+    values = _backend(device_type)(order, keep)
     for n in order:
         if id(n) in values:
             n.set_buffer(values[id(n)])

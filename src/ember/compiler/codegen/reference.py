@@ -43,6 +43,8 @@ def _round(a: np.ndarray) -> np.ndarray:
 
 
 def _sign(a: np.ndarray) -> np.ndarray:
+    if a.dtype.kind == "f":
+        return np.where(np.isnan(a), 0, np.sign(a)).astype(a.dtype)  # torch: sign(NaN) is 0
     return a if a.dtype == np.bool_ else np.sign(a)
 
 

@@ -1,0 +1,619 @@
+"""Triton code generation: one readable `@triton.jit` kernel per FusedKernel.
+
+The generator walks the graph from each output of a kernel and turns every node
+into a line of Triton code, evaluated at an *index*: the position, within the
+node's own shape, that the element being computed reads. Movement ops never
+produce a value of their own; they rewrite the index (a permute swaps names, an
+expand pins a dimension to 0, a slice scales and shifts, a pad adds a bound check,
+a reshape goes through the linear position). Only stored nodes are loaded.
+
+Sizes are kernel arguments, not literals, so a new batch size reuses the compiled
+kernel; float constants that change between steps (a learning rate) and random
+seeds are arguments too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+
+from ember import dtypes
+from ember.compiler.fusion import FULL, OTHER, ROW, FusedKernel, input_level
+from ember.dtypes import DType
+from ember.errors import CompileError
+from ember.ir import Kind, Node, Op
+
+TL = {
+    dtypes.bool_: "tl.int1", dtypes.uint8: "tl.uint8", dtypes.int8: "tl.int8", dtypes.int16: "tl.int16",
+    dtypes.int32: "tl.int32", dtypes.int64: "tl.int64", dtypes.float16: "tl.float16",
+    dtypes.bfloat16: "tl.bfloat16", dtypes.float32: "tl.float32", dtypes.float64: "tl.float64",
+}
+POINTWISE_BLOCK = 1024
+ROW_TILE = 4096  # elements of a row kernel's tile; rows longer than this are reduced in a loop
+INT32_LIMIT = 2**31 - 1
+
+
+def compute_dtype(d: DType) -> DType:
+    return dtypes.float32 if d in (dtypes.float16, dtypes.bfloat16) else d
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@dataclass
+class Arg:
+    """One argument of a generated kernel, as the launcher must supply it."""
+
+    kind: str  # "read", "write", "size", "scalar", "seed", "offset", "bound"
+    value: object  # a Node for read/write, an int for size/bound, an index for scalar/seed/offset
+    name: str
+
+
+@dataclass
+class Launch:
+    """One generated kernel function and how to launch it."""
+
+    function: str
+    args: list[Arg]
+    constexprs: dict[str, int]
+    grid: int
+    num_warps: int = 4
+
+
+@dataclass
+class KernelSource:
+    text: str
+    name: str
+    launches: list[Launch] = field(default_factory=list)
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.text.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Index:
+    """Where an element sits in a node's shape: per-dimension names and/or the linear position."""
+
+    dims: tuple[str, ...] | None
+    linear: str | None
+    mask: str | None
+    level: str
+
+    def key(self) -> tuple:
+        return (self.dims, self.linear if self.dims is None else None, self.mask, self.level)
+
+
+class Context:
+    """State shared by all functions of one source file: arguments and the size table."""
+
+    def __init__(self, stored: set[int]):
+        self.stored = stored
+        self.args: list[Arg] = []
+        self.names: dict[tuple, str] = {}
+
+    def arg(self, kind: str, value, prefix: str) -> str:
+        key = (kind, id(value) if isinstance(value, Node) else value)
+        if key not in self.names:
+            self.names[key] = f"{prefix}{sum(1 for a in self.args if a.kind == kind)}"
+            self.args.append(Arg(kind, value, self.names[key]))
+        return self.names[key]
+
+    def size(self, value: int) -> str:
+        if value == 1:
+            return "1"
+        return self.arg("size", value, "n")
+
+
+class Emitter:
+    """Emits the body of one kernel (or one segment of a segmented launch)."""
+
+    def __init__(self, ctx: Context, kernel: FusedKernel, lines: list[str], indent: str, tag: str = ""):
+        self.ctx = ctx
+        self.kernel = kernel
+        self.lines = lines
+        self.indent = indent
+        self.tag = tag
+        self.memo: dict[tuple, tuple[str, DType]] = {}
+        self.unravelled: dict[tuple, tuple[str, ...]] = {}
+        self.reduced: dict[int, str] = {}
+        self.scalars: set[str] = set()  # names that are not tiles: literals and scalar arguments
+        self.count = 0
+        self.big = max([n.numel for n in kernel.covers + kernel.reads + kernel.outputs] + [1]) > INT32_LIMIT
+
+    # -- small helpers -------------------------------------------------------------------
+    def line(self, text: str) -> None:
+        self.lines.append(self.indent + text)
+
+    def fresh(self, stem: str) -> str:
+        self.count += 1
+        return f"{stem}{self.tag}_{self.count}"
+
+    def define(self, expr: str, stem: str = "v") -> str:
+        name = self.fresh(stem)
+        self.line(f"{name} = {expr}")
+        return name
+
+    def unravel(self, linear: str, shape: tuple[int, ...]) -> tuple[str, ...]:
+        key = (linear, shape)
+        if key not in self.unravelled:
+            dims: list[str] = []
+            rest = linear
+            for d in range(len(shape) - 1, -1, -1):
+                s = shape[d]
+                if s == 1:
+                    dims.append("0")
+                    continue
+                if all(x == 1 for x in shape[:d]):
+                    dims.append(rest)
+                    break
+                size = self.ctx.size(s)
+                dims.append(self.define(f"{rest} % {size}", "i"))
+                rest = self.define(f"{rest} // {size}", "q")
+            dims += ["0"] * (len(shape) - len(dims))
+            self.unravelled[key] = tuple(reversed(dims))
+        return self.unravelled[key]
+
+    def dims(self, idx: Index, shape: tuple[int, ...]) -> tuple[str, ...]:
+        return idx.dims if idx.dims is not None else self.unravel(idx.linear, shape)
+
+    def linear(self, idx: Index, shape: tuple[int, ...]) -> str:
+        if idx.linear is not None:
+            return idx.linear
+        terms, stride = [], 1
+        for d in range(len(shape) - 1, -1, -1):
+            if shape[d] != 1 and idx.dims[d] != "0":
+                terms.append(idx.dims[d] if stride == 1 else f"{idx.dims[d]} * {self.ctx.size(stride)}")
+            stride *= shape[d]
+        return " + ".join(reversed(terms)) or "0"
+
+    # -- values ----------------------------------------------------------------------------
+    def value(self, node: Node, idx: Index) -> tuple[str, DType]:
+        """The name (or literal) of node's value at idx, and the dtype it is computed in."""
+        key = (id(node), idx.key())
+        if key in self.memo:
+            return self.memo[key]
+        result = self._value(node, idx)
+        self.memo[key] = result
+        return result
+
+    def _value(self, node: Node, idx: Index) -> tuple[str, DType]:
+        kernel = self.kernel
+        if node in kernel.reductions:
+            if id(node) not in self.reduced:
+                raise CompileError(f"kernel {kernel.index}: reduction {node} is read before it is computed")
+            return self.reduced[id(node)], compute_dtype(node.dtype)
+        if node.op is Op.BUFFER or (id(node) in self.ctx.stored and node not in kernel.outputs):
+            return self.load(node, idx)
+        op, kind = node.op, node.op.kind
+        if kind is Kind.LEAF:
+            return self.leaf(node, idx)
+        if op is Op.PAD:
+            return self.pad(node, idx)
+        if kind is Kind.MOVEMENT:
+            return self.value(node.inputs[0], self.move(node, idx))
+        if op is Op.GATHER:
+            return self.gather(node, idx)
+        if kind in (Kind.UNARY, Kind.BINARY, Kind.TERNARY):
+            args = [self.value(i, Index(idx.dims, idx.linear, idx.mask,
+                                        input_level(node, idx.level, kernel.space, kernel.axes, p)))
+                    for p, i in enumerate(node.inputs)]
+            return self.pointwise(node, args)
+        raise CompileError(f"kernel {kernel.index}: {node.op.label} cannot be computed inside a fused kernel")
+
+    def load(self, node: Node, idx: Index) -> tuple[str, DType]:
+        pointer = self.ctx.arg("read", node, "in")
+        offset = self.linear(idx, node.shape)
+        mask = f", mask={idx.mask}, other=0" if idx.mask else ""
+        text = f"tl.load({pointer} + {offset}{mask})"
+        out = compute_dtype(node.dtype)
+        if out is not node.dtype:
+            text += f".to({TL[out]})"
+        return self.define(text), out
+
+    def leaf(self, node: Node, idx: Index) -> tuple[str, DType]:
+        if node.op is Op.CONST:
+            out = compute_dtype(node.dtype)
+            name = self.ctx.arg("scalar", node.attrs["arg"], "c") if "arg" in node.attrs else \
+                _literal(node.attrs["value"], node.dtype)
+            self.scalars.add(name)
+            return name, out
+        if node.op is Op.IOTA:
+            position = idx.linear if idx.dims is None else idx.dims[0]
+            return self.define(f"({position}).to(tl.int64)"), dtypes.int64
+        if node.op is Op.RAND:
+            k = node.attrs["seed_arg"]
+            seed, start = self.ctx.arg("seed", k, "seed"), self.ctx.arg("offset", k, "offset")
+            fn = "tl.rand" if node.attrs["distribution"] == "uniform" else "tl.randn"
+            return self.define(f"{fn}({seed}, {start} + {self.linear(idx, node.shape)})"), dtypes.float32
+        raise CompileError(f"no code for leaf {node.op.label}")
+
+    def move(self, node: Node, idx: Index) -> Index:
+        """The index into node's input that node's index reads."""
+        op, a = node.op, node.attrs
+        source = node.inputs[0].shape
+        level = input_level(node, idx.level, self.kernel.space, self.kernel.axes, 0)
+        if op is Op.RESHAPE:
+            return Index(None, self.linear(idx, node.shape), idx.mask, level)
+        dims = self.dims(idx, node.shape)
+        if op is Op.PERMUTE:
+            new = [""] * len(dims)
+            for i, o in enumerate(a["order"]):
+                new[o] = dims[i]
+            return Index(tuple(new), None, idx.mask, level)
+        if op is Op.EXPAND:
+            new = tuple("0" if s == 1 and n != 1 else d for d, s, n in zip(dims, source, node.shape))
+            if level == ROW:
+                return Index(None, "rows", "rmask", ROW)
+            return Index(new, None, idx.mask, level)
+        if op is Op.SLICE:
+            new = []
+            for d, (start, _, step) in zip(dims, a["slices"]):
+                term = d if step == 1 else f"{d} * {step}"
+                new.append(term if start == 0 else f"({start} + {term})")
+            return Index(tuple(new), None, idx.mask, level)
+        if op is Op.FLIP:
+            new = tuple(f"({self.ctx.size(source[i])} - 1 - {d})" if i in a["axes"] else d
+                        for i, d in enumerate(dims))
+            return Index(new, None, idx.mask, level)
+        raise CompileError(f"no index rule for {op.label}")
+
+    def pad(self, node: Node, idx: Index) -> tuple[str, DType]:
+        dims = self.dims(idx, node.shape)
+        source = node.inputs[0].shape
+        inner, checks = [], []
+        for d, (lo, hi), s in zip(dims, node.attrs["pads"], source):
+            if lo == 0 and hi == 0:
+                inner.append(d)
+                continue
+            shifted = self.define(f"{d} - {lo}" if lo else d, "p")
+            inner.append(shifted)
+            checks.append(f"({shifted} >= 0) & ({shifted} < {self.ctx.size(s)})")
+        valid = self.define(" & ".join(checks), "ok")
+        mask = self.define(f"{idx.mask} & {valid}" if idx.mask else valid, "m")
+        level = input_level(node, idx.level, self.kernel.space, self.kernel.axes, 0)
+        value, dt = self.value(node.inputs[0], Index(tuple(inner), None, mask, level))
+        fill = _literal(node.attrs["value"], node.dtype)
+        return self.define(f"tl.where({valid}, {value}, {fill})"), dt
+
+    def gather(self, node: Node, idx: Index) -> tuple[str, DType]:
+        source, index = node.inputs
+        axis = node.attrs["axis"]
+        level = input_level(node, idx.level, self.kernel.space, self.kernel.axes, 1)
+        picked, _ = self.value(index, Index(idx.dims, idx.linear, idx.mask, level))
+        dims = list(self.dims(idx, node.shape))
+        size = self.ctx.size(source.shape[axis])
+        valid = self.define(f"({picked} >= 0) & ({picked} < {size})", "ok")
+        mask = self.define(f"{idx.mask} & {valid}" if idx.mask else valid, "m")
+        dims[axis] = picked
+        source_level = input_level(node, idx.level, self.kernel.space, self.kernel.axes, 0)
+        return self.value(source, Index(tuple(dims), None, mask, source_level))
+
+    def pointwise(self, node: Node, args: list[tuple[str, DType]]) -> tuple[str, DType]:
+        op = node.op
+        names = [a for a, _ in args]
+        in_dtype = args[0][1]
+        out = compute_dtype(node.dtype)
+        floating = in_dtype.is_floating_point
+        x = names[0]
+        y = names[1] if len(names) > 1 else None
+        if op is Op.CAST:
+            target = node.attrs["dtype"]
+            if target is dtypes.bool_:
+                return self.define(f"{x} != 0"), target
+            text = f"({x}).to({TL[target]})"
+            if compute_dtype(target) is not target:  # round to the half type, then compute in float32
+                text += f".to({TL[out]})"
+            return self.define(text), out
+        big = "8388608.0" if in_dtype is not dtypes.float64 else "4503599627370496.0"
+        unary = {
+            Op.NEG: f"-{x}", Op.ABS: f"tl.abs({x})" if in_dtype is not dtypes.bool_ else x,
+            Op.SIGN: f"lib.sign({x})" if in_dtype is not dtypes.bool_ else x,
+            Op.EXP: f"tl.exp({x})", Op.LOG: f"tl.log({x})", Op.LOG1P: f"lib.log1p({x})",
+            Op.SQRT: f"tl.sqrt_rn({x})" if in_dtype is dtypes.float32 else f"tl.sqrt({x})",
+            Op.RECIPROCAL: f"tl.math.div_rn(1.0, {x})" if in_dtype is dtypes.float32 else f"1.0 / {x}",
+            Op.SIN: f"tl.sin({x})", Op.COS: f"tl.cos({x})", Op.TANH: f"lib.tanh({x})", Op.ERF: f"tl.math.erf({x})",
+            Op.FLOOR: f"tl.floor({x})", Op.CEIL: f"tl.ceil({x})", Op.ROUND: f"lib.rint({x}, {big})",
+            Op.NOT: f"{x} == 0",
+        }
+        if op in unary:
+            return self.define(unary[op]), out
+        if op is Op.DIV:
+            if floating:
+                text = f"tl.math.div_rn({x}, {y})" if in_dtype is dtypes.float32 else f"{x} / {y}"
+            else:
+                text = f"lib.truncdiv_int({x}, {y})"
+            return self.define(text), out
+        if op is Op.FLOORDIV:
+            quotient = f"tl.math.div_rn({x}, {y})" if in_dtype is dtypes.float32 else f"{x} / {y}"
+            text = f"tl.floor({quotient})" if floating else f"lib.floordiv_int({x}, {y})"
+            return self.define(text), out
+        if op is Op.MOD:
+            return self.define(f"lib.remainder_{'float' if floating else 'int'}({x}, {y})"), out
+        if op is Op.POW:
+            if floating:
+                return self.define(f"lib.pow_({x}, {y})"), out
+            return self.define(f"lib.pow_(({x}).to(tl.float64), ({y}).to(tl.float64)).to({TL[out]})"), out
+        if op in (Op.MAXIMUM, Op.MINIMUM):
+            fn = "tl.maximum" if op is Op.MAXIMUM else "tl.minimum"
+            nan = ", propagate_nan=tl.PropagateNan.ALL" if floating else ""
+            return self.define(f"{fn}({x}, {y}{nan})"), out
+        symbols = {Op.ADD: "+", Op.SUB: "-", Op.MUL: "*", Op.EQ: "==", Op.NE: "!=", Op.LT: "<", Op.LE: "<=",
+                   Op.AND: "&", Op.OR: "|"}
+        if op in symbols:
+            return self.define(f"{x} {symbols[op]} {y}"), out
+        if op is Op.WHERE:
+            return self.define(f"tl.where({x}, {y}, {names[2]})"), out
+        raise CompileError(f"no Triton code for {op.label}")
+
+    # -- stores ------------------------------------------------------------------------------
+    def store(self, node: Node, idx: Index, tile: str) -> None:
+        value, dt = self.value(node, idx)
+        pointer = self.ctx.arg("write", node, "out")
+        if value in self.scalars:  # a literal or a scalar argument: give it the tile's shape
+            value = f"{value} + tl.zeros({tile}, {TL[dt]})"
+        if dt is not node.dtype:
+            value = f"({value}).to({TL[node.dtype]})"
+        mask = f", mask={idx.mask}" if idx.mask else ""
+        self.line(f"tl.store({pointer} + {self.linear(idx, node.shape)}, {value}{mask})")
+
+
+def _literal(value, dtype: DType) -> str:
+    if dtype is dtypes.bool_:
+        return "1" if value else "0"
+    if dtype.is_integer:
+        return str(int(value))
+    if math.isnan(value):
+        return 'float("nan")'
+    if math.isinf(value):
+        return 'float("inf")' if value > 0 else 'float("-inf")'
+    return repr(float(value))
+
+
+IDENTITY = {Op.SUM: "0", Op.PROD: "1", Op.MAX: "-inf", Op.MIN: "inf", Op.ARGMAX: "-inf", Op.ARGMIN: "inf"}
+
+
+def _identity(op: Op, dtype: DType) -> str:
+    kind = IDENTITY[op]
+    if kind in ("0", "1"):
+        return kind
+    if dtype.is_floating_point:
+        return f'float("{kind}")'
+    if dtype is dtypes.bool_:
+        return "0" if kind == "-inf" else "1"
+    import numpy as np
+
+    info = np.iinfo(dtype.np)
+    return str(info.min if kind == "-inf" else info.max)
+
+
+# -- whole kernels ---------------------------------------------------------------------------
+
+def generate(kernel: FusedKernel, stored: set[int]) -> KernelSource:
+    """The Triton source of a pointwise, reduce, segmented or scatter_add kernel."""
+    ctx = Context(stored)
+    body: list[str] = []
+    launches: list[Launch] = []
+    if kernel.kind == "pointwise":
+        launches.append(_pointwise(ctx, kernel, body, "kernel"))
+    elif kernel.kind == "segmented":
+        launches.append(_segmented(ctx, kernel, body))
+    elif kernel.kind == "reduce":
+        launches.append(_rows(ctx, kernel, body))
+    elif kernel.kind == "scatter_add":
+        launches.extend(_scatter_add(ctx, kernel, body))
+    else:
+        raise CompileError(f"no Triton generator for {kernel.kind} kernels")
+    header = _header(kernel)
+    text = "\n".join(header + ["import triton", "import triton.language as tl", "",
+                               "import ember.compiler.codegen.triton_lib as lib", "", ""] + body) + "\n"
+    digest = hashlib.sha256(text.encode()).hexdigest()[:10]
+    name = f"ember_{kernel.kind}_{digest}"
+    text = text.replace("def kernel", f"def {name}")
+    for launch in launches:
+        launch.function = launch.function.replace("kernel", name, 1)
+    return KernelSource(text, name, launches)
+
+
+def _header(kernel: FusedKernel) -> list[str]:
+    numbering = {id(n): i for i, n in enumerate(kernel.reads + kernel.covers)}
+    lines = [f"# ember fused kernel: {kernel.kind} over {list(kernel.space)}"
+             + (f" reducing axes {list(kernel.axes)}" if kernel.axes else "")]
+    for n in kernel.reads:
+        lines.append(f"#   %{numbering[id(n)]} = load {list(n.shape)} {n.dtype.name}")
+    for n in kernel.covers:
+        args = ", ".join(f"%{numbering[id(i)]}" for i in n.inputs if id(i) in numbering)
+        stored = "  -> stored" if n in kernel.outputs else ""
+        lines.append(f"#   %{numbering[id(n)]} = {n.op.label}({args}) {list(n.shape)} {n.dtype.name}{stored}")
+    return lines
+
+
+def _signature(ctx: Context, extra: list[str]) -> str:
+    order = ("read", "write", "size", "scalar", "seed", "offset", "bound")
+    ctx.args.sort(key=lambda a: order.index(a.kind))
+    return ", ".join([a.name for a in ctx.args] + extra)
+
+
+def _finish(ctx: Context, body: list[str], name: str, inner: list[str], constexprs: dict[str, int], grid: int,
+            num_warps: int) -> Launch:
+    params = _signature(ctx, [f"{k}: tl.constexpr" for k in constexprs])
+    body += ["@triton.jit", f"def {name}({params}):"] + inner + ["", ""]
+    return Launch(name, list(ctx.args), constexprs, grid, num_warps)
+
+
+def _pointwise_body(ctx: Context, kernel: FusedKernel, inner: list[str], indent: str, tag: str,
+                    first_block: str) -> None:
+    emitter = Emitter(ctx, kernel, inner, indent, tag)
+    numel = math.prod(kernel.space)
+    offs, mask = f"offs{tag}", f"mask{tag}"
+    start = f"({first_block})" if first_block != "pid" else "pid"
+    if emitter.big:
+        emitter.line(f"{offs} = {start}.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)")
+    else:
+        emitter.line(f"{offs} = {start} * BLOCK + tl.arange(0, BLOCK)")
+    emitter.line(f"{mask} = {offs} < {ctx.size(numel) if numel != 1 else 1}")
+    for out in kernel.outputs:
+        emitter.store(out, Index(None, offs, mask, FULL), "[BLOCK]")
+
+
+def _pointwise(ctx: Context, kernel: FusedKernel, body: list[str], name: str) -> Launch:
+    inner = ["    pid = tl.program_id(0)"]
+    _pointwise_body(ctx, kernel, inner, "    ", "", "pid")
+    grid = -(-math.prod(kernel.space) // POINTWISE_BLOCK)
+    return _finish(ctx, body, name, inner, {"BLOCK": POINTWISE_BLOCK}, grid, 4)
+
+
+def _segmented(ctx: Context, kernel: FusedKernel, body: list[str]) -> Launch:
+    """Many independent pointwise kernels in one launch: program ids are split into ranges."""
+    inner = ["    pid = tl.program_id(0)"]
+    total = 0
+    for k, part in enumerate(kernel.segments):
+        blocks = -(-math.prod(part.space) // POINTWISE_BLOCK)
+        begin = total
+        total += blocks
+        bound = ctx.arg("bound", total, "end")
+        keyword = "if" if k == 0 else "elif"
+        inner.append(f"    {keyword} pid < {bound}:")
+        inner.append(f"        # segment {k}: {', '.join(o.op.label for o in part.outputs)} over {list(part.space)}")
+        first = "pid" if begin == 0 else f"pid - {ctx.arg('bound', begin, 'end')}"
+        _pointwise_body(ctx, part, inner, "        ", f"_{k}", first)
+    return _finish(ctx, body, "kernel", inner, {"BLOCK": POINTWISE_BLOCK}, total, 4)
+
+
+def _rows(ctx: Context, kernel: FusedKernel, body: list[str]) -> Launch:
+    """A row kernel: each program holds BLOCK_M rows; reductions over the row run in registers."""
+    space, axes = kernel.space, kernel.axes
+    m, n = kernel.rows, kernel.cols
+    block_n = min(next_pow2(n), ROW_TILE)
+    block_m = max(1, min(ROW_TILE // block_n, next_pow2(m), 64))
+    persistent = next_pow2(n) <= ROW_TILE
+    inner: list[str] = []
+    emitter = Emitter(ctx, kernel, inner, "    ")
+    kept = [i for i in range(len(space)) if i not in axes]
+    trailing = tuple(axes) == tuple(range(len(space) - len(axes), len(space)))
+    big = emitter.big
+    emitter.line("pid = tl.program_id(0)")
+    emitter.line(f"rows = {'pid.to(tl.int64)' if big else 'pid'} * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]")
+    emitter.line(f"rmask = rows < {ctx.size(m)}")
+    emitter.unravel("rows", tuple(space[i] for i in kept))  # before any loop, so every phase can use it
+    n_size = ctx.size(n)
+
+    def full_index(cols: str) -> Index:
+        row_dims = emitter.unravel("rows", tuple(space[i] for i in kept))
+        col_dims = emitter.unravel(cols, tuple(space[i] for i in axes))
+        dims = [""] * len(space)
+        for i, d in zip(kept, row_dims):
+            dims[i] = d
+        for i, d in zip(axes, col_dims):
+            dims[i] = d
+        linear = f"rows * {n_size} + {cols}" if trailing else None
+        return Index(tuple(dims), linear, "mask", FULL)
+
+    def open_chunk(start: str) -> None:
+        emitter.line(f"cols = {start} + tl.arange(0, BLOCK_N)[None, :]")
+        emitter.line(f"mask = rmask & (cols < {n_size})")
+
+    def reset() -> None:
+        kept_values = {k: v for k, v in emitter.memo.items() if k[0] in emitter.reduced}
+        emitter.memo = kept_values
+        emitter.unravelled = {k: v for k, v in emitter.unravelled.items() if k[0] == "rows"}
+
+    if persistent:
+        open_chunk("0")
+    for r in kernel.reductions:
+        dt = compute_dtype(r.dtype) if r.op not in (Op.ARGMAX, Op.ARGMIN) else compute_dtype(r.inputs[0].dtype)
+        acc_dt = dtypes.int32 if dt is dtypes.bool_ else dt
+        identity = _identity(r.op, dt)
+        acc = emitter.fresh("acc")
+        arg = emitter.fresh("arg") if r.op in (Op.ARGMAX, Op.ARGMIN) else None
+        emitter.line(f"{acc} = tl.full([BLOCK_M, 1], {identity}, {TL[acc_dt]})")
+        if arg:
+            emitter.line(f"{arg} = tl.zeros([BLOCK_M, 1], tl.int64)")
+        if not persistent:
+            emitter.line("for start in range(0, " + n_size + ", BLOCK_N):")
+            emitter.indent = "        "
+            open_chunk("start")
+        value, _ = emitter.value(r.inputs[0], full_index("cols"))
+        tile = emitter.define(f"tl.where(mask, {value} + tl.zeros([BLOCK_M, BLOCK_N], {TL[acc_dt]}), {identity})",
+                              "t")
+        if r.op is Op.SUM:
+            emitter.line(f"{acc} = {acc} + tl.sum({tile}, axis=1, keep_dims=True)")
+        elif r.op is Op.PROD:
+            emitter.line(f"{acc} = {acc} * tl.reduce({tile}, 1, lib.prod_combine, keep_dims=True)")
+        elif r.op in (Op.MAX, Op.MIN):
+            fn = "max" if r.op is Op.MAX else "min"
+            emitter.line(f"{acc} = tl.{'maximum' if fn == 'max' else 'minimum'}({acc}, "
+                         f"tl.{fn}({tile}, axis=1, keep_dims=True))")
+        else:
+            fn = "max" if r.op is Op.ARGMAX else "min"
+            best = emitter.define(f"tl.{fn}({tile}, axis=1, keep_dims=True)", "b")
+            where = emitter.define(f"tl.arg{fn}({tile}, axis=1, keep_dims=True).to(tl.int64) + "
+                                   f"{'0' if persistent else 'start'}", "w")
+            better = f"{best} {'>' if fn == 'max' else '<'} {acc}"
+            emitter.line(f"{arg} = tl.where({better}, {where}, {arg})")
+            emitter.line(f"{acc} = tl.where({better}, {best}, {acc})")
+        emitter.indent = "    "
+        result = arg if arg else acc
+        if acc_dt is not dt:
+            result = emitter.define(f"{acc} != 0")
+        emitter.reduced[id(r)] = result
+        if not persistent:
+            reset()
+    full_outputs = [o for o in kernel.outputs if kernel.levels[id(o)] == FULL]
+    row_outputs = [o for o in kernel.outputs if kernel.levels[id(o)] == ROW]
+    if full_outputs:
+        if not persistent:
+            emitter.line(f"for start in range(0, {n_size}, BLOCK_N):")
+            emitter.indent = "        "
+            open_chunk("start")
+        for o in full_outputs:
+            emitter.store(o, full_index("cols"), "[BLOCK_M, BLOCK_N]")
+        emitter.indent = "    "
+        if not persistent:
+            reset()
+    for o in row_outputs:
+        emitter.store(o, Index(None, "rows", "rmask", ROW), "[BLOCK_M, 1]")
+    grid = -(-m // block_m)
+    warps = 4 if block_m * block_n <= 2048 else 8
+    return _finish(ctx, body, "kernel", inner, {"BLOCK_M": block_m, "BLOCK_N": block_n}, grid, warps)
+
+
+def _scatter_add(ctx: Context, kernel: FusedKernel, body: list[str]) -> list[Launch]:
+    """Copy the base into the output, then add each source element at its index atomically."""
+    node = kernel.outputs[0]
+    base, index, src = node.inputs
+    axis = node.attrs["axis"]
+    init = FusedKernel("pointwise", node.shape, (), [node], {id(node): FULL}, covers=kernel.covers,
+                       reads=kernel.reads)
+    init_ctx = Context(ctx.stored)
+    # the first launch writes the base (its cone inlined) into the output
+    copy_body: list[str] = ["    pid = tl.program_id(0)"]
+    emitter = Emitter(init_ctx, init, copy_body, "    ", "")
+    emitter.line("offs = pid * BLOCK + tl.arange(0, BLOCK)")
+    emitter.line(f"mask = offs < {init_ctx.size(node.numel)}")
+    value, dt = emitter.value(base, Index(None, "offs", "mask", OTHER))
+    pointer = init_ctx.arg("write", node, "out")
+    emitter.line(f"tl.store({pointer} + offs, ({value} + tl.zeros([BLOCK], {TL[dt]})).to({TL[node.dtype]}), "
+                 "mask=mask)")
+    first = _finish(init_ctx, body, "kernel_init", copy_body, {"BLOCK": POINTWISE_BLOCK},
+                    -(-node.numel // POINTWISE_BLOCK), 4)
+    inner: list[str] = ["    pid = tl.program_id(0)"]
+    emitter = Emitter(ctx, init, inner, "    ", "")
+    emitter.line("offs = pid * BLOCK + tl.arange(0, BLOCK)")
+    emitter.line(f"mask = offs < {ctx.size(index.numel)}")
+    at = Index(None, "offs", "mask", OTHER)
+    picked, _ = emitter.value(index, at)
+    addend, _ = emitter.value(src, at)
+    dims = list(emitter.dims(at, index.shape))
+    size = ctx.size(node.shape[axis])
+    emitter.line(f"valid = mask & ({picked} >= 0) & ({picked} < {size})")
+    dims[axis] = picked
+    target = emitter.linear(Index(tuple(dims), None, "valid", OTHER), node.shape)
+    pointer = ctx.arg("write", node, "out")
+    emitter.line(f"tl.atomic_add({pointer} + {target}, ({addend}).to({TL[node.dtype]}), mask=valid)")
+    second = _finish(ctx, body, "kernel_scatter", inner, {"BLOCK": POINTWISE_BLOCK},
+                     -(-index.numel // POINTWISE_BLOCK), 4)
+    return [first, second]
+

@@ -1,0 +1,80 @@
+"""Math helpers that generated Triton kernels import.
+
+They are written with core `tl` operations only, so the same kernels run on the GPU
+and under Triton's CPU interpreter, which is how CI tests generated code.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def tanh(x):
+    a = tl.abs(x)
+    e = tl.exp(-2.0 * a)
+    t = (1.0 - e) / (1.0 + e)
+    small = x * (1.0 + x * x * (-1.0 / 3.0 + x * x * (2.0 / 15.0 - x * x * (17.0 / 315.0))))
+    return tl.where(a < 0.0625, small, tl.where(x < 0, -t, t))
+
+
+@triton.jit
+def log1p(x):
+    u = 1.0 + x
+    # log(u) * x / (u - 1) cancels the rounding of 1 + x
+    return tl.where((u == 1.0) | (u == float("inf")), tl.where(u == 1.0, x, u), tl.log(u) * (x / (u - 1.0)))
+
+
+@triton.jit
+def rint(x, big):
+    """Round half to even; values of magnitude `big` (2**23 or 2**52) and above are integers."""
+    r = tl.floor(x + 0.5)
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    r = tl.where((r - x == 0.5) & odd, r - 1.0, r)
+    return tl.where(tl.abs(x) >= big, x, r)
+
+
+@triton.jit
+def pow_(a, b):
+    r = tl.exp(b * tl.log(tl.abs(a)))
+    whole = b == tl.floor(b)
+    odd = whole & ((2.0 * tl.floor(b * 0.5)) != b)
+    r = tl.where((a < 0) & odd, -r, r)
+    r = tl.where((a < 0) & (whole == 0), float("nan"), r)
+    return tl.where(b == 0, 1.0, r)
+
+
+@triton.jit
+def floordiv_int(a, b):
+    q = a // b
+    r = a - q * b
+    return tl.where((r != 0) & ((r < 0) != (b < 0)), q - 1, q)
+
+
+@triton.jit
+def truncdiv_int(a, b):
+    q = a // b
+    r = a - q * b
+    return tl.where((r != 0) & ((r < 0) != (a < 0)), q + 1, q)
+
+
+@triton.jit
+def remainder_int(a, b):
+    r = a % b
+    return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
+
+
+@triton.jit
+def remainder_float(a, b):
+    r = a - b * tl.floor(a / b)
+    return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
+
+
+@triton.jit
+def sign(x):
+    s = tl.where(x > 0, 1, tl.where(x < 0, -1, 0)).to(x.dtype)
+    return tl.where(x != x, x, s)
+
+
+@triton.jit
+def prod_combine(a, b):
+    return a * b

@@ -1,0 +1,225 @@
+"""Graph passes that run before fusion, on a private copy of the pending graph.
+
+`signature` reads the pending graph into a structural key (ops, shapes, dtypes,
+attributes; not data) plus the values that change from step to step: the input
+buffers, float constants and random seeds/offsets. Two graphs with one key share one
+compiled plan, so step 2 of a training loop costs a key and the launches.
+
+`lower` copies the graph into placeholder nodes that hold no user data and
+simplifies it: common-subexpression elimination, constant folding, algebraic
+identities (x*1, x+0, --x, cast chains) and folding of chained movement ops.
+Dead code never enters, because only nodes the outputs need are copied.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ember import dtypes
+from ember.ir import Kind, Node, Op
+
+# Float constants with these values are part of a plan's structure (and may be simplified
+# away); every other float constant is a runtime argument, so a changing learning rate
+# does not compile a new plan.
+STRUCTURAL_FLOATS = frozenset({0.0, 1.0, -1.0, 2.0, 0.5})
+
+
+def _is_runtime_scalar(node: Node) -> bool:
+    if node.op is not Op.CONST or not node.dtype.is_floating_point:
+        return False
+    value = node.attrs["value"]
+    return not (value in STRUCTURAL_FLOATS or math.isinf(value) or math.isnan(value))
+
+
+def _attr_key(value):
+    if isinstance(value, dict):
+        return tuple(sorted((k, _attr_key(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_attr_key(v) for v in value)
+    if isinstance(value, float) and math.isnan(value):
+        return "nan"
+    return value
+
+
+@dataclass
+class Signature:
+    """What a pending graph is (key) and what it is run with (inputs, scalars, seeds)."""
+
+    key: tuple
+    inputs: list[Node] = field(default_factory=list)  # realized leaves, in order of first use
+    scalars: list[float] = field(default_factory=list)  # runtime float constants, in order
+    seeds: list[tuple[int, int]] = field(default_factory=list)  # (seed, offset) per RAND node
+
+
+def signature(order: list[Node], keep: set[int]) -> Signature:
+    sig = Signature(key=())
+    position: dict[int, int] = {}
+    parts = []
+    for node in order:
+        for i in node.inputs:
+            if i.realized and id(i) not in position:
+                position[id(i)] = -1 - len(sig.inputs)
+                sig.inputs.append(i)
+                parts.append(("input", i.shape, i.dtype.name))
+        if node.op is Op.RAND:
+            sig.seeds.append((node.attrs["seed"], node.attrs["offset"]))
+            attrs = ("distribution", node.attrs["distribution"])
+        elif _is_runtime_scalar(node):
+            sig.scalars.append(node.attrs["value"])
+            attrs = "scalar"
+        else:
+            attrs = _attr_key(node.attrs)
+        position[id(node)] = len(parts)
+        parts.append((node.op.name, node.shape, node.dtype.name, attrs,
+                      tuple(position[id(i)] for i in node.inputs), id(node) in keep))
+    sig.key = tuple(parts)
+    return sig
+
+
+@dataclass
+class Lowered:
+    """The private, simplified graph that fusion plans over."""
+
+    nodes: list[Node]  # topological order, placeholders for inputs included
+    outputs: list[Node]  # one per kept original node, in `order`
+    inputs: list[Node]  # placeholders: op BUFFER, attrs {"input": k}
+    replaced: int = 0  # nodes removed by the passes
+
+
+def lower(order: list[Node], keep: set[int], sig: Signature) -> Lowered:
+    builder = _Builder()
+    mapping: dict[int, Node] = {}
+    for k, leaf in enumerate(sig.inputs):
+        mapping[id(leaf)] = builder.input(k, leaf)
+    scalar_index = 0
+    rand_index = 0
+    outputs = []
+    for node in order:
+        ins = tuple(mapping[id(i)] for i in node.inputs)
+        attrs = dict(node.attrs)
+        if node.op is Op.RAND:
+            attrs = {"distribution": attrs["distribution"], "seed_arg": rand_index, "shape": node.shape}
+            rand_index += 1
+        elif _is_runtime_scalar(node):
+            attrs = {"shape": node.shape, "dtype": node.dtype, "value": attrs["value"], "arg": scalar_index}
+            scalar_index += 1
+        new = builder.make(node.op, ins, attrs, node)
+        mapping[id(node)] = new
+        if id(node) in keep:
+            outputs.append(new)
+    nodes = [n for n in _reachable(outputs)]
+    return Lowered(nodes, outputs, builder.inputs, replaced=len(order) - sum(1 for n in nodes if n.inputs))
+
+
+def _reachable(outputs: list[Node]) -> list[Node]:
+    from ember.ir import toposort
+
+    return toposort(outputs)
+
+
+class _Builder:
+    """Creates lowered nodes, applying CSE, folding and simplification on the way."""
+
+    def __init__(self):
+        self.seen: dict[tuple, Node] = {}
+        self.inputs: list[Node] = []
+
+    def input(self, k: int, leaf: Node) -> Node:
+        node = Node(Op.BUFFER, (), {"input": k}, leaf.shape, leaf.dtype, leaf.device)
+        self.inputs.append(node)
+        return node
+
+    def make(self, op: Op, ins: tuple[Node, ...], attrs: dict, original: Node) -> Node:
+        simplified = self._simplify(op, ins, attrs, original)
+        if simplified is not None:
+            return simplified
+        key = (op, tuple(id(i) for i in ins), _attr_key(attrs), original.shape, original.dtype.name)
+        if key in self.seen and op is not Op.RAND:
+            return self.seen[key]
+        node = Node(op, ins, attrs, original.shape, original.dtype, original.device)
+        self.seen[key] = node
+        return node
+
+    def _const(self, value, like: Node) -> Node:
+        attrs = {"shape": like.shape, "dtype": like.dtype, "value": value}
+        return self.make(Op.CONST, (), attrs, like)
+
+    def _simplify(self, op: Op, ins: tuple[Node, ...], attrs: dict, original: Node) -> Node | None:
+        kind = op.kind
+        # constant folding: pointwise ops of structural constants, movement of constants
+        if ins and all(i.op is Op.CONST and "arg" not in i.attrs for i in ins):
+            if kind is Kind.MOVEMENT and op is not Op.PAD:
+                return self._const(ins[0].attrs["value"], original)
+            if kind in (Kind.UNARY, Kind.BINARY, Kind.TERNARY):
+                from ember.compiler.codegen.reference import evaluate
+
+                args = [np.asarray(i.attrs["value"], dtype=i.dtype.np) for i in ins]
+                probe = Node(op, (), attrs, (), original.dtype, original.device)
+                with np.errstate(all="ignore"):
+                    value = evaluate(probe, args).item()
+                return self._const(value, original)
+        if kind is Kind.BINARY:
+            a, b = ins
+            if op in (Op.MUL,) and _is_value(b, 1):
+                return a
+            if op in (Op.MUL,) and _is_value(a, 1):
+                return b
+            if op in (Op.ADD,) and _is_value(b, 0) and original.dtype.is_integer:
+                return a
+            if op in (Op.ADD,) and _is_value(a, 0) and original.dtype.is_integer:
+                return b
+            if op in (Op.SUB,) and _is_value(b, 0) and original.dtype.is_integer:
+                return a
+            if op is Op.DIV and _is_value(b, 1) and original.dtype.is_floating_point:
+                return a
+        if op is Op.NEG and ins[0].op is Op.NEG:
+            return ins[0].inputs[0]
+        if op is Op.CAST:
+            (x,) = ins
+            if attrs["dtype"] is x.dtype:
+                return x
+            if x.op is Op.CAST and _lossless(x.inputs[0].dtype, x.dtype):
+                # the inner cast loses nothing, so the outer one can start from the source
+                return self.make(Op.CAST, x.inputs, attrs, original)
+        if kind is Kind.MOVEMENT:
+            return self._fold_movement(op, ins[0], attrs, original)
+        return None
+
+    def _fold_movement(self, op: Op, x: Node, attrs: dict, original: Node) -> Node | None:
+        if x.shape == original.shape and op in (Op.RESHAPE, Op.EXPAND):
+            return x
+        if op is Op.PERMUTE and attrs["order"] == tuple(range(len(x.shape))):
+            return x
+        if op is Op.RESHAPE and x.op is Op.RESHAPE:
+            return self.make(Op.RESHAPE, x.inputs, attrs, original)
+        if op is Op.PERMUTE and x.op is Op.PERMUTE:
+            inner = x.attrs["order"]
+            order = tuple(inner[i] for i in attrs["order"])
+            return self.make(Op.PERMUTE, x.inputs, {"order": order}, original)
+        if op is Op.EXPAND and x.op is Op.EXPAND:
+            return self.make(Op.EXPAND, x.inputs, attrs, original)
+        return None
+
+
+def _is_value(node: Node, value) -> bool:
+    return node.op is Op.CONST and "arg" not in node.attrs and node.attrs["value"] == value
+
+
+def _lossless(src: dtypes.DType, mid: dtypes.DType) -> bool:
+    """Whether every value of `src` survives a round trip through `mid`."""
+    if src is mid:
+        return True
+    if mid.is_floating_point:
+        if src.is_floating_point:
+            return mid.itemsize > src.itemsize and not (src is dtypes.bfloat16 and mid is dtypes.float16)
+        return (src.itemsize <= 2 and mid.itemsize >= 4) or (src.itemsize <= 4 and mid is dtypes.float64)
+    if src.is_floating_point or mid is dtypes.bool_:
+        return False
+    if src is dtypes.bool_:
+        return True
+    if src.kind == mid.kind:
+        return mid.itemsize >= src.itemsize
+    return mid.kind == "int" and mid.itemsize > src.itemsize

@@ -4,7 +4,7 @@ Write tensor code with PyTorch's names; nothing runs until a value is needed, an
 then the whole pending graph is computed at once.
 """
 
-from ember import dtypes
+from ember import data, dtypes, nn, optim
 from ember.autograd import enable_grad, grad, inference_mode, is_grad_enabled, no_grad, set_grad_enabled
 from ember.device import Device, default_device, device
 from ember.dtypes import (
@@ -23,8 +23,10 @@ from ember.dtypes import (
 )
 from ember.dtypes import bool_ as bool  # noqa: A001 - the PyTorch name
 from ember.errors import CompileError, DeviceError, DTypeError, EmberError, OutOfMemoryError, ShapeError
+from ember.explain import explain
 from ember.ops import *  # noqa: F403 - the op functions are the public API
 from ember.ops import __all__ as _ops_all
+from ember.serialize import load, save
 from ember.tensor import Tensor, realize
 
 half = float16
@@ -41,5 +43,5 @@ __all__ = [
     "ShapeError", "bfloat16", "bool", "default_device", "device", "double", "dtypes", "enable_grad", "float",
     "float16", "float32", "float64", "grad", "half", "inference_mode", "int", "int8", "int16", "int32", "int64",
     "is_grad_enabled", "long", "no_grad", "promote_types", "realize", "result_type", "set_grad_enabled",
-    "short", "uint8", *_ops_all,
+    "short", "uint8", "data", "nn", "optim", "explain", "load", "save", *_ops_all,
 ]

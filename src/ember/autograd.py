@@ -50,14 +50,26 @@ class set_grad_enabled:
         return wrapped
 
 
-class no_grad(set_grad_enabled):
+class _grad_mode(set_grad_enabled):
+    """A guard that switches when entered (not when made), so one object can be entered again."""
+
+    def __init__(self, mode: bool):
+        self.mode = mode
+        self.previous = is_grad_enabled()
+
+    def __enter__(self) -> None:
+        self.previous = is_grad_enabled()
+        _state.enabled = self.mode
+
+
+class no_grad(_grad_mode):
     """`with ember.no_grad():` builds graph without recording it for autograd."""
 
     def __init__(self):
         super().__init__(False)
 
 
-class enable_grad(set_grad_enabled):
+class enable_grad(_grad_mode):
     def __init__(self):
         super().__init__(True)
 
@@ -94,6 +106,9 @@ def backward(tensor, gradient=None, retain_graph: bool = False) -> None:
         raise RuntimeError("backward(): the tensor does not require grad and has no grad_fn "
                            "(did you compute it under no_grad, or from tensors without requires_grad=True?)")
     _run([(tensor, _root_gradient(tensor, gradient))], retain_graph, targets=None)
+    from ember.runtime.executor import realize_with_next
+
+    realize_with_next(tensor._node)
 
 
 def grad(outputs, inputs, grad_outputs=None, retain_graph: bool = False, allow_unused: bool = False):

@@ -16,6 +16,7 @@ from ember.device import Device, as_device
 from ember.dtypes import DType
 from ember.ir import Node, Op
 from ember.runtime.executor import realize as _realize_nodes
+from ember.runtime.executor import to_host
 
 
 class Tensor:
@@ -82,15 +83,12 @@ class Tensor:
     def numpy(self) -> np.ndarray:
         """The value as a new NumPy array (computing it if it is pending)."""
         self.realize()
-        buf = self._node.buffer
-        if self.device.type != "cpu":
-            buf = buf.cpu().numpy() if hasattr(buf, "cpu") else np.asarray(buf)
-        return np.array(buf, dtype=self.dtype.np, copy=True)
+        return np.array(to_host(self._node.buffer, self.device), dtype=self.dtype.np, copy=True)
 
     def item(self):
         if self.numel() != 1:
-            raise ValueError(f"item(): a Tensor with {self.numel()} elements cannot be converted to a scalar "
-                             f"(shape {self.shape})")
+            raise RuntimeError(f"item(): a Tensor with {self.numel()} elements cannot be converted to a scalar "
+                               f"(shape {self.shape})")
         return self.numpy().reshape(()).item()
 
     def tolist(self):
@@ -114,10 +112,13 @@ class Tensor:
         if self.dtype is dtypes.bfloat16:
             value = value.astype(np.float32)
         body = np.array2string(value, separator=", ", prefix="tensor(", threshold=1000, edgeitems=3,
-                               precision=4, suppress_small=False)
+                               precision=4, suppress_small=False, floatmode=_float_mode(value))
+        body = body.replace(", ...,", ",  ...,")  # PyTorch writes an elided run as " ..."
         extras = []
         if self.device.type != "cpu":
             extras.append(f"device='{self.device}'")
+        if self.numel() == 0 and self.ndim != 1:
+            extras.append(f"size={self.shape}")
         if self.dtype not in (dtypes.float32, dtypes.int64, dtypes.bool_):
             extras.append(f"dtype={self.dtype!r}")
         if self._grad_fn is not None:
@@ -145,10 +146,16 @@ class Tensor:
         return bool(self.item())
 
     def __float__(self) -> float:
-        return float(self.item())
+        return float(self._scalar("float"))
 
     def __int__(self) -> int:
-        return int(self.item())
+        return int(self._scalar("int"))
+
+    def _scalar(self, conversion: str):
+        if self.numel() != 1:  # Python's conversions raise ValueError, as PyTorch's do
+            raise ValueError(f"{conversion}(): only one-element tensors can be converted to Python scalars, "
+                             f"not shape {self.shape}")
+        return self.item()
 
     def __index__(self) -> int:
         if self.dtype.is_floating_point or self.numel() != 1:
@@ -173,6 +180,16 @@ class Tensor:
     def detach(self) -> Tensor:
         return Tensor(self._node)
 
+    @property
+    def data(self) -> Tensor:
+        return self.detach()
+
+    @data.setter
+    def data(self, value: Tensor) -> None:
+        """Show `value` from now on, whatever its shape or dtype, outside autograd (torch's `p.data = v`)."""
+        self._node = value._node
+        _hold(value._node, self)
+
     def detach_(self) -> Tensor:
         self._grad_fn = None
         self.requires_grad = False
@@ -190,8 +207,13 @@ class Tensor:
         for a in args:
             if isinstance(a, Tensor):
                 dtype, device = a.dtype, a.device
-            elif isinstance(a, (Device,)) or (isinstance(a, str) and a.split(":")[0] in ("cpu", "cuda")):
+            elif isinstance(a, Device):
                 device = a
+            elif isinstance(a, str):  # a dtype name, else a device ("tpu" then fails as a device)
+                try:
+                    dtype = dtypes.as_dtype(a)
+                except TypeError:
+                    device = a
             elif type(a).__name__ == "device":
                 device = str(a)
             else:
@@ -281,6 +303,19 @@ class Tensor:
 
     def fill_(self, value) -> Tensor:
         return self.assign(value)
+
+
+def _float_mode(value: np.ndarray) -> str:
+    """PyTorch prints floats with four decimals ("0.5000"), or as "2." when every value is whole
+    and no exponent is needed; NumPy's "fixed" and "maxprec" modes give those two forms."""
+    if value.dtype.kind != "f":
+        return "maxprec"
+    magnitudes = np.abs(value[np.isfinite(value) & (value != 0)].astype(np.float64))
+    if magnitudes.size == 0:
+        return "maxprec"
+    whole = bool(np.all(magnitudes == np.round(magnitudes)))
+    exponent = magnitudes.max() > 1e8 or magnitudes.max() / magnitudes.min() > 1000
+    return "maxprec" if whole and not exponent else "fixed"
 
 
 def _hold(node: Node, tensor: Tensor) -> None:

@@ -167,7 +167,8 @@ class Planner:
         if ops > MAX_RECOMPUTE_OPS:
             return True
         k = len(self.users[id(node)])
-        input_bytes = sum(r.numel * r.dtype.itemsize for r in reads)
+        # a cone reads at most as many elements of an input as it produces (a slice reads a part)
+        input_bytes = sum(min(r.numel, node.numel) * r.dtype.itemsize for r in reads)
         own_bytes = node.numel * node.dtype.itemsize
         return own_bytes * (1 + k) + input_bytes < k * input_bytes
 
@@ -340,19 +341,22 @@ class Planner:
         depth: dict[int, int] = {}
         for k in kernels:  # kernels come in launch order
             depth[id(k)] = 1 + max((depth[d] for d in deps[id(k)]), default=-1)
-        out: list[FusedKernel] = []
+        out: list[tuple[int, FusedKernel]] = []
         open_groups: dict[int, FusedKernel] = {}
         for k in kernels:
+            level = depth[id(k)]
             if k.kind != "pointwise":
-                out.append(k)
+                out.append((level, k))
                 continue
-            group = open_groups.get(depth[id(k)])
+            group = open_groups.get(level)
             if group is None or len(group.segments) >= MAX_SEGMENTS:
                 group = FusedKernel("segmented", (), ())
-                open_groups[depth[id(k)]] = group
-                out.append(group)
+                open_groups[level] = group
+                out.append((level, group))
             group.segments.append(k)
-        return [g.segments[0] if g.kind == "segmented" and len(g.segments) == 1 else g for g in out]
+        # a group runs after everything its members need: launch by depth (stable within a depth)
+        out.sort(key=lambda pair: pair[0])
+        return [g.segments[0] if g.kind == "segmented" and len(g.segments) == 1 else g for _, g in out]
 
     def describe(self, kernel: FusedKernel) -> None:
         """Fill in what a kernel covers and reads, for explain and for the runtime."""

@@ -33,7 +33,11 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
         raise ShapeError(f"matmul: shapes {a.shape} and {b.shape} cannot be multiplied "
                          f"({x.shape[-1]} != {y.shape[-2]}); the last dim of the first operand must equal "
                          f"the {'only' if b.ndim == 1 else 'second-to-last'} dim of the second")
-    batch = broadcast_shapes("matmul", x.shape[:-2], y.shape[:-2])
+    try:
+        batch = broadcast_shapes("matmul", x.shape[:-2], y.shape[:-2])
+    except ShapeError:
+        raise ShapeError(f"matmul: the batch dims {x.shape[:-2]} and {y.shape[:-2]} of shapes {a.shape} and "
+                         f"{b.shape} cannot be broadcast together; make them equal or 1") from None
     x = expand(x, batch + x.shape[-2:])
     y = expand(y, batch + y.shape[-2:])
     out = apply(Op.MATMUL, x, y)
@@ -119,14 +123,16 @@ def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padd
     n, c, h, w = x.shape
     o, cg = weight.shape[:2]
     if c != cg * groups or o % groups:
-        raise ShapeError(f"conv2d: input with {c} channels does not fit weight of shape {weight.shape} with "
+        raise ShapeError(f"conv2d: input of shape {x.shape} ({c} channels) does not fit weight of shape "
+                         f"{weight.shape} with "
                          f"groups={groups} (expected {cg * groups} input channels and out channels "
                          f"divisible by {groups})")
     ho = conv_out_size(h, kh, stride[0], padding[0], dilation[0])
     wo = conv_out_size(w, kw, stride[1], padding[1], dilation[1])
     if ho <= 0 or wo <= 0:
-        raise ShapeError(f"conv2d: input of spatial size {(h, w)} (padded by {padding}) is smaller than the "
-                         f"dilated kernel {(dilation[0] * (kh - 1) + 1, dilation[1] * (kw - 1) + 1)}")
+        raise ShapeError(f"conv2d: input of shape {x.shape} (spatial size {(h, w)}, padded by {padding}) is "
+                         f"smaller than the dilated kernel {(dilation[0] * (kh - 1) + 1, dilation[1] * (kw - 1) + 1)} "
+                         f"of weight {weight.shape}")
     out = apply(Op.CONV2D, x, weight, stride=stride, padding=padding, dilation=dilation, groups=groups)
     if bias is not None:
         if bias.shape != (o,):

@@ -45,7 +45,7 @@ def _infer_dtype(array: np.ndarray, data) -> DType:
         return dtypes.default_float  # Python floats become float32, as in torch.tensor
     if array.dtype.kind in "iu" and not isinstance(data, np.ndarray) and array.dtype != np.uint8:
         return dtypes.int64
-    if array.dtype.kind == "O" or array.dtype.kind in "USV":
+    if array.dtype.kind == "O" or (array.dtype.kind in "USV" and array.dtype != dtypes.bfloat16.np):
         raise DTypeError(f"tensor: cannot make a tensor from data of type {type(data).__name__} "
                          f"(NumPy sees dtype {array.dtype})")
     return dtypes.from_numpy(array.dtype)
@@ -63,7 +63,11 @@ def tensor(data, dtype=None, device=None, requires_grad: bool = False) -> Tensor
     if hasattr(data, "__dlpack__") and not isinstance(data, np.ndarray) and type(data).__module__ == "torch":
         data = data.detach().cpu().numpy() if data.dtype.__str__() != "torch.bfloat16" else (
             data.detach().cpu().float().numpy().astype(dtypes.bfloat16.np))
-    array = np.asarray(data)
+    try:
+        array = np.asarray(data)
+    except ValueError as e:
+        raise ValueError(f"tensor: data of type {type(data).__name__} is not a rectangular array "
+                         f"(nested sequences must have equal lengths): {e}") from None
     target = dtypes.as_dtype(dtype) if dtype is not None else _infer_dtype(array, data)
     array = np.array(array, dtype=target.np, copy=True)
     return _requires_grad(Tensor(Node.from_buffer(_to_device(array, device), target, device)), requires_grad)
@@ -83,11 +87,9 @@ def _to_nested(data):
 
 
 def _to_device(array: np.ndarray, device):
-    if device.type == "cpu":
-        return array
-    from ember.errors import DeviceError
+    from ember.runtime.executor import from_host
 
-    raise DeviceError(f"device {device} is not available in this build of ember")
+    return from_host(array, device)
 
 
 as_tensor = tensor

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from ember import dtypes
 from ember.errors import DTypeError, ShapeError, operands
 from ember.ir import Op
@@ -16,10 +18,24 @@ def _check_index(op: str, x: Tensor, index: Tensor) -> None:
     _check_devices(op, [x, index])
 
 
+def check_bounds(op: str, index: Tensor, size: int, dim: int, negative: bool = False) -> None:
+    """Out-of-range indices fail at the call when the index values are already known (data the
+    user gave); an index still pending is checked when the gather runs."""
+    buffer = index._node.buffer
+    if not isinstance(buffer, np.ndarray) or buffer.size == 0:
+        return
+    low = -size if negative else 0
+    lo, hi = int(buffer.min()), int(buffer.max())
+    if lo < low or hi >= size:
+        raise IndexError(f"{op}: index {lo if lo < low else hi} is out of bounds for dimension {dim} with size "
+                         f"{size} (index of shape {index.shape})")
+
+
 def gather(x: Tensor, dim: int, index: Tensor) -> Tensor:
     """out[i][j] = x[index[i][j]][j] for dim 0 (torch.gather)."""
     _check_index("gather", x, index)
     axis = normalize_dim("gather", dim, x.ndim)
+    check_bounds("gather", index, x.shape[axis], axis)
     if index.ndim != x.ndim or any(i > s for d, (i, s) in enumerate(zip(index.shape, x.shape)) if d != axis):
         raise ShapeError(f"gather: index of shape {index.shape} does not fit input of shape {x.shape} along "
                          f"dim {dim} (same number of dims, no larger outside dim {axis})")
@@ -34,6 +50,7 @@ def scatter_add(x: Tensor, dim: int, index: Tensor, src: Tensor) -> Tensor:
     """out = x, then out[index[i][j]][j] += src[i][j] for dim 0 (torch.scatter_add)."""
     _check_index("scatter_add", x, index)
     axis = normalize_dim("scatter_add", dim, x.ndim)
+    check_bounds("scatter_add", index, x.shape[axis], axis)
     if index.ndim != x.ndim or src.ndim != x.ndim or any(
             i > s for d, (i, s) in enumerate(zip(index.shape, x.shape)) if d != axis) or any(
             i > s for i, s in zip(index.shape, src.shape)):
@@ -55,6 +72,7 @@ def index_select(x: Tensor, dim: int, index: Tensor) -> Tensor:
     if index.ndim > 1:
         raise ShapeError(f"index_select: index must be 1-d, got shape {index.shape}")
     axis = normalize_dim("index_select", dim, x.ndim)
+    check_bounds("index_select", index, x.shape[axis], axis)
     index = reshape(index, (-1,))
     shape = list(x.shape)
     shape[axis] = index.shape[0]
@@ -69,12 +87,13 @@ def embedding(index: Tensor, weight: Tensor, padding_idx: int | None = None) -> 
         raise DTypeError(f"embedding: indices must be an integer tensor, got {operands(index)}")
     if weight.ndim != 2:
         raise ShapeError(f"embedding: weight must be 2-d (num_embeddings, dim), got shape {weight.shape}")
+    check_bounds("embedding", index, weight.shape[0], 0)
     rows = index_select(weight, 0, reshape(index, (-1,)))
     if padding_idx is not None:
         from ember.ops.pointwise import where
 
         keep = reshape(reshape(index, (-1,)) != padding_idx % weight.shape[0], (-1, 1))
-        rows = where(keep, rows, rows.detach() * 0)
+        rows = where(keep, rows, rows.detach())  # torch reads the padding row as is; only its gradient stops
     return reshape(rows, index.shape + (weight.shape[1],))
 
 

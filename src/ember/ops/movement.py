@@ -32,8 +32,8 @@ def normalize_dim(op: str, dim: int, ndim: int) -> int:
 def normalize_dims(op: str, dims, ndim: int) -> tuple[int, ...]:
     if dims is None:
         return tuple(range(ndim))
-    if isinstance(dims, int):
-        dims = (dims,)
+    if not isinstance(dims, (list, tuple)):
+        dims = (dims,)  # one dim; normalize_dim rejects what is not an integer
     out = tuple(normalize_dim(op, d, ndim) for d in dims)
     if len(set(out)) != len(out):
         raise ValueError(f"{op}: dim {tuple(dims)} names a dimension twice")
@@ -134,6 +134,9 @@ def expand(x: Tensor, *sizes) -> Tensor:
             raise ShapeError(f"expand: invalid size {s} in {sizes}")
         target.append(s)
     target = tuple(target)
+    if math.prod(target) >= 2**63:
+        raise ShapeError(f"expand: target {target} of a tensor of shape {x.shape} has too many elements "
+                         f"({math.prod(target)}) for an int64 count")
     if target == x.shape:
         return x
     if lead:
@@ -430,6 +433,9 @@ def _triangle(x: Tensor, diagonal: int, lower: bool) -> Tensor:
 
 def getitem(x: Tensor, index) -> Tensor:
     """NumPy/PyTorch indexing: ints, slices (any step), None, Ellipsis, bool and integer tensors."""
+    if isinstance(index, Tensor) and index.dtype is dtypes.bool_ and index.ndim == 0:
+        # a 0-d mask selects along a new dim of size 1: x[True] has shape (1, ...), x[False] (0, ...)
+        return getitem(reshape(x, (1,) + x.shape), reshape(index, (1,)))
     items = _index_items(x, index)
     basic, advanced = [], []  # advanced: (position in the basic result, index tensor)
     dim = 0
@@ -473,10 +479,15 @@ def _index_items(x: Tensor, index) -> list:
             item = make_tensor(item, device=x.device)
         if isinstance(item, Tensor):
             if item.dtype is dtypes.bool_:
+                dim = sum(1 for i in items if i is not None)
+                if Ellipsis not in items and item.shape != x.shape[dim:dim + item.ndim]:
+                    raise IndexError(f"index: the shape {item.shape} of the bool mask at dim {dim} does not match "
+                                     f"the indexed tensor's shape {x.shape}")
                 items.extend(_bool_mask_indices(item))
                 continue
             if not item.dtype.is_integer:
-                raise IndexError(f"tensors used as indices must be integer or bool, got {operands(item)}")
+                raise IndexError(f"index: tensors used as indices must be integer or bool, got {operands(item)} "
+                                 f"to index a tensor of shape {x.shape}")
             if item.device != x.device:
                 from ember.errors import DeviceError
 
@@ -507,9 +518,10 @@ def _bool_mask_indices(mask: Tensor) -> list[Tensor]:
 
     from ember.ops.creation import tensor as make_tensor
 
+    if mask.ndim == 0:
+        raise IndexError("a 0-d bool tensor is supported only as the whole index, as in x[mask]")
     positions = np.nonzero(mask.numpy())
-    return [make_tensor(p.astype(np.int64), device=mask.device) for p in positions] if mask.ndim else [
-        make_tensor(np.zeros(int(mask.item()), dtype=np.int64), device=mask.device)]
+    return [make_tensor(p.astype(np.int64), device=mask.device) for p in positions]
 
 
 def _basic_index(x: Tensor, basic: list) -> Tensor:
@@ -544,7 +556,7 @@ def _basic_index(x: Tensor, basic: list) -> Tensor:
 
 def _advanced_index(x: Tensor, advanced: list) -> Tensor:
     """Integer-tensor indices (broadcast together) become one gather over their dims."""
-    from ember.ops.index import gather
+    from ember.ops.index import check_bounds, gather
     from ember.ops.pointwise import broadcast_shapes, expand_to, where
 
     positions = [p for p, _, _, _ in advanced]
@@ -555,7 +567,8 @@ def _advanced_index(x: Tensor, advanced: list) -> Tensor:
     sizes = [x.shape[i] for i in range(len(positions))]
     flat = reshape(x, (math.prod(sizes),) + x.shape[len(positions):])
     linear = None
-    for (_, idx, size, _), stride in zip(advanced, _strides(sizes)):
+    for (_, idx, size, dim), stride in zip(advanced, _strides(sizes)):
+        check_bounds("index", idx, size, dim, negative=True)
         idx = where(idx < 0, idx + size, idx).to(dtypes.int64)
         idx = expand_to(idx, index_shape)
         linear = idx * stride if linear is None else linear + idx * stride
@@ -579,6 +592,27 @@ def _strides(sizes: list[int]) -> list[int]:
     return out[::-1]
 
 
+def _has_tensor_index(index) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, (Tensor, list)) or hasattr(i, "__array__") for i in items)
+
+
+def _last_writes(flat_pos: Tensor, flat_value: Tensor) -> tuple[Tensor, Tensor]:
+    """Only the last write to each position, as torch's sequential CPU loop leaves it; summing
+    repeated writes would be wrong. Reading the positions is a sync point, as bool masks are."""
+    import numpy as np
+
+    from ember.ops.creation import tensor as make_tensor
+    from ember.ops.index import index_select
+
+    pos = flat_pos.numpy()
+    _, first_from_end = np.unique(pos[::-1], return_index=True)
+    if len(first_from_end) == len(pos):
+        return flat_pos, flat_value
+    keep = make_tensor(np.sort(len(pos) - 1 - first_from_end), device=flat_pos.device)
+    return index_select(flat_pos, 0, keep), index_select(flat_value, 0, keep)
+
+
 def setitem(x: Tensor, index, value) -> None:
     """`x[index] = value`: the positions the index selects are scattered back into x, lazily."""
     from ember.ops.creation import arange, zeros
@@ -591,6 +625,8 @@ def setitem(x: Tensor, index, value) -> None:
         value = broadcast_to(value, positions.shape, op="setitem")
     carrier = x.dtype if x.dtype is not dtypes.bool_ else dtypes.uint8
     flat_pos = reshape(positions, (-1,))
+    if _has_tensor_index(index):
+        flat_pos, value = _last_writes(flat_pos, reshape(value, (-1,)))
     n = x.numel()
     hit = scatter_add(zeros(n, dtype=dtypes.int32, device=x.device), 0, flat_pos,
                       zeros(flat_pos.shape, dtype=dtypes.int32, device=x.device) + 1)

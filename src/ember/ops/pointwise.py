@@ -21,7 +21,14 @@ from ember.tensor import Tensor, apply, leaf
 Scalar = (numbers.Number, np.bool_, np.number)
 
 
-def broadcast_shapes(op: str, *shapes: tuple[int, ...]) -> tuple[int, ...]:
+def broadcast_shapes(*shapes, op: str = "broadcast_shapes") -> tuple[int, ...]:
+    """torch.broadcast_shapes: the shape that all `shapes` (tuples, or ints for 1-d) broadcast to.
+
+    Internal callers may name the op first, `broadcast_shapes("matmul", a, b)`, for the error message.
+    """
+    if shapes and isinstance(shapes[0], str):
+        op, shapes = shapes[0], shapes[1:]
+    shapes = tuple((s,) if isinstance(s, int) else tuple(s) for s in shapes)
     ndim = max((len(s) for s in shapes), default=0)
     out = []
     for i in range(-ndim, 0):
@@ -41,8 +48,10 @@ def scalar(value, dtype: DType, device) -> Tensor:
 def _convert(value, dtype: DType):
     if dtype is dtypes.bool_:
         return bool(value)
-    if dtype.is_integer:
-        return int(value)
+    if dtype.is_integer:  # out-of-range Python ints wrap around, as torch's conversion does
+        bits = 8 * dtype.itemsize
+        wrapped = int(value) & ((1 << bits) - 1)
+        return wrapped - (1 << bits) if dtype.is_signed and wrapped >= 1 << (bits - 1) else wrapped
     return float(value)
 
 
@@ -176,8 +185,14 @@ _round_even = _rounding(Op.ROUND)
 def round(x: Tensor, decimals: int = 0) -> Tensor:  # noqa: A001
     if decimals == 0:
         return _round_even(x)
-    scale = 10.0 ** decimals
-    return _round_even(x * scale) / scale
+    work = cast(x, dtypes.compute_dtype(x.dtype)) if x.dtype.is_floating_point else x
+    if decimals < 0:  # dividing by 10**k is exact where multiplying by 10**-k is not
+        scale = 10.0 ** -decimals
+        out = _round_even(work / scale) * scale
+    else:
+        scale = 10.0 ** decimals
+        out = _round_even(work * scale) / scale
+    return cast(out, x.dtype) if x.dtype.is_floating_point else out
 
 
 def trunc(x: Tensor) -> Tensor:
@@ -196,11 +211,12 @@ def bitwise_not(x: Tensor) -> Tensor:
 
 def sigmoid(x: Tensor) -> Tensor:
     x = _float_input("sigmoid", x)
-    return reciprocal(exp(-x) + 1)
+    z = exp(-abs(x))  # in (0, 1]: neither branch nor its gradient overflows
+    return where(x >= 0, reciprocal(z + 1), z / (z + 1))
 
 
 def relu(x: Tensor) -> Tensor:
-    return where(x > 0, x, 0)
+    return where(x <= 0, 0, x)  # NaN <= 0 is false: NaN passes through, as in torch
 
 
 def relu6(x: Tensor) -> Tensor:
@@ -256,14 +272,14 @@ def _binary(prim: Op, name: str):
 
 def add(a, b, alpha=1) -> Tensor:
     if alpha != 1:
-        b = mul(b, alpha)
+        b = b * alpha if isinstance(b, Scalar) else mul(b, alpha)
     x, y = prepare("add", a, b)
     return apply(Op.ADD, x, y)
 
 
 def sub(a, b, alpha=1) -> Tensor:
     if alpha != 1:
-        b = mul(b, alpha)
+        b = b * alpha if isinstance(b, Scalar) else mul(b, alpha)
     x, y = prepare("sub", a, b)
     if x.dtype is dtypes.bool_:
         raise DTypeError(f"sub: subtraction of bool tensors is not supported ({operands(a, b)}); "
@@ -328,8 +344,9 @@ def remainder(a, b) -> Tensor:
 def fmod(a, b) -> Tensor:
     """C's remainder: the sign of the dividend."""
     x, y = prepare("fmod", a, b)
-    if x.dtype.is_floating_point:
-        return x - trunc(x / y) * y
+    if x.dtype.is_floating_point:  # exact: remainder of the magnitudes, with the dividend's sign
+        magnitude = apply(Op.MOD, abs(x), abs(y))
+        return where(x < 0, -magnitude, magnitude)
     return x - apply(Op.DIV, x, y) * y
 
 
@@ -383,8 +400,12 @@ def where(condition, x, y) -> Tensor:
         raise TypeError(f"where: condition must be a bool Tensor, got {type(condition).__name__}")
     if condition.dtype is not dtypes.bool_:
         raise DTypeError(f"where: condition must be bool, got {operands(condition)}")
+    for v in (x, y):
+        if not isinstance(v, (Tensor, *Scalar)):
+            raise TypeError(f"where: unsupported operand {v!r} of type {type(v).__name__}; "
+                            "expected a Tensor or a number")
     if not isinstance(x, Tensor) and not isinstance(y, Tensor):
-        x = as_tensor(x)
+        x = as_tensor(x, like=condition)
     values = [v for v in (x, y) if isinstance(v, Tensor)]
     common = dtypes.result_type(x, y)
     shape = broadcast_shapes("where", condition.shape, *(v.shape for v in values))
@@ -396,11 +417,15 @@ def where(condition, x, y) -> Tensor:
 
 
 def masked_fill(x: Tensor, mask: Tensor, value) -> Tensor:
+    if not isinstance(mask, Tensor) or mask.dtype is not dtypes.bool_:
+        raise DTypeError(f"masked_fill: mask must be a bool tensor, got {operands(mask)} for input {operands(x)}")
     if isinstance(value, Tensor) and value.ndim != 0:
         raise ShapeError(f"masked_fill: value must be a scalar or 0-d tensor, got shape {value.shape}")
     if isinstance(value, Tensor):
         value = cast(value, x.dtype)
-    out = where(mask, value, x) if isinstance(value, Tensor) else where(mask, as_tensor(value, dtype=x.dtype), x)
+    if not isinstance(value, Tensor):
+        value = as_tensor(value, like=x, dtype=x.dtype)
+    out = where(mask, value, x)
     if out.shape != x.shape:
         raise ShapeError(f"masked_fill: mask of shape {mask.shape} does not broadcast to {x.shape}")
     return cast(out, x.dtype)

@@ -8,10 +8,11 @@ import math
 import numpy as np
 
 from ember import dtypes
+from ember.autograd import is_grad_enabled
 from ember.errors import ShapeError
 from ember.ops.contraction import _pair
 from ember.ops.movement import cat, pad, reshape, slice_axis, unsqueeze
-from ember.ops.pointwise import maximum
+from ember.ops.pointwise import div, maximum, where
 from ember.tensor import Tensor
 
 
@@ -55,9 +56,20 @@ def max_pool2d(x: Tensor, kernel_size, stride=None, padding=0, dilation=1, ceil_
     if p[0] > k[0] // 2 or p[1] > k[1] // 2:
         raise ValueError(f"max_pool2d: padding {p} should be at most half of the kernel size {k}")
     fill = -math.inf if x.dtype.is_floating_point else int(np.iinfo(x.dtype.np).min)
-    out = None
-    for window in _windows(x, k, s, p, d, ceil_mode, fill):
-        out = window if out is None else maximum(out, window)
+    windows = list(_windows(x, k, s, p, d, ceil_mode, fill))
+    best = windows[0]
+    for window in windows[1:]:
+        best = maximum(best, window)
+    if not (x.requires_grad and is_grad_enabled()):
+        return best
+    # as in torch, a window's gradient goes to its first maximal element, not shared among ties
+    target, taken, out = best.detach(), None, None
+    for window in windows:
+        hit = (window == target) | (window != window)  # a NaN is the maximum of its window
+        first = hit if taken is None else hit & ~taken
+        taken = hit if taken is None else taken | hit
+        picked = where(first, window, 0)
+        out = picked if out is None else out + picked
     return out
 
 
@@ -73,9 +85,9 @@ def avg_pool2d(x: Tensor, kernel_size, stride=None, padding=0, ceil_mode: bool =
     for window in _windows(x, k, s, p, (1, 1), ceil_mode, 0):
         total = window if total is None else total + window
     if divisor_override is not None:
-        return total / divisor_override
+        return _average(total, divisor_override)
     if not ceil_mode and (count_include_pad or p == (0, 0)):
-        return total / (k[0] * k[1])
+        return _average(total, k[0] * k[1])
     # the divisor varies per window: count the positions each window covers
     from ember.ops.creation import ones
 
@@ -91,7 +103,12 @@ def avg_pool2d(x: Tensor, kernel_size, stride=None, padding=0, ceil_mode: bool =
         count = window if count is None else count + window
     if count_include_pad:  # windows were taken over the already padded ones
         count = _crop_to(count, total.shape[-2:])
-    return total / count.to(total.dtype if total.dtype.is_floating_point else dtypes.float32)
+    return _average(total, count.to(total.dtype if total.dtype.is_floating_point else dtypes.int64))
+
+
+def _average(total: Tensor, count) -> Tensor:
+    """Integer inputs stay integers, truncated as in torch."""
+    return total / count if total.dtype.is_floating_point else div(total, count, rounding_mode="trunc")
 
 
 def _crop_to(t: Tensor, hw: tuple[int, int]) -> Tensor:
@@ -110,9 +127,19 @@ def _adaptive_axis(x: Tensor, axis: int, out: int, reduce) -> Tensor:
     return cat(pieces, axis)
 
 
+def _output_size(op: str, output_size, x: Tensor) -> tuple:
+    """An int, or a pair whose None entries keep the input's size."""
+    if output_size is None:
+        return x.shape[-2:]
+    pair = (output_size, output_size) if isinstance(output_size, int) else tuple(output_size)
+    if len(pair) != 2 or not all(v is None or isinstance(v, int) for v in pair):
+        raise ValueError(f"{op}: output_size must be an int or a pair of ints (or None), got {output_size!r}")
+    return pair
+
+
 def adaptive_avg_pool2d(x: Tensor, output_size) -> Tensor:
     _check_input("adaptive_avg_pool2d", x)
-    oh, ow = _pair("adaptive_avg_pool2d", "output_size", output_size) if output_size is not None else x.shape[-2:]
+    oh, ow = _output_size("adaptive_avg_pool2d", output_size, x)
     oh = x.shape[-2] if oh is None else oh
     ow = x.shape[-1] if ow is None else ow
     out = _adaptive_axis(x, x.ndim - 2, oh, lambda t, a: t.mean(a))

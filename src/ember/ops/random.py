@@ -56,6 +56,9 @@ def randn(*size, dtype=None, device=None, requires_grad: bool = False) -> Tensor
 
 
 def randint(low, high=None, size=None, dtype=None, device=None) -> Tensor:
+    """randint(high, size) or randint(low, high, size): integers in [low, high)."""
+    if size is None and isinstance(high, (tuple, list)):
+        low, high, size = 0, low, high
     if high is None:
         low, high = 0, low
     if size is None:

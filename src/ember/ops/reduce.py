@@ -114,7 +114,7 @@ def max(x: Tensor, dim=None, keepdim: bool = False):  # noqa: A001
         return maximum(x, dim)
     if dim is None:
         return amax(x)
-    return MaxMin(amax(x, dim, keepdim), argmax(x, dim, keepdim))
+    return _selected(x, dim, keepdim, argmax)
 
 
 def min(x: Tensor, dim=None, keepdim: bool = False):  # noqa: A001
@@ -124,7 +124,20 @@ def min(x: Tensor, dim=None, keepdim: bool = False):  # noqa: A001
         return minimum(x, dim)
     if dim is None:
         return amin(x)
-    return MaxMin(amin(x, dim, keepdim), argmin(x, dim, keepdim))
+    return _selected(x, dim, keepdim, argmin)
+
+
+def _selected(x: Tensor, dim, keepdim: bool, arg) -> MaxMin:
+    """Values read at the chosen indices, so that (as in torch) only the chosen element of a tie
+    receives the gradient; amax/amin share it among the ties instead."""
+    from ember.ops.index import gather
+
+    indices = arg(x, dim, keepdim=True)
+    if x.ndim == 0:
+        return MaxMin(x, indices)
+    axis = normalize_dim("max", dim, x.ndim)
+    values = gather(x, axis, indices)
+    return MaxMin(_finish(values, (axis,), keepdim), _finish(indices, (axis,), keepdim))
 
 
 def all(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:  # noqa: A001
@@ -164,7 +177,10 @@ def var(x: Tensor, dim=None, unbiased: bool | None = None, keepdim: bool = False
 
 
 def std(x: Tensor, dim=None, unbiased: bool | None = None, keepdim: bool = False, *, correction=None) -> Tensor:
-    return var(x, dim, unbiased, keepdim, correction=correction).sqrt()
+    v = var(x, dim, unbiased, keepdim, correction=correction)
+    # where the variance is 0 the gradient is 0, as in torch, not 0 * inf from sqrt
+    flat = v == 0
+    return where(flat, 0.0, where(flat, 1.0, v).sqrt())
 
 
 def var_mean(x: Tensor, dim=None, unbiased: bool | None = None, keepdim: bool = False, *, correction=None):
@@ -202,21 +218,32 @@ def logsumexp(x: Tensor, dim, keepdim: bool = False) -> Tensor:
     return cast(_finish(out, axes, keepdim), out_dtype)
 
 
+def _as_vector(fn, x: Tensor, dim: int, dtype) -> Tensor:
+    """A 0-d input is a one-element vector (so its gradient is 0, as in torch)."""
+    normalize_dim(fn.__name__, dim, 0)
+    return reshape(fn(reshape(x, (1,)), 0, dtype), ())
+
+
 def softmax(x: Tensor, dim: int, dtype=None) -> Tensor:
+    if x.ndim == 0:
+        return _as_vector(softmax, x, dim, dtype)
     x, out_dtype = _widened(x, dtype)
-    axes = (normalize_dim("softmax", dim, x.ndim),) if x.ndim else ()
-    if not axes or x.numel() == 0:
-        return cast(exp(x - x.detach()), out_dtype) if not axes else cast(x, out_dtype)
-    e = exp(x - _stable_shift(x, axes))
+    axes = (normalize_dim("softmax", dim, x.ndim),)
+    if x.numel() == 0:
+        return cast(x, out_dtype)
+    # shifted by the plain maximum: a row holding +inf or only -inf gives NaN, as in torch
+    e = exp(x - amax(x.detach(), axes, keepdim=True))
     return cast(e / sum(e, axes, keepdim=True), out_dtype)
 
 
 def log_softmax(x: Tensor, dim: int, dtype=None) -> Tensor:
+    if x.ndim == 0:
+        return _as_vector(log_softmax, x, dim, dtype)
     x, out_dtype = _widened(x, dtype)
-    axes = (normalize_dim("log_softmax", dim, x.ndim),) if x.ndim else ()
-    if not axes or x.numel() == 0:
-        return cast(x - x.detach(), out_dtype) if not axes else cast(x, out_dtype)
-    shifted = x - _stable_shift(x, axes)
+    axes = (normalize_dim("log_softmax", dim, x.ndim),)
+    if x.numel() == 0:
+        return cast(x, out_dtype)
+    shifted = x - amax(x.detach(), axes, keepdim=True)
     return cast(shifted - log(sum(exp(shifted), axes, keepdim=True)), out_dtype)
 
 

@@ -8,6 +8,7 @@ loss of a step realized together with the optimizer update, for example).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 
 import numpy as np
@@ -53,10 +54,28 @@ def _transfer(node: Node) -> None:
     node.set_buffer(from_host(to_host(source.buffer, source.device), node.device))
 
 
+_companions: list[weakref.ref] = []
+
+
+def realize_with_next(node: Node) -> None:
+    """Compute `node` with the next realization on its device, if a Tensor still shows it then.
+
+    `backward()` registers its root this way, so the loss of a training step is computed
+    in the same graph as the optimizer update instead of on its own afterwards.
+    """
+    _companions.append(weakref.ref(node))
+
+
 def realize(nodes: Iterable[Node]) -> None:
     requested = [n for n in nodes if not n.realized]
     if not requested:
         return
+    if _companions:
+        device = requested[0].device
+        extra = [n for ref in _companions if (n := ref()) is not None and not n.realized
+                 and n.device == device and n.is_held()]
+        _companions.clear()
+        requested += [n for n in extra if n not in requested]
     order = toposort(requested)
     transfers = [n for n in order if n.op is Op.COPY and n.inputs[0].device != n.device]
     if transfers:

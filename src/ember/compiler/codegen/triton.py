@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 from dataclasses import dataclass, field
 
 from ember import dtypes
@@ -29,6 +30,7 @@ TL = {
     dtypes.int32: "tl.int32", dtypes.int64: "tl.int64", dtypes.float16: "tl.float16",
     dtypes.bfloat16: "tl.bfloat16", dtypes.float32: "tl.float32", dtypes.float64: "tl.float64",
 }
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 POINTWISE_BLOCK = 1024
 ROW_TILE = 4096  # elements of a row kernel's tile; rows longer than this are reduced in a loop
 INT32_LIMIT = 2**31 - 1
@@ -119,7 +121,7 @@ class Emitter:
         self.memo: dict[tuple, tuple[str, DType]] = {}
         self.unravelled: dict[tuple, tuple[str, ...]] = {}
         self.reduced: dict[int, str] = {}
-        self.scalars: set[str] = set()  # names that are not tiles: literals and scalar arguments
+        self.tiles: set[str] = {"rows", "cols", "mask", "rmask", f"offs{tag}", f"mask{tag}"}
         self.count = 0
         self.big = max([n.numel for n in kernel.covers + kernel.reads + kernel.outputs] + [1]) > INT32_LIMIT
 
@@ -134,13 +136,19 @@ class Emitter:
     def define(self, expr: str, stem: str = "v") -> str:
         name = self.fresh(stem)
         self.line(f"{name} = {expr}")
+        if self.is_tile(expr):
+            self.tiles.add(name)
         return name
+
+    def is_tile(self, expr: str) -> bool:
+        """Whether an expression varies across the lanes of the block (else it is one scalar)."""
+        return any(token in self.tiles for token in _IDENTIFIER.findall(expr))
 
     def unravel(self, linear: str, shape: tuple[int, ...]) -> tuple[str, ...]:
         key = (linear, shape)
         if key not in self.unravelled:
             dims: list[str] = []
-            rest = linear
+            rest = linear if linear.isidentifier() else f"({linear})"
             for d in range(len(shape) - 1, -1, -1):
                 s = shape[d]
                 if s == 1:
@@ -167,7 +175,9 @@ class Emitter:
             if shape[d] != 1 and idx.dims[d] != "0":
                 terms.append(idx.dims[d] if stride == 1 else f"{idx.dims[d]} * {self.ctx.size(stride)}")
             stride *= shape[d]
-        return " + ".join(reversed(terms)) or "0"
+        if len(terms) > 1:
+            return "(" + " + ".join(reversed(terms)) + ")"
+        return terms[0] if terms else "0"
 
     # -- values ----------------------------------------------------------------------------
     def value(self, node: Node, idx: Index) -> tuple[str, DType]:
@@ -206,7 +216,8 @@ class Emitter:
     def load(self, node: Node, idx: Index) -> tuple[str, DType]:
         pointer = self.ctx.arg("read", node, "in")
         offset = self.linear(idx, node.shape)
-        mask = f", mask={idx.mask}, other=0" if idx.mask else ""
+        # an offset every lane shares is a scalar load, in bounds by construction
+        mask = f", mask={idx.mask}, other=0" if idx.mask and self.is_tile(offset) else ""
         text = f"tl.load({pointer} + {offset}{mask})"
         out = compute_dtype(node.dtype)
         if out is not node.dtype:
@@ -216,10 +227,9 @@ class Emitter:
     def leaf(self, node: Node, idx: Index) -> tuple[str, DType]:
         if node.op is Op.CONST:
             out = compute_dtype(node.dtype)
-            name = self.ctx.arg("scalar", node.attrs["arg"], "c") if "arg" in node.attrs else \
-                _literal(node.attrs["value"], node.dtype)
-            self.scalars.add(name)
-            return name, out
+            if "arg" in node.attrs:
+                return self.ctx.arg("scalar", node.attrs["arg"], "c"), out
+            return _literal(node.attrs["value"], node.dtype), out
         if node.op is Op.IOTA:
             position = idx.linear if idx.dims is None else idx.dims[0]
             return self.define(f"({position}).to(tl.int64)"), dtypes.int64
@@ -260,22 +270,32 @@ class Emitter:
             return Index(new, None, idx.mask, level)
         raise CompileError(f"no index rule for {op.label}")
 
+    def clamp(self, position: str, size: int) -> str:
+        """A position forced into [0, size): the load stays in bounds and a where() picks the real value."""
+        return self.define(f"tl.minimum(tl.maximum({position}, 0), {self.ctx.size(size)} - 1)", "c")
+
     def pad(self, node: Node, idx: Index) -> tuple[str, DType]:
         dims = self.dims(idx, node.shape)
         source = node.inputs[0].shape
+        fill = _literal(node.attrs["value"], node.dtype)
         inner, checks = [], []
         for d, (lo, hi), s in zip(dims, node.attrs["pads"], source):
             if lo == 0 and hi == 0:
                 inner.append(d)
                 continue
+            if _int(d) is not None:  # a fixed position: decide now whether it falls in the padding
+                if not 0 <= _int(d) - lo < s:
+                    return fill, compute_dtype(node.dtype)
+                inner.append(str(_int(d) - lo))
+                continue
             shifted = self.define(f"{d} - {lo}" if lo else d, "p")
-            inner.append(shifted)
+            inner.append(self.clamp(shifted, s))
             checks.append(f"({shifted} >= 0) & ({shifted} < {self.ctx.size(s)})")
-        valid = self.define(" & ".join(checks), "ok")
-        mask = self.define(f"{idx.mask} & {valid}" if idx.mask else valid, "m")
         level = input_level(node, idx.level, self.kernel.space, self.kernel.axes, 0)
-        value, dt = self.value(node.inputs[0], Index(tuple(inner), None, mask, level))
-        fill = _literal(node.attrs["value"], node.dtype)
+        value, dt = self.value(node.inputs[0], Index(tuple(inner), None, idx.mask, level))
+        if not checks:
+            return value, dt
+        valid = self.define(" & ".join(checks), "ok")
         return self.define(f"tl.where({valid}, {value}, {fill})"), dt
 
     def gather(self, node: Node, idx: Index) -> tuple[str, DType]:
@@ -283,13 +303,13 @@ class Emitter:
         axis = node.attrs["axis"]
         level = input_level(node, idx.level, self.kernel.space, self.kernel.axes, 1)
         picked, _ = self.value(index, Index(idx.dims, idx.linear, idx.mask, level))
+        size = source.shape[axis]
+        valid = self.define(f"({picked} >= 0) & ({picked} < {self.ctx.size(size)})", "ok")
         dims = list(self.dims(idx, node.shape))
-        size = self.ctx.size(source.shape[axis])
-        valid = self.define(f"({picked} >= 0) & ({picked} < {size})", "ok")
-        mask = self.define(f"{idx.mask} & {valid}" if idx.mask else valid, "m")
-        dims[axis] = picked
+        dims[axis] = self.clamp(picked, size)
         source_level = input_level(node, idx.level, self.kernel.space, self.kernel.axes, 0)
-        return self.value(source, Index(tuple(dims), None, mask, source_level))
+        value, dt = self.value(source, Index(tuple(dims), None, idx.mask, source_level))
+        return self.define(f"tl.where({valid}, {value}, 0)"), dt
 
     def pointwise(self, node: Node, args: list[tuple[str, DType]]) -> tuple[str, DType]:
         op = node.op
@@ -352,12 +372,19 @@ class Emitter:
     def store(self, node: Node, idx: Index, tile: str) -> None:
         value, dt = self.value(node, idx)
         pointer = self.ctx.arg("write", node, "out")
-        if value in self.scalars:  # a literal or a scalar argument: give it the tile's shape
+        if not self.is_tile(value):  # a literal or a scalar: give it the tile's shape
             value = f"{value} + tl.zeros({tile}, {TL[dt]})"
         if dt is not node.dtype:
             value = f"({value}).to({TL[node.dtype]})"
         mask = f", mask={idx.mask}" if idx.mask else ""
         self.line(f"tl.store({pointer} + {self.linear(idx, node.shape)}, {value}{mask})")
+
+
+def _int(text: str) -> int | None:
+    try:
+        return int(text)
+    except ValueError:
+        return None
 
 
 def _literal(value, dtype: DType) -> str:
@@ -529,8 +556,10 @@ def _rows(ctx: Context, kernel: FusedKernel, body: list[str]) -> Launch:
         acc = emitter.fresh("acc")
         arg = emitter.fresh("arg") if r.op in (Op.ARGMAX, Op.ARGMIN) else None
         emitter.line(f"{acc} = tl.full([BLOCK_M, 1], {identity}, {TL[acc_dt]})")
+        emitter.tiles.add(acc)
         if arg:
             emitter.line(f"{arg} = tl.zeros([BLOCK_M, 1], tl.int64)")
+            emitter.tiles.add(arg)
         if not persistent:
             emitter.line("for start in range(0, " + n_size + ", BLOCK_N):")
             emitter.indent = "        "
@@ -608,11 +637,13 @@ def _scatter_add(ctx: Context, kernel: FusedKernel, body: list[str]) -> list[Lau
     addend, _ = emitter.value(src, at)
     dims = list(emitter.dims(at, index.shape))
     size = ctx.size(node.shape[axis])
-    emitter.line(f"valid = mask & ({picked} >= 0) & ({picked} < {size})")
-    dims[axis] = picked
-    target = emitter.linear(Index(tuple(dims), None, "valid", OTHER), node.shape)
+    emitter.line(f"valid = ({picked} >= 0) & ({picked} < {size})")
+    dims[axis] = emitter.clamp(picked, node.shape[axis])
+    target = emitter.linear(Index(tuple(dims), None, "mask", OTHER), node.shape)
     pointer = ctx.arg("write", node, "out")
-    emitter.line(f"tl.atomic_add({pointer} + {target}, ({addend}).to({TL[node.dtype]}), mask=valid)")
+    # an index out of range adds nothing (at a clamped address, so the access stays in bounds)
+    emitter.line(f"tl.atomic_add({pointer} + {target}, tl.where(valid, {addend}, 0).to({TL[node.dtype]}), "
+                 "mask=mask)")
     second = _finish(ctx, body, "kernel_scatter", inner, {"BLOCK": POINTWISE_BLOCK},
                      -(-index.numel // POINTWISE_BLOCK), 4)
     return [first, second]

@@ -1,0 +1,5 @@
+"""ember.data: datasets and a DataLoader that yields minibatches as ember Tensors."""
+
+from ember.data.loader import DataLoader, Dataset, TensorDataset
+
+__all__ = ["DataLoader", "Dataset", "TensorDataset"]

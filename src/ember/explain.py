@@ -1,0 +1,147 @@
+"""`ember.explain(*tensors)`: the fused plan of the pending graph, in words.
+
+It plans exactly as the cuda backend would (passes, fusion, code generation) but
+launches nothing, so it works on any device and leaves the tensors pending.
+"""
+
+from __future__ import annotations
+
+from ember.compiler import fusion, passes
+from ember.compiler.codegen import triton as codegen
+from ember.ir import Kind, Node, Op, toposort
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{n} B"
+
+
+def _is_work(n: Node) -> bool:
+    """Whether eager execution would spend a kernel on this node (views and constants are free)."""
+    return n.op.kind not in (Kind.LEAF, Kind.MOVEMENT)
+
+
+def _attrs(n: Node) -> str:
+    a = n.attrs
+    if n.op.kind is Kind.REDUCE:
+        return f", axes={list(a['axes'])}"
+    if n.op is Op.CONST:
+        return f"{a['value']}" if "arg" not in a else f"arg{a['arg']}={a['value']:.4g}"
+    if n.op is Op.RAND:
+        return a["distribution"]
+    if n.op is Op.CAST:
+        return f", {a['dtype'].name}"
+    if n.op is Op.PERMUTE:
+        return f", {list(a['order'])}"
+    if n.op in (Op.GATHER, Op.SCATTER_ADD):
+        return f", axis={a['axis']}"
+    return ""
+
+
+class Plan:
+    """A planned (not launched) graph: its fused kernels and their generated sources."""
+
+    def __init__(self, tensors):
+        nodes = [t._node for t in tensors]
+        order = toposort(nodes)
+        keep = {id(n) for n in nodes} | {id(n) for n in order if n.is_held()}
+        self.signature = passes.signature(order, keep)
+        self.lowered = passes.lower(order, keep, self.signature)
+        self.kernels, self.stored = fusion.plan(self.lowered.nodes, self.lowered.outputs)
+        self.sources = {id(k): codegen.generate(k, self.stored) for k in self.kernels
+                        if k.kind not in ("matmul", "conv2d")}
+        self.unfused = sum(1 for n in order if _is_work(n))
+        self.numbering = {id(n): i for i, n in enumerate(self.lowered.nodes)}
+
+    @property
+    def launches(self) -> int:
+        return sum(len(s.launches) for s in self.sources.values()) + sum(
+            1 for k in self.kernels if k.kind in ("matmul", "conv2d"))
+
+    def name(self, n: Node) -> str:
+        return f"%{self.numbering[id(n)]}"
+
+    def ref(self, n: Node) -> str:
+        """An argument as explain shows it: constants by value, views around the node they read."""
+        if n.op is Op.CONST:
+            return f"{n.attrs['value']:.4g}" if "arg" not in n.attrs else f"arg{n.attrs['arg']}"
+        if n.op.kind is Kind.MOVEMENT:
+            word = "broadcast" if n.op is Op.EXPAND else n.op.label
+            base = n
+            while base.op.kind is Kind.MOVEMENT and base.op is not Op.EXPAND or base is n:
+                base = base.inputs[0]
+                if base.op.kind is not Kind.MOVEMENT:
+                    break
+            return f"{word}({self.ref(base)})"
+        return self.name(n)
+
+    def line(self, n: Node, outputs: list[Node]) -> str:
+        args = ", ".join(self.ref(i) for i in n.inputs)
+        text = f"{self.name(n)} = {n.op.label}({args}{_attrs(n)})"
+        if n in outputs:
+            text = f"{text:<44} -> out[{outputs.index(n)}]"
+        return text
+
+    def describe(self, k: fusion.FusedKernel) -> list[str]:
+        parts = k.segments or [k]
+        dtype = k.outputs[0].dtype.name if k.outputs else ""
+        shape = list(k.space) if not k.segments else f"{len(k.segments)} segments"
+        how = ""
+        if id(k) in self.sources:
+            launch = self.sources[id(k)].launches[-1]
+            blocks = "x".join(str(v) for v in launch.constexprs.values())
+            how = f"(triton, BLOCK {blocks}, {launch.num_warps} warps)"
+        else:
+            how = "(vendor: torch)"
+        over = f" over axes {list(k.axes)}" if k.axes else ""
+        lines = [f"kernel {k.index}  {k.kind}  {shape} {dtype}{over}   {how}"]
+        for part in parts:
+            if k.segments:
+                lines.append(f"  segment   {list(part.space)}")
+            work = [n for n in part.covers if _is_work(n) or n.op is Op.RAND or n in part.outputs]
+            cores = [n for n in work if n.op.kind in (Kind.REDUCE, Kind.CONTRACTION) or n.op is Op.SCATTER_ADD]
+            before = _upstream(cores, work)
+            label = "mainloop" if cores else "ops"
+            for group, title in ((before, label), (cores, "core"), ([n for n in work if n not in cores
+                                                                      and n not in before], "epilogue")):
+                for i, n in enumerate(group):
+                    lines.append(f"  {title if i == 0 else '':<9} {self.line(n, part.outputs)}")
+        read = sum(n.numel * n.dtype.itemsize for n in k.reads)
+        written = sum(n.numel * n.dtype.itemsize for n in k.outputs)
+        replaced = sum(1 for n in k.covers if _is_work(n))
+        lines.append(f"  reads {_mib(read)}  writes {_mib(written)}  replaces {replaced} unfused kernels")
+        return lines
+
+    def __str__(self) -> str:
+        lines = []
+        for k in self.kernels:
+            lines += self.describe(k)
+        lines.append(f"{len(self.kernels)} fused kernels ({self.launches} launches) for {self.unfused} unfused "
+                     f"kernels; {len(self.lowered.nodes)} nodes after passes")
+        return "\n".join(lines)
+
+
+def _upstream(cores: list[Node], work: list[Node]) -> list[Node]:
+    """Nodes of `work` that feed a core: the mainloop (prologue) of the kernel."""
+    inside = {id(n) for n in work}
+    found: dict[int, Node] = {}
+    stack = [i for c in cores for i in c.inputs]
+    while stack:
+        n = stack.pop()
+        if id(n) in inside and id(n) not in found and n not in cores:
+            found[id(n)] = n
+            stack.extend(n.inputs)
+    return [n for n in work if id(n) in found]
+
+
+def plan(*tensors) -> Plan:
+    return Plan(tensors)
+
+
+def explain(*tensors, file=None) -> Plan:
+    """Print the fused plan that computing these tensors would run; return it for inspection."""
+    p = Plan(tensors)
+    print(p, file=file)
+    return p
+
+
+__all__ = ["Plan", "explain", "plan"]

@@ -1,0 +1,33 @@
+"""ember.nn: modules, layers, losses, initialisation and `functional`, with PyTorch's names."""
+
+from ember.nn import functional, init
+from ember.nn.containers import ModuleDict, ModuleList, Sequential
+from ember.nn.layers import (
+    GELU,
+    AdaptiveAvgPool2d,
+    AvgPool2d,
+    Conv2d,
+    Dropout,
+    Embedding,
+    Flatten,
+    Identity,
+    LeakyReLU,
+    Linear,
+    LogSoftmax,
+    MaxPool2d,
+    ReLU,
+    Sigmoid,
+    SiLU,
+    Softmax,
+    Tanh,
+)
+from ember.nn.losses import BCELoss, BCEWithLogitsLoss, CrossEntropyLoss, L1Loss, MSELoss, NLLLoss, SmoothL1Loss
+from ember.nn.module import Module, Parameter
+from ember.nn.normalization import BatchNorm1d, BatchNorm2d, LayerNorm
+
+__all__ = [
+    "AdaptiveAvgPool2d", "AvgPool2d", "BCELoss", "BCEWithLogitsLoss", "BatchNorm1d", "BatchNorm2d", "Conv2d",
+    "CrossEntropyLoss", "Dropout", "Embedding", "Flatten", "GELU", "Identity", "L1Loss", "LayerNorm", "LeakyReLU",
+    "Linear", "LogSoftmax", "MSELoss", "MaxPool2d", "Module", "ModuleDict", "ModuleList", "NLLLoss", "Parameter",
+    "ReLU", "SiLU", "Sequential", "Sigmoid", "SmoothL1Loss", "Softmax", "Tanh", "functional", "init",
+]

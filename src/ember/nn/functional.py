@@ -1,0 +1,454 @@
+"""ember.nn.functional: activations, layers as functions, normalisation and losses.
+
+Import as `F`, as with torch.nn.functional. Most entries are ember's ops under their
+torch.nn.functional names and signatures; the losses and normalisations are written
+here as compositions of ops, so they fuse and differentiate like any other graph.
+The deprecated `size_average` / `reduce` arguments of the losses are not accepted;
+use `reduction`.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+import weakref
+
+from ember import dtypes
+from ember.autograd import no_grad
+from ember.errors import DTypeError, ShapeError, operands
+from ember.ops import (
+    adaptive_avg_pool2d,
+    adaptive_max_pool2d,
+    avg_pool2d,
+    conv2d,
+    gelu,
+    linear,
+    max_pool2d,
+    mish,
+    one_hot,
+    sigmoid,
+    softplus,
+    tanh,
+)
+from ember.ops import dropout as _dropout
+from ember.ops import elu as _elu
+from ember.ops import embedding as _embedding
+from ember.ops import hardtanh as _hardtanh
+from ember.ops import leaky_relu as _leaky_relu
+from ember.ops import log_softmax as _log_softmax
+from ember.ops import pad as _pad
+from ember.ops import relu as _relu
+from ember.ops import silu as _silu
+from ember.ops import softmax as _softmax
+from ember.ops.index import index_select
+from ember.ops.pointwise import abs, broadcast_shapes, cast, exp, log, log1p, maximum, where
+from ember.tensor import Tensor, realize
+
+__all__ = [
+    "adaptive_avg_pool2d", "adaptive_max_pool2d", "avg_pool2d", "batch_norm", "binary_cross_entropy",
+    "binary_cross_entropy_with_logits", "conv2d", "cross_entropy", "dropout", "elu", "embedding", "gelu",
+    "hardtanh", "l1_loss", "layer_norm", "leaky_relu", "linear", "log_softmax", "logsigmoid",
+    "max_pool2d", "mish", "mse_loss", "nll_loss", "one_hot", "pad", "relu", "relu6", "sigmoid", "silu",
+    "smooth_l1_loss", "softmax", "softplus", "tanh",
+]
+
+
+# -- activations and layers with torch.nn.functional's signatures -----------------------
+
+def _maybe_inplace(x: Tensor, out: Tensor, inplace: bool) -> Tensor:
+    return x.assign(out) if inplace else out
+
+
+def relu(input: Tensor, inplace: bool = False) -> Tensor:
+    return _maybe_inplace(input, _relu(input), inplace)
+
+
+def relu6(input: Tensor, inplace: bool = False) -> Tensor:
+    return _maybe_inplace(input, _hardtanh(input, 0.0, 6.0), inplace)
+
+
+def leaky_relu(input: Tensor, negative_slope: float = 0.01, inplace: bool = False) -> Tensor:
+    return _maybe_inplace(input, _leaky_relu(input, negative_slope), inplace)
+
+
+def elu(input: Tensor, alpha: float = 1.0, inplace: bool = False) -> Tensor:
+    return _maybe_inplace(input, _elu(input, alpha), inplace)
+
+
+def silu(input: Tensor, inplace: bool = False) -> Tensor:
+    return _maybe_inplace(input, _silu(input), inplace)
+
+
+def hardtanh(input: Tensor, min_val: float = -1.0, max_val: float = 1.0, inplace: bool = False) -> Tensor:
+    return _maybe_inplace(input, _hardtanh(input, min_val, max_val), inplace)
+
+
+def logsigmoid(input: Tensor) -> Tensor:
+    return -softplus(-input)
+
+
+def dropout(input: Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> Tensor:
+    return _maybe_inplace(input, _dropout(input, p, training), inplace)
+
+
+def _softmax_dim(name: str, dim: int | None, ndim: int) -> int:
+    if dim is not None:
+        return dim
+    warnings.warn(f"Implicit dimension choice for {name} has been deprecated. "
+                  "Change the call to include dim=X as an argument.", stacklevel=3)
+    return 0 if ndim in (0, 1, 3) else 1
+
+
+def softmax(input: Tensor, dim: int | None = None, dtype=None) -> Tensor:
+    return _softmax(input, _softmax_dim("softmax", dim, input.ndim), dtype=dtype)
+
+
+def log_softmax(input: Tensor, dim: int | None = None, dtype=None) -> Tensor:
+    return _log_softmax(input, _softmax_dim("log_softmax", dim, input.ndim), dtype=dtype)
+
+
+def embedding(input: Tensor, weight: Tensor, padding_idx: int | None = None, max_norm: float | None = None,
+              norm_type: float = 2.0, scale_grad_by_freq: bool = False, sparse: bool = False) -> Tensor:
+    if max_norm is not None or scale_grad_by_freq or sparse:
+        raise NotImplementedError("embedding: max_norm, scale_grad_by_freq and sparse are not supported")
+    return _embedding(input, weight, padding_idx)
+
+
+def pad(input: Tensor, pad: list[int], mode: str = "constant", value: float | None = None) -> Tensor:
+    return _pad(input, pad, mode, 0.0 if value is None else value)
+
+
+# -- normalisation --------------------------------------------------------------------
+
+def _check_float(fn: str, *tensors: Tensor) -> None:
+    for t in tensors:
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{fn}: expected Tensors, got {type(t).__name__}")
+        if not t.dtype.is_floating_point:
+            raise DTypeError(f"{fn}: expected floating-point tensors, got {operands(*tensors)}")
+
+
+def _opmath(x: Tensor) -> Tensor:
+    """Half-precision inputs are normalised in float32, as PyTorch does."""
+    return cast(x, dtypes.float32) if x.dtype in (dtypes.float16, dtypes.bfloat16) else x
+
+
+def layer_norm(input: Tensor, normalized_shape, weight: Tensor | None = None, bias: Tensor | None = None,
+               eps: float = 1e-5) -> Tensor:
+    """Normalise over the trailing `normalized_shape` dims (biased variance), then scale and shift."""
+    _check_float("layer_norm", input)
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    k = len(shape)
+    if k == 0 or input.shape[input.ndim - k:] != shape:
+        raise ShapeError(f"layer_norm: input of shape {input.shape} does not end in normalized_shape {shape}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.shape != shape:
+            raise ShapeError(f"layer_norm: {name} of shape {t.shape} must have normalized_shape {shape}")
+    x = _opmath(input)
+    axes = tuple(range(input.ndim - k, input.ndim))
+    centred = x - x.mean(axes, keepdim=True)
+    var = (centred * centred).mean(axes, keepdim=True)
+    out = cast(centred * (var + eps).rsqrt(), input.dtype)
+    if weight is not None:
+        out = out * weight
+    if bias is not None:
+        out = out + bias
+    return out
+
+
+# The batch statistics that pending running-stat updates read, by id of the running_mean they
+# feed (Tensors compare elementwise, so they cannot be keys of a WeakKeyDictionary).
+_pending_batch_stats: dict[int, tuple[weakref.ref, list[Tensor]]] = {}
+
+
+def _pending_stats(running_mean: Tensor) -> list[Tensor]:
+    entry = _pending_batch_stats.get(id(running_mean))
+    return entry[1] if entry is not None and entry[0]() is running_mean else []
+
+
+def _settle_running_stats(running_mean: Tensor, *others: Tensor) -> None:
+    """Compute the previous update of running statistics once the batch statistics it reads exist.
+
+    The update is lazy: it reads the batch mean and variance, which the realize that
+    computes the forward pass stores because they are held (see `_update_running_stats`).
+    Computing it then costs a few elements and cuts its link to the old graph, so
+    neither the chain of updates nor the forward graphs behind them grow over steps.
+    """
+    if all(s._node.realized for s in _pending_stats(running_mean)):
+        realize(running_mean, *others)
+
+
+def _update_running_stats(running_mean: Tensor | None, running_var: Tensor | None, mean: Tensor, var: Tensor,
+                          count: int, momentum) -> None:
+    """Fold a batch's statistics into the running estimates, outside autograd (unbiased variance).
+
+    `mean` and `var` must be the very tensors the forward pass uses, so that holding
+    them makes the realize of the forward pass store them.
+    """
+    if running_mean is None and running_var is None:
+        return
+    key = running_mean if running_mean is not None else running_var
+    _settle_running_stats(*(t for t in (running_mean, running_var) if t is not None))
+    mean, var = mean.detach(), var.detach()
+    with no_grad():
+        if running_mean is not None:
+            batch_mean = cast(mean.reshape(running_mean.shape), running_mean.dtype)
+            running_mean.assign(running_mean * (1 - momentum) + batch_mean * momentum)
+        if running_var is not None:
+            unbiased = var.reshape(running_var.shape) * (count / (count - 1))
+            running_var.assign(running_var * (1 - momentum) + cast(unbiased, running_var.dtype) * momentum)
+    still_pending = [s for s in _pending_stats(key) if not s._node.realized]
+    for stale in [k for k, (ref, _) in _pending_batch_stats.items() if ref() is None]:
+        del _pending_batch_stats[stale]
+    _pending_batch_stats[id(key)] = (weakref.ref(key), [*still_pending, mean, var])
+
+
+def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
+               weight: Tensor | None = None, bias: Tensor | None = None, training: bool = False,
+               momentum=0.1, eps: float = 1e-5) -> Tensor:
+    """Normalise each channel (dim 1) over the batch and spatial dims.
+
+    In training the batch's statistics are used and, when given, the running
+    estimates are updated in place (lazily, outside autograd); otherwise the running
+    estimates are used. `momentum` may be a float or a 0-d Tensor.
+    """
+    _check_float("batch_norm", input)
+    if input.ndim < 2:
+        raise ShapeError(f"batch_norm: expected input of shape (N, C, ...), got {input.shape}")
+    c = input.shape[1]
+    for name, t in (("running_mean", running_mean), ("running_var", running_var), ("weight", weight),
+                    ("bias", bias)):
+        if t is not None and t.shape != (c,):
+            raise ShapeError(f"batch_norm: {name} of shape {t.shape} must have shape ({c},) for input {input.shape}")
+    axes = (0, *range(2, input.ndim))
+    stat_shape = (1, c) + (1,) * (input.ndim - 2)
+    x = _opmath(input)
+    if training:
+        count = input.numel() // c if c else 0
+        if count <= 1:
+            raise ValueError(f"batch_norm: expected more than 1 value per channel when training, "
+                             f"got input of shape {input.shape}")
+        mean = x.mean(axes, keepdim=True)
+        centred = x - mean
+        var = (centred * centred).mean(axes, keepdim=True)
+        _update_running_stats(running_mean, running_var, mean, var, count, momentum)
+    else:
+        if running_mean is None or running_var is None:
+            raise ValueError("batch_norm: running_mean and running_var are required when training=False")
+        centred = x - cast(running_mean, x.dtype).reshape(stat_shape)
+        var = cast(running_var, x.dtype).reshape(stat_shape)
+    out = cast(centred * (var + eps).rsqrt(), input.dtype)
+    if weight is not None:
+        out = out * weight.reshape(stat_shape)
+    if bias is not None:
+        out = out + bias.reshape(stat_shape)
+    return out
+
+
+# -- losses ---------------------------------------------------------------------------
+
+def _reduce(fn: str, loss: Tensor, reduction: str) -> Tensor:
+    if reduction == "none":
+        return loss
+    if reduction == "mean":
+        return loss.mean()
+    if reduction == "sum":
+        return loss.sum()
+    raise ValueError(f"{fn}: reduction must be 'none', 'mean' or 'sum', not {reduction!r}")
+
+
+def _check_reduction(fn: str, reduction: str) -> None:
+    if reduction not in ("none", "mean", "sum"):
+        raise ValueError(f"{fn}: reduction must be 'none', 'mean' or 'sum', not {reduction!r}")
+
+
+def _class_dim(fn: str, input: Tensor) -> int:
+    if input.ndim == 0:
+        raise ShapeError(f"{fn}: input must be (C,), (N, C) or (N, C, d1, ...), got a 0-d tensor")
+    return 1 if input.ndim >= 2 else 0
+
+
+def _check_class_target(fn: str, input: Tensor, target: Tensor, class_dim: int) -> None:
+    expected = input.shape[:class_dim] + input.shape[class_dim + 1:]
+    if target.shape != expected:
+        raise ShapeError(f"{fn}: class-index target of shape {target.shape} does not fit input of shape "
+                         f"{input.shape}; expected target shape {expected} ({operands(input, target)})")
+
+
+def _check_weight(fn: str, weight: Tensor | None, classes: int) -> None:
+    if weight is None:
+        return
+    if not isinstance(weight, Tensor) or not weight.dtype.is_floating_point:
+        raise DTypeError(f"{fn}: weight must be a floating-point Tensor, got {operands(weight)}")
+    if weight.shape != (classes,):
+        raise ShapeError(f"{fn}: weight of shape {weight.shape} must have one entry per class ({classes},)")
+
+
+def _weight_along(weight: Tensor, class_dim: int, ndim: int) -> Tensor:
+    return weight.reshape(tuple(-1 if d == class_dim else 1 for d in range(ndim)))
+
+
+def _nll(logp: Tensor, target: Tensor, weight: Tensor | None, ignore_index: int, reduction: str,
+         class_dim: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The negative log-likelihood per element (0 where ignored), its reduction, and each
+    element's class weight (0 where ignored)."""
+    ignored = target == ignore_index
+    safe = where(ignored, 0, target)  # ignore_index may lie outside [0, C)
+    picked = logp.gather(class_dim, safe.unsqueeze(class_dim)).squeeze(class_dim)
+    if weight is None:
+        target_weight = where(ignored, 0.0, 1.0)
+        loss = where(ignored, 0.0, -picked)
+    else:
+        target_weight = where(ignored, 0.0, index_select(cast(weight, logp.dtype), 0, safe.reshape(-1))
+                              .reshape(safe.shape))
+        loss = where(ignored, 0.0, -picked * target_weight)
+    target_weight = cast(target_weight, logp.dtype)
+    if reduction == "none":
+        return loss, loss, target_weight
+    if reduction == "sum":
+        return loss, loss.sum(), target_weight
+    return loss, loss.sum() / target_weight.sum(), target_weight
+
+
+def _check_index_target(fn: str, target: Tensor) -> None:
+    if not isinstance(target, Tensor):
+        raise TypeError(f"{fn}: target must be a Tensor, got {type(target).__name__}")
+    if not target.dtype.is_integer:
+        raise DTypeError(f"{fn}: target must hold class indices (an integer tensor), got {operands(target)}")
+
+
+def nll_loss(input: Tensor, target: Tensor, weight: Tensor | None = None, *, ignore_index: int = -100,
+             reduction: str = "mean") -> Tensor:
+    """Negative log-likelihood of class indices given log-probabilities over dim 1 (dim 0 for (C,) input).
+
+    The mean divides by the summed weights of the non-ignored targets, as PyTorch does.
+    """
+    _check_float("nll_loss", input)
+    _check_index_target("nll_loss", target)
+    _check_reduction("nll_loss", reduction)
+    class_dim = _class_dim("nll_loss", input)
+    _check_class_target("nll_loss", input, target, class_dim)
+    _check_weight("nll_loss", weight, input.shape[class_dim])
+    return _nll(input, target, weight, ignore_index, reduction, class_dim)[1]
+
+
+def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, *, ignore_index: int = -100,
+                  reduction: str = "mean", label_smoothing: float = 0.0) -> Tensor:
+    """Cross entropy between logits (class dim 1, or 0 for (C,) input) and a target.
+
+    The target holds either class indices (shape of input without the class dim) or
+    class probabilities (same shape as input). `weight` rescales each class;
+    `ignore_index` drops index targets; `label_smoothing` mixes the target with the
+    uniform distribution. Reductions and the way these combine follow PyTorch exactly.
+    """
+    _check_float("cross_entropy", input)
+    if not isinstance(target, Tensor):
+        raise TypeError(f"cross_entropy: target must be a Tensor, got {type(target).__name__}")
+    _check_reduction("cross_entropy", reduction)
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}")
+    class_dim = _class_dim("cross_entropy", input)
+    classes = input.shape[class_dim]
+    _check_weight("cross_entropy", weight, classes)
+    logp = _log_softmax(input, class_dim)
+    if target.dtype.is_floating_point:
+        return _cross_entropy_probabilities(logp, target, weight, reduction, label_smoothing, class_dim)
+    if not target.dtype.is_integer:
+        raise DTypeError(f"cross_entropy: target must hold class indices (integer) or class probabilities "
+                         f"(floating point), got {operands(target)}")
+    _check_class_target("cross_entropy", input, target, class_dim)
+    _, nll, target_weight = _nll(logp, target, weight, ignore_index, reduction, class_dim)
+    if label_smoothing == 0.0:
+        return nll
+    ignored = target == ignore_index
+    per_class = logp if weight is None else logp * _weight_along(cast(weight, logp.dtype), class_dim, logp.ndim)
+    smooth = where(ignored, 0.0, -per_class.sum(class_dim))
+    if reduction == "mean":
+        smooth = smooth.sum() / target_weight.sum()
+    elif reduction == "sum":
+        smooth = smooth.sum()
+    return nll * (1 - label_smoothing) + smooth * (label_smoothing / classes)
+
+
+def _cross_entropy_probabilities(logp: Tensor, target: Tensor, weight: Tensor | None, reduction: str,
+                                 label_smoothing: float, class_dim: int) -> Tensor:
+    if target.shape != logp.shape:
+        raise ShapeError(f"cross_entropy: a probability target must have the input's shape {logp.shape}, "
+                         f"got {target.shape} ({operands(logp, target)})")
+    classes = logp.shape[class_dim]
+    target = cast(target, logp.dtype)
+    if label_smoothing > 0.0:
+        target = target * (1 - label_smoothing) + label_smoothing / classes
+    terms = logp * target
+    if weight is not None:
+        terms = terms * _weight_along(cast(weight, logp.dtype), class_dim, logp.ndim)
+    if reduction == "none":
+        return -terms.sum(class_dim)
+    if reduction == "sum":
+        return -terms.sum()
+    return -terms.sum() / (logp.numel() / classes) if logp.numel() else -terms.sum() * math.nan
+
+
+def _check_pair(fn: str, input: Tensor, target: Tensor, same_shape: bool) -> None:
+    _check_float(fn, input)
+    if not isinstance(target, Tensor):
+        raise TypeError(f"{fn}: target must be a Tensor, got {type(target).__name__}")
+    if same_shape and target.shape != input.shape:
+        raise ShapeError(f"{fn}: target of shape {target.shape} must have the input's shape {input.shape} "
+                         f"({operands(input, target)})")
+    if not same_shape and target.shape != input.shape:
+        broadcast_shapes(fn, input.shape, target.shape)
+        warnings.warn(f"{fn}: using a target size {target.shape} that is different to the input size "
+                      f"{input.shape}; they will be broadcast, which is likely not what you want", stacklevel=3)
+
+
+def mse_loss(input: Tensor, target: Tensor, *, reduction: str = "mean") -> Tensor:
+    _check_pair("mse_loss", input, target, same_shape=False)
+    diff = input - target
+    return _reduce("mse_loss", diff * diff, reduction)
+
+
+def l1_loss(input: Tensor, target: Tensor, *, reduction: str = "mean") -> Tensor:
+    _check_pair("l1_loss", input, target, same_shape=False)
+    return _reduce("l1_loss", abs(input - target), reduction)
+
+
+def smooth_l1_loss(input: Tensor, target: Tensor, *, reduction: str = "mean", beta: float = 1.0) -> Tensor:
+    """Squared error below `beta` (scaled by 1 / (2 beta)), absolute error minus beta / 2 above."""
+    _check_pair("smooth_l1_loss", input, target, same_shape=False)
+    if beta < 0:
+        raise ValueError(f"smooth_l1_loss: beta must be non-negative, got {beta}")
+    diff = abs(input - target)
+    if beta == 0:
+        return _reduce("smooth_l1_loss", diff, reduction)
+    return _reduce("smooth_l1_loss", where(diff < beta, diff * diff * (0.5 / beta), diff - 0.5 * beta), reduction)
+
+
+def binary_cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, *,
+                         reduction: str = "mean") -> Tensor:
+    """Cross entropy of probabilities `input` against targets in [0, 1]; logs are clamped at -100 as in PyTorch."""
+    _check_pair("binary_cross_entropy", input, target, same_shape=True)
+    target = cast(target, input.dtype)
+    log_p = log(input).clamp(min=-100)
+    log_not_p = log(1 - input).clamp(min=-100)
+    loss = -(target * log_p + (1 - target) * log_not_p)
+    if weight is not None:
+        loss = loss * weight
+    return _reduce("binary_cross_entropy", loss, reduction)
+
+
+def binary_cross_entropy_with_logits(input: Tensor, target: Tensor, weight: Tensor | None = None, *,
+                                     reduction: str = "mean", pos_weight: Tensor | None = None) -> Tensor:
+    """Sigmoid and binary cross entropy in one stable formula; `pos_weight` scales the positive term."""
+    _check_pair("binary_cross_entropy_with_logits", input, target, same_shape=True)
+    target = cast(target, input.dtype)
+    # -log(sigmoid(x)) = max(-x, 0) + log1p(exp(-|x|)): no overflow for any x
+    neg_log_sigmoid = maximum(-input, 0.0) + log1p(exp(-abs(input)))
+    if pos_weight is not None:
+        broadcast_shapes("binary_cross_entropy_with_logits", pos_weight.shape, target.shape)
+        loss = (1 - target) * input + ((pos_weight - 1) * target + 1) * neg_log_sigmoid
+    else:
+        loss = (1 - target) * input + neg_log_sigmoid
+    if weight is not None:
+        loss = loss * weight
+    return _reduce("binary_cross_entropy_with_logits", loss, reduction)

@@ -1,0 +1,149 @@
+"""Optimizer: parameter groups, per-parameter state, and the one-graph step.
+
+`step()` builds the update of every parameter and every state tensor lazily and then
+realizes them all at once, so the forward pass, the backward pass and the update of
+a training step are computed as one graph, and nothing of the step's graph survives
+it. Hyper-parameters that change over time (the learning rate, the step count used
+for bias correction) enter the graph as Python floats.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable
+
+from ember.autograd import enable_grad, no_grad
+from ember.ops.creation import tensor as _tensor
+from ember.ops.creation import zeros_like
+from ember.tensor import Tensor, realize
+
+
+class _Required:
+    def __repr__(self) -> str:
+        return "<required parameter>"
+
+
+required = _Required()
+
+
+class Optimizer:
+    """Base class: subclasses set `defaults` and implement `_update(param, grad, state, group)`."""
+
+    def __init__(self, params: Iterable[Tensor] | Iterable[dict], defaults: dict) -> None:
+        if isinstance(params, Tensor):
+            raise TypeError("params must be an iterable of Tensors or dicts, not a single Tensor "
+                            "(pass model.parameters() or [tensor])")
+        self.defaults = defaults
+        self.state: dict[Tensor, dict] = {}
+        self.param_groups: list[dict] = []
+        groups = list(params)
+        if not groups:
+            raise ValueError("optimizer got an empty parameter list")
+        if not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        for group in groups:
+            self.add_param_group(group)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group of parameters with its own hyper-parameters (missing ones take the defaults)."""
+        group = dict(param_group)
+        params = group["params"]
+        group["params"] = [params] if isinstance(params, Tensor) else list(params)
+        for p in group["params"]:
+            if not isinstance(p, Tensor):
+                raise TypeError(f"optimizer can only optimize Tensors, got {type(p).__name__}")
+            if not p.is_leaf:
+                raise ValueError("can't optimize a non-leaf Tensor")
+        for name, default in self.defaults.items():
+            if default is required and name not in group:
+                raise ValueError(f"parameter group didn't specify a value of required optimization parameter {name}")
+            group.setdefault(name, default)
+        seen = {id(p) for g in self.param_groups for p in g["params"]}
+        if any(id(p) in seen for p in group["params"]):
+            raise ValueError("some parameters appear in more than one parameter group")
+        self.param_groups.append(group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad = None if set_to_none else zeros_like(p.grad)
+
+    def step(self, closure: Callable[[], Tensor] | None = None):
+        """Update every parameter that has a gradient, computing the whole step in one realize."""
+        loss = None
+        if closure is not None:
+            with enable_grad():
+                loss = closure()
+        updated = []
+        with no_grad():
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    state = self.state.setdefault(p, {})
+                    self._update(p, p.grad, state, group)
+                    updated.append(p)
+        states = [v for p in updated for v in self.state[p].values() if isinstance(v, Tensor)]
+        realize(*updated, *states, *([loss] if isinstance(loss, Tensor) else []))
+        return loss
+
+    def _update(self, param: Tensor, grad: Tensor, state: dict, group: dict) -> None:
+        raise NotImplementedError
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """{'state': {index: {...}}, 'param_groups': [{..., 'params': [index, ...]}]}, as PyTorch lays it out."""
+        index: dict[int, int] = {}
+        groups = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                index.setdefault(id(p), len(index))
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = [index[id(p)] for p in group["params"]]
+            groups.append(packed)
+        state = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p in self.state:
+                    state[index[id(p)]] = {k: v.detach() if isinstance(v, Tensor) else v
+                                           for k, v in self.state[p].items()}
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"loaded state dict has {len(groups)} parameter groups, "
+                             f"this optimizer has {len(self.param_groups)}")
+        for i, (saved, own) in enumerate(zip(groups, self.param_groups)):
+            if len(saved["params"]) != len(own["params"]):
+                raise ValueError(f"loaded state dict's parameter group {i} has {len(saved['params'])} parameters, "
+                                 f"this optimizer's has {len(own['params'])}")
+        by_index = {i: p for saved, own in zip(groups, self.param_groups) for i, p in zip(saved["params"],
+                                                                                           own["params"])}
+        self.state = {}
+        for key, values in state_dict["state"].items():
+            p = by_index.get(int(key))
+            if p is None:
+                continue
+            self.state[p] = {k: self._restore(p, k, v) for k, v in values.items()}
+        for saved, own in zip(groups, self.param_groups):
+            for k, v in saved.items():
+                if k != "params":
+                    own[k] = copy.deepcopy(v)
+
+    @staticmethod
+    def _restore(param: Tensor, key: str, value):
+        """State tensors take the parameter's device and (when floating point) dtype, as in PyTorch."""
+        if not isinstance(value, Tensor):
+            return value
+        if value.dtype.is_floating_point:
+            value = value.to(dtype=param.dtype)
+        return _tensor(value, device=param.device)
+
+    def __repr__(self) -> str:
+        lines = [f"{type(self).__name__} ("]
+        for i, group in enumerate(self.param_groups):
+            lines.append(f"Parameter Group {i}")
+            lines.extend(f"    {k}: {v}" for k, v in sorted(group.items()) if k != "params")
+        return "\n".join(lines) + "\n)"

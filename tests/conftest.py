@@ -1,0 +1,285 @@
+"""Shared helpers of the op suite: one set of random inputs for ember and torch, compared.
+
+A test names an op once, as a function of the library: `lambda m, x: m.gelu(x)` runs with
+`m = ember` and with `m = TORCH` (torch with torch.nn.functional on top), on tensors built
+from the same NumPy arrays. `check_against_torch` compares forward values, dtypes and
+gradients (with a random output cotangent); `check_finite_differences` checks ember's
+gradients against central differences in float64, independently of torch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import zlib
+from types import SimpleNamespace
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ember
+
+# The cuda backend runs generated Triton kernels; without a GPU, Triton's interpreter runs them
+# on the CPU (EMBER_INTERPRET=1), which is how the generated code is tested here.
+if not torch.cuda.is_available():
+    os.environ.setdefault("EMBER_INTERPRET", "1")
+
+
+@pytest.fixture
+def cuda_backend():
+    from ember.runtime import cuda
+
+    if not cuda.is_available():
+        pytest.skip("the cuda backend needs a GPU or EMBER_INTERPRET=1")
+
+DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16", "int32", "int64", "bool")
+FLOATS = ("float32", "float64", "float16", "bfloat16")
+INTS = ("int8", "uint8", "int16", "int32", "int64")
+NUMERIC = FLOATS + INTS
+HALF = ("float16", "bfloat16")
+
+# torch's functions with torch.nn.functional's on top: the torch twin of the `ember` namespace
+TORCH = SimpleNamespace(**{k: getattr(torch, k) for k in dir(torch) if not k.startswith("_")})
+for _name in dir(F):
+    if not _name.startswith("_"):
+        setattr(TORCH, _name, getattr(F, _name))
+
+# (rtol, atol) for values, by dtype; half types are compared with torch computing in the same dtype
+TOLERANCES = {
+    "float64": (1e-9, 1e-11),
+    "float32": (1e-5, 1e-6),
+    "float16": (1e-2, 1e-3),
+    "bfloat16": (1e-2, 1e-2),
+}
+# gradients pass through several rounded steps (each primitive's VJP stores in the input dtype)
+GRAD_TOLERANCES = {
+    "float64": (1e-8, 1e-10),
+    "float32": (1e-4, 1e-5),
+    "float16": (2e-2, 1e-2),
+    "bfloat16": (4e-2, 4e-2),
+}
+
+
+def ember_dtype(name: str) -> ember.DType:
+    return ember.dtypes.as_dtype(name)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    return ember_dtype(name).np
+
+
+@pytest.fixture
+def rng(request) -> np.random.Generator:
+    """A generator seeded by the test's id: each test sees the same data on every run."""
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+def random_array(rng: np.random.Generator, shape, dtype: str, low: float = -2.0, high: float = 2.0,
+                 avoid: float | None = None) -> np.ndarray:
+    """Random values of `dtype` (a name) in [low, high]; floats stay at least 0.1 away from `avoid`."""
+    shape = tuple(shape)
+    if dtype == "bool":
+        return np.asarray(rng.random(shape) < 0.5)
+    if dtype in INTS:
+        info = np.iinfo(numpy_dtype(dtype))
+        lo, hi = max(math.floor(low), info.min), min(math.ceil(high), info.max)
+        values = rng.integers(lo, hi + 1, size=shape)
+        if avoid is not None:
+            values = np.where(values == avoid, hi if avoid != hi else lo, values)
+        return np.asarray(values, dtype=numpy_dtype(dtype))
+    values = rng.uniform(low, high, size=shape)
+    if avoid is not None:
+        shift = np.where(values >= avoid, 0.1, -0.1)
+        values = np.where(np.abs(values - avoid) < 0.1, values + shift, values)
+    return np.asarray(values, dtype=numpy_dtype(dtype))
+
+
+def dtype_name(array: np.ndarray) -> str:
+    return ember.dtypes.from_numpy(array.dtype).name
+
+
+def to_torch(array: np.ndarray) -> torch.Tensor:
+    if array.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(array.astype(np.float32)).to(torch.bfloat16)
+    return torch.from_numpy(np.array(array))
+
+
+def to_numpy(t) -> np.ndarray:
+    """The value of an ember or torch tensor as a NumPy array of the same dtype."""
+    if isinstance(t, torch.Tensor):
+        t = t.detach()
+        if t.dtype == torch.bfloat16:
+            return t.float().numpy().astype(ml_dtypes.bfloat16)
+        return t.numpy()
+    return t.numpy()
+
+
+# -- layouts: the same logical values reached through a non-contiguous view ----------------------
+
+LAYOUTS = ("contiguous", "transposed", "strided")
+
+
+def _make_view(m, leaf, layout: str):
+    if layout == "transposed":
+        return leaf.transpose(-1, -2)
+    if layout == "strided":
+        return leaf[..., ::2]
+    return leaf
+
+
+def _storage(array: np.ndarray, layout: str) -> np.ndarray:
+    """The array a leaf holds so that `_make_view(leaf)` shows `array`."""
+    if layout == "transposed":
+        return np.ascontiguousarray(np.swapaxes(array, -1, -2))
+    if layout == "strided":
+        storage = np.zeros(array.shape[:-1] + (2 * array.shape[-1],), dtype=array.dtype)
+        storage[..., ::2] = array
+        storage[..., 1::2] = array[..., ::-1] if array.shape[-1] else array  # junk the view must skip
+        return storage
+    return array
+
+
+def _layout_for(array: np.ndarray, layout: str) -> str:
+    if layout == "transposed" and array.ndim < 2:
+        return "strided" if array.ndim == 1 else "contiguous"
+    if layout == "strided" and array.ndim < 1:
+        return "contiguous"
+    return layout
+
+
+def make_inputs(inputs, layout: str = "contiguous", grad: bool = True):
+    """ember and torch arguments for `inputs` (NumPy arrays, Python scalars or anything else passed
+    through as is), and the leaves that gradients are taken for."""
+    e_args, t_args, e_leaves, t_leaves = [], [], [], []
+    for x in inputs:
+        if not isinstance(x, np.ndarray):
+            e_args.append(x)
+            t_args.append(x)
+            continue
+        how = _layout_for(x, layout)
+        storage = _storage(x, how)
+        name = dtype_name(x)
+        wants_grad = grad and name in FLOATS
+        e_leaf = ember.tensor(storage, dtype=ember_dtype(name), requires_grad=wants_grad)
+        t_leaf = to_torch(storage).requires_grad_(wants_grad)
+        e_args.append(_make_view(ember, e_leaf, how))
+        t_args.append(_make_view(torch, t_leaf, how))
+        if wants_grad:
+            e_leaves.append(e_leaf)
+            t_leaves.append(t_leaf)
+    return e_args, t_args, e_leaves, t_leaves
+
+
+def _as_list(out) -> list:
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def assert_same(e, t, rtol: float | None = None, atol: float | None = None, what: str = "value") -> None:
+    """ember tensor `e` equals torch tensor `t`: shape, dtype and values (NaN equal to NaN)."""
+    assert isinstance(e, ember.Tensor), f"{what}: expected an ember Tensor, got {type(e).__name__}"
+    assert tuple(e.shape) == tuple(t.shape), f"{what}: shape {e.shape} != torch's {tuple(t.shape)}"
+    assert e.dtype.name == str(t.dtype).removeprefix("torch."), f"{what}: dtype {e.dtype.name} != torch's {t.dtype}"
+    got, want = to_numpy(e), to_numpy(t)
+    name = e.dtype.name
+    if name in FLOATS:
+        default_rtol, default_atol = TOLERANCES[name]
+        np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), equal_nan=True,
+                                   rtol=default_rtol if rtol is None else rtol,
+                                   atol=default_atol if atol is None else atol, err_msg=what)
+    else:
+        np.testing.assert_array_equal(got, want, err_msg=what)
+
+
+def check_against_torch(fn, *inputs, layout: str = "contiguous", grad: bool = True, rtol=None, atol=None,
+                        grad_rtol=None, grad_atol=None, seed: int = 0):
+    """Run `fn(m, *args)` under ember and torch on the same inputs and compare outputs and gradients.
+
+    Outputs may be a tensor or a tuple of tensors. Gradients are compared for every floating-point
+    array input, with one random cotangent per differentiable output. Returns the ember outputs.
+    """
+    e_args, t_args, e_leaves, t_leaves = make_inputs(inputs, layout, grad)
+    t_out = _as_list(fn(TORCH, *t_args))
+    e_out = _as_list(fn(ember, *e_args))
+    assert len(e_out) == len(t_out), f"ember gives {len(e_out)} outputs, torch {len(t_out)}"
+    for i, (e, t) in enumerate(zip(e_out, t_out)):
+        assert_same(e, t, rtol, atol, what=f"output {i}")
+    if not t_leaves:
+        return e_out
+    pairs = [(e, t) for e, t in zip(e_out, t_out) if t.requires_grad]
+    for i, (e, t) in enumerate(zip(e_out, t_out)):
+        assert e.requires_grad == t.requires_grad, f"output {i}: requires_grad {e.requires_grad} != torch's"
+    if not pairs:
+        return e_out
+    rng = np.random.default_rng(seed)
+    cotangents = [random_array(rng, t.shape, str(t.dtype).removeprefix("torch.")) for _, t in pairs]
+    t_grads = torch.autograd.grad([t for _, t in pairs], t_leaves, [to_torch(c) for c in cotangents],
+                                  allow_unused=True)
+    e_grads = ember.grad([e for e, _ in pairs], e_leaves,
+                         [ember.tensor(c, dtype=ember_dtype(dtype_name(c))) for c in cotangents],
+                         allow_unused=True)
+    for i, (eg, tg, leaf) in enumerate(zip(e_grads, t_grads, t_leaves)):
+        tg = torch.zeros_like(leaf) if tg is None else tg
+        eg = ember.zeros(leaf.shape, dtype=ember_dtype(str(leaf.dtype).removeprefix("torch."))) if eg is None else eg
+        name = eg.dtype.name
+        g_rtol, g_atol = GRAD_TOLERANCES.get(name, (0, 0))
+        assert_same(eg, tg, g_rtol if grad_rtol is None else grad_rtol, g_atol if grad_atol is None else grad_atol,
+                    what=f"gradient of input {i}")
+    return e_out
+
+
+def check_finite_differences(fn, *inputs, samples: int = 4, eps: float = 1e-6, rtol: float = 1e-5,
+                             atol: float = 1e-7, seed: int = 0) -> None:
+    """ember's gradients of `fn(ember, *inputs)` against central differences, in float64.
+
+    float64 array inputs are differentiated; for each, `samples` random elements (all of them
+    for tiny inputs) are perturbed by ±eps and the change of sum(cotangent * output) measured.
+    """
+    rng = np.random.default_rng(seed)
+    leaves = [ember.tensor(x, requires_grad=True) if _is_f64(x) else x for x in inputs]
+    wrt = [x for x in leaves if isinstance(x, ember.Tensor) and x.requires_grad]
+    assert wrt, "check_finite_differences needs at least one float64 array input"
+    outs = [o for o in _as_list(fn(ember, *_wrapped(leaves))) if o.dtype is ember.float64]
+    cotangents = [rng.standard_normal(o.shape) for o in outs]
+    analytic = ember.grad(outs, wrt, [ember.tensor(c) for c in cotangents], allow_unused=True)
+
+    def objective(arrays) -> float:
+        with ember.no_grad():
+            values = _as_list(fn(ember, *_wrapped(arrays)))
+        values = [v for v in values if v.dtype is ember.float64]
+        return float(sum(np.sum(c * v.numpy()) for c, v in zip(cotangents, values)))
+
+    base = [np.array(x, copy=True) if _is_f64(x) else x for x in inputs]
+    k = 0
+    for i, x in enumerate(inputs):
+        if not _is_f64(x):
+            continue
+        g = np.zeros(x.shape) if analytic[k] is None else analytic[k].numpy()
+        k += 1
+        n = x.size
+        picks = range(n) if n <= samples else rng.choice(n, size=samples, replace=False)
+        for flat in picks:
+            idx = np.unravel_index(flat, x.shape)
+            plus = list(base)
+            minus = list(base)
+            plus[i] = base[i].copy()
+            minus[i] = base[i].copy()
+            plus[i][idx] += eps
+            minus[i][idx] -= eps
+            numeric = (objective(plus) - objective(minus)) / (2 * eps)
+            assert abs(g[idx] - numeric) <= atol + rtol * abs(numeric), (
+                f"input {i} element {idx}: analytic gradient {g[idx]!r} != finite difference {numeric!r}")
+
+
+def _is_f64(x) -> bool:
+    return isinstance(x, np.ndarray) and x.dtype == np.float64
+
+
+def _wrapped(items) -> list:
+    return [ember.tensor(x) if isinstance(x, np.ndarray) else x for x in items]

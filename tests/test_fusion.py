@@ -1,0 +1,248 @@
+"""The fusion compiler: fused Triton kernels (run by Triton's interpreter in CI) against the
+reference backend, and the fusion decisions themselves (how many kernels a graph becomes)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ember
+from ember.explain import plan
+
+pytestmark = pytest.mark.usefixtures("cuda_backend")
+
+
+def pair(rng, *shape, device="cuda", low=-2.0, high=2.0):
+    """The same random float32 values as a cuda tensor and a cpu tensor."""
+    values = rng.uniform(low, high, size=shape).astype(np.float32)
+    return ember.tensor(values, device=device), ember.tensor(values)
+
+
+def assert_close(fused, reference, rtol=1e-5, atol=1e-6):
+    np.testing.assert_allclose(fused.numpy(), reference.numpy(), rtol=rtol, atol=atol)
+
+
+def kernels(*tensors) -> int:
+    return plan(*tensors).launches
+
+
+def test_a_chain_of_ten_pointwise_ops_is_one_kernel(rng):
+    x, xc = pair(rng, 33, 65)
+    y, yc = pair(rng, 65)
+
+    def chain(a, b):
+        a = (a * 1.5 + b).tanh()
+        a = a.exp() - b.sigmoid()
+        a = a.abs().sqrt() * b
+        return (a - 0.25).relu() / (b.abs() + 1)
+
+    out = chain(x, y)
+    assert kernels(out) == 1
+    assert_close(out, chain(xc, yc))
+
+
+def test_softmax_and_log_softmax_are_one_kernel_each(rng):
+    x, xc = pair(rng, 20, 300, low=-8, high=8)
+    s = x.softmax(-1)
+    assert kernels(s) == 1
+    assert_close(s, xc.softmax(-1))
+    ls = x.log_softmax(1)
+    assert kernels(ls) == 1
+    assert_close(ls, xc.log_softmax(1), atol=1e-5)
+
+
+def test_layer_norm_forward_is_one_kernel(rng):
+    x, xc = pair(rng, 48, 97)
+    w, wc = pair(rng, 97)
+
+    def layer_norm(a, weight):
+        centred = a - a.mean(-1, keepdim=True)
+        return centred / (centred.var(-1, keepdim=True, correction=0) + 1e-5).sqrt() * weight
+
+    out = layer_norm(x, w)
+    assert kernels(out) == 1
+    assert_close(out, layer_norm(xc, wc), rtol=1e-4, atol=1e-5)
+
+
+def test_long_rows_are_reduced_in_a_loop(rng):
+    x, xc = pair(rng, 3, 10000, low=-5, high=5)
+    out = x.softmax(-1)
+    assert kernels(out) == 1
+    assert_close(out, xc.softmax(-1), atol=1e-7)
+    assert_close(x.logsumexp(-1), xc.logsumexp(-1), rtol=1e-5)
+    assert (x.argmax(-1).numpy() == xc.argmax(-1).numpy()).all()
+
+
+def test_reductions_over_leading_and_middle_axes(rng):
+    x, xc = pair(rng, 6, 7, 8)
+    for dims in ((0,), (1,), (0, 2), (0, 1, 2)):
+        assert_close(x.sum(dims), xc.sum(dims), rtol=1e-5, atol=1e-5)
+        assert_close(x.amax(dims, keepdim=True), xc.amax(dims, keepdim=True))
+    assert_close(x.prod(1), xc.prod(1), rtol=1e-5)
+    assert (x.argmin(1).numpy() == xc.argmin(1).numpy()).all()
+
+
+def test_cross_entropy_forward_and_backward_match_reference(rng):
+    logits, logits_c = pair(rng, 32, 50, low=-4, high=4)
+    target = rng.integers(0, 50, size=32)
+    results = []
+    for x, device in ((logits, "cuda"), (logits_c, "cpu")):
+        x = x.detach().requires_grad_()
+        t = ember.tensor(target, device=device)
+        loss = -(x.log_softmax(-1).gather(1, t.reshape(-1, 1))).mean()
+        loss.backward()
+        results.append((loss, x.grad))
+    assert_close(results[0][0], results[1][0])
+    assert_close(results[0][1], results[1][1], atol=1e-7)
+
+
+def test_views_fold_into_index_arithmetic(rng):
+    x, xc = pair(rng, 5, 6, 7)
+
+    def views(a):
+        b = a.permute(2, 0, 1)[::2, 1:, ::-1]
+        c = ember.pad(b, (1, 2, 0, 1), value=0.5)
+        r = c.flip(0).reshape(-1, c.shape[-1]).T
+        return r * 2 + a.sum(2).reshape(-1)[: r.shape[-1]]
+
+    out = views(x)
+    assert kernels(out) == 2  # the sum, then one kernel for every view and the arithmetic
+    assert_close(out, views(xc), rtol=1e-5, atol=1e-5)
+
+
+def test_gather_and_integer_indexing_fuse_with_pointwise_neighbours(rng):
+    table, table_c = pair(rng, 40, 8)
+    idx = rng.integers(0, 40, size=(6, 5))
+    out = (table.exp()[ember.tensor(idx, device="cuda")] * 2).sum(-1)
+    ref = (table_c.exp()[ember.tensor(idx)] * 2).sum(-1)
+    assert kernels(out) == 1
+    assert_close(out, ref, rtol=1e-5)
+
+
+def test_scatter_add_matches_reference(rng):
+    src, src_c = pair(rng, 12, 4)
+    idx = rng.integers(0, 5, size=(12, 4))
+    base, base_c = pair(rng, 5, 4)
+    out = base.scatter_add(0, ember.tensor(idx, device="cuda"), src)
+    ref = base_c.scatter_add(0, ember.tensor(idx), src_c)
+    assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_random_numbers_match_the_reference_generator():
+    ember.manual_seed(7)
+    a = ember.rand(1000, device="cuda") + ember.randn(1000, device="cuda")
+    ember.manual_seed(7)
+    b = ember.rand(1000) + ember.randn(1000)
+    assert_close(a, b, atol=1e-6)
+
+
+def test_dropout_mask_is_recomputed_not_stored(rng):
+    x, _ = pair(rng, 64, 64)
+    x.requires_grad_()
+    y = ember.dropout(x, 0.5)
+    y.sum().backward()
+    grad = x.grad.numpy()
+    kept = y.numpy() != 0
+    np.testing.assert_allclose(grad[kept], 2.0)
+    assert (grad[~kept] == 0).all()
+
+
+def test_optimizer_update_over_fifty_parameters_is_at_most_three_launches(rng):
+    shapes = [(rng.integers(1, 40), rng.integers(1, 40)) for _ in range(50)]
+    params = [pair(rng, *s)[0] for s in shapes]
+    grads = [pair(rng, *s)[0] for s in shapes]
+    ms = [pair(rng, *s)[0] for s in shapes]
+    vs = [pair(rng, *s, low=0, high=1)[0] for s in shapes]
+    lr, b1, b2, eps, step = 1e-3, 0.9, 0.999, 1e-8, 3
+    new = []
+    for p, g, m, v in zip(params, grads, ms, vs):
+        m2 = m * b1 + g * (1 - b1)
+        v2 = v * b2 + g * g * (1 - b2)
+        p2 = p - lr * (m2 / (1 - b1**step)) / ((v2 / (1 - b2**step)).sqrt() + eps)
+        new += [p2, m2, v2]
+    assert kernels(*new) <= 3
+    expected = [t.to("cpu").numpy() for t in new]
+    ember.realize(*new)
+    for t, e in zip(new, expected):
+        np.testing.assert_allclose(t.numpy(), e, rtol=1e-5, atol=1e-7)
+
+
+def test_a_repeated_step_hits_the_plan_cache(rng):
+    from ember.runtime import cuda
+
+    x, _ = pair(rng, 16, 16)
+    before = dict(cuda.stats)
+    for lr in (0.1, 0.2, 0.3):
+        x = (x - lr * x.tanh()).realize()
+    assert cuda.stats["plans_compiled"] - before["plans_compiled"] == 1
+    assert cuda.stats["plan_hits"] - before["plan_hits"] == 2
+
+
+# -- random graphs ---------------------------------------------------------------------------
+
+UNARY_FNS = {"tanh": lambda t: t.tanh(), "sigmoid": lambda t: t.sigmoid(), "abs": lambda t: t.abs(),
+             "neg": lambda t: -t, "relu": lambda t: t.relu(), "sin": lambda t: t.sin(),
+             "exp_bounded": lambda t: t.tanh().exp(), "square": lambda t: t * t}
+BINARY_FNS = {"add": lambda p, q: p + q, "sub": lambda p, q: p - q, "mul": lambda p, q: p * q,
+              "maximum": ember.maximum, "where": lambda p, q: ember.where(p > q, p, q)}
+UNARY, BINARY = list(UNARY_FNS), list(BINARY_FNS)
+
+
+def apply_program(program, inputs):
+    """Run a drawn program (list of steps) on input tensors; return every value it made."""
+    values = list(inputs)
+    for step in program:
+        kind, a, b, extra = step
+        x, y = values[a % len(values)], values[b % len(values)]
+        if kind == "unary":
+            out = UNARY_FNS[extra](x)
+        elif kind == "binary":
+            y = y if y.shape == x.shape else x.flip(0)
+            if b % 2 and y.ndim:
+                y = y[..., :1]  # broadcast along the last axis
+            out = BINARY_FNS[extra](x, y)
+        elif kind == "reduce":
+            if x.ndim == 0:
+                continue
+            dim = extra % x.ndim
+            out = [x.sum(dim, keepdim=True), x.amax(dim, keepdim=True), x.mean(dim, keepdim=True),
+                   x.softmax(dim)][extra % 4]
+            out = out.expand(x.shape) if out.shape != x.shape else out
+        elif kind == "view":
+            if x.ndim < 2:
+                continue
+            out = [x.mT, x.flip(-1), x[..., ::2].repeat(*([1] * (x.ndim - 1)), 2)[..., : x.shape[-1]],
+                   ember.pad(x[..., 1:], (0, 1), value=0.25), x.reshape(x.shape[0], -1).reshape(x.shape)][extra % 5]
+            if out.shape != x.shape:
+                out = out.reshape(x.shape) if out.numel() == x.numel() else x
+        else:  # gather along the last axis
+            if x.ndim == 0:
+                continue
+            n = x.shape[-1]
+            idx = ember.arange(n, device=x.device).flip(0).expand(x.shape) % max(n - extra % 3, 1)
+            out = x.gather(x.ndim - 1, idx)
+        values.append(out)
+    return values
+
+
+step = st.tuples(st.sampled_from(["unary", "binary", "reduce", "view", "gather"]), st.integers(0, 50),
+                 st.integers(0, 50), st.integers(0, 20))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(program=st.lists(step, min_size=5, max_size=40),
+       shape=st.sampled_from([(4, 6), (3, 5, 7), (17, 3), (2, 3, 4)]),
+       seed=st.integers(0, 2**16), outputs=st.integers(1, 4))
+def test_random_graphs_fused_equal_reference(program, shape, seed, outputs):
+    rng = np.random.default_rng(seed)
+    arrays = [rng.uniform(-2, 2, size=shape).astype(np.float32) for _ in range(2)]
+    step_names = {"unary": UNARY, "binary": BINARY}
+    program = [(k, a, b, step_names[k][e % len(step_names[k])] if k in step_names else e) for k, a, b, e in program]
+    fused = apply_program(program, [ember.tensor(a, device="cuda") for a in arrays])[-outputs:]
+    reference = apply_program(program, [ember.tensor(a) for a in arrays])[-outputs:]
+    ember.realize(*fused)
+    for f, r in zip(fused, reference):
+        np.testing.assert_allclose(f.numpy(), r.numpy(), rtol=2e-5, atol=2e-5,
+                                   err_msg=f"program={program} shape={shape} seed={seed}")

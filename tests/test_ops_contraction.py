@@ -1,0 +1,216 @@
+"""Contractions and pooling against torch: matmul (batched, broadcast, 1-d operands), conv2d
+(stride, padding incl. 'same', dilation, groups), max/avg/adaptive pooling."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import FLOATS, INTS, TORCH, check_against_torch, check_finite_differences, random_array
+
+import ember
+
+# sums of many rounded products: half-precision results are compared a little more loosely
+HALF_TOLERANCE = {"float16": dict(rtol=2e-2, atol=2e-2), "bfloat16": dict(rtol=3e-2, atol=5e-2)}
+HALF_GRAD_TOLERANCE = {"float16": dict(grad_rtol=3e-2, grad_atol=3e-2), "bfloat16": dict(grad_rtol=5e-2, grad_atol=1e-1)}
+
+
+def _tolerance(dtype: str) -> dict:
+    return {**HALF_TOLERANCE.get(dtype, {}), **HALF_GRAD_TOLERANCE.get(dtype, {})}
+
+
+def _inputs(rng, shapes, dtype):
+    low, high = (0, 3) if dtype == "uint8" else (-2, 2)
+    return [random_array(rng, s, dtype, low, high) for s in shapes]
+
+
+# -- matmul ---------------------------------------------------------------------------------------
+
+MATMUL_CASES = {  # name: (left shape, right shape, layout)
+    "vector-vector": ((5,), (5,), "contiguous"),
+    "vector-matrix": ((4,), (4, 3), "contiguous"),
+    "matrix-vector": ((3, 4), (4,), "contiguous"),
+    "matrix-matrix": ((3, 4), (4, 5), "contiguous"),
+    "batched": ((2, 3, 4), (2, 4, 5), "contiguous"),
+    "batch-broadcast": ((2, 1, 3, 4), (5, 4, 2), "contiguous"),
+    "batch-matrix": ((2, 3, 4), (4, 5), "contiguous"),
+    "matrix-batch": ((3, 4), (2, 4, 5), "contiguous"),
+    "batch-vector": ((2, 3, 4), (4,), "contiguous"),
+    "vector-batch": ((4,), (2, 4, 5), "contiguous"),
+    "empty-rows": ((0, 3), (3, 4), "contiguous"),
+    "empty-inner": ((3, 0), (0, 4), "contiguous"),
+    "empty-batch": ((0, 2, 3), (3, 4), "contiguous"),
+    "transposed": ((3, 4), (4, 5), "transposed"),
+    "strided": ((3, 4), (4, 6), "strided"),
+}
+MATMUL_FORMS = {
+    "matmul": lambda m, a, b: m.matmul(a, b),
+    "operator": lambda m, a, b: a @ b,
+}
+MATMUL_DTYPES = FLOATS + INTS
+
+
+@pytest.mark.parametrize("case", MATMUL_CASES)
+@pytest.mark.parametrize("dtype", MATMUL_DTYPES)
+def test_matmul_matches_torch(dtype, case, rng):
+    left, right, layout = MATMUL_CASES[case]
+    a, b = _inputs(rng, (left, right), dtype)
+    check_against_torch(MATMUL_FORMS["operator"], a, b, layout=layout, **_tolerance(dtype))
+
+
+@pytest.mark.parametrize("case", ["vector-vector", "matrix-matrix", "batch-broadcast", "vector-batch"])
+def test_matmul_function_form_matches_torch(case, rng):
+    left, right, _ = MATMUL_CASES[case]
+    a, b = _inputs(rng, (left, right), "float32")
+    check_against_torch(MATMUL_FORMS["matmul"], a, b)
+
+
+@pytest.mark.parametrize("case", [c for c in MATMUL_CASES if not c.startswith("empty")])
+def test_matmul_gradient_matches_finite_differences(case, rng):
+    left, right, _ = MATMUL_CASES[case]
+    check_finite_differences(MATMUL_FORMS["operator"], *_inputs(rng, (left, right), "float64"))
+
+
+@pytest.mark.parametrize("name, fn, shapes", [
+    ("mm", lambda m, a, b: m.mm(a, b), [(3, 4), (4, 2)]),
+    ("bmm", lambda m, a, b: m.bmm(a, b), [(2, 3, 4), (2, 4, 2)]),
+    ("dot", lambda m, a, b: m.dot(a, b), [(4,), (4,)]),
+    ("linear", lambda m, x, w, b: m.linear(x, w, b), [(2, 3, 4), (5, 4), (5,)]),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_matmul_variants_match_torch(name, fn, shapes, rng):
+    check_against_torch(fn, *_inputs(rng, shapes, "float32"))
+
+
+@pytest.mark.parametrize("left, right", [((3, 4), (3, 4)), ((2, 3, 4), (3, 4, 5)), ((4,), (3,)), ((), (3,))],
+                         ids=["inner", "batch", "vectors", "scalar"])
+def test_matmul_shape_mismatch_raises_like_torch(left, right):
+    with pytest.raises(RuntimeError):
+        TORCH.ones(left) @ TORCH.ones(right)
+    with pytest.raises(ember.ShapeError):
+        ember.ones(left) @ ember.ones(right)
+
+
+# -- conv2d ---------------------------------------------------------------------------------------
+
+CONV_CASES = {  # name: (input shape, weight shape, keyword arguments, layout)
+    "basic": ((2, 3, 6, 5), (4, 3, 3, 3), {}, "contiguous"),
+    "bias": ((1, 2, 5, 5), (3, 2, 3, 3), {"bias": True}, "contiguous"),
+    "stride": ((1, 2, 7, 6), (3, 2, 3, 3), {"stride": 2}, "contiguous"),
+    "stride-pair": ((1, 2, 7, 6), (3, 2, 2, 3), {"stride": (2, 1)}, "contiguous"),
+    "padding": ((1, 2, 5, 4), (3, 2, 3, 3), {"padding": 1}, "contiguous"),
+    "padding-pair": ((1, 2, 5, 4), (3, 2, 3, 3), {"padding": (2, 1)}, "contiguous"),
+    "padding-same": ((1, 2, 5, 4), (3, 2, 3, 3), {"padding": "same"}, "contiguous"),
+    "padding-same-even-kernel": ((1, 2, 5, 5), (3, 2, 4, 2), {"padding": "same"}, "contiguous"),
+    "padding-same-dilated": ((1, 2, 7, 6), (2, 2, 3, 2), {"padding": "same", "dilation": 2}, "contiguous"),
+    "padding-valid": ((1, 2, 5, 4), (3, 2, 3, 3), {"padding": "valid"}, "contiguous"),
+    "dilation": ((1, 2, 8, 7), (3, 2, 3, 3), {"dilation": 2}, "contiguous"),
+    "dilation-pair": ((1, 2, 8, 7), (3, 2, 3, 2), {"dilation": (1, 3)}, "contiguous"),
+    "groups": ((2, 4, 5, 5), (6, 2, 3, 3), {"groups": 2, "bias": True}, "contiguous"),
+    "depthwise": ((1, 3, 5, 5), (6, 1, 3, 3), {"groups": 3}, "contiguous"),
+    "everything": ((2, 4, 9, 8), (4, 2, 3, 2), {"stride": (2, 3), "padding": (1, 2), "dilation": (2, 1),
+                                                 "groups": 2, "bias": True}, "contiguous"),
+    "one-by-one": ((2, 3, 4, 4), (5, 3, 1, 1), {}, "contiguous"),
+    "kernel-covers-input": ((1, 2, 3, 3), (2, 2, 3, 3), {}, "contiguous"),
+    "unbatched": ((3, 5, 5), (2, 3, 3, 3), {"padding": 1}, "contiguous"),
+    "empty-batch": ((0, 2, 5, 5), (3, 2, 3, 3), {}, "contiguous"),
+    "transposed": ((1, 2, 5, 6), (3, 2, 3, 2), {"stride": 2}, "transposed"),
+    "strided": ((1, 2, 5, 6), (3, 2, 3, 2), {"padding": 1}, "strided"),
+}
+
+
+def _conv(m, x, w, *rest, kwargs):
+    kwargs = dict(kwargs)
+    bias = rest[0] if kwargs.pop("bias", False) else None
+    return m.conv2d(x, w, bias, **kwargs)
+
+
+def _conv_inputs(rng, case, dtype):
+    xs, ws, kwargs, _ = CONV_CASES[case]
+    shapes = [xs, ws] + ([(ws[0],)] if kwargs.get("bias") else [])
+    return _inputs(rng, shapes, dtype)
+
+
+@pytest.mark.parametrize("case", CONV_CASES)
+@pytest.mark.parametrize("dtype", FLOATS + ("int64",))
+def test_conv2d_matches_torch(dtype, case, rng):
+    _, _, kwargs, layout = CONV_CASES[case]
+    inputs = _conv_inputs(rng, case, dtype)
+    check_against_torch(lambda m, *xs: _conv(m, *xs, kwargs=kwargs), *inputs, layout=layout, **_tolerance(dtype))
+
+
+@pytest.mark.parametrize("case", [c for c in CONV_CASES if c != "empty-batch"])
+def test_conv2d_gradient_matches_finite_differences(case, rng):
+    kwargs = CONV_CASES[case][2]
+    check_finite_differences(lambda m, *xs: _conv(m, *xs, kwargs=kwargs), *_conv_inputs(rng, case, "float64"))
+
+
+@pytest.mark.parametrize("name, x, w, kwargs", [
+    ("channels", (1, 3, 5, 5), (2, 2, 3, 3), {}),
+    ("groups", (1, 4, 5, 5), (3, 2, 3, 3), {"groups": 2}),
+    ("kernel-too-large", (1, 2, 2, 2), (1, 2, 3, 3), {}),
+    ("same-strided", (1, 2, 5, 5), (1, 2, 3, 3), {"padding": "same", "stride": 2}),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_conv2d_misuse_raises_like_torch(name, x, w, kwargs):
+    with pytest.raises((RuntimeError, ValueError)):
+        TORCH.conv2d(TORCH.ones(x), TORCH.ones(w), **kwargs)
+    with pytest.raises((ember.ShapeError, ValueError)):
+        ember.conv2d(ember.ones(x), ember.ones(w), **kwargs)
+
+
+# -- pooling --------------------------------------------------------------------------------------
+
+POOL_CASES = {  # name: (function of the library and the input, input shape)
+    "max": (lambda m, x: m.max_pool2d(x, 2), (2, 3, 6, 5)),
+    "max-stride": (lambda m, x: m.max_pool2d(x, 3, stride=2), (1, 2, 7, 8)),
+    "max-padding": (lambda m, x: m.max_pool2d(x, 3, stride=2, padding=1), (1, 2, 7, 6)),
+    "max-dilation": (lambda m, x: m.max_pool2d(x, 2, stride=1, dilation=2), (1, 2, 6, 6)),
+    "max-ceil": (lambda m, x: m.max_pool2d(x, 2, ceil_mode=True), (1, 2, 5, 7)),
+    "max-ceil-padding": (lambda m, x: m.max_pool2d(x, 3, stride=2, padding=1, ceil_mode=True), (1, 1, 6, 8)),
+    "max-rectangular": (lambda m, x: m.max_pool2d(x, (2, 3), stride=(1, 2)), (1, 2, 5, 7)),
+    "max-unbatched": (lambda m, x: m.max_pool2d(x, 2), (3, 4, 4)),
+    "avg": (lambda m, x: m.avg_pool2d(x, 2), (2, 3, 6, 5)),
+    "avg-stride": (lambda m, x: m.avg_pool2d(x, 3, stride=2), (1, 2, 7, 8)),
+    "avg-padding": (lambda m, x: m.avg_pool2d(x, 3, stride=2, padding=1), (1, 2, 7, 6)),
+    "avg-padding-exclude": (lambda m, x: m.avg_pool2d(x, 3, stride=2, padding=1, count_include_pad=False),
+                            (1, 2, 7, 6)),
+    "avg-ceil": (lambda m, x: m.avg_pool2d(x, 2, ceil_mode=True), (1, 2, 5, 7)),
+    "avg-ceil-padding": (lambda m, x: m.avg_pool2d(x, 3, stride=2, padding=1, ceil_mode=True), (1, 1, 6, 8)),
+    "avg-ceil-padding-exclude": (lambda m, x: m.avg_pool2d(x, 3, 2, 1, ceil_mode=True, count_include_pad=False),
+                                 (1, 1, 6, 8)),
+    "avg-divisor": (lambda m, x: m.avg_pool2d(x, 2, divisor_override=3), (1, 2, 4, 4)),
+    "avg-unbatched": (lambda m, x: m.avg_pool2d(x, 2), (3, 4, 4)),
+    "adaptive-divisible": (lambda m, x: m.adaptive_avg_pool2d(x, (2, 3)), (2, 3, 6, 6)),
+    "adaptive-uneven": (lambda m, x: m.adaptive_avg_pool2d(x, (3, 4)), (1, 2, 7, 5)),
+    "adaptive-one": (lambda m, x: m.adaptive_avg_pool2d(x, 1), (2, 3, 5, 4)),
+    "adaptive-larger": (lambda m, x: m.adaptive_avg_pool2d(x, (4, 5)), (1, 2, 3, 3)),
+    "adaptive-none": (lambda m, x: m.adaptive_avg_pool2d(x, (None, 2)), (1, 2, 3, 4)),
+    "adaptive-unbatched": (lambda m, x: m.adaptive_avg_pool2d(x, 2), (3, 5, 5)),
+}
+
+
+def _pool_dtypes(case: str) -> tuple:
+    if case.startswith("max"):
+        return FLOATS + INTS
+    if case.startswith("avg"):
+        return FLOATS + ("int64",)
+    return FLOATS
+
+
+@pytest.mark.parametrize("case, dtype, layout", [
+    pytest.param(case, dtype, layout, id=f"{case}-{dtype}-{layout}")
+    for case in POOL_CASES for dtype in _pool_dtypes(case)
+    for layout in (("contiguous", "transposed", "strided") if dtype == "float32" else ("contiguous",))])
+def test_pooling_matches_torch(case, dtype, layout, rng):
+    fn, shape = POOL_CASES[case]
+    x = random_array(rng, shape, dtype, 0 if dtype == "uint8" else -5, 5)
+    check_against_torch(fn, x, layout=layout)
+
+
+@pytest.mark.parametrize("case", POOL_CASES)
+def test_pooling_gradient_matches_finite_differences(case, rng):
+    fn, shape = POOL_CASES[case]
+    check_finite_differences(fn, random_array(rng, shape, "float64"))
+
+
+def test_max_pool2d_gradient_on_ties_goes_to_one_element_like_torch():
+    x = np.zeros((1, 1, 4, 4), dtype=np.float32)  # every window is a tie, as after a relu
+    check_against_torch(lambda m, t: m.max_pool2d(t, 2), x)

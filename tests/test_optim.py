@@ -1,0 +1,215 @@
+"""ember.optim against torch.optim: update trajectories, the one-graph step, schedules."""
+
+import numpy as np
+import pytest
+
+import ember
+import ember.nn.functional as F
+from ember import nn, optim
+from ember.ir import Op
+from ember.optim import lr_scheduler
+
+torch = pytest.importorskip("torch")
+
+
+def make_models(seed=0):
+    """The same small MLP in torch and in ember."""
+    torch.manual_seed(seed)
+    theirs = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    ours = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    ours.load_state_dict({k: ember.tensor(v.detach().numpy()) for k, v in theirs.state_dict().items()})
+    return theirs, ours
+
+
+def batches(steps, seed=0):
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal((6, 5)).astype(np.float32), rng.integers(0, 3, 6)) for _ in range(steps)]
+
+
+def train(model, opt, data, framework):
+    losses = []
+    for x, y in data:
+        if framework == "torch":
+            loss = torch.nn.functional.cross_entropy(model(torch.tensor(x)), torch.tensor(y))
+        else:
+            loss = F.cross_entropy(model(ember.tensor(x)), ember.tensor(y))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def assert_same_parameters(theirs, ours, rtol=1e-5, atol=1e-6):
+    for (name, tp), (_, ep) in zip(theirs.named_parameters(), ours.named_parameters()):
+        np.testing.assert_allclose(ep.numpy(), tp.detach().numpy(), rtol=rtol, atol=atol, err_msg=name)
+
+
+CONFIGS = [
+    ("SGD", dict(lr=0.1)),
+    ("SGD", dict(lr=0.1, momentum=0.9)),
+    ("SGD", dict(lr=0.1, momentum=0.9, dampening=0.3)),
+    ("SGD", dict(lr=0.05, momentum=0.9, nesterov=True)),
+    ("SGD", dict(lr=0.1, momentum=0.5, weight_decay=0.01)),
+    ("SGD", dict(lr=0.01, momentum=0.9, maximize=True)),
+    ("Adam", dict(lr=0.01)),
+    ("Adam", dict(lr=0.01, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)),
+    ("Adam", dict(lr=0.01, amsgrad=True)),
+    ("Adam", dict(lr=0.01, maximize=True)),
+    ("AdamW", dict(lr=0.01)),
+    ("AdamW", dict(lr=0.01, weight_decay=0.1, amsgrad=True)),
+]
+
+
+@pytest.mark.parametrize("name,kwargs", CONFIGS, ids=[f"{n}-{'-'.join(k)}" for n, k in CONFIGS])
+def test_trajectory_over_ten_steps_matches_torch(name, kwargs):
+    theirs, ours = make_models()
+    topt = getattr(torch.optim, name)(theirs.parameters(), **kwargs, foreach=False)
+    eopt = getattr(optim, name)(ours.parameters(), **kwargs)
+    data = batches(10)
+    tlosses = train(theirs, topt, data, "torch")
+    elosses = train(ours, eopt, data, "ember")
+    np.testing.assert_allclose(elosses, tlosses, rtol=1e-5)
+    assert_same_parameters(theirs, ours)
+
+
+def test_param_groups_with_their_own_hyper_parameters_match_torch():
+    theirs, ours = make_models()
+    tgroups = [{"params": theirs[0].parameters()}, {"params": theirs[2].parameters(), "lr": 0.001, "momentum": 0.5}]
+    egroups = [{"params": ours[0].parameters()}, {"params": ours[2].parameters(), "lr": 0.001, "momentum": 0.5}]
+    topt = torch.optim.SGD(tgroups, lr=0.1, momentum=0.9)
+    eopt = optim.SGD(egroups, lr=0.1, momentum=0.9)
+    assert eopt.param_groups[1]["lr"] == 0.001 and eopt.param_groups[0]["momentum"] == 0.9
+    data = batches(5)
+    train(theirs, topt, data, "torch")
+    train(ours, eopt, data, "ember")
+    assert_same_parameters(theirs, ours)
+
+
+def test_add_param_group_takes_defaults_and_rejects_duplicates():
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    opt = optim.Adam(a.parameters(), lr=0.1)
+    opt.add_param_group({"params": b.parameters(), "lr": 0.5})
+    assert opt.param_groups[1]["lr"] == 0.5 and opt.param_groups[1]["betas"] == (0.9, 0.999)
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        opt.add_param_group({"params": [a.weight]})
+
+
+def test_step_computes_the_whole_step_at_once_and_leaves_no_history():
+    _, model = make_models()
+    opt = optim.Adam(model.parameters(), lr=0.01)
+    params = list(model.parameters())
+    for x, y in batches(2):
+        loss = F.cross_entropy(model(ember.tensor(x)), ember.tensor(y))
+        opt.zero_grad()
+        loss.backward()
+        assert not any(p.grad._node.realized for p in params)  # nothing computed yet
+        opt.step()
+        assert all(a is b for a, b in zip(model.parameters(), params))  # updated in place
+        for p in params:
+            assert p._node.op is Op.BUFFER and p.is_leaf and p.requires_grad
+            assert p.grad._node.op is Op.BUFFER
+            for value in opt.state[p].values():
+                assert not isinstance(value, ember.Tensor) or value._node.op is Op.BUFFER
+
+
+def test_step_skips_parameters_without_gradients_and_zero_grad_clears_them():
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    model[0].requires_grad_(False)
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    before = model[0].weight.numpy()
+    model(ember.randn(4, 3)).sum().backward()
+    opt.step()
+    np.testing.assert_array_equal(model[0].weight.numpy(), before)
+    assert model[0].weight not in opt.state
+    opt.zero_grad()
+    assert model[1].weight.grad is None
+    model(ember.randn(4, 3)).sum().backward()
+    opt.zero_grad(set_to_none=False)
+    np.testing.assert_array_equal(model[1].weight.grad.numpy(), np.zeros((1, 3)))
+
+
+def test_step_with_closure_returns_the_loss():
+    _, model = make_models()
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    x, y = batches(1)[0]
+
+    def closure():
+        opt.zero_grad()
+        loss = F.cross_entropy(model(ember.tensor(x)), ember.tensor(y))
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert loss._node.realized and np.isfinite(loss.item())
+
+
+def test_invalid_arguments_are_rejected():
+    with pytest.raises(ValueError, match="empty parameter list"):
+        optim.SGD([], lr=0.1)
+    with pytest.raises(ValueError, match="Nesterov"):
+        optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1, nesterov=True)
+    with pytest.raises(ValueError, match="betas"):
+        optim.Adam(nn.Linear(2, 2).parameters(), betas=(1.0, 0.9))
+
+
+def test_optimizer_state_dict_has_torchs_layout():
+    theirs, ours = make_models()
+    topt = torch.optim.Adam(theirs.parameters(), lr=0.01, foreach=False)
+    eopt = optim.Adam(ours.parameters(), lr=0.01)
+    data = batches(2)
+    train(theirs, topt, data, "torch")
+    train(ours, eopt, data, "ember")
+    tsd, esd = topt.state_dict(), eopt.state_dict()
+    assert esd["param_groups"][0]["params"] == tsd["param_groups"][0]["params"]
+    assert sorted(esd["state"]) == sorted(tsd["state"])
+    assert set(esd["state"][0]) == set(tsd["state"][0])
+    assert esd["state"][0]["step"] == 2
+    np.testing.assert_allclose(esd["state"][3]["exp_avg_sq"].numpy(), tsd["state"][3]["exp_avg_sq"].numpy(),
+                               rtol=1e-5, atol=1e-9)
+
+
+# -- schedules -----------------------------------------------------------------------------
+
+SCHEDULES = [
+    ("StepLR", dict(step_size=3, gamma=0.5)),
+    ("MultiStepLR", dict(milestones=[2, 5, 5, 9], gamma=0.3)),
+    ("ExponentialLR", dict(gamma=0.9)),
+    ("CosineAnnealingLR", dict(T_max=7)),
+    ("CosineAnnealingLR", dict(T_max=5, eta_min=0.01)),
+    ("LambdaLR", dict(lr_lambda=lambda epoch: 1 / (epoch + 1))),
+]
+
+
+@pytest.mark.parametrize("name,kwargs", SCHEDULES, ids=[s[0] + str(i) for i, s in enumerate(SCHEDULES)])
+def test_learning_rate_sequence_matches_torch(name, kwargs):
+    tparam = torch.nn.Parameter(torch.zeros(1))
+    topt = torch.optim.SGD([tparam], lr=0.2)
+    eopt = optim.SGD([nn.Parameter(ember.zeros(1))], lr=0.2)
+    tsched = getattr(torch.optim.lr_scheduler, name)(topt, **kwargs)
+    esched = getattr(lr_scheduler, name)(eopt, **kwargs)
+    tlrs, elrs = [], []
+    for _ in range(25):
+        topt.step()
+        eopt.step()
+        tsched.step()
+        esched.step()
+        tlrs.append(topt.param_groups[0]["lr"])
+        elrs.append(eopt.param_groups[0]["lr"])
+        assert esched.get_last_lr() == [elrs[-1]]
+    assert elrs == pytest.approx(tlrs, rel=1e-12, abs=1e-15)
+
+
+def test_scheduler_state_dict_resumes_the_schedule():
+    opt = optim.SGD([nn.Parameter(ember.zeros(1))], lr=0.2)
+    sched = lr_scheduler.CosineAnnealingLR(opt, T_max=10)
+    for _ in range(4):
+        sched.step()
+    state = sched.state_dict()
+    opt2 = optim.SGD([nn.Parameter(ember.zeros(1))], lr=0.2)
+    sched2 = lr_scheduler.CosineAnnealingLR(opt2, T_max=10)
+    sched2.load_state_dict(state)
+    opt2.param_groups[0]["lr"] = opt.param_groups[0]["lr"]
+    sched.step()
+    sched2.step()
+    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]

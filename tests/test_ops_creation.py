@@ -134,7 +134,8 @@ def test_ranges_match_torch(name):
     assert_same(fn(ember), fn(TORCH))
 
 
-@pytest.mark.parametrize("args", [(0, 5, 0), (5, 0, 1), (0, 1, -0.5)], ids=["zero-step", "wrong-sign", "wrong-sign-float"])
+@pytest.mark.parametrize("args", [(0, 5, 0), (5, 0, 1), (0, 1, -0.5)],
+                         ids=["zero-step", "wrong-sign", "wrong-sign-float"])
 def test_arange_with_bad_step_raises_like_torch(args):
     with pytest.raises(RuntimeError):
         torch.arange(*args)

@@ -79,6 +79,8 @@ def test_index_select_matches_torch(dtype, case, index_dtype, rng):
     x = random_array(rng, shape, dtype)
     index = _index(rng, (n,), shape[dim], index_dtype)
     check_against_torch(lambda m, t, i: m.index_select(t, dim, i), x, index)
+    if dtype == "float32":
+        check_against_torch(lambda m, t, i: t.index_select(dim, i), x, index, layout="transposed")
 
 
 @pytest.mark.parametrize("name, fn", [

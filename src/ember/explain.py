@@ -6,6 +6,8 @@ launches nothing, so it works on any device and leaves the tensors pending.
 
 from __future__ import annotations
 
+import contextlib
+
 from ember.compiler import fusion, passes
 from ember.compiler.codegen import triton as codegen
 from ember.ir import Kind, Node, Op, toposort
@@ -40,10 +42,7 @@ def _attrs(n: Node) -> str:
 class Plan:
     """A planned (not launched) graph: its fused kernels and their generated sources."""
 
-    def __init__(self, tensors):
-        nodes = [t._node for t in tensors]
-        order = toposort(nodes)
-        keep = {id(n) for n in nodes} | {id(n) for n in order if n.is_held()}
+    def __init__(self, order: list[Node], keep: set[int]):
         self.signature = passes.signature(order, keep)
         self.lowered = passes.lower(order, keep, self.signature)
         self.kernels, self.stored = fusion.plan(self.lowered.nodes, self.lowered.outputs)
@@ -134,14 +133,44 @@ def _upstream(cores: list[Node], work: list[Node]) -> list[Node]:
 
 
 def plan(*tensors) -> Plan:
-    return Plan(tensors)
+    """The fused plan that computing these tensors (and what they need) would run."""
+    nodes = [t._node for t in tensors]
+    order = toposort(nodes)
+    return Plan(order, {id(n) for n in nodes} | {id(n) for n in order if n.is_held()})
 
 
 def explain(*tensors, file=None) -> Plan:
     """Print the fused plan that computing these tensors would run; return it for inspection."""
-    p = Plan(tensors)
+    p = plan(*tensors)
     print(p, file=file)
     return p
+
+
+@contextlib.contextmanager
+def capture():
+    """Plan every realization inside the block, e.g. a whole `optimizer.step()`:
+
+        with ember.explain.capture() as plans:
+            optimizer.step()
+        print(plans[0])
+    """
+    from ember.runtime import executor
+
+    plans: list[Plan] = []
+
+    def observe(order, keep):
+        plans.append(Plan(order, keep))
+
+    executor.observers.append(observe)
+    try:
+        yield plans
+    finally:
+        executor.observers.remove(observe)
+
+
+# `ember.explain` is this function; its helpers hang on it so `ember.explain.plan(...)` reads naturally
+explain.plan = plan
+explain.capture = capture
 
 
 __all__ = ["Plan", "explain", "plan"]

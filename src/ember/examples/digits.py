@@ -44,10 +44,14 @@ class Summary:
     seconds: float
     steps: int
     final_loss: float
+    step_plan: object = None  # the fused plan of one training step (forward, backward, update)
 
     def __str__(self) -> str:
+        plan = self.step_plan
+        kernels = (f"  |  one step = {len(plan.kernels)} fused kernels ({plan.launches} launches) "
+                   f"for {plan.unfused} ops") if plan is not None else ""
         return (f"test accuracy {self.accuracy:.2%}  |  {self.steps} steps in {self.seconds:.1f} s "
-                f"({self.steps / self.seconds:.0f} steps/s)  |  final loss {self.final_loss:.4f}")
+                f"({self.steps / self.seconds:.0f} steps/s)  |  final loss {self.final_loss:.4f}{kernels}")
 
 
 def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray, device) -> float:
@@ -60,14 +64,14 @@ def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray, device) -> float:
 
 
 def train(epochs: int = 30, batch_size: int = 64, lr: float = 1e-3, hidden: int = 128, device: str = "cpu",
-          seed: int = 0, progress: bool = True) -> Summary:
+          seed: int = 0, progress: bool = True, explain: bool = False) -> Summary:
     ember.manual_seed(seed)
     (x_train, y_train), (x_test, y_test) = load_digits_split(seed)
     with ember.device(device):
         model = make_model(hidden)
     optimizer = ember.optim.Adam(model.parameters(), lr=lr)
     loader = DataLoader((x_train, y_train), batch_size=batch_size, shuffle=True, seed=seed, device=device)
-    steps, loss_value = 0, float("nan")
+    steps, loss_value, step_plan = 0, float("nan"), None
     start = time.perf_counter()
     bar = tqdm(total=epochs * len(loader), disable=not progress, unit="step", desc="digits")
     for _ in range(epochs):
@@ -75,7 +79,14 @@ def train(epochs: int = 30, batch_size: int = 64, lr: float = 1e-3, hidden: int 
             loss = F.cross_entropy(model(xb), yb)
             optimizer.zero_grad()
             loss.backward()
-            optimizer.step()  # realizes forward, backward and update together
+            if steps == len(loader):  # a steady-state step: plan what it computes
+                with ember.explain.capture() as plans:
+                    optimizer.step()
+                step_plan = plans[0]
+                if explain:
+                    tqdm.write(str(step_plan))
+            else:
+                optimizer.step()  # realizes forward, backward and update together
             steps += 1
             if steps % 20 == 0:
                 loss_value = loss.item()
@@ -84,7 +95,7 @@ def train(epochs: int = 30, batch_size: int = 64, lr: float = 1e-3, hidden: int 
     bar.close()
     loss_value = loss.item()
     seconds = time.perf_counter() - start
-    return Summary(evaluate(model, x_test, y_test, device), seconds, steps, loss_value)
+    return Summary(evaluate(model, x_test, y_test, device), seconds, steps, loss_value, step_plan)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -95,8 +106,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--device", default=str(ember.default_device()))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--explain", action="store_true", help="print the fused plan of one training step")
     args = parser.parse_args(argv)
-    summary = train(args.epochs, args.batch_size, args.lr, args.hidden, args.device, args.seed)
+    summary = train(args.epochs, args.batch_size, args.lr, args.hidden, args.device, args.seed,
+                    explain=args.explain)
     print(summary)
 
 

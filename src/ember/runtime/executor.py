@@ -55,6 +55,7 @@ def _transfer(node: Node) -> None:
 
 
 _companions: list[weakref.ref] = []
+observers: list = []  # callables given (order, keep) before each realization, e.g. explain.capture
 
 
 def realize_with_next(node: Node) -> None:
@@ -90,6 +91,8 @@ def realize(nodes: Iterable[Node]) -> None:
         by_device.setdefault(n.device.type, []).append(n)
     if len(by_device) > 1:
         raise DeviceError(f"one graph spans several devices: {', '.join(by_device)}")
+    for observe in observers:
+        observe(order, keep)
     ((device_type, _),) = by_device.items()
     values = _backend(device_type)(order, keep)
     for n in order:

@@ -1,0 +1,97 @@
+"""The GPU suite (`pytest -m gpu`): generated kernels on a real CUDA device, at realistic sizes,
+against torch on the same GPU."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import ember
+import ember.nn.functional as F
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("EMBER_INTERPRET", "0") != "0",
+                       reason="needs a CUDA GPU (and EMBER_INTERPRET unset)"),
+]
+
+
+def from_torch(t: torch.Tensor) -> ember.Tensor:
+    return ember.tensor(t.detach().cpu(), device="cuda")
+
+
+def close(e: ember.Tensor, t: torch.Tensor, rtol: float, atol: float) -> None:
+    np.testing.assert_allclose(e.numpy().astype(np.float32), t.detach().float().cpu().numpy(), rtol=rtol, atol=atol)
+
+
+BF16 = dict(rtol=2e-2, atol=2e-2)
+F32 = dict(rtol=1e-5, atol=1e-5)
+
+
+def test_fusion_suite_runs_on_the_gpu(rng):
+    import test_fusion
+
+    for name in dir(test_fusion):
+        fn = getattr(test_fusion, name)
+        if name.startswith("test_") and name != "test_random_graphs_fused_equal_reference" and callable(fn):
+            args = {"rng": rng} if "rng" in fn.__code__.co_varnames[:fn.__code__.co_argcount] else {}
+            fn(**args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softmax_and_layer_norm_match_torch_at_scale(dtype):
+    x = torch.randn(4096, 4096, device="cuda", dtype=dtype)
+    w = torch.randn(4096, device="cuda", dtype=dtype)
+    b = torch.randn(4096, device="cuda", dtype=dtype)
+    tol = BF16 if dtype is torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
+    ex = from_torch(x)
+    close(ex.softmax(-1), torch.softmax(x, -1), **tol)
+    close(F.layer_norm(ex, (4096,), from_torch(w), from_torch(b)),
+          torch.nn.functional.layer_norm(x, (4096,), w, b), **tol)
+
+
+def test_cross_entropy_forward_and_backward_match_torch_at_scale():
+    logits = torch.randn(8192, 32000, device="cuda", requires_grad=True)
+    target = torch.randint(0, 32000, (8192,), device="cuda")
+    loss = torch.nn.functional.cross_entropy(logits, target)
+    loss.backward()
+    el = from_torch(logits).requires_grad_()
+    eloss = F.cross_entropy(el, from_torch(target))
+    eloss.backward()
+    close(eloss, loss, rtol=1e-5, atol=1e-5)
+    close(el.grad, logits.grad, rtol=1e-4, atol=1e-8)
+
+
+def test_mlp_training_step_matches_torch():
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(784, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)]
+    reference = torch.nn.Sequential(*layers).cuda()
+    model = ember.nn.Sequential(ember.nn.Linear(784, 512), ember.nn.ReLU(), ember.nn.Linear(512, 10)).to("cuda")
+    model.load_state_dict({k: ember.tensor(v.cpu()) for k, v in reference.state_dict().items()})
+    opt_t = torch.optim.Adam(reference.parameters(), lr=1e-3)
+    opt_e = ember.optim.Adam(model.parameters(), lr=1e-3)
+    for _ in range(3):
+        x = torch.randn(256, 784, device="cuda")
+        y = torch.randint(0, 10, (256,), device="cuda")
+        loss_t = torch.nn.functional.cross_entropy(reference(x), y)
+        opt_t.zero_grad()
+        loss_t.backward()
+        opt_t.step()
+        loss_e = F.cross_entropy(model(from_torch(x)), from_torch(y))
+        opt_e.zero_grad()
+        loss_e.backward()
+        opt_e.step()
+        close(loss_e, loss_t, rtol=1e-4, atol=1e-5)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        close(p, q, rtol=1e-3, atol=1e-5)
+
+
+def test_random_numbers_on_the_gpu_match_the_reference_generator():
+    ember.manual_seed(11)
+    a = ember.rand(1 << 20, device="cuda") + ember.randn(1 << 20, device="cuda")
+    ember.manual_seed(11)
+    b = ember.rand(1 << 20) + ember.randn(1 << 20)
+    np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-5)

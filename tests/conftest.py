@@ -39,7 +39,6 @@ DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16",
 FLOATS = ("float32", "float64", "float16", "bfloat16")
 INTS = ("int8", "uint8", "int16", "int32", "int64")
 NUMERIC = FLOATS + INTS
-HALF = ("float16", "bfloat16")
 
 # torch's functions with torch.nn.functional's on top: the torch twin of the `ember` namespace
 TORCH = SimpleNamespace(**{k: getattr(torch, k) for k in dir(torch) if not k.startswith("_")})
@@ -65,10 +64,6 @@ GRAD_TOLERANCES = {
 
 def ember_dtype(name: str) -> ember.DType:
     return ember.dtypes.as_dtype(name)
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    return getattr(torch, name)
 
 
 def numpy_dtype(name: str) -> np.dtype:
@@ -122,9 +117,8 @@ def to_numpy(t) -> np.ndarray:
 
 
 # -- layouts: the same logical values reached through a non-contiguous view ----------------------
-
-LAYOUTS = ("contiguous", "transposed", "strided")
-
+# "contiguous", "transposed" (the leaf holds the transpose) or "strided" (the leaf holds every other
+# element of a twice-as-long last dim)
 
 def _make_view(m, leaf, layout: str):
     if layout == "transposed":

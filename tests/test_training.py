@@ -15,7 +15,7 @@ from ember.ir import Node
 
 def live_nodes() -> int:
     gc.collect()
-    return sum(1 for o in gc.get_objects() if isinstance(o, Node))
+    return sum(1 for o in gc.get_objects() if type(o) is Node)
 
 
 def resident_bytes() -> int:

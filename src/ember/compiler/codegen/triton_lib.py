@@ -71,8 +71,7 @@ def remainder_float(a, b):
 
 @triton.jit
 def sign(x):
-    s = tl.where(x > 0, 1, tl.where(x < 0, -1, 0)).to(x.dtype)
-    return tl.where(x != x, x, s)
+    return tl.where(x > 0, 1, tl.where(x < 0, -1, 0)).to(x.dtype)  # NaN gives 0, as in torch
 
 
 @triton.jit

@@ -1,0 +1,388 @@
+"""Fusion benchmark: ember against PyTorch eager, torch.compile and the measured copy bandwidth.
+
+One row per workload of the fusion issue. A time is the median wall time of one step, from the
+call until the GPU is done, after warm-up (CUDA events; the GPU is idle when a step starts). For
+ember that is what a user pays: building the lazy graph, the plan-cache lookup, the launches and
+the kernels; eager and torch.compile pay their own launch overhead likewise. Effective bandwidth
+counts the fewest bytes a step must move (each input read once, each output written once; the
+formula is written in each row) and is compared with a large device-to-device copy measured
+first. Every ember result is checked against torch one precision higher (bf16 -> float32,
+float32 -> float64), so a fast wrong answer shows in the table.
+
+    python benchmarks/fusion.py                           # full sizes, appended to benchmarks/RESULTS.md
+    python benchmarks/fusion.py --quick --rows 1,3        # small sizes, some rows; nothing appended
+    EMBER_INTERPRET=1 python benchmarks/fusion.py --quick --cpu-smoke   # no GPU: tiny sizes, every code path
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import os
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as TF
+
+import ember
+import ember.nn.functional as EF
+from ember.device import as_device
+from ember.explain import plan
+from ember.ir import Node
+
+RESULTS = Path(__file__).with_name("RESULTS.md")
+# (full, --quick, --cpu-smoke) size of each workload
+SIZES = {
+    "pointwise": (2**28, 2**24, 2**12),
+    "gelu": ((8192, 8192), (2048, 2048), (64, 128)),
+    "rows": ((32768, 4096), (4096, 4096), (64, 256)),
+    "cross_entropy": ((65536, 32000), (4096, 32000), (64, 1000)),
+    "adam": (1024, 256, 16),  # width of the 100-tensor model: 49.3M parameters at 1024
+    "chain": (64, 64, 16),
+    "copy": (2**30, 2**28, 2**22),  # bytes per copy buffer
+}
+
+
+@dataclass
+class Case:
+    row: str
+    name: str
+    shape: str
+    nbytes: int | None  # fewest bytes one step must move; None: a latency row
+    ember: Callable[[], object]  # one step: build the lazy graph and realize it
+    eager: Callable[[], object]
+    compiled: Callable[[], Callable[[], object]]  # makes the torch.compile'd step (it may raise)
+    check: Callable[[], list]  # [(ember value, reference value)] as torch tensors
+    tol: float  # bound on ||ember - reference|| / ||reference||
+    build: Callable[[], tuple] | None = None  # the lazy outputs of a step, for ember.explain.plan
+    extra: dict[str, Callable[[], Callable[[], object]]] = field(default_factory=dict)  # more torch variants
+
+
+def to_ember(t: torch.Tensor, requires_grad: bool = False) -> ember.Tensor:
+    """Share a torch buffer with ember (ember has no public zero-copy import from torch)."""
+    node = Node.from_buffer(t.detach().contiguous(), ember.dtypes.as_dtype(t.dtype), as_device("cuda"))
+    return ember.Tensor(node).requires_grad_(requires_grad)
+
+
+def to_torch(t: ember.Tensor) -> torch.Tensor:
+    return t._node.buffer.reshape(t.shape)
+
+
+def widen(t: torch.Tensor) -> torch.Tensor:
+    """The reference precision: bf16/fp16 -> float32, float32 -> float64, integers unchanged."""
+    wider = {torch.bfloat16: torch.float32, torch.float16: torch.float32, torch.float32: torch.float64}
+    return t.detach().to(wider.get(t.dtype, t.dtype))
+
+
+def forward_backward(fwd, grad, inputs, wrt, upstream) -> tuple:
+    out = fwd(*inputs)
+    return (out, *grad(out, [inputs[i] for i in wrt], upstream)) if wrt else (out,)
+
+
+def workload(row, name, shape, fwd, inputs, nbytes, tol, wrt=(), upstream=None) -> Case:
+    """A Case from `fwd(F, *inputs)`, written once for torch.nn.functional and ember.nn.functional;
+    with `wrt`, a step also returns the gradients of those inputs for the upstream gradient."""
+    for i in wrt:
+        inputs[i].requires_grad_()
+    ember_inputs = [to_ember(t, i in wrt) for i, t in enumerate(inputs)]
+    ember_upstream = None if upstream is None else to_ember(upstream)
+
+    def build():
+        return forward_backward(lambda *a: fwd(EF, *a), ember.grad, ember_inputs, wrt, ember_upstream)
+
+    def ember_step():
+        outputs = build()
+        ember.realize(*outputs)
+        return outputs
+
+    def torch_step(f):
+        return lambda: forward_backward(f, torch.autograd.grad, inputs, wrt, upstream)
+
+    def check():
+        wide = [widen(t).requires_grad_(i in wrt) for i, t in enumerate(inputs)]
+        reference = forward_backward(lambda *a: fwd(TF, *a), torch.autograd.grad, wide, wrt,
+                                     None if upstream is None else widen(upstream))
+        return [(to_torch(e), r) for e, r in zip(ember_step(), reference)]
+
+    return Case(row, name, shape, nbytes, ember_step, torch_step(lambda *a: fwd(TF, *a)),
+                lambda: torch_step(torch.compile(lambda *a: fwd(TF, *a))), check, tol, build)
+
+
+def chain_of_reductions(F, h):
+    """50 reductions, alternating axes, so no two can share a kernel: a 50-kernel plan."""
+    for i in range(50):
+        h = h - h.sum(i % 2, keepdim=True) * 0.01
+    return h
+
+
+def adam(size: int, dev: str) -> Case:
+    shapes = [(size, 3 * size // 2), (3 * size // 2,), (3 * size // 4, size // 2), (4 * size,)] * 25
+    init = [torch.randn(s, device=dev) for s in shapes]
+    grads = [torch.randn(s, device=dev) for s in shapes]
+    count = sum(p.numel() for p in init)
+
+    def torch_adam(**options):
+        params = [p.clone().requires_grad_() for p in init]
+        for p, g in zip(params, grads):
+            p.grad = g
+        return params, torch.optim.Adam(params, lr=1e-3, **options)
+
+    ember_params = [to_ember(p.clone(), requires_grad=True) for p in init]
+    for p, g in zip(ember_params, grads):
+        p.grad = to_ember(g)
+    ember_opt = ember.optim.Adam(ember_params, lr=1e-3)
+    eager_params, eager_opt = torch_adam(foreach=True)
+
+    def check():  # the first step of each, as the change it makes to every parameter
+        ember_opt.step()
+        eager_opt.step()
+        return [(to_torch(e) - p0, t.detach() - p0) for e, t, p0 in zip(ember_params, eager_params, init)]
+
+    return Case("6", "adam step (torch: foreach)", f"100 tensors, {count / 1e6:.1f}M f32",
+                7 * count * 4,  # read param, grad, exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq
+                ember_opt.step, eager_opt.step, lambda: torch.compile(torch_adam(foreach=True)[1].step),
+                check, 1e-3, extra={"torch fused=True": lambda: torch_adam(fused=True)[1].step})
+
+
+def cases(which: int, dev: str) -> list[tuple[str, Callable[[], Case]]]:
+    """Each row's number and a maker of its Case (rows are made one at a time, to bound memory)."""
+    s = {k: v[which] for k, v in SIZES.items()}
+    bf16 = dict(device=dev, dtype=torch.bfloat16)
+    n = s["pointwise"]
+    m, k = s["gelu"]
+    r, c = s["rows"]
+    b, v = s["cross_entropy"]
+    w = s["chain"]
+    chain8 = lambda F, x, y: ((x * 1.5 + 0.5).tanh() * y - x).sigmoid() * y + x  # noqa: E731 - 8 ops
+    softmax = lambda F, x: F.softmax(x, -1)  # noqa: E731
+    layer_norm = lambda F, x, wt, bias: F.layer_norm(x, (c,), wt, bias)  # noqa: E731
+    return [
+        ("1", lambda: workload(  # read x, y; write out
+            "1", "pointwise chain, 8 ops", f"2^{n.bit_length() - 1} f32", chain8,
+            [torch.randn(n, device=dev), torch.randn(n, device=dev)], 3 * n * 4, 1e-5)),
+        ("2", lambda: workload(  # read x, bias; write out
+            "2", "bias + gelu (erf)", f"{m}x{k} bf16", lambda F, x, bias: F.gelu(x + bias),
+            [torch.randn(m, k, **bf16), torch.randn(k, **bf16)], 2 * m * k * 2 + k * 2, 1e-2)),
+        ("3", lambda: workload(  # read x; write y
+            "3a", "softmax fwd", f"{r}x{c} bf16", softmax, [torch.randn(r, c, **bf16)], 2 * r * c * 2, 1e-2)),
+        ("3", lambda: workload(  # read x, dy; write y, dx
+            "3b", "softmax fwd+bwd", f"{r}x{c} bf16", softmax, [torch.randn(r, c, **bf16)], 4 * r * c * 2, 1e-2,
+            wrt=(0,), upstream=torch.randn(r, c, **bf16))),
+        ("4", lambda: workload(  # read x, weight, bias; write y
+            "4a", "layer norm fwd", f"{r}x{c} bf16", layer_norm,
+            [torch.randn(r, c, **bf16), torch.randn(c, **bf16), torch.randn(c, **bf16)],
+            2 * r * c * 2 + 2 * c * 2, 1e-2)),
+        ("4", lambda: workload(  # read x, dy, weight, bias; write y, dx, dweight, dbias
+            "4b", "layer norm fwd+bwd", f"{r}x{c} bf16", layer_norm,
+            [torch.randn(r, c, **bf16), torch.randn(c, **bf16), torch.randn(c, **bf16)],
+            4 * r * c * 2 + 4 * c * 2, 1e-2, wrt=(0, 1, 2), upstream=torch.randn(r, c, **bf16))),
+        ("5", lambda: workload(  # read logits, targets; write dlogits, loss
+            "5", "cross entropy fwd+bwd", f"{b}x{v} bf16", lambda F, x, t: F.cross_entropy(x, t),
+            [torch.randn(b, v, **bf16), torch.randint(0, v, (b,), device=dev)], 2 * b * v * 2 + b * 8 + 2,
+            1e-2, wrt=(0,))),
+        ("6", lambda: adam(s["adam"], dev)),
+        ("7", lambda: workload(  # a latency row: bytes do not matter
+            "7", "plan-cache hit, 50 kernels", f"{w}x{w} f32", chain_of_reductions,
+            [torch.randn(w, w, device=dev)], None, 1e-4)),
+    ]
+
+
+def median_ms(step: Callable[[], object], warmup: int, reps: int, cpu: bool) -> float:
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(max(reps, 1)):
+        if cpu:
+            start = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - start) * 1e3)
+        else:
+            torch.cuda.synchronize()
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_gbs(nbytes: int, dev: str, warmup: int, reps: int, cpu: bool) -> float:
+    """Device-to-device copy bandwidth, counting the bytes read and the bytes written."""
+    src = torch.randn(nbytes // 4, device=dev)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / median_ms(lambda: dst.copy_(src), warmup, reps, cpu) / 1e6
+
+
+def error(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """Max abs error and ||out - ref|| / ||ref||, in chunks (a 4 GiB output needs no 16 GiB temporary);
+    NaN propagates, so it never passes."""
+    worst, diff2, ref2 = (torch.zeros((), dtype=torch.float64, device=ref.device) for _ in range(3))
+    for o, r in zip(out.detach().flatten().split(1 << 26), ref.detach().flatten().split(1 << 26)):
+        d = (o.to(r.dtype) - r).double()
+        worst = torch.maximum(worst, d.abs().max())
+        diff2 += d.square().sum()
+        ref2 += r.double().square().sum()
+    return worst.item(), (diff2.sqrt() / ref2.sqrt().clamp_min(1e-300)).item()
+
+
+def guarded(what: str, fn: Callable[[], object]):
+    """Run `fn`; on failure print why to stderr and return None (the table then says "error")."""
+    try:
+        return fn()
+    except Exception as e:  # a failing variant must not stop the other rows
+        print(f"error in {what}: {type(e).__name__}: {str(e)[:500]}", file=sys.stderr)
+        if os.environ.get("EMBER_BENCH_TRACEBACK"):
+            traceback.print_exc()
+        return None
+
+
+def graph_gpu_ms(step: Callable[[], object], reps: int) -> float:
+    """GPU time of one step alone: its launches captured in a CUDA graph, replays timed."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return median_ms(graph.replay, 3, reps, cpu=False)
+
+
+def run(case: Case, args, stats: dict, notes: list[str]) -> dict:
+    cpu, warmup, reps = args.cpu_smoke, args.warmup, args.reps
+    result: dict = {k: getattr(case, k) for k in ("row", "name", "shape", "nbytes", "tol")}
+    pairs = guarded(f"{case.row} ember (check)", case.check)  # also ember's first step: compiles the plan
+    if pairs is not None:
+        errors = [error(e, r) for e, r in pairs]
+        result["abs"], result["rel"] = max(a for a, _ in errors), max(r for _, r in errors)
+        del pairs
+    if guarded(f"{case.row} ember (warm-up)", lambda: [case.ember() for _ in range(warmup)]) is not None:
+        before = dict(stats)
+        result["ember"] = guarded(f"{case.row} ember", lambda: median_ms(case.ember, 0, reps, cpu))
+        result["launches"] = (stats["launches"] - before["launches"]) / max(reps, 1)
+        if stats["plans_compiled"] != before["plans_compiled"]:
+            notes.append(f"{case.row}: ember compiled a plan while timed (plan cache missed)")
+    result["eager"] = guarded(f"{case.row} eager", lambda: median_ms(case.eager, warmup, reps, cpu))
+    if not cpu:
+        result["compile"] = guarded(f"{case.row} torch.compile",
+                                    lambda: median_ms(case.compiled(), warmup, reps, cpu))
+    for label, make in case.extra.items():
+        ms = guarded(f"{case.row} {label}", lambda make=make: median_ms(make(), warmup, reps, cpu))
+        ember_ms = result.get("ember")
+        notes.append(f"{case.row}: {label}: {cell(ms)} ms" + (f", ember x{ms / ember_ms:.2f}" if ms and ember_ms
+                                                               else ""))
+    if case.row == "7":  # the plan-cache row: how many kernels, and where a step's time goes
+        p = plan(*case.build())
+        e2e = result.get("ember")
+        gpu = None if cpu else guarded("7 CUDA graph of ember's step", lambda: graph_gpu_ms(case.ember, reps))
+        overhead = "not measured (--cpu-smoke)" if cpu else (
+            f"{cell(gpu and gpu * 1e3, '{:.0f}')} us, so host overhead "
+            f"{cell(e2e - gpu if e2e and gpu else None, '{:.0f}')} us per step")
+        notes.append(f"7: ember.explain.plan: {len(p.kernels)} kernels, {p.launches} launches; a warm-cache step: "
+                     f"{cell(e2e and e2e * 1e3, '{:.0f}')} us end to end, GPU alone (CUDA graph replay) {overhead}")
+    return result
+
+
+def cell(value, fmt: str = "{:.4g}") -> str:
+    return "error" if value is None else fmt.format(value)
+
+
+def table(results: list[dict], bandwidth: float, cpu: bool) -> str:
+    head = ["row", "workload", "size", "MB moved", "ember ms", "GB/s", "% copy", "eager ms", "compile ms",
+            "vs eager", "vs compile", "launches", "max abs / rel err"]
+    lines = []
+    for res in results:
+        ember_ms, eager, compiled = res.get("ember"), res.get("eager"), res.get("compile")
+        gbs = res["nbytes"] / ember_ms / 1e6 if res["nbytes"] and ember_ms else None
+        rel = res.get("rel")
+        verdict = "" if rel is not None and rel <= res["tol"] else " FAIL"
+        lines.append([
+            res["row"], res["name"], res["shape"], "-" if res["nbytes"] is None else f"{res['nbytes'] / 1e6:.3g}"
+            if res["nbytes"] < 1e7 else f"{res['nbytes'] / 1e6:.0f}",
+            cell(ember_ms), "-" if gbs is None else f"{gbs:.0f}",
+            "-" if gbs is None else f"{100 * gbs / bandwidth:.0f}",
+            cell(eager), "skipped" if cpu else cell(compiled),
+            cell(eager / ember_ms if eager and ember_ms else None, "{:.2f}x"),
+            "-" if cpu else cell(compiled / ember_ms if compiled and ember_ms else None, "{:.2f}x"),
+            cell(res.get("launches"), "{:.0f}"),
+            "error" if rel is None else f"{res['abs']:.1e} / {rel:.1e}{verdict}"])
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
+    rows = [head, ["-" * n for n in widths], *lines]
+    return "\n".join("| " + " | ".join(str(x).ljust(n) for x, n in zip(r, widths)) + " |" for r in rows)
+
+
+def environment(cpu: bool) -> str:
+    import triton
+
+    gpu = "CPU (--cpu-smoke: torch on the CPU, ember through Triton's interpreter)" if cpu else (
+        torch.cuda.get_device_name())
+    return (f"{datetime.date.today()}, {gpu}, torch {torch.__version__}, triton {triton.__version__}, "
+            f"ember {ember.__version__}, CUDA {torch.version.cuda}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, for a fast smoke run on a GPU")
+    parser.add_argument("--cpu-smoke", action="store_true",
+                        help="no GPU: tiny sizes, torch on the CPU, ember through Triton's interpreter, "
+                             "no torch.compile, host timers")
+    parser.add_argument("--rows", default="1,2,3,4,5,6,7", help="rows to run, e.g. 1,3,5")
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps per variant (default 3)")
+    parser.add_argument("--reps", type=int, default=None, help="timed steps per variant (default 20)")
+    parser.add_argument("--results", type=Path, default=None,
+                        help=f"markdown file to append to (default {RESULTS} for full-size GPU runs only)")
+    args = parser.parse_args(argv)
+    if args.cpu_smoke:
+        os.environ["EMBER_INTERPRET"] = "1"  # read when ember's cuda runtime is first imported, just below
+    elif os.environ.get("EMBER_INTERPRET", "0") not in ("", "0") or not torch.cuda.is_available():
+        sys.exit("fusion.py times a CUDA GPU; without one (or with EMBER_INTERPRET=1), add --cpu-smoke")
+    from ember.runtime import cuda as ember_cuda
+
+    args.warmup = args.warmup if args.warmup is not None else 1 if args.cpu_smoke else 3
+    args.reps = args.reps if args.reps is not None else 2 if args.cpu_smoke else 20
+    which, dev = (2, "cpu") if args.cpu_smoke else (1 if args.quick else 0, "cuda")
+    results_file = args.results or (None if args.quick or args.cpu_smoke else RESULTS)
+    rows = cases(which, dev)
+    selected = set(args.rows.split(","))
+    if not selected <= {row for row, _ in rows}:
+        parser.error(f"--rows: no row {', '.join(sorted(selected - {row for row, _ in rows}))}; rows are 1 to 7")
+    torch.manual_seed(0)
+
+    copy_bytes = SIZES["copy"][which]
+    bandwidth = copy_gbs(copy_bytes, dev, args.warmup, args.reps, args.cpu_smoke)
+    print(f"copy bandwidth: {bandwidth:.0f} GB/s (read + write, {copy_bytes / 2**20:.0f} MiB buffers)", flush=True)
+
+    notes = [f"copy bandwidth {bandwidth:.0f} GB/s (bytes read + written by a {copy_bytes / 2**20:.0f} MiB "
+             "torch copy_); times are medians per step, call to GPU done; ember's include building the "
+             "graph and the plan-cache lookup (end to end)"]
+    results = []
+    for row, make in rows:
+        if row not in selected:
+            continue
+        case = guarded(f"{row} setup", make)
+        if case is None:
+            continue
+        print(f"row {case.row}: {case.name} ({case.shape})", flush=True)
+        results.append(run(case, args, ember_cuda.stats, notes))
+        del case, make
+        torch._dynamo.reset()  # drop compiled graphs and the tensors their guards hold
+        gc.collect()
+        if not args.cpu_smoke:
+            torch.cuda.empty_cache()
+
+    report = "\n".join([f"## fusion benchmark: {environment(args.cpu_smoke)}"
+                        + (" (--quick sizes)" if args.quick and not args.cpu_smoke else ""), "",
+                        table(results, bandwidth, args.cpu_smoke), "", *[f"- {n}" for n in notes], ""])
+    print("\n" + report)
+    if results_file is not None:
+        with open(results_file, "a") as f:
+            f.write(report + "\n")
+        print(f"appended to {results_file}")
+
+
+if __name__ == "__main__":
+    main()

@@ -273,8 +273,8 @@ def run(case: Case, args, stats: dict, notes: list[str]) -> dict:
     for label, make in case.extra.items():
         ms = guarded(f"{case.row} {label}", lambda make=make: median_ms(make(), warmup, reps, cpu))
         ember_ms = result.get("ember")
-        notes.append(f"{case.row}: {label}: {cell(ms)} ms" + (f", ember x{ms / ember_ms:.2f}" if ms and ember_ms
-                                                               else ""))
+        speedup = f" (ember {ms / ember_ms:.2f}x as fast)" if ms and ember_ms else ""
+        notes.append(f"{case.row}: {label}: {cell(ms)} ms{speedup}")
     if case.row == "7":  # the plan-cache row: how many kernels, and where a step's time goes
         p = plan(*case.build())
         e2e = result.get("ember")

@@ -370,10 +370,18 @@ def _conv2d(g, xs, out, a):
 
 def _gather(g, xs, out, a):
     x, index = xs
-    from ember.ops.creation import zeros
+    axis = a["axis"]
+    from ember.ops.creation import arange, zeros
+    from ember.ops.pointwise import where
 
+    same_elsewhere = all(i == s for d, (i, s) in enumerate(zip(index.shape, x.shape)) if d != axis)
+    if index.shape[axis] == 1 and same_elsewhere:
+        # one pick per row (cross entropy, max with indices): a pointwise select, no scatter
+        positions = arange(x.shape[axis], device=g.device).reshape(
+            tuple(x.shape[axis] if d == axis else 1 for d in range(x.ndim)))
+        return where(positions == index.expand(x.shape), g.expand(x.shape), 0), None
     base = zeros(x.shape, dtype=g.dtype, device=g.device)
-    return _apply(Op.SCATTER_ADD, base, index, g, axis=a["axis"]), None
+    return _apply(Op.SCATTER_ADD, base, index, g, axis=axis), None
 
 
 def _scatter_add(g, xs, out, a):

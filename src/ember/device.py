@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 
@@ -37,7 +38,13 @@ def as_device(d: str | Device | None) -> Device:
         raise DeviceError(f"unknown device {text!r}; expected 'cpu', 'cuda' or 'cuda:N'")
     if kind == "cpu":
         return CPU
-    return Device(kind, int(index) if index else 0)
+    return _interned(kind, int(index) if index else 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _interned(kind: str, index: int) -> Device:
+    """One Device object per name, so the hot path compares devices by identity."""
+    return Device(kind, index)
 
 
 def default_device() -> Device:

@@ -175,6 +175,13 @@ class _Builder:
                 return a
             if op is Op.DIV and _is_value(b, 1) and original.dtype.is_floating_point:
                 return a
+            if op is Op.DIV and b.op is Op.EXPAND and original.dtype.is_floating_point:
+                # one reciprocal per broadcast value instead of a division per element (softmax's
+                # normalisation, layer norm's scale)
+                source = b.inputs[0]
+                inverse = self.make(Op.RECIPROCAL, (source,), {}, source)
+                spread = self.make(Op.EXPAND, (inverse,), dict(b.attrs), b)
+                return self.make(Op.MUL, (a, spread), {}, original)
         if op is Op.NEG and ins[0].op is Op.NEG:
             return ins[0].inputs[0]
         if op is Op.CAST:

@@ -36,7 +36,7 @@ class Node:
             attrs["device"] = device  # the target; the input lives elsewhere
         elif inputs:
             device = inputs[0].device
-            if any(i.device != inputs[0].device for i in inputs):
+            if any(i.device is not device and i.device != device for i in inputs):
                 raise DeviceError(f"{op.label}: inputs on different devices: "
                                   f"{', '.join(str(i.device) for i in inputs)}")
         assert device is not None, f"{op.label}: a leaf needs a device"

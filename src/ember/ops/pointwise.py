@@ -40,9 +40,9 @@ def broadcast_shapes(*shapes, op: str = "broadcast_shapes") -> tuple[int, ...]:
     return tuple(out)
 
 
-def scalar(value, dtype: DType, device) -> Tensor:
-    """A 0-d constant."""
-    return leaf(Op.CONST, device, shape=(), dtype=dtype, value=_convert(value, dtype))
+def scalar(value, dtype: DType, device, shape: tuple[int, ...] = ()) -> Tensor:
+    """A constant of any shape: one value, no memory."""
+    return leaf(Op.CONST, device, shape=shape, dtype=dtype, value=_convert(value, dtype))
 
 
 def _convert(value, dtype: DType):
@@ -87,6 +87,14 @@ def _check_devices(op: str, tensors: list[Tensor]) -> None:
 def prepare(op: str, *xs, dtype: DType | None = None) -> list[Tensor]:
     """Broadcast operands (tensors or scalars) to one shape and cast them to `dtype`
     (by default their promoted type)."""
+    if len(xs) == 2 and dtype is None:  # the common case, kept cheap: it runs for every binary op
+        a, b = xs
+        if type(a) is Tensor and type(b) is Tensor:
+            if a.shape == b.shape and a.dtype is b.dtype and a.device == b.device:
+                return [a, b]
+        elif type(a) is Tensor and type(b) in (int, float) and type(b) is not bool and a.ndim:
+            common = dtypes.result_type(a, b)
+            return [cast(a, common), scalar(b, common, a.device, a.shape)]
     tensors = [x for x in xs if isinstance(x, Tensor)]
     if not tensors:
         raise TypeError(f"{op}: expected at least one Tensor operand, got {operands(*xs)}")
@@ -99,9 +107,10 @@ def prepare(op: str, *xs, dtype: DType | None = None) -> list[Tensor]:
     shape = broadcast_shapes(op, *(t.shape for t in tensors))
     out = []
     for x in xs:
-        t = x if isinstance(x, Tensor) else scalar(x, common, device)
-        if t.device != device:  # a 0-d constant made elsewhere
-            t = t.to(device)
+        if not isinstance(x, Tensor):
+            out.append(scalar(x, common, device, shape))
+            continue
+        t = x if x.device == device else x.to(device)  # a 0-d constant made elsewhere
         out.append(expand_to(cast(t, common), shape))
     return out
 

@@ -152,7 +152,7 @@ def evaluate(node: Node, args: list[np.ndarray]) -> np.ndarray:
     op, kind = node.op, node.op.kind.value
     out_np = node.dtype.np
     if op is Op.CONST:
-        return np.full(node.shape, node.attrs["value"], dtype=out_np)
+        return np.broadcast_to(np.asarray(node.attrs["value"], dtype=out_np), node.shape)
     if op is Op.IOTA:
         return np.arange(node.attrs["n"], dtype=np.int64)
     if op is Op.RAND:

@@ -332,8 +332,8 @@ class Emitter:
             Op.NEG: f"-{x}", Op.ABS: f"tl.abs({x})" if in_dtype is not dtypes.bool_ else x,
             Op.SIGN: f"lib.sign({x})" if in_dtype is not dtypes.bool_ else x,
             Op.EXP: f"tl.exp({x})", Op.LOG: f"tl.log({x})", Op.LOG1P: f"lib.log1p({x})",
-            Op.SQRT: f"tl.sqrt_rn({x})" if in_dtype is dtypes.float32 else f"tl.sqrt({x})",
-            Op.RECIPROCAL: f"tl.math.div_rn(1.0, {x})" if in_dtype is dtypes.float32 else f"1.0 / {x}",
+            Op.SQRT: f"tl.sqrt({x})",
+            Op.RECIPROCAL: f"tl.fdiv(1.0, {x})" if in_dtype is dtypes.float32 else f"1.0 / {x}",
             Op.SIN: f"tl.sin({x})", Op.COS: f"tl.cos({x})", Op.TANH: f"lib.tanh({x})", Op.ERF: f"tl.math.erf({x})",
             Op.FLOOR: f"tl.floor({x})", Op.CEIL: f"tl.ceil({x})", Op.ROUND: f"lib.rint({x}, {big})",
             Op.NOT: f"{x} == 0",
@@ -341,13 +341,13 @@ class Emitter:
         if op in unary:
             return self.define(unary[op]), out
         if op is Op.DIV:
-            if floating:
-                text = f"tl.math.div_rn({x}, {y})" if in_dtype is dtypes.float32 else f"{x} / {y}"
+            if floating:  # float32: the fast division (within 2 ulp), as fused kernels elsewhere use
+                text = f"tl.fdiv({x}, {y})" if in_dtype is dtypes.float32 else f"{x} / {y}"
             else:
                 text = f"lib.truncdiv_int({x}, {y})"
             return self.define(text), out
         if op is Op.FLOORDIV:
-            quotient = f"tl.math.div_rn({x}, {y})" if in_dtype is dtypes.float32 else f"{x} / {y}"
+            quotient = f"tl.fdiv({x}, {y})" if in_dtype is dtypes.float32 else f"{x} / {y}"
             text = f"tl.floor({quotient})" if floating else f"lib.floordiv_int({x}, {y})"
             return self.define(text), out
         if op is Op.MOD:

@@ -41,7 +41,7 @@ def as_device(d: str | Device | None) -> Device:
     return _interned(kind, int(index) if index else 0)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _interned(kind: str, index: int) -> Device:
     """One Device object per name, so the hot path compares devices by identity."""
     return Device(kind, index)

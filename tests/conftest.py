@@ -35,6 +35,16 @@ def cuda_backend():
     if not cuda.is_available():
         pytest.skip("the cuda backend needs a GPU or EMBER_INTERPRET=1")
 
+
+@pytest.fixture(params=["cpu", "cuda"])
+def device(request):
+    """The op suite's device dimension: every test of a module that uses this fixture runs once on the
+    reference backend and once on the cuda backend (through Triton's interpreter without a GPU)."""
+    if request.param == "cuda":
+        request.getfixturevalue("cuda_backend")
+    with ember.device(request.param):
+        yield request.param
+
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16", "int32", "int64", "bool")
 FLOATS = ("float32", "float64", "float16", "bfloat16")
 INTS = ("int8", "uint8", "int16", "int32", "int64")

@@ -9,6 +9,8 @@ from conftest import FLOATS, INTS, TORCH, check_against_torch, check_finite_diff
 
 import ember
 
+pytestmark = pytest.mark.usefixtures("device")
+
 # sums of many rounded products: half-precision results are compared a little more loosely
 HALF_TOLERANCE = {"float16": dict(rtol=2e-2, atol=2e-2), "bfloat16": dict(rtol=3e-2, atol=5e-2)}
 HALF_GRAD_TOLERANCE = {"float16": dict(grad_rtol=3e-2, grad_atol=3e-2),

@@ -12,6 +12,8 @@ from conftest import DTYPES, TORCH, assert_same, random_array, to_torch
 
 import ember
 
+pytestmark = pytest.mark.usefixtures("device")
+
 # -- tensor -------------------------------------------------------------------------------------------
 
 DATA = {  # name: data that torch.tensor and ember.tensor both accept

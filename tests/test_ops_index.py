@@ -9,6 +9,8 @@ from conftest import DTYPES, FLOATS, TORCH, check_against_torch, check_finite_di
 
 import ember
 
+pytestmark = pytest.mark.usefixtures("device")
+
 
 def _index(rng, shape, size: int, dtype: str = "int64") -> np.ndarray:
     """Random indices into a dimension of `size` (repeats included)."""

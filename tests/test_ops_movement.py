@@ -12,6 +12,8 @@ from conftest import DTYPES, TORCH, check_against_torch, check_finite_difference
 
 import ember
 
+pytestmark = pytest.mark.usefixtures("device")
+
 # name: (function of the library and the inputs, input shapes)
 MOVEMENT = {
     "reshape": (lambda m, x: x.reshape(4, 3), [(3, 4)]),

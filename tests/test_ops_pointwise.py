@@ -23,6 +23,8 @@ from conftest import (
 
 import ember
 
+pytestmark = pytest.mark.usefixtures("device")
+
 
 @dataclass(frozen=True)
 class Domain:

@@ -23,7 +23,8 @@ from conftest import (
 import ember
 
 # torch warns when a variance over one element divides by zero; the NaN it gives is what is compared
-pytestmark = pytest.mark.filterwarnings("ignore:.*degrees of freedom is <= 0:UserWarning")
+pytestmark = [pytest.mark.usefixtures("device"),
+              pytest.mark.filterwarnings("ignore:.*degrees of freedom is <= 0:UserWarning")]
 
 
 def _dim_kwargs(dim, keepdim) -> dict:

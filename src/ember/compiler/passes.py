@@ -193,7 +193,35 @@ class _Builder:
                 return self.make(Op.CAST, x.inputs, attrs, original)
         if kind is Kind.MOVEMENT:
             return self._fold_movement(op, ins[0], attrs, original)
+        if kind is Kind.REDUCE:
+            return self._split_reduction(op, ins[0], attrs, original)
         return None
+
+    def _split_reduction(self, op: Op, x: Node, attrs: dict, original: Node) -> Node | None:
+        """A long reduction into few outputs would run on few programs and starve the GPU: reduce
+        in two stages, first P partial results per output (in parallel), then those."""
+        if op not in SPLIT_IDENTITY or len(attrs["axes"]) != 1:
+            return None
+        (axis,) = attrs["axes"]
+        n, outputs = x.shape[axis], original.numel
+        if outputs * SPLIT_PARTS > SPLIT_MAX_OUTPUTS or n < SPLIT_MIN_LENGTH:
+            return None
+        parts = SPLIT_PARTS
+        padded = -(-n // parts) * parts
+        if padded != n:  # pad with the reduction's identity, so the padding changes nothing
+            pads = tuple((0, padded - n) if d == axis else (0, 0) for d in range(len(x.shape)))
+            shape = tuple(padded if d == axis else s for d, s in enumerate(x.shape))
+            identity = SPLIT_IDENTITY[op] if original.dtype.is_floating_point else None
+            if identity is None:
+                return None
+            x = self.make(Op.PAD, (x,), {"pads": pads, "value": identity}, _like(x, shape))
+        split = x.shape[:axis] + (parts, padded // parts) + x.shape[axis + 1:]
+        x = self.make(Op.RESHAPE, (x,), {"shape": split}, _like(x, split))
+        partial_shape = split[:axis + 1] + (1,) + split[axis + 2:]
+        partial = self.make(op, (x,), {"axes": (axis + 1,)}, _like(x, partial_shape))
+        total_shape = split[:axis] + (1, 1) + split[axis + 2:]
+        total = self.make(op, (partial,), {"axes": (axis,)}, _like(x, total_shape))
+        return self.make(Op.RESHAPE, (total,), {"shape": original.shape}, original)
 
     def _fold_movement(self, op: Op, x: Node, attrs: dict, original: Node) -> Node | None:
         if x.shape == original.shape and op in (Op.RESHAPE, Op.EXPAND):
@@ -209,6 +237,17 @@ class _Builder:
         if op is Op.EXPAND and x.op is Op.EXPAND:
             return self.make(Op.EXPAND, x.inputs, attrs, original)
         return None
+
+
+SPLIT_PARTS = 64  # partial results per output of a split reduction
+SPLIT_MAX_OUTPUTS = 1 << 16  # split only when outputs * parts stays under this many programs' rows
+SPLIT_MIN_LENGTH = 8192  # and only reductions at least this long
+SPLIT_IDENTITY = {Op.SUM: 0.0, Op.MAX: -math.inf, Op.MIN: math.inf, Op.PROD: 1.0}
+
+
+def _like(node: Node, shape: tuple[int, ...]) -> Node:
+    """A template for `make`: node's dtype and device with another shape."""
+    return Node(Op.BUFFER, (), {}, shape, node.dtype, node.device)
 
 
 def _is_value(node: Node, value) -> bool:

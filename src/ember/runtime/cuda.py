@@ -48,7 +48,7 @@ def torch_device(device: Device) -> torch.device:
 # -- transfers ---------------------------------------------------------------------------------
 
 def from_numpy(array: np.ndarray, device: Device) -> torch.Tensor:
-    array = np.ascontiguousarray(array)
+    array = np.ascontiguousarray(array).reshape(array.shape)  # ascontiguousarray makes a 0-d array 1-d
     if array.dtype == dtypes.bfloat16.np:
         host = torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
     else:

@@ -513,13 +513,17 @@ def _rows(ctx: Context, kernel: FusedKernel, body: list[str]) -> Launch:
     """A row kernel: each program holds BLOCK_M rows; reductions over the row run in registers."""
     space, axes = kernel.space, kernel.axes
     m, n = kernel.rows, kernel.cols
-    block_n = min(next_pow2(n), ROW_TILE)
-    block_m = max(1, min(ROW_TILE // block_n, next_pow2(m), 64))
-    persistent = next_pow2(n) <= ROW_TILE
-    inner: list[str] = []
-    emitter = Emitter(ctx, kernel, inner, "    ")
     kept = [i for i in range(len(space)) if i not in axes]
     trailing = tuple(axes) == tuple(range(len(space) - len(axes), len(space)))
+    if trailing:  # rows are contiguous in memory: a program takes few, long rows
+        block_n = min(next_pow2(n), ROW_TILE)
+        block_m = max(1, min(ROW_TILE // block_n, next_pow2(m), 64))
+    else:  # the kept axes are the contiguous ones: wide along them, so loads coalesce
+        block_m = min(next_pow2(m), 128)
+        block_n = max(1, min(next_pow2(n), ROW_TILE // block_m))
+    persistent = next_pow2(n) <= block_n
+    inner: list[str] = []
+    emitter = Emitter(ctx, kernel, inner, "    ")
     big = emitter.big
     emitter.line("pid = tl.program_id(0)")
     emitter.line(f"rows = {'pid.to(tl.int64)' if big else 'pid'} * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]")

@@ -66,13 +66,27 @@ def test_layer_norm_forward_is_one_kernel(rng):
     assert_close(out, layer_norm(xc, wc), rtol=1e-4, atol=1e-5)
 
 
-def test_long_rows_are_reduced_in_a_loop(rng):
+def test_long_rows_are_reduced_in_a_loop(rng, monkeypatch):
+    from ember.compiler import passes
+
+    monkeypatch.setattr(passes, "SPLIT_MIN_PROGRAMS", 0)  # keep each row in one program
     x, xc = pair(rng, 3, 10000, low=-5, high=5)
     out = x.softmax(-1)
     assert kernels(out) == 1
     assert_close(out, xc.softmax(-1), atol=1e-7)
     assert_close(x.logsumexp(-1), xc.logsumexp(-1), rtol=1e-5)
     assert (x.argmax(-1).numpy() == xc.argmax(-1).numpy()).all()
+
+
+def test_few_long_reductions_are_split_across_programs(rng):
+    x, xc = pair(rng, 3, 20000, low=-5, high=5)
+    total = x.sum(-1)
+    p = plan(total)
+    assert p.kernels[0].rows >= 3 * 64  # many partial sums per output, in parallel
+    assert_close(total, xc.sum(-1), rtol=1e-5, atol=1e-3)
+    column, column_c = pair(rng, 20000, 5)
+    assert_close(column.amax(0), column_c.amax(0))
+    assert_close(x.softmax(-1), xc.softmax(-1), atol=1e-7)
 
 
 def test_reductions_over_leading_and_middle_axes(rng):

@@ -193,9 +193,21 @@ class _Builder:
                 return self.make(Op.CAST, x.inputs, attrs, original)
         if kind is Kind.MOVEMENT:
             return self._fold_movement(op, ins[0], attrs, original)
+        if op is Op.SCATTER_ADD and original.dtype in ATOMIC_WIDENING:
+            return self._widen_scatter_add(ins, attrs, original)
         if kind is Kind.REDUCE:
             return self._split_reduction(op, ins[0], attrs, original)
         return None
+
+    def _widen_scatter_add(self, ins: tuple[Node, ...], attrs: dict, original: Node) -> Node:
+        """GPUs add atomically only in 32- and 64-bit types and float16: accumulate in a wider type and
+        convert once. Integers wrap as they would in their own type; bool sums are "any"."""
+        base, index, src = ins
+        wide = ATOMIC_WIDENING[original.dtype]
+        base = self.make(Op.CAST, (base,), {"dtype": wide}, _like(base, base.shape, wide))
+        src = self.make(Op.CAST, (src,), {"dtype": wide}, _like(src, src.shape, wide))
+        total = self.make(Op.SCATTER_ADD, (base, index, src), attrs, _like(original, original.shape, wide))
+        return self.make(Op.CAST, (total,), {"dtype": original.dtype}, original)
 
     def _split_reduction(self, op: Op, x: Node, attrs: dict, original: Node) -> Node | None:
         """A long reduction into few outputs would run on few programs and starve the GPU: reduce
@@ -204,7 +216,11 @@ class _Builder:
             return None
         (axis,) = attrs["axes"]
         n, outputs = x.shape[axis], original.numel
-        if outputs * SPLIT_PARTS > SPLIT_MAX_OUTPUTS or n < SPLIT_MIN_LENGTH:
+        # a row kernel gives each program one or a few rows when the reduced axis is the last one,
+        # and a block of 128 outputs when it is a leading axis (the kept axes are contiguous then)
+        trailing = all(s == 1 for s in x.shape[axis + 1:])
+        programs = outputs if trailing else -(-outputs // 128)
+        if programs >= SPLIT_MIN_PROGRAMS or n < SPLIT_MIN_LENGTH:
             return None
         parts = SPLIT_PARTS
         padded = -(-n // parts) * parts
@@ -240,14 +256,17 @@ class _Builder:
 
 
 SPLIT_PARTS = 64  # partial results per output of a split reduction
-SPLIT_MAX_OUTPUTS = 1 << 16  # split only when outputs * parts stays under this many programs' rows
+SPLIT_MIN_PROGRAMS = 1024  # split only reductions that would otherwise run on fewer programs
 SPLIT_MIN_LENGTH = 8192  # and only reductions at least this long
 SPLIT_IDENTITY = {Op.SUM: 0.0, Op.MAX: -math.inf, Op.MIN: math.inf, Op.PROD: 1.0}
+# scatter_add dtypes without atomic addition on the GPU, and the type they accumulate in
+ATOMIC_WIDENING = {dtypes.bool_: dtypes.int32, dtypes.uint8: dtypes.int32, dtypes.int8: dtypes.int32,
+                   dtypes.int16: dtypes.int32, dtypes.bfloat16: dtypes.float32}
 
 
-def _like(node: Node, shape: tuple[int, ...]) -> Node:
-    """A template for `make`: node's dtype and device with another shape."""
-    return Node(Op.BUFFER, (), {}, shape, node.dtype, node.device)
+def _like(node: Node, shape: tuple[int, ...], dtype: dtypes.DType | None = None) -> Node:
+    """A template for `make`: node's device (and dtype, unless given) with another shape."""
+    return Node(Op.BUFFER, (), {}, shape, dtype or node.dtype, node.device)
 
 
 def _is_value(node: Node, value) -> bool:

@@ -323,8 +323,12 @@ class Emitter:
             target = node.attrs["dtype"]
             if target is dtypes.bool_:
                 return self.define(f"{x} != 0"), target
-            text = f"({x}).to({TL[target]})"
-            if compute_dtype(target) is not target:  # round to the half type, then compute in float32
+            # tl.cast, unlike .to(), also takes a scalar kernel argument (a Python float in the interpreter)
+            if target is dtypes.bfloat16:  # via float32, as torch converts; then compute in float32
+                source = x if in_dtype is dtypes.float32 and self.is_tile(x) else f"tl.cast({x}, tl.float32)"
+                return self.define(f"lib.to_bfloat16({source}).to(tl.float32)"), out
+            text = f"tl.cast({x}, {TL[target]})"
+            if compute_dtype(target) is not target:  # round to float16, then compute in float32
                 text += f".to({TL[out]})"
             return self.define(text), out
         big = "8388608.0" if in_dtype is not dtypes.float64 else "4503599627370496.0"
@@ -375,7 +379,7 @@ class Emitter:
         if not self.is_tile(value):  # a literal or a scalar: give it the tile's shape
             value = f"{value} + tl.zeros({tile}, {TL[dt]})"
         if dt is not node.dtype:
-            value = f"({value}).to({TL[node.dtype]})"
+            value = f"lib.to_bfloat16({value})" if node.dtype is dtypes.bfloat16 else f"({value}).to({TL[node.dtype]})"
         mask = f", mask={idx.mask}" if idx.mask else ""
         self.line(f"tl.store({pointer} + {self.linear(idx, node.shape)}, {value}{mask})")
 
@@ -576,17 +580,14 @@ def _rows(ctx: Context, kernel: FusedKernel, body: list[str]) -> Launch:
         elif r.op is Op.PROD:
             emitter.line(f"{acc} = {acc} * tl.reduce({tile}, 1, lib.prod_combine, keep_dims=True)")
         elif r.op in (Op.MAX, Op.MIN):
-            fn = "max" if r.op is Op.MAX else "min"
-            emitter.line(f"{acc} = tl.{'maximum' if fn == 'max' else 'minimum'}({acc}, "
-                         f"tl.{fn}({tile}, axis=1, keep_dims=True))")
-        else:
-            fn = "max" if r.op is Op.ARGMAX else "min"
-            best = emitter.define(f"tl.{fn}({tile}, axis=1, keep_dims=True)", "b")
-            where = emitter.define(f"tl.arg{fn}({tile}, axis=1, keep_dims=True).to(tl.int64) + "
-                                   f"{'0' if persistent else 'start'}", "w")
-            better = f"{best} {'>' if fn == 'max' else '<'} {acc}"
-            emitter.line(f"{arg} = tl.where({better}, {where}, {arg})")
-            emitter.line(f"{acc} = tl.where({better}, {best}, {acc})")
+            combine = "lib.max_combine" if r.op is Op.MAX else "lib.min_combine"
+            emitter.line(f"{acc} = {combine}({acc}, tl.reduce({tile}, 1, {combine}, keep_dims=True))")
+        else:  # the chunk's best (value, column), then the best of it and the rows' best so far
+            combine = "lib.argmax_combine" if r.op is Op.ARGMAX else "lib.argmin_combine"
+            columns = emitter.define("cols + tl.zeros([BLOCK_M, BLOCK_N], tl.int32)", "j")
+            best, where = emitter.fresh("b"), emitter.fresh("w")
+            emitter.line(f"{best}, {where} = tl.reduce(({tile}, {columns}), 1, {combine}, keep_dims=True)")
+            emitter.line(f"{acc}, {arg} = {combine}({acc}, {arg}, {best}, {where}.to(tl.int64))")
         emitter.indent = "    "
         result = arg if arg else acc
         if acc_dt is not dt:

@@ -4,8 +4,22 @@ They are written with core `tl` operations only, so the same kernels run on the 
 and under Triton's CPU interpreter, which is how CI tests generated code.
 """
 
+import os
+
 import triton
 import triton.language as tl
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    @triton.jit
+    def to_bfloat16(x):
+        """float32 to bfloat16, rounded to nearest even as GPUs do (Triton's interpreter truncates)."""
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        return tl.where(x != x, x, bits.to(tl.float32, bitcast=True)).to(tl.bfloat16)
+else:
+    @triton.jit
+    def to_bfloat16(x):
+        return x.to(tl.bfloat16)
 
 
 @triton.jit
@@ -77,3 +91,29 @@ def sign(x):
 @triton.jit
 def prod_combine(a, b):
     return a * b
+
+
+@triton.jit
+def max_combine(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)  # NaN wins, as in torch (tl.max drops it)
+
+
+@triton.jit
+def min_combine(a, b):
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def argmax_combine(a, i, b, j):
+    """The (value, index) pair of the larger value; as in torch, NaN is larger than everything and of
+    equal values the first index wins."""
+    b_nan = b != b
+    take_b = (b > a) | (b_nan & (a == a)) | (((a == b) | (b_nan & (a != a))) & (j < i))
+    return tl.where(take_b, b, a), tl.where(take_b, j, i)
+
+
+@triton.jit
+def argmin_combine(a, i, b, j):
+    b_nan = b != b
+    take_b = (b < a) | (b_nan & (a == a)) | (((a == b) | (b_nan & (a != a))) & (j < i))
+    return tl.where(take_b, b, a), tl.where(take_b, j, i)

@@ -359,7 +359,7 @@ class Emitter:
         if op is Op.POW:
             if floating:
                 return self.define(f"lib.pow_({x}, {y})"), out
-            return self.define(f"lib.pow_(({x}).to(tl.float64), ({y}).to(tl.float64)).to({TL[out]})"), out
+            return self.define(f"lib.pow_int(tl.cast({x}, {TL[out]}), tl.cast({y}, {TL[out]}))"), out
         if op in (Op.MAXIMUM, Op.MINIMUM):
             fn = "tl.maximum" if op is Op.MAXIMUM else "tl.minimum"
             nan = ", propagate_nan=tl.PropagateNan.ALL" if floating else ""
@@ -590,7 +590,7 @@ def _rows(ctx: Context, kernel: FusedKernel, body: list[str]) -> Launch:
             emitter.line(f"{acc}, {arg} = {combine}({acc}, {arg}, {best}, {where}.to(tl.int64))")
         emitter.indent = "    "
         result = arg if arg else acc
-        if acc_dt is not dt:
+        if acc_dt is not dt and not arg:  # a bool max or min, accumulated in int32
             result = emitter.define(f"{acc} != 0")
         emitter.reduced[id(r)] = result
         if not persistent:

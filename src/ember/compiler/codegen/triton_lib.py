@@ -58,6 +58,21 @@ def pow_(a, b):
 
 
 @triton.jit
+def pow_int(a, b):
+    """a ** b for integers: exact (by squaring) and wrapping around, as in torch; a negative power
+    is 0 unless the base is 1 or -1."""
+    base = a + b * 0
+    e = tl.where(b < 0, 0, b + a * 0)
+    result = base * 0 + 1
+    while tl.max(e) > 0:
+        result = tl.where((e & 1) != 0, result * base, result)
+        base = base * base
+        e = e >> 1
+    inverse = tl.where(a == 1, 1, tl.where(a == -1, 1 - 2 * (b & 1), 0))
+    return tl.where(b < 0, inverse, result)
+
+
+@triton.jit
 def floordiv_int(a, b):
     q = a // b
     r = a - q * b

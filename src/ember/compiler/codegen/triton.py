@@ -33,6 +33,7 @@ TL = {
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 POINTWISE_BLOCK = 1024
 ROW_TILE = 4096  # elements of a row kernel's tile; rows longer than this are reduced in a loop
+LOOP_CHUNK = 1024  # columns per step of that loop
 INT32_LIMIT = 2**31 - 1
 
 
@@ -51,6 +52,7 @@ class Arg:
     kind: str  # "read", "write", "size", "scalar", "seed", "offset", "bound"
     value: object  # a Node for read/write, an int for size/bound, an index for scalar/seed/offset
     name: str
+    annotation: str = ""  # the Triton type of a scalar; without one a Python float reaches the GPU as float32
 
 
 @dataclass
@@ -96,11 +98,11 @@ class Context:
         self.args: list[Arg] = []
         self.names: dict[tuple, str] = {}
 
-    def arg(self, kind: str, value, prefix: str) -> str:
+    def arg(self, kind: str, value, prefix: str, annotation: str = "") -> str:
         key = (kind, id(value) if isinstance(value, Node) else value)
         if key not in self.names:
             self.names[key] = f"{prefix}{sum(1 for a in self.args if a.kind == kind)}"
-            self.args.append(Arg(kind, value, self.names[key]))
+            self.args.append(Arg(kind, value, self.names[key], annotation))
         return self.names[key]
 
     def size(self, value: int) -> str:
@@ -179,6 +181,36 @@ class Emitter:
             return "(" + " + ".join(reversed(terms)) + ")"
         return terms[0] if terms else "0"
 
+    def reshape_dims(self, dims: tuple[str, ...], shape: tuple[int, ...], source: tuple[int, ...]) -> tuple[str, ...]:
+        """Per-dimension positions in `source` for positions `dims` in `shape`, group by group.
+
+        A reshape splits or merges runs of dimensions; matching the runs by their products, a
+        merge becomes multiply-adds and only a split needs a division (by a run's inner sizes).
+        """
+        out: list[str] = []
+        i = j = 0
+        while i < len(shape) or j < len(source):
+            a, b = i + 1, j + 1
+            left = shape[i] if i < len(shape) else 1
+            right = source[j] if j < len(source) else 1
+            while left != right:
+                if left < right:
+                    left *= shape[a]
+                    a += 1
+                else:
+                    right *= source[b]
+                    b += 1
+            group_dims, group_shape = dims[i:a], shape[i:a]
+            target = source[j:b]
+            if len(target) == 1:
+                out.append(self.linear(Index(group_dims, None, None, OTHER), group_shape))
+            elif len(group_dims) == 1:
+                out.extend(self.unravel(group_dims[0], target))
+            else:
+                out.extend(self.unravel(self.linear(Index(group_dims, None, None, OTHER), group_shape), target))
+            i, j = a, b
+        return tuple(out[:len(source)]) if len(out) >= len(source) else tuple(out) + ("0",) * (len(source) - len(out))
+
     # -- values ----------------------------------------------------------------------------
     def value(self, node: Node, idx: Index) -> tuple[str, DType]:
         """The name (or literal) of node's value at idx, and the dtype it is computed in."""
@@ -228,7 +260,10 @@ class Emitter:
         if node.op is Op.CONST:
             out = compute_dtype(node.dtype)
             if "arg" in node.attrs:
-                return self.ctx.arg("scalar", node.attrs["arg"], "c"), out
+                # typed, so a float64 constant stays float64; tl.full makes a typed scalar of it under the
+                # interpreter too, where the argument is a plain Python float
+                scalar = self.ctx.arg("scalar", node.attrs["arg"], "c", TL[out])
+                return self.define(f"tl.full([], {scalar}, {TL[out]})"), out
             return _literal(node.attrs["value"], node.dtype), out
         if node.op is Op.IOTA:
             position = idx.linear if idx.dims is None else idx.dims[0]
@@ -246,7 +281,9 @@ class Emitter:
         source = node.inputs[0].shape
         level = input_level(node, idx.level, self.kernel.space, self.kernel.axes, 0)
         if op is Op.RESHAPE:
-            return Index(None, self.linear(idx, node.shape), idx.mask, level)
+            if idx.dims is None:  # the linear position is the same on both sides of a reshape
+                return Index(None, idx.linear, idx.mask, level)
+            return Index(self.reshape_dims(idx.dims, node.shape, source), None, idx.mask, level)
         dims = self.dims(idx, node.shape)
         if op is Op.PERMUTE:
             new = [""] * len(dims)
@@ -464,7 +501,7 @@ def _header(kernel: FusedKernel) -> list[str]:
 def _signature(ctx: Context, extra: list[str]) -> str:
     order = ("read", "write", "size", "scalar", "seed", "offset", "bound")
     ctx.args.sort(key=lambda a: order.index(a.kind))
-    return ", ".join([a.name for a in ctx.args] + extra)
+    return ", ".join([f"{a.name}: {a.annotation}" if a.annotation else a.name for a in ctx.args] + extra)
 
 
 def _finish(ctx: Context, body: list[str], name: str, inner: list[str], constexprs: dict[str, int], grid: int,
@@ -521,7 +558,9 @@ def _rows(ctx: Context, kernel: FusedKernel, body: list[str]) -> Launch:
     trailing = tuple(axes) == tuple(range(len(space) - len(axes), len(space)))
     if trailing:  # rows are contiguous in memory: a program takes few, long rows
         block_n = min(next_pow2(n), ROW_TILE)
-        block_m = max(1, min(ROW_TILE // block_n, next_pow2(m), 64))
+        if next_pow2(n) > ROW_TILE:  # a row that does not fit is walked in small chunks (registers)
+            block_n = LOOP_CHUNK
+        block_m = max(1, min(ROW_TILE // block_n, next_pow2(m), 64)) if block_n != LOOP_CHUNK else 1
     else:  # the kept axes are the contiguous ones: wide along them, so loads coalesce
         block_m = min(next_pow2(m), 128)
         block_n = max(1, min(next_pow2(n), ROW_TILE // block_m))

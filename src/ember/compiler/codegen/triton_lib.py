@@ -68,7 +68,7 @@ def pow_int(a, b):
         result = tl.where((e & 1) != 0, result * base, result)
         base = base * base
         e = e >> 1
-    inverse = tl.where(a == 1, 1, tl.where(a == -1, 1 - 2 * (b & 1), 0))
+    inverse = tl.where(a == 1, 1, tl.where(a + 1 == 0, 1 - 2 * (b & 1), 0))  # a + 1 == 0: a is -1
     return tl.where(b < 0, inverse, result)
 
 

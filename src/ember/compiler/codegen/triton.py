@@ -124,12 +124,19 @@ class Emitter:
         self.unravelled: dict[tuple, tuple[str, ...]] = {}
         self.reduced: dict[int, str] = {}
         self.tiles: set[str] = {"rows", "cols", "mask", "rmask", f"offs{tag}", f"mask{tag}"}
+        self.loop_at: int | None = None  # where the current column loop starts in `lines`
+        self.hoisting = False
+        self.hoisted: set[tuple] = set()  # memo keys of values computed before a loop
         self.count = 0
         self.big = max([n.numel for n in kernel.covers + kernel.reads + kernel.outputs] + [1]) > INT32_LIMIT
 
     # -- small helpers -------------------------------------------------------------------
     def line(self, text: str) -> None:
-        self.lines.append(self.indent + text)
+        if self.hoisting:  # a row-level value inside a column loop: compute it once, before the loop
+            self.lines.insert(self.loop_at, "    " + text)
+            self.loop_at += 1
+        else:
+            self.lines.append(self.indent + text)
 
     def fresh(self, stem: str) -> str:
         self.count += 1
@@ -217,7 +224,16 @@ class Emitter:
         key = (id(node), idx.key())
         if key in self.memo:
             return self.memo[key]
-        result = self._value(node, idx)
+        if idx.level == ROW and self.loop_at is not None and not self.hoisting:
+            # nothing below a row-level value depends on the column: hoist it out of the loop
+            self.hoisting = True
+            try:
+                result = self._value(node, idx)
+            finally:
+                self.hoisting = False
+            self.hoisted.add(key)
+        else:
+            result = self._value(node, idx)
         self.memo[key] = result
         return result
 
@@ -267,6 +283,8 @@ class Emitter:
             return _literal(node.attrs["value"], node.dtype), out
         if node.op is Op.IOTA:
             position = idx.linear if idx.dims is None else idx.dims[0]
+            if _int(position) is not None:  # a fixed position: a literal has no .to()
+                return self.define(f"tl.full([], {position}, tl.int64)"), dtypes.int64
             return self.define(f"({position}).to(tl.int64)"), dtypes.int64
         if node.op is Op.RAND:
             k = node.attrs["seed_arg"]
@@ -360,12 +378,10 @@ class Emitter:
             target = node.attrs["dtype"]
             if target is dtypes.bool_:
                 return self.define(f"{x} != 0"), target
-            # tl.cast, unlike .to(), also takes a scalar kernel argument (a Python float in the interpreter)
-            if target is dtypes.bfloat16:  # via float32, as torch converts; then compute in float32
-                source = x if in_dtype is dtypes.float32 and self.is_tile(x) else f"tl.cast({x}, tl.float32)"
-                return self.define(f"lib.to_bfloat16({source}).to(tl.float32)"), out
-            text = f"tl.cast({x}, {TL[target]})"
-            if compute_dtype(target) is not target:  # round to float16, then compute in float32
+            if target is dtypes.bfloat16 and in_dtype is not dtypes.float32:
+                x = f"({x}).to(tl.float32)"  # torch converts to bfloat16 via float32
+            text = f"({x}).to({TL[target]})"
+            if compute_dtype(target) is not target:  # round to the half type, then compute in float32
                 text += f".to({TL[out]})"
             return self.define(text), out
         big = "8388608.0" if in_dtype is not dtypes.float64 else "4503599627370496.0"
@@ -388,21 +404,20 @@ class Emitter:
                 text = f"lib.truncdiv_int({x}, {y})"
             return self.define(text), out
         if op is Op.FLOORDIV:
-            quotient = f"tl.fdiv({x}, {y})" if in_dtype is dtypes.float32 else f"{x} / {y}"
-            text = f"tl.floor({quotient})" if floating else f"lib.floordiv_int({x}, {y})"
-            return self.define(text), out
+            return self.define(f"lib.floordiv_{'float' if floating else 'int'}({x}, {y})"), out
         if op is Op.MOD:
             return self.define(f"lib.remainder_{'float' if floating else 'int'}({x}, {y})"), out
-        if op is Op.POW:
-            if floating:
-                return self.define(f"lib.pow_({x}, {y})"), out
-            return self.define(f"lib.pow_int(tl.cast({x}, {TL[out]}), tl.cast({y}, {TL[out]}))"), out
+        if op is Op.POW:  # literals typed, so that pow computes in their dtype, not in float32 or int32
+            x, y = (n if n.isidentifier() else self.define(f"tl.full([], {n}, {TL[out]})") for n in (x, y))
+            return self.define(f"lib.{'pow_' if floating else 'pow_int'}({x}, {y})"), out
         if op in (Op.MAXIMUM, Op.MINIMUM):
             fn = "tl.maximum" if op is Op.MAXIMUM else "tl.minimum"
             nan = ", propagate_nan=tl.PropagateNan.ALL" if floating else ""
             return self.define(f"{fn}({x}, {y}{nan})"), out
         symbols = {Op.ADD: "+", Op.SUB: "-", Op.MUL: "*", Op.EQ: "==", Op.NE: "!=", Op.LT: "<", Op.LE: "<=",
                    Op.AND: "&", Op.OR: "|"}
+        if op is Op.ADD and out is dtypes.bool_:
+            return self.define(f"{x} | {y}"), out  # True + True is True, not a 1-bit 0
         if op in symbols:
             return self.define(f"{x} {symbols[op]} {y}"), out
         if op is Op.WHERE:
@@ -416,7 +431,7 @@ class Emitter:
         if not self.is_tile(value):  # a literal or a scalar: give it the tile's shape
             value = f"{value} + tl.zeros({tile}, {TL[dt]})"
         if dt is not node.dtype:
-            value = f"lib.to_bfloat16({value})" if node.dtype is dtypes.bfloat16 else f"({value}).to({TL[node.dtype]})"
+            value = f"({value}).to({TL[node.dtype]})"
         mask = f", mask={idx.mask}" if idx.mask else ""
         self.line(f"tl.store({pointer} + {self.linear(idx, node.shape)}, {value}{mask})")
 
@@ -589,8 +604,15 @@ def _rows(ctx: Context, kernel: FusedKernel, body: list[str]) -> Launch:
         emitter.line(f"cols = {start} + tl.arange(0, BLOCK_N)[None, :]")
         emitter.line(f"mask = rmask & (cols < {n_size})")
 
+    def open_loop() -> None:
+        emitter.line(f"for start in range(0, {n_size}, BLOCK_N):")
+        emitter.loop_at = len(inner) - 1
+        emitter.indent = "        "
+        open_chunk("start")
+
     def reset() -> None:
-        kept_values = {k: v for k, v in emitter.memo.items() if k[0] in emitter.reduced}
+        emitter.loop_at = None
+        kept_values = {k: v for k, v in emitter.memo.items() if k[0] in emitter.reduced or k in emitter.hoisted}
         emitter.memo = kept_values
         emitter.unravelled = {k: v for k, v in emitter.unravelled.items() if k[0] == "rows"}
 
@@ -608,9 +630,7 @@ def _rows(ctx: Context, kernel: FusedKernel, body: list[str]) -> Launch:
             emitter.line(f"{arg} = tl.zeros([BLOCK_M, 1], tl.int64)")
             emitter.tiles.add(arg)
         if not persistent:
-            emitter.line("for start in range(0, " + n_size + ", BLOCK_N):")
-            emitter.indent = "        "
-            open_chunk("start")
+            open_loop()
         value, _ = emitter.value(r.inputs[0], full_index("cols"))
         tile = emitter.define(f"tl.where(mask, {value} + tl.zeros([BLOCK_M, BLOCK_N], {TL[acc_dt]}), {identity})",
                               "t")
@@ -638,9 +658,7 @@ def _rows(ctx: Context, kernel: FusedKernel, body: list[str]) -> Launch:
     row_outputs = [o for o in kernel.outputs if kernel.levels[id(o)] == ROW]
     if full_outputs:
         if not persistent:
-            emitter.line(f"for start in range(0, {n_size}, BLOCK_N):")
-            emitter.indent = "        "
-            open_chunk("start")
+            open_loop()
         for o in full_outputs:
             emitter.store(o, full_index("cols"), "[BLOCK_M, BLOCK_N]")
         emitter.indent = "    "

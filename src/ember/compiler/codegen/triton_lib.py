@@ -4,22 +4,8 @@ They are written with core `tl` operations only, so the same kernels run on the 
 and under Triton's CPU interpreter, which is how CI tests generated code.
 """
 
-import os
-
 import triton
 import triton.language as tl
-
-if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-    @triton.jit
-    def to_bfloat16(x):
-        """float32 to bfloat16, rounded to nearest even as GPUs do (Triton's interpreter truncates)."""
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-        return tl.where(x != x, x, bits.to(tl.float32, bitcast=True)).to(tl.bfloat16)
-else:
-    @triton.jit
-    def to_bfloat16(x):
-        return x.to(tl.bfloat16)
 
 
 @triton.jit
@@ -49,11 +35,13 @@ def rint(x, big):
 
 @triton.jit
 def pow_(a, b):
+    """C's pow, special values included."""
     r = tl.exp(b * tl.log(tl.abs(a)))
     whole = b == tl.floor(b)
     odd = whole & ((2.0 * tl.floor(b * 0.5)) != b)
-    r = tl.where((a < 0) & odd, -r, r)
-    r = tl.where((a < 0) & (whole == 0), float("nan"), r)
+    r = tl.where(((a < 0) | (1.0 / a < 0)) & odd, -r, r)  # 1 / a < 0: a is -0.0 too
+    r = tl.where((a < 0) & (a > float("-inf")) & (whole == 0), float("nan"), r)
+    r = tl.where((a == 1) | ((tl.abs(a) == 1) & (tl.abs(b) == float("inf"))), 1.0, r)
     return tl.where(b == 0, 1.0, r)
 
 
@@ -94,8 +82,19 @@ def remainder_int(a, b):
 
 @triton.jit
 def remainder_float(a, b):
-    r = a - b * tl.floor(a / b)
+    r = a % b  # C's fmod: exact, with the sign of the dividend
     return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
+
+
+@triton.jit
+def floordiv_float(a, b):
+    """torch's floor division: a less its exact remainder, divided by b, is a whole number up to rounding."""
+    mod = a % b
+    div = (a - mod) / b
+    div = tl.where((mod != 0) & ((b < 0) != (mod < 0)), div - 1.0, div)
+    floor = tl.floor(div)
+    floor = tl.where(div - floor > 0.5, floor + 1.0, floor)
+    return tl.where(b == 0, a / b, tl.where(div != 0, floor, 0.0 * (a / b)))  # 0.0 * (a / b): a signed zero
 
 
 @triton.jit

@@ -196,8 +196,47 @@ class _Builder:
         if op is Op.SCATTER_ADD and original.dtype in ATOMIC_WIDENING:
             return self._widen_scatter_add(ins, attrs, original)
         if kind is Kind.REDUCE:
+            if op is Op.SUM and len(attrs["axes"]) == 1:
+                picked = self._one_hot_sum(ins[0], attrs["axes"][0], original)
+                if picked is not None:
+                    return picked
             return self._split_reduction(op, ins[0], attrs, original)
         return None
+
+    def _one_hot_sum(self, x: Node, axis: int, original: Node) -> Node | None:
+        """sum over an axis of where(position == k, y, 0), with k and y constant along the axis, is
+        y where k is a valid position (and 0 elsewhere): the backward pass of a gather (cross
+        entropy's) summed again by log_softmax's backward. No loop over the axis is needed."""
+        sign, scale, node = False, None, x
+        while True:
+            if node.op is Op.NEG:
+                sign, node = not sign, node.inputs[0]
+            elif node.op is Op.MUL and _along(node.inputs[1], axis) is not None:
+                scale, node = node.inputs[1], node.inputs[0]
+            else:
+                break
+        if node.op is not Op.WHERE or not _is_value(node.inputs[2], 0):
+            return None
+        condition, value = node.inputs[0], node.inputs[1]
+        row_value = _along(value, axis)
+        if condition.op is not Op.EQ or row_value is None:
+            return None
+        position, key = condition.inputs
+        if not _is_position(position, axis):
+            position, key = key, position
+        row_key = _along(key, axis)
+        if not _is_position(position, axis) or row_key is None:
+            return None
+        flag = _like(row_key, row_key.shape, dtypes.bool_)
+        valid = self.make(Op.AND, (self.make(Op.LE, (self._const(0, row_key), row_key), {}, flag),
+                                   self.make(Op.LT, (row_key, self._const(x.shape[axis], row_key)), {}, flag)),
+                          {}, flag)
+        result = self.make(Op.WHERE, (valid, row_value, self._const(0, row_value)), {}, row_value)
+        if scale is not None:
+            result = self.make(Op.MUL, (result, _along(scale, axis)), {}, row_value)
+        if sign:
+            result = self.make(Op.NEG, (result,), {}, row_value)
+        return result if result.shape == original.shape else None
 
     def _widen_scatter_add(self, ins: tuple[Node, ...], attrs: dict, original: Node) -> Node:
         """GPUs add atomically only in 32- and 64-bit types and float16: accumulate in a wider type and
@@ -267,6 +306,25 @@ ATOMIC_WIDENING = {dtypes.bool_: dtypes.int32, dtypes.uint8: dtypes.int32, dtype
 def _like(node: Node, shape: tuple[int, ...], dtype: dtypes.DType | None = None) -> Node:
     """A template for `make`: node's device (and dtype, unless given) with another shape."""
     return Node(Op.BUFFER, (), {}, shape, dtype or node.dtype, node.device)
+
+
+def _along(node: Node, axis: int) -> Node | None:
+    """The keepdim-shaped node that `node` broadcasts along `axis`, if it is such a broadcast."""
+    if node.op is Op.EXPAND and node.inputs[0].shape[axis] == 1 and node.shape[axis] != 1:
+        return node.inputs[0]
+    return None
+
+
+def _is_position(node: Node, axis: int) -> bool:
+    """Whether node's value is its own index along `axis`: an arange reshaped and broadcast into place."""
+    if node.op is not Op.EXPAND:
+        return False
+    shaped = node.inputs[0]
+    if [d for d, s in enumerate(shaped.shape) if s != 1] != [axis]:
+        return False
+    while shaped.op is Op.RESHAPE:
+        shaped = shaped.inputs[0]
+    return shaped.op is Op.IOTA
 
 
 def _is_value(node: Node, value) -> bool:

@@ -207,14 +207,13 @@ class _Builder:
         """sum over an axis of where(position == k, y, 0), with k and y constant along the axis, is
         y where k is a valid position (and 0 elsewhere): the backward pass of a gather (cross
         entropy's) summed again by log_softmax's backward. No loop over the axis is needed."""
-        sign, scale, node = False, None, x
-        while True:
-            if node.op is Op.NEG:
-                sign, node = not sign, node.inputs[0]
-            elif node.op is Op.MUL and _along(node.inputs[1], axis) is not None:
-                scale, node = node.inputs[1], node.inputs[0]
-            else:
-                break
+        # ops between the sum and the select that commute with picking the one nonzero value
+        around: list[Node] = []
+        node = x
+        while node.op is Op.NEG or (node.op is Op.MUL and _along(node.inputs[1], axis) is not None) or (
+                node.op is Op.CAST and node.dtype.is_floating_point and node.inputs[0].dtype.is_floating_point):
+            around.append(node)
+            node = node.inputs[0]
         if node.op is not Op.WHERE or not _is_value(node.inputs[2], 0):
             return None
         condition, value = node.inputs[0], node.inputs[1]
@@ -232,11 +231,15 @@ class _Builder:
                                    self.make(Op.LT, (row_key, self._const(x.shape[axis], row_key)), {}, flag)),
                           {}, flag)
         result = self.make(Op.WHERE, (valid, row_value, self._const(0, row_value)), {}, row_value)
-        if scale is not None:
-            result = self.make(Op.MUL, (result, _along(scale, axis)), {}, row_value)
-        if sign:
-            result = self.make(Op.NEG, (result,), {}, row_value)
-        return result if result.shape == original.shape else None
+        for op_node in reversed(around):  # innermost first
+            template = _like(result, result.shape, op_node.dtype)
+            if op_node.op is Op.NEG:
+                result = self.make(Op.NEG, (result,), {}, template)
+            elif op_node.op is Op.CAST:
+                result = self.make(Op.CAST, (result,), dict(op_node.attrs), template)
+            else:
+                result = self.make(Op.MUL, (result, _along(op_node.inputs[1], axis)), {}, template)
+        return result if result.shape == original.shape and result.dtype is original.dtype else None
 
     def _widen_scatter_add(self, ins: tuple[Node, ...], attrs: dict, original: Node) -> Node:
         """GPUs add atomically only in 32- and 64-bit types and float16: accumulate in a wider type and

@@ -283,7 +283,7 @@ def run(case: Case, args, stats: dict, notes: list[str]) -> dict:
         gpu = None if cpu else guarded("7 CUDA graph of ember's step", lambda: graph_gpu_ms(case.ember, reps))
         overhead = "not measured (--cpu-smoke)" if cpu else (
             f"{cell(gpu and gpu * 1e3, '{:.0f}')} us, so host overhead "
-            f"{cell(e2e - gpu if e2e and gpu else None, '{:.0f}')} us per step")
+            f"{cell((e2e - gpu) * 1e3 if e2e and gpu else None, '{:.0f}')} us per step")
         notes.append(f"7: ember.explain.plan: {len(p.kernels)} kernels, {p.launches} launches; a warm-cache step: "
                      f"{cell(e2e and e2e * 1e3, '{:.0f}')} us end to end, GPU alone (CUDA graph replay) {overhead}")
     return result

@@ -260,3 +260,27 @@ def test_random_graphs_fused_equal_reference(program, shape, seed, outputs):
     for f, r in zip(fused, reference):
         np.testing.assert_allclose(f.numpy(), r.numpy(), rtol=2e-5, atol=2e-5,
                                    err_msg=f"program={program} shape={shape} seed={seed}")
+
+
+def test_plans_are_stored_on_disk_and_a_corrupt_entry_is_rebuilt(rng, tmp_path, monkeypatch):
+    from ember.runtime import cuda
+
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cuda, "_plans", {})
+    x, xc = pair(rng, 9, 31)
+
+    def step(t):
+        return (t.softmax(-1) * 2 + t.sum(0)).realize()
+
+    expected = step(xc).numpy()
+    before = dict(cuda.stats)
+    np.testing.assert_allclose(step(x).numpy(), expected, rtol=1e-5, atol=1e-6)
+    assert list((tmp_path / "plans").glob("*.pkl"))
+    cuda._plans.clear()  # as a new process would start
+    np.testing.assert_allclose(step(x).numpy(), expected, rtol=1e-5, atol=1e-6)
+    assert cuda.stats["plans_loaded"] - before["plans_loaded"] == 1
+    for path in (tmp_path / "plans").glob("*.pkl"):
+        path.write_bytes(b"not a plan")
+    cuda._plans.clear()
+    np.testing.assert_allclose(step(x).numpy(), expected, rtol=1e-5, atol=1e-6)
+    assert cuda.stats["plans_compiled"] - before["plans_compiled"] == 2

@@ -47,6 +47,15 @@ class Node:
     def from_buffer(buffer, dtype: DType, device: Device) -> Node:
         return Node(Op.BUFFER, (), {}, tuple(buffer.shape), dtype, device, buffer)
 
+    def __getstate__(self):
+        """Pickled without data or handles: only the graph of a compiled plan is ever stored."""
+        return (self.op, self.inputs, self.attrs, self.shape, self.dtype, self.device)
+
+    def __setstate__(self, state) -> None:
+        self.op, self.inputs, self.attrs, self.shape, self.dtype, self.device = state
+        self.buffer = None
+        self.handles = []
+
     @property
     def realized(self) -> bool:
         return self.buffer is not None

@@ -11,8 +11,10 @@ graph's structure, so a repeated training step costs a key and the launches.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
+import pickle
 import sys
 import time
 from dataclasses import dataclass, field
@@ -32,6 +34,11 @@ from ember.compiler.codegen import triton as codegen  # noqa: E402
 from ember.device import Device  # noqa: E402
 from ember.errors import CompileError, DeviceError, OutOfMemoryError  # noqa: E402
 from ember.ir import Node, Op  # noqa: E402
+
+if INTERPRET:
+    from ember.runtime import triton_interpreter
+
+    triton_interpreter.apply()
 
 
 def is_available() -> bool:
@@ -66,9 +73,9 @@ def to_numpy(buffer: torch.Tensor) -> np.ndarray:
 
 # -- kernel sources on disk ---------------------------------------------------------------------
 
-def cache_dir() -> Path:
+def cache_dir(kind: str = "kernels") -> Path:
     root = Path(os.environ.get("EMBER_CACHE_DIR", Path.home() / ".cache" / "ember"))
-    path = root / "kernels"
+    path = root / kind
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -117,7 +124,59 @@ class Plan:
 
 
 _plans: dict[tuple, Plan] = {}
-stats = {"plans_compiled": 0, "plan_hits": 0, "launches": 0}
+stats = {"plans_compiled": 0, "plans_loaded": 0, "plan_hits": 0, "launches": 0}
+
+
+def _plan_path(key: tuple) -> Path:
+    """A plan's file: the graph's structure plus what the plan was made with (device, versions)."""
+    import triton
+
+    import ember
+
+    gpu = "interpreter" if INTERPRET else torch.cuda.get_device_name()
+    identity = repr((key, gpu, ember.__version__, torch.__version__, triton.__version__))
+    return cache_dir("plans") / (hashlib.sha256(identity.encode()).hexdigest()[:32] + ".pkl")
+
+
+def _save_plan(key: tuple, plan: Plan) -> None:
+    """Write a plan atomically; the modules are not stored (their sources are, and are re-imported)."""
+    position = {id(n): i for i, n in enumerate(plan.lowered.nodes)}
+    modules = [ck.module for ck in plan.kernels]
+    last_use = plan.last_use
+    try:
+        for ck in plan.kernels:
+            ck.module = None
+        plan.last_use = {position[k]: v for k, v in last_use.items() if k in position}
+        payload = pickle.dumps((key, plan), protocol=pickle.HIGHEST_PROTOCOL)
+    except (pickle.PicklingError, TypeError, AttributeError):
+        return  # a plan that cannot be stored is still used in this process
+    finally:
+        plan.last_use = last_use
+        for ck, module in zip(plan.kernels, modules):
+            ck.module = module
+    path = _plan_path(key)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_bytes(payload)
+    os.replace(tmp, path)
+
+
+def _load_plan(key: tuple) -> Plan | None:
+    """A plan from disk, or None; an entry that does not load or is not this graph's is rebuilt."""
+    path = _plan_path(key)
+    if not path.exists():
+        return None
+    try:
+        stored_key, plan = pickle.loads(path.read_bytes())
+        if stored_key != key:
+            return None
+        plan.last_use = {id(plan.lowered.nodes[i]): v for i, v in plan.last_use.items()}
+        for ck in plan.kernels:
+            if ck.source is not None:
+                ck.module = load_source(ck.source)
+    except Exception:  # corrupt, truncated or from an incompatible ember: never trusted
+        return None
+    stats["plans_loaded"] += 1
+    return plan
 
 
 def compile_plan(order: list[Node], keep: set[int], sig: passes.Signature) -> Plan:
@@ -143,7 +202,10 @@ def plan_for(order: list[Node], keep: set[int]) -> tuple[Plan, passes.Signature]
     sig = passes.signature(order, keep)
     plan = _plans.get(sig.key)
     if plan is None:
-        plan = compile_plan(order, keep, sig)
+        plan = _load_plan(sig.key)
+        if plan is None:
+            plan = compile_plan(order, keep, sig)
+            _save_plan(sig.key, plan)
         _plans[sig.key] = plan
     else:
         stats["plan_hits"] += 1
@@ -170,8 +232,12 @@ def execute(plan: Plan, sig: passes.Signature, device: Device) -> dict[int, torc
                     buffers[id(o)] = torch.empty(o.shape, dtype=dtypes.to_torch(o.dtype), device=target)
             if kernel.kind == "matmul":
                 node = kernel.outputs[0]
-                a, b = (_view(x, buffers) for x in node.inputs)
-                torch.matmul(a, b, out=buffers[id(node)])
+                a, b = (_on_vendor_device(_view(x, buffers)) for x in node.inputs)
+                out = buffers[id(node)]
+                if a.device == out.device:
+                    torch.matmul(a, b, out=out)
+                else:
+                    out.copy_(torch.matmul(a, b))
             elif kernel.kind == "conv2d":
                 _conv2d(kernel.outputs[0], buffers)
             else:
@@ -204,8 +270,17 @@ def _view(node: Node, buffers: dict[int, torch.Tensor]) -> torch.Tensor:
     raise CompileError(f"{node.op.label} has no strided view; the planner should have stored its input")
 
 
+def _on_vendor_device(operand: torch.Tensor) -> torch.Tensor:
+    """Where torch can multiply or convolve the operand: cuBLAS and cuDNN take no integers, torch's CPU
+    kernels do (integer matmuls and convolutions are rare enough to pay the copies)."""
+    return operand.cpu() if operand.is_cuda and not operand.dtype.is_floating_point else operand
+
+
 def _conv2d(node: Node, buffers: dict[int, torch.Tensor]) -> None:
-    x, w = (_view(i, buffers) for i in node.inputs)
+    x, w = (_on_vendor_device(_view(i, buffers)) for i in node.inputs)
+    if x.numel() == 0 or w.numel() == 0:  # torch gets the shape wrong without input channels; a sum of nothing
+        buffers[id(node)].zero_()
+        return
     a = node.attrs
     out = torch.nn.functional.conv2d(x, w, None, a["stride"], a["padding"], a["dilation"], a["groups"])
     buffers[id(node)].copy_(out)

@@ -55,26 +55,32 @@ class Signature:
 
 
 def signature(order: list[Node], keep: set[int]) -> Signature:
+    # This runs on every realization, plan-cache hits included, so it is written for speed:
+    # attribute values are already hashable tuples, numbers, dtypes and devices.
     sig = Signature(key=())
     position: dict[int, int] = {}
     parts = []
+    append = parts.append
+    rand, const = Op.RAND, Op.CONST
     for node in order:
         for i in node.inputs:
-            if i.realized and id(i) not in position:
+            if i.buffer is not None and id(i) not in position:
                 position[id(i)] = -1 - len(sig.inputs)
                 sig.inputs.append(i)
-                parts.append(("input", i.shape, i.dtype.name))
-        if node.op is Op.RAND:
+                append((i.shape, i.dtype))
+        op = node.op
+        if op is rand:
             sig.seeds.append((node.attrs["seed"], node.attrs["offset"]))
-            attrs = ("distribution", node.attrs["distribution"])
-        elif _is_runtime_scalar(node):
+            attrs = node.attrs["distribution"]
+        elif op is const and _is_runtime_scalar(node):
             sig.scalars.append(node.attrs["value"])
-            attrs = "scalar"
+            attrs = None
+        elif op is const and node.attrs["value"] != node.attrs["value"]:
+            attrs = ("nan", node.attrs["dtype"])  # NaN is not equal to itself
         else:
-            attrs = _attr_key(node.attrs)
+            attrs = tuple(node.attrs.items())
         position[id(node)] = len(parts)
-        parts.append((node.op.name, node.shape, node.dtype.name, attrs,
-                      tuple(position[id(i)] for i in node.inputs), id(node) in keep))
+        append((op, node.shape, node.dtype, attrs, tuple([position[id(i)] for i in node.inputs]), id(node) in keep))
     sig.key = tuple(parts)
     return sig
 

@@ -13,10 +13,12 @@ import numpy as np
 import triton.language as tl
 from triton.runtime import interpreter
 
-_Builder = interpreter.InterpreterBuilder
-_binary_op = _Builder.binary_op
-_cast_impl = _Builder.cast_impl
-_run = interpreter.GridExecutor.__call__
+# The patched internals; a Triton that renamed them is left as it is (its tests then show why).
+_Builder = getattr(interpreter, "InterpreterBuilder", None)
+_binary_op = getattr(_Builder, "binary_op", None)
+_cast_impl = getattr(_Builder, "cast_impl", None)
+_Executor = getattr(interpreter, "GridExecutor", None)
+_run = _Executor.__dict__.get("__call__") if _Executor is not None else None
 
 
 def _binary_op_typing_comparisons_as_bool(self, lhs, rhs, op):
@@ -45,6 +47,9 @@ def _run_quietly(self, *args, **kwargs):
 
 
 def apply() -> None:
-    _Builder.binary_op = _binary_op_typing_comparisons_as_bool
-    _Builder.cast_impl = _cast_rounding_bfloat16
-    interpreter.GridExecutor.__call__ = _run_quietly
+    if _binary_op is not None:
+        _Builder.binary_op = _binary_op_typing_comparisons_as_bool
+    if _cast_impl is not None:
+        _Builder.cast_impl = _cast_rounding_bfloat16
+    if _run is not None:
+        _Executor.__call__ = _run_quietly

@@ -36,17 +36,34 @@ def cuda_backend():
         pytest.skip("the cuda backend needs a GPU or EMBER_INTERPRET=1")
 
 
+# -- the op suite's device dimension ----------------------------------------------------------------
+# A module that uses the `device` fixture (`pytestmark = pytest.mark.usefixtures("device")`) runs each
+# of its tests once per device, with ids `[cpu-...]` and `[cuda-...]`. The fixture makes the device
+# ember's default, so `ember.tensor(array)` and the creation ops put the inputs there; results are
+# read back with `.numpy()` and compared with torch on the CPU as before.
+
+
 @pytest.fixture(params=["cpu", "cuda"])
 def device(request):
-    """The op suite's device dimension: every test of a module that uses this fixture runs once on the
-    reference backend and once on the cuda backend (through Triton's interpreter without a GPU)."""
+    """The reference backend, or generated Triton kernels (through Triton's interpreter without a GPU)."""
     if request.param == "cuda":
         request.getfixturevalue("cuda_backend")
     with ember.device(request.param):
         yield request.param
 
+
+def pytest_collection_modifyitems(items) -> None:
+    """`@pytest.mark.cuda_xfail(reason=...)` marks the test's cuda run, and only that one, xfail(strict)."""
+    for item in items:
+        mark = item.get_closest_marker("cuda_xfail")
+        callspec = getattr(item, "callspec", None)
+        if mark is not None and callspec is not None and callspec.params.get("device") == "cuda":
+            item.add_marker(pytest.mark.xfail(strict=True, **mark.kwargs))
+
+
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16", "int32", "int64", "bool")
 FLOATS = ("float32", "float64", "float16", "bfloat16")
+HALVES = ("float16", "bfloat16")
 INTS = ("int8", "uint8", "int16", "int32", "int64")
 NUMERIC = FLOATS + INTS
 
@@ -82,8 +99,14 @@ def numpy_dtype(name: str) -> np.dtype:
 
 @pytest.fixture
 def rng(request) -> np.random.Generator:
-    """A generator seeded by the test's id: each test sees the same data on every run."""
-    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+    """A generator seeded by the test's id less its device: each test sees the same data on every run
+    and on every device."""
+    nodeid = request.node.nodeid
+    callspec = getattr(request.node, "callspec", None)
+    device = callspec.params.get("device") if callspec is not None else None
+    if device is not None:
+        nodeid = nodeid.replace(f"[{device}-", "[").replace(f"[{device}]", "")
+    return np.random.default_rng(zlib.crc32(nodeid.encode()))
 
 
 def random_array(rng: np.random.Generator, shape, dtype: str, low: float = -2.0, high: float = 2.0,

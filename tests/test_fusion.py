@@ -190,7 +190,9 @@ def test_a_repeated_step_hits_the_plan_cache(rng):
     before = dict(cuda.stats)
     for lr in (0.1, 0.2, 0.3):
         x = (x - lr * x.tanh()).realize()
-    assert cuda.stats["plans_compiled"] - before["plans_compiled"] == 1
+    made = (cuda.stats["plans_compiled"] + cuda.stats["plans_loaded"]
+            - before["plans_compiled"] - before["plans_loaded"])
+    assert made == 1  # planned (or read from the disk cache) once
     assert cuda.stats["plan_hits"] - before["plan_hits"] == 2
 
 

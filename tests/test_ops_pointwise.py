@@ -14,6 +14,8 @@ import pytest
 from conftest import (
     DTYPES,
     FLOATS,
+    GRAD_TOLERANCES,
+    HALVES,
     NUMERIC,
     TORCH,
     check_against_torch,
@@ -189,7 +191,7 @@ def _binary_params():
 
 
 @pytest.mark.parametrize("op, dtype, case", _binary_params())
-def test_binary_matches_torch(op: Binary, dtype, case, rng):
+def test_binary_matches_torch(op: Binary, dtype, case, rng, device):
     left, right, layout = BINARY_CASES[case]
     a = _operand(rng, left, dtype, op.left, op)
     b = _operand(rng, right, dtype, op.right, op)
@@ -197,7 +199,10 @@ def test_binary_matches_torch(op: Binary, dtype, case, rng):
         a = 2  # an integer base to an integer tensor power stays an integer; keep it small
     # torch has no derivative of remainder(scalar, tensor) for the tensor; ember's is checked below
     grad = op.grad and not (op.name == "remainder" and not isinstance(a, np.ndarray))
-    check_against_torch(op.fn, a, b, layout=layout, grad=grad)
+    # a fused kernel keeps a half-precision quotient in float32 where torch rounds it: when rounding
+    # carries it to a whole number, the truncated results differ by one
+    tolerance = {"atol": 1.0} if device == "cuda" and op.name == "div-trunc" and dtype in HALVES else {}
+    check_against_torch(op.fn, a, b, layout=layout, grad=grad, **tolerance)
 
 
 @pytest.mark.parametrize("op, case", [
@@ -229,11 +234,16 @@ def test_binary_with_mixed_dtypes_promotes_as_torch(name, left, right, rng):
 
 @pytest.mark.parametrize("zero_d", ["float64", "int64", "float16", "bool"])
 @pytest.mark.parametrize("tensor_dtype", ["float16", "int32", "uint8", "bool", "bfloat16"])
-def test_binary_with_zero_dim_tensor_follows_torch_promotion(tensor_dtype, zero_d, rng):
+def test_binary_with_zero_dim_tensor_follows_torch_promotion(tensor_dtype, zero_d, rng, device):
     a = random_array(rng, (3, 4), tensor_dtype, -2, 2)
     b = random_array(rng, (), zero_d, -2, 2)
-    check_against_torch(lambda m, x, y: x * y, a, b)
-    check_against_torch(lambda m, x, y: y + x, a, b)
+    # the 0-d operand's gradient sums half-precision products, which a fused kernel keeps in float32:
+    # it matches torch's as closely as half precision allows, whatever the operand's own dtype
+    tolerance = {}
+    if device == "cuda" and tensor_dtype in HALVES:
+        tolerance = dict(zip(("grad_rtol", "grad_atol"), GRAD_TOLERANCES[tensor_dtype]))
+    check_against_torch(lambda m, x, y: x * y, a, b, **tolerance)
+    check_against_torch(lambda m, x, y: y + x, a, b, **tolerance)
 
 
 @pytest.mark.parametrize("scalar", [True, 3, -2.5, 1e10], ids=["bool", "int", "float", "big-float"])
@@ -395,9 +405,10 @@ def test_cast_methods_match_torch(source, method, rng):
 @pytest.mark.parametrize("source", FLOATS)
 def test_cast_special_values_match_torch(source, target):
     values = [math.nan, math.inf, -math.inf, 0.0, -0.0, 1e-30, 65504.0, 70000.0, 3.4e38, 1e300, 1.0000001]
-    if target not in FLOATS:
-        values = [v for v in values if math.isfinite(v) and abs(v) < 1e18] + ([math.nan, math.inf]
-                                                                              if target == "bool" else [])
+    if target not in FLOATS:  # converting inf or a value out of the integer's range is undefined behaviour
+        largest = 65504.0 if source == "float16" else 1e18  # (float16 rounds 70000 to inf)
+        values = [v for v in values if math.isfinite(v) and abs(v) <= largest] + ([math.nan, math.inf]
+                                                                                   if target == "bool" else [])
     with np.errstate(over="ignore"):  # the overflow to inf is the point
         x = np.array(values, dtype=np.float64).astype(ember.dtypes.as_dtype(source).np)
     check_against_torch(lambda m, t: t.to(getattr(m, target)), x, grad=False)

@@ -299,8 +299,8 @@ class Emitter:
         source = node.inputs[0].shape
         level = input_level(node, idx.level, self.kernel.space, self.kernel.axes, 0)
         if op is Op.RESHAPE:
-            if idx.dims is None:  # the linear position is the same on both sides of a reshape
-                return Index(None, idx.linear, idx.mask, level)
+            if idx.dims is None or 0 in source:  # the linear position is the same on both sides of a reshape
+                return Index(None, self.linear(idx, node.shape), idx.mask, level)  # (empty: no runs to match)
             return Index(self.reshape_dims(idx.dims, node.shape, source), None, idx.mask, level)
         dims = self.dims(idx, node.shape)
         if op is Op.PERMUTE:
@@ -333,6 +333,8 @@ class Emitter:
         dims = self.dims(idx, node.shape)
         source = node.inputs[0].shape
         fill = _literal(node.attrs["value"], node.dtype)
+        if 0 in source:  # all padding, and no position to clamp a load to
+            return fill, compute_dtype(node.dtype)
         inner, checks = [], []
         for d, (lo, hi), s in zip(dims, node.attrs["pads"], source):
             if lo == 0 and hi == 0:
@@ -356,6 +358,8 @@ class Emitter:
     def gather(self, node: Node, idx: Index) -> tuple[str, DType]:
         source, index = node.inputs
         axis = node.attrs["axis"]
+        if source.numel == 0:  # every index is out of range, and no position to clamp a load to
+            return "0", compute_dtype(node.dtype)
         level = input_level(node, idx.level, self.kernel.space, self.kernel.axes, 1)
         picked, _ = self.value(index, Index(idx.dims, idx.linear, idx.mask, level))
         size = source.shape[axis]
@@ -376,10 +380,13 @@ class Emitter:
         y = names[1] if len(names) > 1 else None
         if op is Op.CAST:
             target = node.attrs["dtype"]
+            source = node.inputs[0].dtype
+            if compute_dtype(source) is not source:  # a half value kept in float32: it has its type's rounding
+                x = f"({x}).to({TL[source]}).to(tl.float32)"
+            elif target is dtypes.bfloat16 and in_dtype is not dtypes.float32:
+                x = f"({x}).to(tl.float32)"  # torch converts to bfloat16 via float32
             if target is dtypes.bool_:
                 return self.define(f"{x} != 0"), target
-            if target is dtypes.bfloat16 and in_dtype is not dtypes.float32:
-                x = f"({x}).to(tl.float32)"  # torch converts to bfloat16 via float32
             text = f"({x}).to({TL[target]})"
             if compute_dtype(target) is not target:  # round to the half type, then compute in float32
                 text += f".to({TL[out]})"
@@ -403,13 +410,12 @@ class Emitter:
             else:
                 text = f"lib.truncdiv_int({x}, {y})"
             return self.define(text), out
-        if op is Op.FLOORDIV:
-            return self.define(f"lib.floordiv_{'float' if floating else 'int'}({x}, {y})"), out
-        if op is Op.MOD:
-            return self.define(f"lib.remainder_{'float' if floating else 'int'}({x}, {y})"), out
-        if op is Op.POW:  # literals typed, so that pow computes in their dtype, not in float32 or int32
-            x, y = (n if n.isidentifier() else self.define(f"tl.full([], {n}, {TL[out]})") for n in (x, y))
-            return self.define(f"lib.{'pow_' if floating else 'pow_int'}({x}, {y})"), out
+        if op in (Op.FLOORDIV, Op.MOD, Op.POW):
+            # literals typed: a library function computes in its arguments' dtype (libdevice takes only
+            # equal ones), and a bare literal is float32 or int32
+            x, y = (n if n.isidentifier() else self.define(f"tl.full([], {n}, {TL[in_dtype]})") for n in (x, y))
+            fn = {Op.FLOORDIV: "floordiv", Op.MOD: "remainder", Op.POW: "pow"}[op]
+            return self.define(f"lib.{fn}_{'float' if floating else 'int'}({x}, {y})"), out
         if op in (Op.MAXIMUM, Op.MINIMUM):
             fn = "tl.maximum" if op is Op.MAXIMUM else "tl.minimum"
             nan = ", propagate_nan=tl.PropagateNan.ALL" if floating else ""
@@ -445,7 +451,7 @@ def _int(text: str) -> int | None:
 
 def _literal(value, dtype: DType) -> str:
     if dtype is dtypes.bool_:
-        return "1" if value else "0"
+        return "True" if value else "False"  # Triton types these int1, not int32 as it does 1 and 0
     if dtype.is_integer:
         return str(int(value))
     if math.isnan(value):

@@ -1,11 +1,26 @@
 """Math helpers that generated Triton kernels import.
 
-They are written with core `tl` operations only, so the same kernels run on the GPU
-and under Triton's CPU interpreter, which is how CI tests generated code.
+They are written with core `tl` operations, so the same kernels run on the GPU and
+under Triton's CPU interpreter, which is how CI tests generated code. fmod alone has
+two bodies: libdevice's on the GPU, which the interpreter cannot run.
 """
+
+import os
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    @triton.jit
+    def fmod(a, b):
+        return a % b  # the interpreter's a % b is NumPy's fmod, exact; it runs no libdevice
+else:
+    @triton.jit
+    def fmod(a, b):
+        """C's fmod, exact, with the sign of the dividend. A GPU computes a % b as a - trunc(a / b) * b:
+        wrong for large quotients, and inf for fmod(inf, inf)."""
+        return libdevice.fmod(a, b)
 
 
 @triton.jit
@@ -34,7 +49,7 @@ def rint(x, big):
 
 
 @triton.jit
-def pow_(a, b):
+def pow_float(a, b):
     """C's pow, special values included."""
     r = tl.exp(b * tl.log(tl.abs(a)))
     whole = b == tl.floor(b)
@@ -82,14 +97,14 @@ def remainder_int(a, b):
 
 @triton.jit
 def remainder_float(a, b):
-    r = a % b  # C's fmod: exact, with the sign of the dividend
+    r = fmod(a, b)
     return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
 
 
 @triton.jit
 def floordiv_float(a, b):
     """torch's floor division: a less its exact remainder, divided by b, is a whole number up to rounding."""
-    mod = a % b
+    mod = fmod(a, b)
     div = (a - mod) / b
     div = tl.where((mod != 0) & ((b < 0) != (mod < 0)), div - 1.0, div)
     floor = tl.floor(div)

@@ -363,8 +363,8 @@ def pow(a, b) -> Tensor:  # noqa: A001
     x, y = prepare("pow", a, b)
     if x.dtype.is_integer and isinstance(b, Scalar) and b < 0:
         raise DTypeError(f"pow: integers to negative integer powers are not allowed ({operands(a, b)})")
-    if x.dtype is dtypes.bool_:
-        x, y = cast(x, dtypes.int64), cast(y, dtypes.int64)
+    if x.dtype is dtypes.bool_:  # computed in int64, returned as bool like torch (0 ** 0 is 1: True)
+        return cast(apply(Op.POW, cast(x, dtypes.int64), cast(y, dtypes.int64)), dtypes.bool_)
     if isinstance(b, Scalar) and not isinstance(a, Scalar):
         if b == 2:
             return x * x

@@ -397,7 +397,7 @@ def _check_pair(fn: str, input: Tensor, target: Tensor, same_shape: bool) -> Non
         raise ShapeError(f"{fn}: target of shape {target.shape} must have the input's shape {input.shape} "
                          f"({operands(input, target)})")
     if not same_shape and target.shape != input.shape:
-        broadcast_shapes(fn, input.shape, target.shape)
+        broadcast_shapes(input.shape, target.shape, op=fn)
         warnings.warn(f"{fn}: using a target size {target.shape} that is different to the input size "
                       f"{input.shape}; they will be broadcast, which is likely not what you want", stacklevel=3)
 
@@ -445,7 +445,7 @@ def binary_cross_entropy_with_logits(input: Tensor, target: Tensor, weight: Tens
     # -log(sigmoid(x)) = max(-x, 0) + log1p(exp(-|x|)): no overflow for any x
     neg_log_sigmoid = maximum(-input, 0.0) + log1p(exp(-abs(input)))
     if pos_weight is not None:
-        broadcast_shapes("binary_cross_entropy_with_logits", pos_weight.shape, target.shape)
+        broadcast_shapes(pos_weight.shape, target.shape, op="binary_cross_entropy_with_logits")
         loss = (1 - target) * input + ((pos_weight - 1) * target + 1) * neg_log_sigmoid
     else:
         loss = (1 - target) * input + neg_log_sigmoid

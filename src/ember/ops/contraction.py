@@ -34,7 +34,7 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
                          f"({x.shape[-1]} != {y.shape[-2]}); the last dim of the first operand must equal "
                          f"the {'only' if b.ndim == 1 else 'second-to-last'} dim of the second")
     try:
-        batch = broadcast_shapes("matmul", x.shape[:-2], y.shape[:-2])
+        batch = broadcast_shapes(x.shape[:-2], y.shape[:-2], op="matmul")
     except ShapeError:
         raise ShapeError(f"matmul: the batch dims {x.shape[:-2]} and {y.shape[:-2]} of shapes {a.shape} and "
                          f"{b.shape} cannot be broadcast together; make them equal or 1") from None

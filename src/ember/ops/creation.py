@@ -19,6 +19,7 @@ from ember.errors import DTypeError, ShapeError
 from ember.ir import Node, Op
 from ember.ops.movement import expand, reshape
 from ember.ops.pointwise import cast, scalar, where
+from ember.runtime.executor import from_host
 from ember.tensor import Tensor, leaf
 
 
@@ -70,7 +71,7 @@ def tensor(data, dtype=None, device=None, requires_grad: bool = False) -> Tensor
                          f"(nested sequences must have equal lengths): {e}") from None
     target = dtypes.as_dtype(dtype) if dtype is not None else _infer_dtype(array, data)
     array = np.array(array, dtype=target.np, copy=True)
-    return _requires_grad(Tensor(Node.from_buffer(_to_device(array, device), target, device)), requires_grad)
+    return _requires_grad(Tensor(Node.from_buffer(from_host(array, device), target, device)), requires_grad)
 
 
 def _flatten(data):
@@ -84,12 +85,6 @@ def _flatten(data):
 def _to_nested(data):
     return [_to_nested(v) if isinstance(v, (list, tuple)) else (v.numpy() if isinstance(v, Tensor) else v)
             for v in data]
-
-
-def _to_device(array: np.ndarray, device):
-    from ember.runtime.executor import from_host
-
-    return from_host(array, device)
 
 
 as_tensor = tensor

@@ -560,7 +560,7 @@ def _advanced_index(x: Tensor, advanced: list) -> Tensor:
     from ember.ops.pointwise import broadcast_shapes, expand_to, where
 
     positions = [p for p, _, _, _ in advanced]
-    index_shape = broadcast_shapes("index", *(t.shape for _, t, _, _ in advanced))
+    index_shape = broadcast_shapes(*(t.shape for _, t, _, _ in advanced), op="index")
     # bring the indexed dims to the front, in order, and flatten them into one
     rest = [d for d in range(x.ndim) if d not in positions]
     x = permute(x, positions + rest)

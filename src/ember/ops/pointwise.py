@@ -22,12 +22,8 @@ Scalar = (numbers.Number, np.bool_, np.number)
 
 
 def broadcast_shapes(*shapes, op: str = "broadcast_shapes") -> tuple[int, ...]:
-    """torch.broadcast_shapes: the shape that all `shapes` (tuples, or ints for 1-d) broadcast to.
-
-    Internal callers may name the op first, `broadcast_shapes("matmul", a, b)`, for the error message.
-    """
-    if shapes and isinstance(shapes[0], str):
-        op, shapes = shapes[0], shapes[1:]
+    """torch.broadcast_shapes: the shape that all `shapes` (tuples, or ints for 1-d) broadcast to;
+    `op` names the calling op in the error message."""
     shapes = tuple((s,) if isinstance(s, int) else tuple(s) for s in shapes)
     ndim = max((len(s) for s in shapes), default=0)
     out = []
@@ -104,7 +100,7 @@ def prepare(op: str, *xs, dtype: DType | None = None) -> list[Tensor]:
     _check_devices(op, tensors)
     common = dtypes.result_type(*xs) if dtype is None else dtype
     device = next((t.device for t in tensors if t.ndim > 0), tensors[0].device)
-    shape = broadcast_shapes(op, *(t.shape for t in tensors))
+    shape = broadcast_shapes(*(t.shape for t in tensors), op=op)
     out = []
     for x in xs:
         if not isinstance(x, Tensor):
@@ -417,7 +413,7 @@ def where(condition, x, y) -> Tensor:
         x = as_tensor(x, like=condition)
     values = [v for v in (x, y) if isinstance(v, Tensor)]
     common = dtypes.result_type(x, y)
-    shape = broadcast_shapes("where", condition.shape, *(v.shape for v in values))
+    shape = broadcast_shapes(condition.shape, *(v.shape for v in values), op="where")
     _check_devices("where", [condition, *values])
     c = expand_to(condition, shape)
     a = expand_to(cast(as_tensor(x, like=condition, dtype=common), common), shape)

@@ -22,20 +22,19 @@ def _widen(a: np.ndarray) -> np.ndarray:
     return a
 
 
-def _int_div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """C-style division of integers: the quotient rounds toward zero."""
-    if np.any(b == 0):
-        raise ZeroDivisionError("integer division by zero")
-    q = np.floor_divide(a, b)
-    return q + ((q * b != a) & ((a < 0) != (b < 0)))
-
-
 def _checked(fn):
     def run(a, b):
         if a.dtype.kind in "iu" and np.any(b == 0):
             raise ZeroDivisionError("integer division by zero")
         return fn(a, b)
     return run
+
+
+@_checked
+def _int_div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """C-style division of integers: the quotient rounds toward zero."""
+    q = np.floor_divide(a, b)
+    return q + ((q * b != a) & ((a < 0) != (b < 0)))
 
 
 def _round(a: np.ndarray) -> np.ndarray:

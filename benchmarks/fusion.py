@@ -17,27 +17,32 @@ float32 -> float64), so a fast wrong answer shows in the table.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import os
-import statistics
-import sys
-import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as TF
+from common import (
+    RESULTS,
+    cell,
+    chain_of_reductions,
+    environment,
+    graph_gpu_ms,
+    guarded,
+    markdown_table,
+    median_ms,
+    publish,
+    select_backend,
+    to_ember,
+    to_torch,
+)
 
 import ember
 import ember.nn.functional as EF
-from ember.device import as_device
 from ember.explain import plan
-from ember.ir import Node
 
-RESULTS = Path(__file__).with_name("RESULTS.md")
 # (full, --quick, --cpu-smoke) size of each workload
 SIZES = {
     "pointwise": (2**28, 2**24, 2**12),
@@ -63,16 +68,6 @@ class Case:
     tol: float  # bound on ||ember - reference|| / ||reference||
     build: Callable[[], tuple] | None = None  # the lazy outputs of a step, for ember.explain.plan
     extra: dict[str, Callable[[], Callable[[], object]]] = field(default_factory=dict)  # more torch variants
-
-
-def to_ember(t: torch.Tensor, requires_grad: bool = False) -> ember.Tensor:
-    """Share a torch buffer with ember (ember has no public zero-copy import from torch)."""
-    node = Node.from_buffer(t.detach().contiguous(), ember.dtypes.as_dtype(t.dtype), as_device("cuda"))
-    return ember.Tensor(node).requires_grad_(requires_grad)
-
-
-def to_torch(t: ember.Tensor) -> torch.Tensor:
-    return t._node.buffer.reshape(t.shape)
 
 
 def widen(t: torch.Tensor) -> torch.Tensor:
@@ -113,13 +108,6 @@ def workload(row, name, shape, fwd, inputs, nbytes, tol, wrt=(), upstream=None) 
 
     return Case(row, name, shape, nbytes, ember_step, torch_step(lambda *a: fwd(TF, *a)),
                 lambda: torch_step(torch.compile(lambda *a: fwd(TF, *a))), check, tol, build)
-
-
-def chain_of_reductions(F, h):
-    """50 reductions, alternating axes, so no two can share a kernel: a 50-kernel plan."""
-    for i in range(50):
-        h = h - h.sum(i % 2, keepdim=True) * 0.01
-    return h
 
 
 def adam(size: int, dev: str) -> Case:
@@ -194,26 +182,6 @@ def cases(which: int, dev: str) -> list[tuple[str, Callable[[], Case]]]:
     ]
 
 
-def median_ms(step: Callable[[], object], warmup: int, reps: int, cpu: bool) -> float:
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(max(reps, 1)):
-        if cpu:
-            start = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - start) * 1e3)
-        else:
-            torch.cuda.synchronize()
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            step()
-            end.record()
-            end.synchronize()
-            times.append(begin.elapsed_time(end))
-    return statistics.median(times)
-
-
 def copy_gbs(nbytes: int, dev: str, warmup: int, reps: int, cpu: bool) -> float:
     """Device-to-device copy bandwidth, counting the bytes read and the bytes written."""
     src = torch.randn(nbytes // 4, device=dev)
@@ -231,25 +199,6 @@ def error(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
         diff2 += d.square().sum()
         ref2 += r.double().square().sum()
     return worst.item(), (diff2.sqrt() / ref2.sqrt().clamp_min(1e-300)).item()
-
-
-def guarded(what: str, fn: Callable[[], object]):
-    """Run `fn`; on failure print why to stderr and return None (the table then says "error")."""
-    try:
-        return fn()
-    except Exception as e:  # a failing variant must not stop the other rows
-        print(f"error in {what}: {type(e).__name__}: {str(e)[:500]}", file=sys.stderr)
-        if os.environ.get("EMBER_BENCH_TRACEBACK"):
-            traceback.print_exc()
-        return None
-
-
-def graph_gpu_ms(step: Callable[[], object], reps: int) -> float:
-    """GPU time of one step alone: its launches captured in a CUDA graph, replays timed."""
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return median_ms(graph.replay, 3, reps, cpu=False)
 
 
 def run(case: Case, args, stats: dict, notes: list[str]) -> dict:
@@ -300,11 +249,8 @@ def replay(build) -> Callable[[], object]:
     keep = {id(n) for n in nodes} | {id(n) for n in order if n.is_held()}
     cached, signature = cuda.plan_for(order, keep)
     device = nodes[0].device
-    return lambda: cuda.execute(cached, signature, device)
-
-
-def cell(value, fmt: str = "{:.4g}") -> str:
-    return "error" if value is None else fmt.format(value)
+    inputs = [leaf.buffer for leaf in signature.inputs]
+    return lambda: cuda.execute(cached, signature, device, inputs)
 
 
 def table(results: list[dict], bandwidth: float, cpu: bool) -> str:
@@ -329,18 +275,7 @@ def table(results: list[dict], bandwidth: float, cpu: bool) -> str:
             "-" if cpu else cell(compiled / ember_ms if compiled and ember_ms else None, "{:.2f}x"),
             cell(res.get("launches"), "{:.0f}"),
             "error" if rel is None else f"{res['abs']:.1e} / {rel:.1e}{verdict}"])
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
-    rows = [head, ["-" * n for n in widths], *lines]
-    return "\n".join("| " + " | ".join(str(x).ljust(n) for x, n in zip(r, widths)) + " |" for r in rows)
-
-
-def environment(cpu: bool) -> str:
-    import triton
-
-    gpu = "CPU (--cpu-smoke: torch on the CPU, ember through Triton's interpreter)" if cpu else (
-        torch.cuda.get_device_name())
-    return (f"{datetime.date.today()}, {gpu}, torch {torch.__version__}, triton {triton.__version__}, "
-            f"ember {ember.__version__}, CUDA {torch.version.cuda}")
+    return markdown_table(head, lines)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -355,10 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--results", type=Path, default=None,
                         help=f"markdown file to append to (default {RESULTS} for full-size GPU runs only)")
     args = parser.parse_args(argv)
-    if args.cpu_smoke:
-        os.environ["EMBER_INTERPRET"] = "1"  # read when ember's cuda runtime is first imported, just below
-    elif os.environ.get("EMBER_INTERPRET", "0") not in ("", "0") or not torch.cuda.is_available():
-        sys.exit("fusion.py times a CUDA GPU; without one (or with EMBER_INTERPRET=1), add --cpu-smoke")
+    select_backend(args.cpu_smoke, "fusion.py")
     from ember.runtime import cuda as ember_cuda
 
     args.warmup = args.warmup if args.warmup is not None else 1 if args.cpu_smoke else 3
@@ -394,14 +326,9 @@ def main(argv: list[str] | None = None) -> None:
         if not args.cpu_smoke:
             torch.cuda.empty_cache()
 
-    report = "\n".join([f"## fusion benchmark: {environment(args.cpu_smoke)}"
-                        + (" (--quick sizes)" if args.quick and not args.cpu_smoke else ""), "",
-                        table(results, bandwidth, args.cpu_smoke), "", *[f"- {n}" for n in notes], ""])
-    print("\n" + report)
-    if results_file is not None:
-        with open(results_file, "a") as f:
-            f.write(report + "\n")
-        print(f"appended to {results_file}")
+    publish(f"fusion benchmark: {environment(args.cpu_smoke)}"
+            + (" (--quick sizes)" if args.quick and not args.cpu_smoke else ""),
+            table(results, bandwidth, args.cpu_smoke), notes, results_file)
 
 
 if __name__ == "__main__":

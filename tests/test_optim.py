@@ -164,9 +164,100 @@ def test_optimizer_state_dict_has_torchs_layout():
     assert esd["param_groups"][0]["params"] == tsd["param_groups"][0]["params"]
     assert sorted(esd["state"]) == sorted(tsd["state"])
     assert set(esd["state"][0]) == set(tsd["state"][0])
-    assert esd["state"][0]["step"] == 2
+    step = esd["state"][0]["step"]  # a 0-d float32 tensor, as torch keeps it
+    assert isinstance(step, ember.Tensor) and step.shape == () and step.dtype is ember.float32
+    assert tsd["state"][0]["step"].dtype == torch.float32 and step.item() == tsd["state"][0]["step"].item() == 2
     np.testing.assert_allclose(esd["state"][3]["exp_avg_sq"].numpy(), tsd["state"][3]["exp_avg_sq"].numpy(),
                                rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("saved_step", ["tensor", "number"])
+@pytest.mark.parametrize("name,kwargs", [("Adam", dict(lr=0.01)), ("AdamW", dict(lr=0.01, amsgrad=True))])
+def test_adam_resumed_from_its_state_dict_continues_as_torch_does(name, kwargs, saved_step):
+    theirs, ours = make_models()
+    topt = getattr(torch.optim, name)(theirs.parameters(), **kwargs, foreach=False)
+    eopt = getattr(optim, name)(ours.parameters(), **kwargs)
+    data = batches(6)
+    train(theirs, topt, data[:3], "torch")
+    train(ours, eopt, data[:3], "ember")
+    saved = eopt.state_dict()
+    if saved_step == "number":  # a checkpoint that holds the count as a Python number
+        for values in saved["state"].values():
+            values["step"] = int(values["step"].item())
+    resumed = getattr(optim, name)(ours.parameters(), lr=0.5)  # the state dict brings back lr too
+    resumed.load_state_dict(saved)
+    for values in resumed.state.values():
+        step = values["step"]
+        assert isinstance(step, ember.Tensor) and step.shape == () and step.dtype is ember.float32
+        assert step.item() == 3
+    train(theirs, topt, data[3:], "torch")
+    train(ours, resumed, data[3:], "ember")
+    assert_same_parameters(theirs, ours)
+
+
+def test_a_python_float_to_a_float32_tensor_power_is_float32(device):
+    """Adam's bias correction `1 - beta ** step`, with the step count a 0-d float32 tensor."""
+    step = ember.tensor(3.0)
+    correction = 1 - 0.999**step
+    assert correction.dtype is ember.float32 and correction.shape == () and correction.device.type == device
+    assert correction.item() == pytest.approx(1 - 0.999**3, rel=1e-4)  # 0.999 rounds to float32
+
+
+BF16_CONFIGS = [
+    ("Adam", dict(lr=0.01)),
+    ("Adam", dict(lr=0.01, betas=(0.8, 0.99), eps=1e-3)),
+    ("Adam", dict(lr=0.01, weight_decay=0.1)),
+    ("AdamW", dict(lr=0.01, weight_decay=0.1, amsgrad=True)),
+]
+
+
+@pytest.mark.parametrize("name,kwargs", BF16_CONFIGS, ids=[f"{n}-{'-'.join(k)}" for n, k in BF16_CONFIGS])
+def test_bfloat16_parameters_follow_torchs_bfloat16_adam(device, name, kwargs):
+    """Each of torch's ops rounds to bfloat16 once and the bias corrections stay float32, so all but
+    rare values are bit for bit torch's. (torch's CPU kernel rounds an L2 weight_decay to bfloat16, its
+    CUDA kernel does not, nor does ember: those few values may be two roundings apart.)"""
+    rng = np.random.default_rng(0)
+    values = [rng.uniform(-1, 1, shape).astype(np.float32) for shape in [(40, 50), (64,), ()]]
+    theirs = [torch.tensor(v).to(torch.bfloat16).requires_grad_() for v in values]
+    ours = [nn.Parameter(ember.tensor(v, dtype=ember.bfloat16)) for v in values]
+    topt = getattr(torch.optim, name)(theirs, **kwargs, foreach=False)
+    eopt = getattr(optim, name)(ours, **kwargs)
+    for _ in range(10):
+        for t, e in zip(theirs, ours):
+            g = rng.standard_normal(t.shape).astype(np.float32) * 0.1
+            t.grad, e.grad = torch.tensor(g).to(torch.bfloat16), ember.tensor(g, dtype=ember.bfloat16)
+        topt.step()
+        eopt.step()
+    for t, e in zip(theirs, ours):
+        assert e.dtype is ember.bfloat16 and eopt.state[e]["exp_avg"].dtype is ember.bfloat16
+        step = eopt.state[e]["step"]
+        assert step.dtype is ember.float32 and step.device == e.device and step.item() == 10
+        got, want = e.numpy().astype(np.float32), t.detach().float().numpy()
+        np.testing.assert_allclose(got, want, rtol=2**-6, atol=1e-3)
+        assert np.mean(got == want) >= 0.97
+
+
+def test_step_guards_every_hyper_parameter_but_the_parameters(monkeypatch):
+    """A captured step (`ember.jit`) is replayed only while the hyper-parameters it read still hold."""
+    from ember.runtime import jit
+
+    guards = []
+    monkeypatch.setattr(jit, "guard", guards.append)
+    model = nn.Linear(3, 2)
+    opt = optim.Adam([{"params": [model.weight]}, {"params": [model.bias], "lr": 0.1}], lr=0.01)
+    model(ember.randn(4, 3)).sum().backward()
+    opt.step()
+    assert len(guards) == 1
+    read = guards[0]
+    before = read()
+    opt.step()  # new state, the same hyper-parameters
+    assert read() == before
+    opt.param_groups[1]["lr"] = 0.05
+    assert read() != before
+    opt.param_groups[1]["lr"] = 0.1
+    assert read() == before
+    opt.param_groups[0]["betas"] = (0.8, 0.999)
+    assert read() != before
 
 
 # -- schedules -----------------------------------------------------------------------------

@@ -6,7 +6,7 @@ then the whole pending graph is computed at once.
 
 from ember import data, dtypes, nn, optim
 from ember.autograd import enable_grad, grad, inference_mode, is_grad_enabled, no_grad, set_grad_enabled
-from ember.device import Device, default_device, device
+from ember.device import Device, default_device, device, memory_stats
 from ember.dtypes import (
                           DType,
                           bfloat16,
@@ -26,6 +26,8 @@ from ember.errors import CompileError, DeviceError, DTypeError, EmberError, OutO
 from ember.explain import explain
 from ember.ops import *  # noqa: F403 - the op functions are the public API
 from ember.ops import __all__ as _ops_all
+from ember.placement import on_device
+from ember.replay import jit
 from ember.serialize import load, save
 from ember.tensor import Tensor, realize
 
@@ -42,6 +44,6 @@ __all__ = [
     "DType", "Device", "Tensor", "CompileError", "DeviceError", "DTypeError", "EmberError", "OutOfMemoryError",
     "ShapeError", "bfloat16", "bool", "default_device", "device", "double", "dtypes", "enable_grad", "float",
     "float16", "float32", "float64", "grad", "half", "inference_mode", "int", "int8", "int16", "int32", "int64",
-    "is_grad_enabled", "long", "no_grad", "promote_types", "realize", "result_type", "set_grad_enabled",
-    "short", "uint8", "data", "nn", "optim", "explain", "load", "save", *_ops_all,
+    "is_grad_enabled", "long", "no_grad", "on_device", "promote_types", "realize", "result_type", "set_grad_enabled",
+    "short", "uint8", "data", "nn", "optim", "explain", "load", "save", "jit", "memory_stats", *_ops_all,
 ]

@@ -64,3 +64,14 @@ class device:
 
     def __exit__(self, *exc) -> None:
         _state.default = self._previous
+
+
+def memory_stats(d: str | Device | None = None) -> dict:
+    """Memory of a cuda device in bytes: "allocated_bytes" now, "peak_bytes" since the start,
+    "cached_bytes" held by the allocator, and "arena_bytes" kept for the intermediates of recent plans."""
+    target = as_device(d if d is not None else "cuda")
+    if target.type != "cuda":
+        raise DeviceError(f"memory_stats: {target} has no device memory to report; ask for a cuda device")
+    from ember.runtime import cuda
+
+    return cuda.memory_stats(target)

@@ -36,3 +36,11 @@ def describe(x) -> str:
 
 def operands(*xs) -> str:
     return ", ".join(describe(x) for x in xs)
+
+
+def device_mismatch(op: str, *xs) -> DeviceError:
+    """The error for one op given operands on several devices: each operand, and the moves that fix it."""
+    devices = sorted({str(x.device) for x in xs if hasattr(x, "device")})
+    moves = " or ".join(f'.to("{d}")' for d in devices)
+    return DeviceError(f"{op}: operands are on different devices ({' and '.join(devices)}): {operands(*xs)}; "
+                       f"move them to one device first with {moves}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 
-from ember.compiler import fusion, passes
+from ember.compiler import fusion, passes, schedule
 from ember.compiler.codegen import triton as codegen
 from ember.ir import Kind, Node, Op, toposort
 
@@ -39,6 +39,9 @@ def _attrs(n: Node) -> str:
     return ""
 
 
+SMALL_GRID = 66  # programs below which a kernel leaves most of a large GPU idle (the runtime asks the GPU)
+
+
 class Plan:
     """A planned (not launched) graph: its fused kernels and their generated sources."""
 
@@ -49,6 +52,9 @@ class Plan:
         self.sources = {id(k): codegen.generate(k, self.stored) for k in self.kernels
                         if k.kind not in ("matmul", "conv2d")}
         self.unfused = sum(1 for n in order if _is_work(n))
+        small = [max((launch.grid for launch in self.sources[id(k)].launches), default=0) < SMALL_GRID
+                 if id(k) in self.sources else False for k in self.kernels]
+        self.schedule = schedule.schedule(self.kernels, self.lowered.outputs, small, max_streams=2)
         self.numbering = {id(n): i for i, n in enumerate(self.lowered.nodes)}
 
     @property
@@ -116,6 +122,14 @@ class Plan:
             lines += self.describe(k)
         lines.append(f"{len(self.kernels)} fused kernels ({self.launches} launches) for {self.unfused} unfused "
                      f"kernels; {len(self.lowered.nodes)} nodes after passes")
+        sched = self.schedule
+        if sched.slots:
+            lines.append(f"memory: {len(sched.slots)} intermediates of {_mib(sched.intermediate_bytes)} share an "
+                         f"arena of {_mib(sched.arena_bytes)} (reused by lifetime)")
+        for start, stop in sched.groups:
+            together = ", ".join(str(self.kernels[i].index) for i in sched.order[start:stop])
+            lines.append(f"streams: kernels {together} run side by side "
+                         f"on {len(set(sched.streams[start:stop]))} streams")
         return "\n".join(lines)
 
 

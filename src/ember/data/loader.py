@@ -1,19 +1,22 @@
 """Datasets and the DataLoader: minibatches of host arrays, wrapped as ember Tensors.
 
 Batches are cut from realized NumPy arrays by fancy indexing (one copy per batch),
-not by lazy gathers, so loading data never adds graph to a training step.
+not by lazy gathers, so loading data never adds graph to a training step. For a
+cuda device the loader keeps batches ahead: a batch is uploaded (asynchronously,
+through the runtime's transfers) before the step that needs it is enqueued.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from ember.device import as_device
 from ember.errors import ShapeError
 from ember.ops.creation import tensor
+from ember.placement import check_device
 from ember.tensor import Tensor
 
 
@@ -57,18 +60,29 @@ class DataLoader:
     TensorDataset), or any map-style dataset whose items are tuples of arrays (stacked
     per field). With `shuffle`, each epoch (each `iter()`) draws a new order from a
     NumPy Generator seeded once by `seed`, so the sequence of epochs is reproducible.
+
+    Batches are realized tensors on `device` (the default device if None). On a cuda
+    device the loader stays `prefetch` batches ahead of the batch it yields: the next
+    batch is already cut and its upload enqueued on the GPU's upload stream while the
+    step for the current one is built and run, so the copy overlaps compute. `prefetch=0`
+    cuts and uploads each batch only when it is asked for. The batches, their order and
+    `len()` are the same for every `prefetch`; on the CPU there is nothing to overlap and
+    `prefetch` has no effect.
     """
 
     def __init__(self, dataset, batch_size: int = 1, shuffle: bool = False, drop_last: bool = False,
-                 seed: int | None = None, device=None) -> None:
+                 seed: int | None = None, device=None, prefetch: int = 1) -> None:
         if isinstance(dataset, (tuple, list)):
             dataset = TensorDataset(*dataset)
         elif isinstance(dataset, (np.ndarray, Tensor)):
             dataset = TensorDataset(dataset)
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"DataLoader: batch_size must be a positive integer, got {batch_size!r}")
+        if not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"DataLoader: prefetch must be a non-negative integer, got {prefetch!r}")
         self.dataset, self.batch_size, self.shuffle, self.drop_last = dataset, batch_size, shuffle, drop_last
-        self.device = as_device(device)
+        self.device = check_device(device)
+        self.prefetch = prefetch
         self._rng = np.random.default_rng(seed)
 
     def __len__(self) -> int:
@@ -78,8 +92,14 @@ class DataLoader:
     def __iter__(self) -> Iterator[tuple[Tensor, ...]]:
         n = len(self.dataset)
         order = self._rng.permutation(n) if self.shuffle else np.arange(n)
+        ahead = self.prefetch if self.device.type == "cuda" else 0
+        ready: deque[tuple[Tensor, ...]] = deque()  # batches cut and uploaded, oldest first
         for b in range(len(self)):
-            yield self._batch(order[b * self.batch_size:(b + 1) * self.batch_size])
+            ready.append(self._batch(order[b * self.batch_size:(b + 1) * self.batch_size]))
+            if len(ready) > ahead:
+                yield ready.popleft()
+        while ready:
+            yield ready.popleft()
 
     def _batch(self, indices: np.ndarray) -> tuple[Tensor, ...]:
         if isinstance(self.dataset, TensorDataset):

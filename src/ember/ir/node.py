@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 from ember.device import Device
 from ember.dtypes import DType
-from ember.errors import DeviceError
+from ember.errors import device_mismatch
 from ember.ir.ops import Kind, Op, infer
 
 
@@ -37,8 +37,7 @@ class Node:
         elif inputs:
             device = inputs[0].device
             if any(i.device is not device and i.device != device for i in inputs):
-                raise DeviceError(f"{op.label}: inputs on different devices: "
-                                  f"{', '.join(str(i.device) for i in inputs)}")
+                raise device_mismatch(op.label, *inputs)
         assert device is not None, f"{op.label}: a leaf needs a device"
         shape, dtype = infer(op, inputs, attrs)
         return Node(op, inputs, attrs, shape, dtype, device)

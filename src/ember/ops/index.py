@@ -49,6 +49,7 @@ def take_along_dim(x: Tensor, indices: Tensor, dim: int) -> Tensor:
 def scatter_add(x: Tensor, dim: int, index: Tensor, src: Tensor) -> Tensor:
     """out = x, then out[index[i][j]][j] += src[i][j] for dim 0 (torch.scatter_add)."""
     _check_index("scatter_add", x, index)
+    _check_devices("scatter_add", [x, src])
     axis = normalize_dim("scatter_add", dim, x.ndim)
     check_bounds("scatter_add", index, x.shape[axis], axis)
     if index.ndim != x.ndim or src.ndim != x.ndim or any(

@@ -489,9 +489,9 @@ def _index_items(x: Tensor, index) -> list:
                 raise IndexError(f"index: tensors used as indices must be integer or bool, got {operands(item)} "
                                  f"to index a tensor of shape {x.shape}")
             if item.device != x.device:
-                from ember.errors import DeviceError
+                from ember.errors import device_mismatch
 
-                raise DeviceError(f"index: index tensor on {item.device} for a tensor on {x.device}")
+                raise device_mismatch("index", x, item)
         elif item is not None and item is not Ellipsis and not isinstance(item, slice):
             try:
                 item = operator.index(item)

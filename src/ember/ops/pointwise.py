@@ -14,7 +14,7 @@ import numpy as np
 
 from ember import dtypes
 from ember.dtypes import DType
-from ember.errors import DeviceError, DTypeError, ShapeError, operands
+from ember.errors import DTypeError, ShapeError, device_mismatch, operands
 from ember.ir import Op
 from ember.tensor import Tensor, apply, leaf
 
@@ -75,9 +75,7 @@ def cast(x: Tensor, dtype: DType) -> Tensor:
 def _check_devices(op: str, tensors: list[Tensor]) -> None:
     devices = {t.device for t in tensors if t.ndim > 0 or t._node.op is not Op.CONST}
     if len(devices) > 1:
-        names = " and ".join(sorted(str(d) for d in devices))
-        raise DeviceError(f"{op}: operands are on different devices ({names}): {operands(*tensors)}; "
-                          f"move them to one device with .to(device)")
+        raise device_mismatch(op, *tensors)
 
 
 def prepare(op: str, *xs, dtype: DType | None = None) -> list[Tensor]:

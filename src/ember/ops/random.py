@@ -14,6 +14,7 @@ from ember import dtypes
 from ember.device import as_device
 from ember.ir import Op
 from ember.ops.pointwise import cast
+from ember.runtime import jit
 from ember.tensor import Tensor, leaf
 
 _state = threading.local()
@@ -29,11 +30,13 @@ def initial_seed() -> int:
     return getattr(_state, "seed", 0)
 
 
-def _take(n: int) -> tuple[int, int]:
+def take_offsets(n: int) -> tuple[int, int]:
+    """The seed and the first of the next `n` offsets of the global stream, which moves past them."""
     if not hasattr(_state, "seed"):
         manual_seed(0)
     start = _state.offset
     _state.offset += n
+    jit.note_draw(_state.seed, start, n)
     return _state.seed, start
 
 
@@ -41,7 +44,7 @@ def _draw(op: str, size, distribution: str, device) -> Tensor:
     from ember.ops.creation import _shape
 
     shape = _shape(op, size)
-    seed, offset = _take(math.prod(shape))
+    seed, offset = take_offsets(math.prod(shape))
     return leaf(Op.RAND, as_device(device), shape=shape, seed=seed, offset=offset, distribution=distribution)
 
 

@@ -1,13 +1,34 @@
-"""Adam and AdamW, with bias correction, amsgrad and maximize as in PyTorch."""
+"""Adam and AdamW, with bias correction, amsgrad and maximize as in PyTorch.
+
+The step count is a 0-d float32 tensor, as PyTorch stores it, and the bias corrections
+are computed from it inside the step's graph, so a captured step (`ember.jit`) replays
+with the right corrections instead of the ones of the step it was captured at. The
+learning rate and the betas stay Python floats (runtime scalars of the kernels).
+
+Half-precision parameters are updated as torch's single-tensor Adam updates them: each
+of torch's ops (lerp_, mul_, addcmul_, sqrt, div, add_, addcdiv_) is computed in float32
+and rounded once to the parameter's dtype; the scalar chain stays float32 throughout.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ember.ops.creation import zeros_like
-from ember.ops.pointwise import maximum
+from ember import dtypes
+from ember.ops.creation import zeros, zeros_like
+from ember.ops.pointwise import cast, maximum
 from ember.optim.optimizer import Optimizer
 from ember.tensor import Tensor
+
+
+def _wide(x: Tensor) -> Tensor:
+    """x in the dtype torch computes its ops in: float32 for half types, else x itself."""
+    return cast(x, dtypes.compute_dtype(x.dtype))
+
+
+def _rounded(x: Tensor, dtype: dtypes.DType) -> Tensor:
+    """The result of one torch op on `dtype` tensors: rounded to `dtype`, computed on in `_wide`'s dtype."""
+    return _wide(cast(x, dtype))
 
 
 def _lerp(start: Tensor, end: Tensor, weight: float) -> Tensor:
@@ -39,7 +60,7 @@ class Adam(Optimizer):
 
     def _update(self, param: Tensor, grad: Tensor, state: dict, group: dict) -> None:
         if not state:
-            state["step"] = 0
+            state["step"] = zeros((), dtype=dtypes.float32, device=param.device)
             state["exp_avg"] = zeros_like(param)
             state["exp_avg_sq"] = zeros_like(param)
             if group["amsgrad"]:
@@ -47,24 +68,27 @@ class Adam(Optimizer):
         if group["maximize"]:
             grad = -grad
         lr, (beta1, beta2), eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        state["step"] += 1
-        step = state["step"]
+        dtype = param.dtype
+        step = state["step"].assign(state["step"] + 1)
+        grad = _wide(grad)
         if weight_decay != 0:
             if self._decoupled_weight_decay:
-                param.assign(param * (1 - lr * weight_decay))
+                param.assign(_wide(param) * (1 - lr * weight_decay))
             else:
-                grad = grad + param * weight_decay
-        exp_avg = state["exp_avg"].assign(_lerp(state["exp_avg"], grad, 1 - beta1))
-        exp_avg_sq = state["exp_avg_sq"].assign(state["exp_avg_sq"] * beta2 + grad * (1 - beta2) * grad)
-        # lr and the step count enter as Python floats, not as tensors of the graph
-        step_size = lr / (1 - beta1**step)
-        bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+                grad = _rounded(grad + _wide(param) * weight_decay, dtype)
+        exp_avg = state["exp_avg"].assign(_lerp(_wide(state["exp_avg"]), grad, 1 - beta1))
+        decayed = _rounded(_wide(state["exp_avg_sq"]) * beta2, dtype)
+        exp_avg_sq = state["exp_avg_sq"].assign(decayed + grad * (1 - beta2) * grad)
+        # 0-d float32 tensors, computed once per kernel rather than per element
+        neg_step_size = -lr / (1 - beta1**step)
+        bias_correction2_sqrt = (1 - beta2**step).sqrt()
         if group["amsgrad"]:
             second_moment = state["max_exp_avg_sq"].assign(maximum(state["max_exp_avg_sq"], exp_avg_sq))
         else:
             second_moment = exp_avg_sq
-        denom = second_moment.sqrt() / bias_correction2_sqrt + eps
-        param.assign(param + exp_avg / denom * -step_size)
+        # eps is added in the parameter's dtype, as torch adds a Python number to a tensor
+        denom = _wide(cast(_wide(second_moment.sqrt()) / bias_correction2_sqrt, dtype) + eps)
+        param.assign(_wide(param) + _wide(exp_avg) * neg_step_size / denom)
 
 
 class AdamW(Adam):

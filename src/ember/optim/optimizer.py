@@ -3,8 +3,10 @@
 `step()` builds the update of every parameter and every state tensor lazily and then
 realizes them all at once, so the forward pass, the backward pass and the update of
 a training step are computed as one graph, and nothing of the step's graph survives
-it. Hyper-parameters that change over time (the learning rate, the step count used
-for bias correction) enter the graph as Python floats.
+it. What changes at every step (Adam's step count) lives in state tensors that the
+step updates; hyper-parameters (the learning rate, betas, momentum...) enter the graph
+as Python floats, runtime scalars of the kernels, and a captured step (`ember.jit`)
+guards them: a replay after one of them changed captures the step again.
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterable
 
+from ember import dtypes
 from ember.autograd import enable_grad, no_grad
 from ember.ops.creation import tensor as _tensor
 from ember.ops.creation import zeros_like
+from ember.runtime import jit
 from ember.tensor import Tensor, realize
 
 
@@ -75,6 +79,7 @@ class Optimizer:
         if closure is not None:
             with enable_grad():
                 loss = closure()
+        jit.guard(self._hyper_parameters)
         updated = []
         with no_grad():
             for group in self.param_groups:
@@ -90,6 +95,11 @@ class Optimizer:
 
     def _update(self, param: Tensor, grad: Tensor, state: dict, group: dict) -> None:
         raise NotImplementedError
+
+    def _hyper_parameters(self) -> tuple:
+        """Every group's settings but its parameters: what a captured step reads from Python.
+        Insertion order, not sorted: cheaper, and a reordering only costs a harmless recapture."""
+        return tuple(tuple((k, v) for k, v in group.items() if k != "params") for group in self.param_groups)
 
     # -- checkpoints ------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -134,7 +144,10 @@ class Optimizer:
 
     @staticmethod
     def _restore(param: Tensor, key: str, value):
-        """State tensors take the parameter's device and (when floating point) dtype, as in PyTorch."""
+        """State tensors take the parameter's device and (when floating point) dtype, as in PyTorch;
+        a step count becomes a 0-d float32 tensor whether it was saved as a tensor or a number."""
+        if key == "step":
+            return _tensor(value, dtype=dtypes.float32, device=param.device)
         if not isinstance(value, Tensor):
             return value
         if value.dtype.is_floating_point:

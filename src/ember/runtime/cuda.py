@@ -11,16 +11,16 @@ graph's structure, so a repeated training step costs a key and the launches.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
+import math
 import os
 import pickle
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import numpy as np
 
 INTERPRET = os.environ.get("EMBER_INTERPRET", "0") not in ("", "0")
 if INTERPRET:
@@ -29,11 +29,12 @@ if INTERPRET:
 import torch  # noqa: E402
 
 from ember import dtypes  # noqa: E402
-from ember.compiler import fusion, passes  # noqa: E402
+from ember.compiler import fusion, passes, schedule  # noqa: E402
 from ember.compiler.codegen import triton as codegen  # noqa: E402
 from ember.device import Device  # noqa: E402
 from ember.errors import CompileError, DeviceError, OutOfMemoryError  # noqa: E402
 from ember.ir import Node, Op  # noqa: E402
+from ember.runtime import jit  # noqa: E402
 
 if INTERPRET:
     from ember.runtime import triton_interpreter
@@ -45,30 +46,27 @@ def is_available() -> bool:
     return INTERPRET or torch.cuda.is_available()
 
 
+def device_count() -> int:
+    """How many cuda devices exist: the GPUs torch sees, or one under the interpreter, which runs
+    `cuda:0` on the CPU and so behaves like a machine with one GPU."""
+    if INTERPRET:
+        return 1
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@functools.cache  # checked once per device: every plan execution and every transfer asks
 def torch_device(device: Device) -> torch.device:
+    """The torch device behind an ember cuda device; DeviceError if it does not exist here."""
     if not is_available():
         raise DeviceError(f"device {device} is not available: no CUDA GPU was found "
                           "(set EMBER_INTERPRET=1 to run the cuda backend on the CPU through Triton's interpreter)")
+    count = device_count()
+    if device.index >= count:
+        found = ("the interpreter (EMBER_INTERPRET=1) runs 1 cuda device" if INTERPRET else
+                 f"{count} GPU{'s' if count != 1 else ''} found")
+        choices = "cuda:0" if count == 1 else f"cuda:0 to cuda:{count - 1}"
+        raise DeviceError(f"device {device} does not exist: {found}; use {choices}")
     return torch.device("cpu") if INTERPRET else torch.device("cuda", device.index)
-
-
-# -- transfers ---------------------------------------------------------------------------------
-
-def from_numpy(array: np.ndarray, device: Device) -> torch.Tensor:
-    array = np.ascontiguousarray(array).reshape(array.shape)  # ascontiguousarray makes a 0-d array 1-d
-    if array.dtype == dtypes.bfloat16.np:
-        host = torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
-    else:
-        host = torch.from_numpy(array)
-    target = torch_device(device)
-    return host.to(target, non_blocking=False) if target.type != "cpu" else host.clone()
-
-
-def to_numpy(buffer: torch.Tensor) -> np.ndarray:
-    host = buffer.detach().cpu()
-    if host.dtype == torch.bfloat16:
-        return host.contiguous().view(torch.int16).numpy().view(dtypes.bfloat16.np)
-    return host.numpy()
 
 
 # -- kernel sources on disk ---------------------------------------------------------------------
@@ -107,6 +105,10 @@ def load_source(source: codegen.KernelSource):
 
 # -- plans -------------------------------------------------------------------------------------
 
+max_streams = 2  # streams a plan's independent small kernels may spread over; 1 runs everything in order
+ARENAS_KEPT = 8  # plans whose intermediate arenas stay allocated between runs (most recently run first)
+
+
 @dataclass
 class CompiledKernel:
     kernel: fusion.FusedKernel
@@ -117,10 +119,15 @@ class CompiledKernel:
 @dataclass
 class Plan:
     lowered: passes.Lowered
-    kernels: list[CompiledKernel]
+    kernels: list[CompiledKernel]  # in launch order
     stored: set[int]
-    last_use: dict[int, int] = field(default_factory=dict)  # id(lowered node) -> last kernel reading it
+    schedule: schedule.Schedule
     compile_seconds: float = 0.0
+    steps: list | None = field(default=None, repr=False)  # launch recipes, rebuilt after loading
+
+    @property
+    def launches(self) -> int:
+        return sum(len(ck.source.launches) if ck.source else 1 for ck in self.kernels)
 
 
 _plans: dict[tuple, Plan] = {}
@@ -128,30 +135,31 @@ stats = {"plans_compiled": 0, "plans_loaded": 0, "plan_hits": 0, "launches": 0}
 
 
 def _plan_path(key: tuple) -> Path:
-    """A plan's file: the graph's structure plus what the plan was made with (device, versions)."""
+    """A plan's file: the graph's structure plus what the plan was made with (device, versions, streams)."""
     import triton
 
     import ember
 
     gpu = "interpreter" if INTERPRET else torch.cuda.get_device_name()
-    identity = repr((key, gpu, ember.__version__, torch.__version__, triton.__version__))
+    identity = repr((key, gpu, max_streams, ember.__version__, torch.__version__, triton.__version__))
     return cache_dir("plans") / (hashlib.sha256(identity.encode()).hexdigest()[:32] + ".pkl")
 
 
 def _save_plan(key: tuple, plan: Plan) -> None:
-    """Write a plan atomically; the modules are not stored (their sources are, and are re-imported)."""
+    """Write a plan atomically; modules and launch recipes are not stored (sources are, and are re-imported)."""
     position = {id(n): i for i, n in enumerate(plan.lowered.nodes)}
     modules = [ck.module for ck in plan.kernels]
-    last_use = plan.last_use
+    slots, steps = plan.schedule.slots, plan.steps
     try:
         for ck in plan.kernels:
             ck.module = None
-        plan.last_use = {position[k]: v for k, v in last_use.items() if k in position}
+        plan.steps = None
+        plan.schedule.slots = {position[k]: v for k, v in slots.items()}
         payload = pickle.dumps((key, plan), protocol=pickle.HIGHEST_PROTOCOL)
     except (pickle.PicklingError, TypeError, AttributeError):
         return  # a plan that cannot be stored is still used in this process
     finally:
-        plan.last_use = last_use
+        plan.schedule.slots, plan.steps = slots, steps
         for ck, module in zip(plan.kernels, modules):
             ck.module = module
     path = _plan_path(key)
@@ -169,7 +177,7 @@ def _load_plan(key: tuple) -> Plan | None:
         stored_key, plan = pickle.loads(path.read_bytes())
         if stored_key != key:
             return None
-        plan.last_use = {id(plan.lowered.nodes[i]): v for i, v in plan.last_use.items()}
+        plan.schedule.slots = {id(plan.lowered.nodes[i]): v for i, v in plan.schedule.slots.items()}
         for ck in plan.kernels:
             if ck.source is not None:
                 ck.module = load_source(ck.source)
@@ -177,6 +185,17 @@ def _load_plan(key: tuple) -> Plan | None:
         return None
     stats["plans_loaded"] += 1
     return plan
+
+
+def _multiprocessors() -> int:
+    return 132 if INTERPRET else torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+def _is_small(ck: CompiledKernel, sms: int) -> bool:
+    """Whether a kernel leaves most of the GPU idle, so another may run beside it."""
+    if ck.source is not None:
+        return max((launch.grid for launch in ck.source.launches), default=0) < sms // 2
+    return ck.kernel.outputs[0].numel < 64 * 64 * sms  # a vendor matmul or conv: fewer tiles than SMs
 
 
 def compile_plan(order: list[Node], keep: set[int], sig: passes.Signature) -> Plan:
@@ -190,12 +209,11 @@ def compile_plan(order: list[Node], keep: set[int], sig: passes.Signature) -> Pl
             ck.source = codegen.generate(k, stored)
             ck.module = load_source(ck.source)
         compiled.append(ck)
-    last_use: dict[int, int] = {}
-    for i, ck in enumerate(compiled):
-        for r in ck.kernel.reads:
-            last_use[id(r)] = i
+    sms = _multiprocessors()
+    sched = schedule.schedule(kernels, lowered.outputs, [_is_small(ck, sms) for ck in compiled], max_streams)
+    compiled = [compiled[i] for i in sched.order]
     stats["plans_compiled"] += 1
-    return Plan(lowered, compiled, stored, last_use, time.perf_counter() - start)
+    return Plan(lowered, compiled, stored, sched, time.perf_counter() - start)
 
 
 def plan_for(order: list[Node], keep: set[int]) -> tuple[Plan, passes.Signature]:
@@ -215,42 +233,254 @@ def plan_for(order: list[Node], keep: set[int]) -> tuple[Plan, passes.Signature]
 def run(order: list[Node], keep: set[int]) -> dict[int, torch.Tensor]:
     """Evaluate `order` on the device; return buffers for the nodes whose ids are in `keep`."""
     plan, sig = plan_for(order, keep)
-    buffers = execute(plan, sig, order[0].device)
+    device = order[0].device
+    inputs = [leaf.buffer for leaf in sig.inputs]
+    outputs = execute(plan, sig, device, inputs)
     kept = [n for n in order if id(n) in keep]
-    return {id(n): buffers[id(out)] for n, out in zip(kept, plan.lowered.outputs)}
+    values = {id(n): out for n, out in zip(kept, outputs)}
+    if jit.recording():
+        jit.record_plan(plan, sig, device, inputs, outputs, kept)
+    return values
 
 
-def execute(plan: Plan, sig: passes.Signature, device: Device) -> dict[int, torch.Tensor]:
+# -- execution ---------------------------------------------------------------------------------
+
+def execute(plan: Plan, sig: passes.Signature, device: Device, inputs: list[torch.Tensor],
+            outputs: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
+    """Run a plan on `inputs` (one buffer per input of the lowered graph); return one buffer per
+    output. `outputs` may name buffers to write results into (None where the plan should allocate)."""
     target = torch_device(device)
-    buffers: dict[int, torch.Tensor] = {id(p): leaf.buffer for p, leaf in zip(plan.lowered.inputs, sig.inputs)}
-    outputs = {id(o) for o in plan.lowered.outputs}
+    buffers: dict[int, torch.Tensor] = {id(p): b for p, b in zip(plan.lowered.inputs, inputs)}
+    buffers.update(_arena_views(plan, target, device))
+    given = outputs or ()
+    result = []
+    for i, o in enumerate(plan.lowered.outputs):
+        if id(o) not in buffers:
+            out = given[i] if i < len(given) else None
+            buffers[id(o)] = out if out is not None else _allocate(o.shape, o.dtype, target, device, "a result")
+        result.append(buffers[id(o)])
+    if plan.steps is None:
+        plan.steps = [_step(ck) for ck in plan.kernels]
     try:
-        for i, ck in enumerate(plan.kernels):
-            kernel = ck.kernel
-            for o in kernel.outputs:
-                if id(o) not in buffers:
-                    buffers[id(o)] = torch.empty(o.shape, dtype=dtypes.to_torch(o.dtype), device=target)
-            if kernel.kind == "matmul":
-                node = kernel.outputs[0]
-                a, b = (_on_vendor_device(_view(x, buffers)) for x in node.inputs)
-                out = buffers[id(node)]
-                if a.device == out.device:
-                    torch.matmul(a, b, out=out)
-                else:
-                    out.copy_(torch.matmul(a, b))
-            elif kernel.kind == "conv2d":
-                _conv2d(kernel.outputs[0], buffers)
-            else:
-                for launch in ck.source.launches:
-                    _launch(ck, launch, buffers, sig)
-            for r in kernel.reads:  # free what no later kernel reads
-                if plan.last_use.get(id(r)) == i and id(r) not in outputs and r.op is not Op.BUFFER:
-                    buffers.pop(id(r), None)
+        if plan.schedule.groups and not INTERPRET:
+            _run_streams(plan, buffers, sig, target)
+        else:
+            for step in plan.steps:
+                step(buffers, sig)
     except torch.cuda.OutOfMemoryError as error:
-        free, total = torch.cuda.mem_get_info(target)
         raise OutOfMemoryError(f"out of GPU memory running a plan of {len(plan.kernels)} kernels on {device}: "
-                               f"{free / 2**20:.0f} MiB free of {total / 2**20:.0f} MiB ({error})") from None
-    return buffers
+                               f"{_free_text(target)} ({error})") from None
+    return result
+
+
+def _run_streams(plan: Plan, buffers: dict[int, torch.Tensor], sig: passes.Signature, target) -> None:
+    """Launch in schedule order; each parallel group forks from the main stream and joins back into it."""
+    main = torch.cuda.current_stream(target)
+    streams = [main, *_side_streams(target)]
+    groups = dict(plan.schedule.groups)
+    position, count = 0, len(plan.steps)
+    while position < count:
+        stop = groups.get(position)
+        if stop is None:
+            plan.steps[position](buffers, sig)
+            position += 1
+            continue
+        used = {plan.schedule.streams[p] for p in range(position, stop)} - {0}
+        fork = main.record_event()
+        for s in used:
+            streams[s].wait_event(fork)
+        for p in range(position, stop):
+            with torch.cuda.stream(streams[plan.schedule.streams[p]]):
+                plan.steps[p](buffers, sig)
+        for s in used:
+            main.wait_event(streams[s].record_event())
+        position = stop
+
+
+_side: dict = {}
+
+
+def _side_streams(target) -> list:
+    if target not in _side:
+        _side[target] = [torch.cuda.Stream(target) for _ in range(max(max_streams - 1, 1))]
+    return _side[target]
+
+
+_arenas: dict[int, tuple[Plan, dict[int, torch.Tensor]]] = {}  # id(plan) -> views, most recently run last
+
+
+def _arena_views(plan: Plan, target, device: Device) -> dict[int, torch.Tensor]:
+    """Views of the plan's intermediates into its arena, kept between runs of the plan. Kernels run in
+    stream order, so the next run cannot overwrite an intermediate the last one still reads."""
+    entry = _arenas.pop(id(plan), None)
+    if entry is None or entry[0] is not plan:
+        sched = plan.schedule
+        arena = _allocate((sched.arena_bytes,), dtypes.uint8, target, device, "intermediates")
+        nodes = {id(n): n for ck in plan.kernels for n in ck.kernel.outputs}
+        views = {}
+        for key, (offset, size) in sched.slots.items():
+            node = nodes[key]
+            views[key] = arena[offset:offset + size].view(dtypes.to_torch(node.dtype)).view(node.shape)
+        entry = (plan, views)
+        while len(_arenas) >= ARENAS_KEPT:
+            _arenas.pop(next(iter(_arenas)))
+    _arenas[id(plan)] = entry
+    return entry[1]
+
+
+def _allocate(shape: tuple[int, ...], dtype, target, device: Device, what: str) -> torch.Tensor:
+    try:
+        return torch.empty(shape, dtype=dtypes.to_torch(dtype), device=target)
+    except torch.cuda.OutOfMemoryError:
+        asked = math.prod(shape) * dtype.itemsize
+        raise OutOfMemoryError(f"out of GPU memory on {device}: asked {_mib(asked)} for {what} {list(shape)} "
+                               f"{dtype.name}; {_free_text(target)}") from None
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _free_text(target) -> str:
+    if target.type != "cuda":
+        return "free memory unknown"
+    free, total = torch.cuda.mem_get_info(target)
+    return f"{_mib(free)} free of {_mib(total)}"
+
+
+def memory_stats(device: Device) -> dict:
+    """Bytes allocated now, the peak since the start (or the last reset), and held by the allocator."""
+    if INTERPRET:
+        return {"allocated_bytes": 0, "peak_bytes": 0, "cached_bytes": 0,
+                "arena_bytes": sum(sum(s for _, s in p.schedule.slots.values()) for p, _ in _arenas.values())}
+    target = torch_device(device)
+    return {"allocated_bytes": torch.cuda.memory_allocated(target),
+            "peak_bytes": torch.cuda.max_memory_allocated(target),
+            "cached_bytes": torch.cuda.memory_reserved(target),
+            "arena_bytes": sum(p.schedule.arena_bytes for p, _ in _arenas.values())}
+
+
+def _step(ck: CompiledKernel):
+    """A callable running one fused kernel from the buffers of a run; its argument lists are
+    prepared once per plan, so a plan-cache hit costs little more than the launches."""
+    kernel = ck.kernel
+    if kernel.kind == "matmul":
+        return functools.partial(_matmul, kernel.outputs[0])
+    if kernel.kind == "conv2d":
+        return functools.partial(_conv2d, kernel.outputs[0])
+    launches = [_prepared_launch(ck, launch) for launch in ck.source.launches if launch.grid]
+    return functools.partial(_run_launches, launches, ck)
+
+
+_ARG_KINDS = {"read": 0, "write": 0, "size": 1, "bound": 1, "scalar": 2, "seed": 3, "offset": 4}
+
+
+def _prepared_launch(ck: CompiledKernel, launch: codegen.Launch):
+    recipe = [(_ARG_KINDS[a.kind], id(a.value) if a.kind in ("read", "write") else a.value) for a in launch.args]
+    options = dict(launch.constexprs, num_warps=launch.num_warps)
+    return getattr(ck.module, launch.function), (launch.grid,), recipe, options
+
+
+def _run_launches(launches: list, ck: CompiledKernel, buffers: dict[int, torch.Tensor],
+                  sig: passes.Signature) -> None:
+    for fn, grid, recipe, options in launches:
+        args = []
+        for kind, value in recipe:
+            if kind == 0:
+                args.append(buffers[value])
+            elif kind == 1:
+                args.append(value)
+            elif kind == 2:
+                args.append(sig.scalars[value])
+            else:
+                args.append(sig.seeds[value][kind - 3])
+        try:
+            fn.run(*args, grid=grid, warmup=False, **options)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as error:
+            raise CompileError(f"kernel {fn.__name__} failed: {error} "
+                               f"(source: {getattr(ck.module, '__ember_path__', '?')})") from error
+    stats["launches"] += len(launches)
+
+
+# -- replay ------------------------------------------------------------------------------------
+
+@dataclass
+class ReplayStep:
+    """One recorded plan bound to fixed buffers."""
+
+    plan: Plan
+    sig: passes.Signature
+    device: Device
+    inputs: list[torch.Tensor]
+    outputs: list[torch.Tensor]
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (destination, source)
+    seed_draws: list[int] = field(default_factory=list)  # per entry of sig.seeds: its draw, or -1 if fixed
+
+
+class Replay:
+    """Recorded plans re-run on fixed buffers: as one CUDA graph when it can be, else launch by launch."""
+
+    def __init__(self, steps: list[ReplayStep]):
+        self.steps = steps
+        self.graph = None
+        self.why_no_graph = ""
+        self.arenas = [_arena_views(s.plan, torch_device(s.device), s.device) for s in steps]  # kept alive
+
+    def capture_graph(self) -> None:
+        """Record the replay as one CUDA graph (fixed kernel arguments: no fresh random offsets)."""
+        if INTERPRET:
+            self.why_no_graph = "no GPU: the interpreter replays launch by launch"
+            return
+        if any(d >= 0 for s in self.steps for d in s.seed_draws):
+            self.why_no_graph = "the step draws random numbers, which need fresh offsets each replay"
+            return
+        target = torch_device(self.steps[0].device)
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize(target)
+        try:
+            with torch.cuda.graph(graph):
+                self._launch(None)
+        except Exception as error:  # e.g. a kernel that synchronises; replays stay correct without the graph
+            self.why_no_graph = f"capture failed: {error}"
+            return
+        self.graph = graph
+
+    def run(self, draws: list[tuple[int, int]] | None) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._launch(draws)
+
+    def _launch(self, draws: list[tuple[int, int]] | None) -> None:
+        for step in self.steps:
+            sig = step.sig
+            if draws is not None and step.seed_draws:
+                seeds = [draws[d] if d >= 0 else fixed for d, fixed in zip(step.seed_draws, sig.seeds)]
+                sig = passes.Signature(sig.key, sig.inputs, sig.scalars, seeds)
+            execute(step.plan, sig, step.device, step.inputs, step.outputs)
+            for destination, source in step.copies:
+                destination.copy_(source)
+
+
+def _matmul(node: Node, buffers: dict[int, torch.Tensor], sig: passes.Signature) -> None:
+    a, b = (_on_vendor_device(_view(x, buffers)) for x in node.inputs)
+    out = buffers[id(node)]
+    if a.device == out.device:
+        torch.matmul(a, b, out=out)
+    else:
+        out.copy_(torch.matmul(a, b))
+
+
+def _conv2d(node: Node, buffers: dict[int, torch.Tensor], sig: passes.Signature) -> None:
+    x, w = (_on_vendor_device(_view(i, buffers)) for i in node.inputs)
+    if x.numel() == 0 or w.numel() == 0:  # torch gets the shape wrong without input channels; a sum of nothing
+        buffers[id(node)].zero_()
+        return
+    a = node.attrs
+    out = torch.nn.functional.conv2d(x, w, None, a["stride"], a["padding"], a["dilation"], a["groups"])
+    buffers[id(node)].copy_(out)
 
 
 def _view(node: Node, buffers: dict[int, torch.Tensor]) -> torch.Tensor:
@@ -274,40 +504,3 @@ def _on_vendor_device(operand: torch.Tensor) -> torch.Tensor:
     """Where torch can multiply or convolve the operand: cuBLAS and cuDNN take no integers, torch's CPU
     kernels do (integer matmuls and convolutions are rare enough to pay the copies)."""
     return operand.cpu() if operand.is_cuda and not operand.dtype.is_floating_point else operand
-
-
-def _conv2d(node: Node, buffers: dict[int, torch.Tensor]) -> None:
-    x, w = (_on_vendor_device(_view(i, buffers)) for i in node.inputs)
-    if x.numel() == 0 or w.numel() == 0:  # torch gets the shape wrong without input channels; a sum of nothing
-        buffers[id(node)].zero_()
-        return
-    a = node.attrs
-    out = torch.nn.functional.conv2d(x, w, None, a["stride"], a["padding"], a["dilation"], a["groups"])
-    buffers[id(node)].copy_(out)
-
-
-def _launch(ck: CompiledKernel, launch: codegen.Launch, buffers: dict[int, torch.Tensor],
-            sig: passes.Signature) -> None:
-    if launch.grid == 0:
-        return
-    args = []
-    for arg in launch.args:
-        if arg.kind in ("read", "write"):
-            args.append(buffers[id(arg.value)])
-        elif arg.kind in ("size", "bound"):
-            args.append(arg.value)
-        elif arg.kind == "scalar":
-            args.append(sig.scalars[arg.value])
-        elif arg.kind == "seed":
-            args.append(sig.seeds[arg.value][0])
-        elif arg.kind == "offset":
-            args.append(sig.seeds[arg.value][1])
-    fn = getattr(ck.module, launch.function)
-    try:
-        fn[(launch.grid,)](*args, **launch.constexprs, num_warps=launch.num_warps)
-    except torch.cuda.OutOfMemoryError:
-        raise
-    except Exception as error:
-        raise CompileError(f"kernel {launch.function} failed: {error} "
-                           f"(source: {getattr(ck.module, '__ember_path__', '?')})") from error
-    stats["launches"] += 1

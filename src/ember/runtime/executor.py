@@ -17,6 +17,7 @@ from ember.compiler.codegen import reference
 from ember.device import Device
 from ember.errors import DeviceError
 from ember.ir import Node, Op, toposort
+from ember.runtime import jit
 
 
 def _backend(device_type: str):
@@ -33,18 +34,19 @@ def to_host(buffer, device: Device) -> np.ndarray:
     """A device buffer as a NumPy array."""
     if device.type == "cpu":
         return buffer
-    from ember.runtime import cuda
+    jit.fail(f"it reads a value from {device} on the host (.item(), .numpy(), .cpu(), print)")
+    from ember.runtime import transfer
 
-    return cuda.to_numpy(buffer)
+    return transfer.download(buffer)
 
 
 def from_host(array: np.ndarray, device: Device):
     """A NumPy array as a buffer on `device`."""
     if device.type == "cpu":
         return array
-    from ember.runtime import cuda
+    from ember.runtime import transfer
 
-    return cuda.from_numpy(array, device)
+    return transfer.upload(array, device)
 
 
 def _transfer(node: Node) -> None:
@@ -52,6 +54,7 @@ def _transfer(node: Node) -> None:
     source = node.inputs[0]
     realize([source])
     node.set_buffer(from_host(to_host(source.buffer, source.device), node.device))
+    jit.note_upload(node.buffer, source)
 
 
 _companions: list[weakref.ref] = []
@@ -94,6 +97,8 @@ def realize(nodes: Iterable[Node]) -> None:
     for observe in observers:
         observe(order, keep)
     ((device_type, _),) = by_device.items()
+    if device_type == "cpu" and jit.recording():
+        jit.note_host_work(order)
     values = _backend(device_type)(order, keep)
     for n in order:
         if id(n) in values:

@@ -1,0 +1,310 @@
+"""`ember.jit`: a step function recorded once and replayed without running its Python again.
+
+    @ember.jit
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+The first call runs the function as written (warm-up: kernels compile, optimizer
+state appears). The second runs it again while the runtime records every plan it
+executes; later calls with arguments of the same shapes, dtypes and devices skip the
+Python: they copy the arguments into the recorded step's buffers and replay its
+plans — on a GPU as one CUDA graph, so a step costs one launch of host work.
+
+What a replay assumes did not change since the recording (and what happens if it did):
+- argument shapes, dtypes, devices and non-Tensor argument values: a different
+  combination is recorded on its own, as a new step;
+- the optimizer's hyper-parameters (lr, betas, ...): re-read before each replay, and a
+  change records the step again;
+- which Tensor shows each parameter and state value: assigning a new value from outside
+  (`load_state_dict`, `p.data = ...`) records the step again;
+- Python values the function computes from anything else (a global, a counter, the time)
+  are fixed at the recording, as in `jax.jit`: pass changing values as Tensor arguments;
+- values created from host data inside the function (`ember.tensor(...)`) are constants.
+Random numbers drawn inside the step are fresh at every replay (such steps replay launch
+by launch instead of as one CUDA graph). Tensors the step leaves behind for later
+(gradients in `.grad`) are rewritten in place by each replay; returned Tensors are new
+each call. A step that reads a value on the host (`.item()`) or computes on the cpu
+cannot be replayed: it keeps running as written, and `why_not_replayed` says why.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ember.compiler import passes
+from ember.ir import Node
+from ember.ops.random import take_offsets
+from ember.runtime import jit as recorder
+from ember.tensor import Tensor, realize
+
+
+def jit(fn: Callable | None = None, *, cuda_graph: bool = True, warmup: int = 1):
+    """Record `fn` (a training or inference step with fixed shapes) and replay it; see the module doc."""
+    if fn is None:
+        return lambda f: JitFunction(f, cuda_graph, warmup)
+    return JitFunction(fn, cuda_graph, warmup)
+
+
+class JitFunction:
+    def __init__(self, fn: Callable, cuda_graph: bool, warmup: int):
+        functools.update_wrapper(self, fn)
+        self.fn, self.cuda_graph, self.warmup = fn, cuda_graph, warmup
+        self._entries: dict[tuple, _Entry] = {}
+        self.stats = {"calls": 0, "captures": 0, "replays": 0, "eager": 0}
+
+    def __call__(self, *args, **kwargs):
+        self.stats["calls"] += 1
+        leaves: list = []
+        _flatten((args, kwargs), leaves)
+        tensors = [x for x in leaves if isinstance(x, Tensor)]
+        key = tuple(_describe(x) for x in leaves), _structure((args, kwargs))
+        entry = self._entries.setdefault(key, _Entry())
+        if entry.program is not None:
+            if entry.program.still_valid():
+                self.stats["replays"] += 1
+                return entry.program.replay(tensors)
+            entry.program = None
+        if entry.failure is not None:
+            self.stats["eager"] += 1
+            return self.fn(*args, **kwargs)
+        return self._record(entry, args, kwargs, tensors)
+
+    @property
+    def why_not_replayed(self) -> list[str]:
+        """Why a recorded shape runs as written, or replays without a CUDA graph."""
+        reasons = [e.failure for e in self._entries.values() if e.failure]
+        return reasons + [e.program.plans.why_no_graph for e in self._entries.values()
+                          if e.program is not None and e.program.plans.why_no_graph]
+
+    def _record(self, entry: _Entry, args, kwargs, tensors: list[Tensor]):
+        """Run the step as written while recording it; once it ran the same plans twice in a row (a
+        first step creates optimizer state, a second one reads it), the recording becomes the replay."""
+        realize(*tensors)
+        nodes_before = [t._node for t in tensors]
+        with recorder.record() as rec:
+            rec.arguments = {id(n) for n in nodes_before}
+            result = self.fn(*args, **kwargs)
+            out_leaves: list = []
+            _flatten(result, out_leaves)
+            realize(*[t for t in out_leaves if isinstance(t, Tensor)])
+        keys = [r.sig.key for r in rec.plans]
+        settled, entry.keys = keys == entry.keys, keys
+        entry.calls += 1
+        if not settled or entry.calls <= self.warmup:
+            self.stats["eager"] += 1
+            return result
+        self.stats["captures"] += 1
+        try:
+            if rec.failure:
+                raise recorder.NotCapturable(rec.failure)
+            if any(t._node is not n for t, n in zip(tensors, nodes_before)):
+                raise recorder.NotCapturable("it changes an argument in place")
+            entry.program = _Program(rec, tensors, result, out_leaves, self.cuda_graph)
+        except recorder.NotCapturable as error:
+            entry.failure = f"{self.__name__} is not replayed: {error}"
+            warnings.warn(f"ember.jit: {entry.failure}", stacklevel=3)
+        return result
+
+
+@dataclass
+class _Entry:
+    calls: int = 0
+    keys: list | None = None  # the plans the last recorded call ran
+    program: _Program | None = None
+    failure: str | None = None
+
+
+# references to a state's node held by a program and by the check itself (`states` entry, loop variable,
+# getrefcount's argument); more means something outside refers to the node
+_OWN_REFERENCES = 3
+
+
+def _flatten(x, leaves: list) -> None:
+    if isinstance(x, (list, tuple)):
+        for item in x:
+            _flatten(item, leaves)
+    elif isinstance(x, dict):
+        for item in x.values():
+            _flatten(item, leaves)
+    else:
+        leaves.append(x)
+
+
+def _structure(x):
+    if isinstance(x, (list, tuple)):
+        return type(x), tuple(_structure(i) for i in x)
+    if isinstance(x, dict):
+        return dict, tuple((k, _structure(v)) for k, v in x.items())
+    return None
+
+
+def _rebuild(structure, leaves):
+    if structure is None:
+        return next(leaves)
+    kind, items = structure
+    if kind is dict:
+        return {k: _rebuild(v, leaves) for k, v in items}
+    values = [_rebuild(i, leaves) for i in items]
+    return kind(*values) if hasattr(kind, "_fields") else kind(values)
+
+
+def _describe(x):
+    if isinstance(x, Tensor):
+        return "tensor", x.shape, x.dtype, x.device, x.requires_grad
+    try:
+        hash(x)
+    except TypeError:
+        return "value", type(x), repr(x)
+    return "value", type(x), x
+
+
+@dataclass
+class _Slots:
+    """Where each buffer a recorded plan reads comes from, found by the buffer's identity."""
+
+    produced: dict[int, object] = field(default_factory=dict)  # outputs of earlier plans
+    state_in: dict[int, object] = field(default_factory=dict)  # old value's buffer -> the state's buffer
+    written: set[int] = field(default_factory=set)  # state buffers already updated by an earlier plan
+
+
+class _Program:
+    """A recorded step bound to fixed buffers, with what must hold for a replay to be valid."""
+
+    def __init__(self, rec: recorder.Recorder, args: list[Tensor], result, out_leaves: list, cuda_graph: bool):
+        from ember.runtime import cuda
+
+        if not rec.plans:
+            raise recorder.NotCapturable("it computes nothing on a cuda device (the cpu's reference backend runs "
+                                          "op by op and has nothing to replay)")
+        self.result_structure = _structure(result)
+        self.guards = rec.guards
+        slots = _Slots()
+        produced_ids = {id(b) for r in rec.plans for b in r.outputs}
+
+        # state: Tensors rebound during the step, from a value that existed before it to one it computed.
+        # Replays read and update the state's new buffer; the old value's buffer is never written, so
+        # a Tensor still showing it (a model whose state_dict was loaded, a detached copy) keeps it.
+        final_of: dict[int, Node] = {}
+        self.states: list[tuple] = []  # (tensor ref, node it must still show)
+        for ref, old in rec.rebound.values():
+            t = ref()
+            if t is None or t._node is old or old.buffer is None or id(old.buffer) in produced_ids:
+                continue
+            final = t._node
+            if final.buffer is None or id(final.buffer) not in produced_ids:
+                raise recorder.NotCapturable("a Tensor is set to a value the step did not compute")
+            slots.state_in[id(old.buffer)] = final.buffer
+            final_of[id(final)] = final
+            self.states.append((ref, final))
+
+        # arguments: their buffers, or the device buffers they were uploaded to inside the step
+        arg_nodes = {id(t._node): i for i, t in enumerate(args)}
+        self.arg_slots: dict[int, tuple[int, object]] = {}  # id(argument's buffer) -> (argument, own buffer)
+        for i, t in enumerate(args):
+            if t._node.buffer is not None and t.device.type == "cuda":
+                self.arg_slots[id(t._node.buffer)] = (i, cuda.torch.empty_like(t._node.buffer))
+        uploaded = {b: arg_nodes[id(src)] for b, src in rec.uploads.items() if id(src) in arg_nodes}
+
+        returned = {id(t._node) for t in out_leaves if isinstance(t, Tensor)}
+        draw_index = {(seed, offset): k for k, (seed, offset, _) in enumerate(rec.draws)}
+        self.draw_counts = [count for _, _, count in rec.draws]
+        self.constants: list[tuple] = []  # (tensor ref, node) for held values the step only reads
+        self.uploads: list[tuple[int, object, object]] = []  # (argument, device buffer, device) for host data
+        steps = []
+        for r in rec.plans:
+            inputs, reads_state = [], {}
+            for i, (leaf, buffer) in enumerate(zip(r.sig.inputs, r.inputs)):
+                key = id(buffer)
+                if key in slots.produced:
+                    buffer = slots.produced[key]
+                elif key in slots.state_in:
+                    if id(slots.state_in[key]) in slots.written:
+                        raise recorder.NotCapturable("it reads a value's old version after updating it")
+                    buffer = slots.state_in[key]
+                    reads_state[id(buffer)] = i
+                elif key in self.arg_slots:
+                    buffer = self.arg_slots[key][1]
+                elif key in uploaded:
+                    self.uploads.append((uploaded[key], buffer, r.device))
+                else:
+                    self.constants += [(ref, leaf) for ref in leaf.handles if ref() is not None]
+                inputs.append(buffer)
+            outputs, copies = [], []
+            for j, (node, buffer) in enumerate(zip(r.kept, r.outputs)):
+                if id(node) in final_of:
+                    source_index = reads_state.get(id(buffer))
+                    in_place = True if source_index is None else recorder.writes_in_place(r.plan, source_index, j)
+                    if in_place is False:  # through a buffer of its own, copied over the state after the plan
+                        copies.append((buffer, cuda.torch.empty_like(buffer)))
+                        buffer = copies[-1][1]
+                    slots.written.add(id(node.buffer))
+                elif id(node) in returned:
+                    node.set_buffer(buffer.clone())  # this call's result stays; replays write the slot
+                slots.produced[id(r.outputs[j])] = r.outputs[j]
+                outputs.append(buffer)
+            seed_draws = [draw_index.get(s, -1) for s in r.sig.seeds]
+            sig = passes.Signature(r.sig.key, [], r.sig.scalars, r.sig.seeds)  # not the old values' nodes
+            steps.append(cuda.ReplayStep(r.plan, sig, r.device, inputs, outputs, copies, seed_draws))
+        returned_slots = {id(node): out for r in rec.plans for node, out in zip(r.kept, r.outputs)
+                          if id(node) in returned}
+        # a returned Tensor the step did not compute (an argument, a constant) is returned as it is
+        self.out_slots = [(returned_slots.get(id(t._node)) if isinstance(t, Tensor) else None, t)
+                          for t in out_leaves]
+        self.plans = cuda.Replay(steps)
+        if cuda_graph:
+            self.plans.capture_graph()
+
+    def still_valid(self) -> bool:
+        """Whether a replay computes what the Python would; on the way, make the state Tensors show the
+        buffers the replay updates."""
+        if not all(read() == value for read, value in self.guards):
+            return False
+        if not all((t := ref()) is None or t._node is node for ref, node in self.constants):
+            return False
+        for k, (ref, node) in enumerate(self.states):
+            t = ref()
+            if t is None:
+                continue
+            current = t._node
+            if current is not node:  # set from outside, e.g. by another shape's replay: take its value
+                if current.buffer is None or (current.shape, current.dtype, current.device) != (
+                        node.shape, node.dtype, node.device):
+                    return False
+                node.buffer.copy_(current.buffer)
+            elif sys.getrefcount(node) <= _OWN_REFERENCES + 1:  # + 1: the Tensor showing it
+                continue
+            self.states[k] = (ref, self._detach_state(t, node))
+        return True
+
+    @staticmethod
+    def _detach_state(t: Tensor, node: Node) -> Node:
+        """Show the state through a node of its own: whatever else still refers to `node` (a detached
+        copy, a pending graph) keeps the value it had, as it would if the Python ran."""
+        fresh = Node.from_buffer(node.buffer, node.dtype, node.device)
+        if sys.getrefcount(node) > _OWN_REFERENCES + 1 + (t._node is node):  # + 1: the argument
+            node.buffer = node.buffer.clone()
+        t.data = Tensor(fresh)
+        return fresh
+
+    def replay(self, args: list[Tensor]):
+        from ember.runtime.executor import from_host
+
+        realize(*args)
+        for i, buffer in self.arg_slots.values():
+            buffer.copy_(args[i]._node.buffer)
+        for i, buffer, device in self.uploads:
+            buffer.copy_(from_host(args[i]._node.buffer, device))
+        draws = [take_offsets(n) for n in self.draw_counts] if self.draw_counts else None
+        with recorder.deferred_interrupt():
+            self.plans.run(draws)
+        leaves = iter([Tensor(Node.from_buffer(slot.clone(), t.dtype, t.device)) if slot is not None else t
+                       for slot, t in self.out_slots])
+        return _rebuild(self.result_structure, leaves) if self.result_structure is not None else next(leaves)

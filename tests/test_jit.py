@@ -1,0 +1,236 @@
+"""ember.jit: a recorded step replays to exactly what running the Python would compute."""
+
+from __future__ import annotations
+
+import os
+import signal
+import warnings
+
+import numpy as np
+import pytest
+
+import ember
+import ember.nn as nn
+import ember.nn.functional as F
+from ember.runtime import cuda
+
+pytestmark = pytest.mark.usefixtures("cuda_backend")
+
+RNG = np.random.default_rng(0)
+BATCHES = [(RNG.standard_normal((6, 8)).astype(np.float32), RNG.integers(0, 4, 6)) for _ in range(6)]
+
+
+def make(optimizer="adam", dropout=0.0, seed=0):
+    ember.manual_seed(seed)
+    layers = [nn.Linear(8, 16), nn.ReLU()] + ([nn.Dropout(dropout)] if dropout else []) + [nn.Linear(16, 4)]
+    model = nn.Sequential(*layers).to("cuda")
+    if optimizer == "adam":
+        opt = ember.optim.Adam(model.parameters(), lr=1e-2)
+    else:
+        opt = ember.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return model, opt
+
+
+def step_fn(model, opt):
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+    return step
+
+
+def train(step, batches, between=None):
+    losses = []
+    for i, (x, y) in enumerate(batches):
+        losses.append(step(ember.tensor(x, device="cuda"), ember.tensor(y, device="cuda")))
+        if between:
+            between(i)
+    return [loss.item() for loss in losses]
+
+
+def params(model):
+    return [p.numpy() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_replayed_training_equals_running_the_python(optimizer):
+    model, opt = make(optimizer)
+    expected = train(step_fn(model, opt), BATCHES)
+    expected_params = params(model)
+
+    model, opt = make(optimizer)
+    step = ember.jit(step_fn(model, opt))
+    got = train(step, BATCHES)
+
+    # two calls as written (the first creates the optimizer state), one recorded, three replayed
+    assert step.stats == {"calls": 6, "captures": 1, "replays": 3, "eager": 2}
+    assert got == expected  # the same kernels on the same values: bit for bit
+    for a, b in zip(params(model), expected_params):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_state_is_updated_in_place_without_copies():
+    model, opt = make("adam")
+    step = ember.jit(step_fn(model, opt))
+    train(step, BATCHES[:3])
+    (entry,) = step._entries.values()
+    assert all(not s.copies for s in entry.program.plans.steps)
+
+
+def test_returned_tensors_are_new_each_call():
+    model, opt = make()
+    step = ember.jit(step_fn(model, opt))
+    x, y = (ember.tensor(v, device="cuda") for v in BATCHES[0])
+    first = [step(x, y) for _ in range(4)]
+    values = [loss.item() for loss in first]
+    assert len(set(values)) == 4  # training moves the loss, and no call's result was overwritten
+
+
+def test_learning_rate_change_records_the_step_again():
+    def decay(opt):
+        return lambda i: [g.__setitem__("lr", g["lr"] * 0.5) for g in opt.param_groups] if i == 3 else None
+
+    model, opt = make()
+    expected = train(step_fn(model, opt), BATCHES, decay(opt))
+    model, opt = make()
+    step = ember.jit(step_fn(model, opt))
+    got = train(step, BATCHES, decay(opt))
+    assert got == expected
+    assert step.stats["captures"] == 2
+
+
+def test_dropout_draws_fresh_masks_each_replay():
+    model, opt = make(dropout=0.5)
+    expected = train(step_fn(model, opt), BATCHES)
+    model, opt = make(dropout=0.5)
+    step = ember.jit(step_fn(model, opt))
+    got = train(step, BATCHES)
+    assert step.stats["replays"] == 3
+    assert got == expected
+
+
+def test_a_new_shape_is_recorded_on_its_own_and_both_replay():
+    small = [(x[:3], y[:3]) for x, y in BATCHES[:3]]
+    batches = BATCHES[:3] + small + BATCHES[3:5] + small[:2]
+    model, opt = make()
+    expected = train(step_fn(model, opt), batches)
+    model, opt = make()
+    step = ember.jit(step_fn(model, opt))
+    assert train(step, batches) == expected
+    assert step.stats["captures"] == 2
+    assert step.stats["replays"] == 5  # switching shapes hands the parameters over, no new recording
+
+
+def test_values_kept_from_before_a_replay_keep_their_value():
+    model, opt = make()
+    step = ember.jit(step_fn(model, opt))
+    train(step, BATCHES[:4])
+    snapshot = model[0].weight.detach()
+    pending = model[0].weight * 1  # a graph still to compute from the weight as it is now
+    before = snapshot.numpy().copy()
+    train(step, BATCHES[4:5])
+    np.testing.assert_array_equal(snapshot.numpy(), before)
+    np.testing.assert_array_equal(pending.numpy(), before)
+    assert not np.array_equal(model[0].weight.numpy(), before)
+    assert step.stats["replays"] == 2
+
+
+def test_loading_a_state_dict_records_again():
+    model, opt = make()
+    reference, ref_opt = make(seed=1)
+    expected_step = step_fn(reference, ref_opt)
+    step = ember.jit(step_fn(model, opt))
+    train(step, BATCHES[:3])
+    model.load_state_dict(reference.state_dict())
+    opt.load_state_dict(ref_opt.state_dict())
+    assert train(step, BATCHES[3:]) == train(expected_step, BATCHES[3:])
+
+
+def test_a_step_reading_the_host_runs_as_written():
+    model, opt = make()
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    jitted = ember.jit(step)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        values = [jitted(ember.tensor(x, device="cuda"), ember.tensor(y, device="cuda")) for x, y in BATCHES[:4]]
+    assert jitted.stats["replays"] == 0 and jitted.stats["eager"] == 3
+    assert any("reads a value" in str(w.message) for w in caught)
+    assert "reads a value" in jitted.why_not_replayed[0]
+    model, opt = make()
+    assert values == train(step_fn(model, opt), BATCHES[:4])
+
+
+def test_cpu_steps_run_as_written():
+    ember.manual_seed(0)
+    model = nn.Linear(8, 4)
+    step = ember.jit(lambda x: model(x).sum())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        values = [step(ember.tensor(x)).item() for x, _ in BATCHES[:3]]
+    assert values == [model(ember.tensor(x)).sum().item() for x, _ in BATCHES[:3]]
+    assert "cpu" in step.why_not_replayed[0]
+
+
+def test_host_arguments_are_uploaded_each_replay():
+    ember.manual_seed(0)
+    model = nn.Linear(8, 4).to("cuda")
+    step = ember.jit(lambda x: model(x.to("cuda")).relu())
+    got = [step(ember.tensor(x)).numpy() for x, _ in BATCHES[:4]]
+    assert step.stats["replays"] == 2
+    for value, (x, _) in zip(got, BATCHES):
+        np.testing.assert_array_equal(value, model(ember.tensor(x, device="cuda")).relu().numpy())
+
+
+def test_an_interrupt_waits_for_the_replay_to_finish(monkeypatch):
+    model, opt = make()
+    step = ember.jit(step_fn(model, opt))
+    train(step, BATCHES[:3])
+    execute = cuda.execute
+
+    def interrupted(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # arrives while the replay's kernels run
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(cuda, "execute", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        step(*(ember.tensor(v, device="cuda") for v in BATCHES[3]))
+    monkeypatch.setattr(cuda, "execute", execute)
+    assert step.stats["replays"] == 1
+    reference, ref_opt = make()
+    train(step_fn(reference, ref_opt), BATCHES[:4])
+    for a, b in zip(params(model), params(reference)):  # the interrupted step was completed, not cut
+        np.testing.assert_array_equal(a, b)
+
+
+def test_an_interrupted_eager_step_is_never_half_applied(monkeypatch):
+    """Buffers are bound to the step's results only after all its kernels ran: an interrupted step
+    leaves its graph pending, so the parameters still show the whole update, computed when read."""
+    model, opt = make()
+    train(step_fn(model, opt), BATCHES[:1])
+    launches = cuda._run_launches
+    count = {"n": 0}
+
+    def failing(*args, **kwargs):
+        count["n"] += 1
+        if count["n"] == 3:
+            raise KeyboardInterrupt
+        return launches(*args, **kwargs)
+
+    monkeypatch.setattr(cuda, "_run_launches", failing)
+    cuda._plans.clear()  # launch recipes are bound when a plan is first run
+    with pytest.raises(KeyboardInterrupt):
+        train(step_fn(model, opt), BATCHES[1:2])
+    assert not any(p._node.realized for p in model.parameters())
+    reference, ref_opt = make()
+    train(step_fn(reference, ref_opt), BATCHES[:2])
+    for a, b in zip(params(model), params(reference)):
+        np.testing.assert_array_equal(a, b)

@@ -102,18 +102,20 @@ class Summary:
 
     def __str__(self) -> str:
         memory = "" if self.peak_bytes is None else f"  |  peak memory {self.peak_bytes / 2**20:.1f} MiB"
-        jit = f"jit {self.jit_stats}" if self.jit else "no jit"
+        stats = self.jit_stats or {}
+        jit = (f"ember.jit: {stats.get('captures')} captures, {stats.get('replays')} replays in "
+               f"{stats.get('calls')} calls") if self.jit else "no jit"
         return (f"{self.model} ({self.parameters / 1e6:.2f}M parameters, {self.dtype}) on {self.device}, {jit}\n"
                 f"  loss {self.first_loss:.4f} -> final loss {self.final_loss:.4f}  |  "
                 f"held-out accuracy {self.accuracy:.2%}  |  {self.steps} steps of {self.batch_size}: "
                 f"{self.steps_per_s:.1f} steps/s, {self.samples_per_s:.0f} samples/s{memory}")
 
 
-def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray, batch_size: int, device: str, dtype) -> float:
+def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray, device: str, dtype: ember.DType) -> float:
     model.eval()
     correct = 0
     with ember.no_grad():
-        for xb, yb in DataLoader((x.astype(dtype.np), y), batch_size=batch_size, device=device, prefetch=0):
+        for xb, yb in DataLoader((x.astype(dtype.np), y), batch_size=1024, device=device):
             correct += int((model(xb).argmax(dim=1) == yb).sum().item())
     model.train()
     return correct / len(y)
@@ -169,7 +171,7 @@ def train(model: str = "mlp", device: str | None = None, steps: int = 300, batch
     bar.close()
     peak = ember.memory_stats(device)["peak_bytes"] if device.startswith("cuda") else None
     return Summary(model, sum(p.numel() for p in net.parameters()), device, dtype, jit, steps, batch_size,
-                   first_loss, final_loss, evaluate(net, x_test, y_test, batch_size, device, dt), seconds,
+                   first_loss, final_loss, evaluate(net, x_test, y_test, device, dt), seconds,
                    steps - timed_from, peak, dict(step.stats) if jit else None)
 
 

@@ -52,28 +52,27 @@ def upload_stream(device: Device) -> torch.cuda.Stream:
     return _upload_streams[target.index]
 
 
-def _staging(index: int, wait: bool) -> _Staging:
-    """A staging buffer whose last copy has finished. When every buffer is busy the pool grows, up
-    to MAX_STAGING buffers; beyond that `wait` waits for the oldest copy, otherwise one more buffer
-    is made for the moment (downloads must not wait for an unrelated upload)."""
+def _take(index: int, wait: bool) -> _Staging:
+    """Take out of the pool a buffer whose last copy has finished, or make one when all are busy.
+    With `wait`, a full pool of busy buffers waits for its oldest copy instead of growing (uploads:
+    back-pressure); downloads never wait, since they must not wait for an unrelated upload."""
     pool = _pools.setdefault(index, [])
     staging = next((s for s in pool if s.idle()), None)
     if staging is None and wait and len(pool) >= MAX_STAGING:
         staging = pool[0]
         staging.event.synchronize()
     if staging is None:
-        staging = _Staging()
-    else:
-        pool.remove(staging)
-    pool.append(staging)
+        return _Staging()
+    pool.remove(staging)
     return staging
 
 
-def _release(index: int, staging: _Staging) -> None:
-    """Give back a buffer whose copy is finished; one made beyond MAX_STAGING is dropped."""
+def _give_back(index: int, staging: _Staging) -> None:
+    """Return a buffer once its copy is enqueued (its event tells when it is done); one beyond
+    MAX_STAGING is dropped, and torch's pinned-memory cache keeps it until that copy is done."""
     pool = _pools[index]
-    if len(pool) > MAX_STAGING:
-        pool.remove(staging)
+    if len(pool) < MAX_STAGING:
+        pool.append(staging)  # the pool runs from the oldest copy to the newest
 
 
 def upload(array: np.ndarray, device: Device) -> torch.Tensor:
@@ -101,11 +100,12 @@ def upload(array: np.ndarray, device: Device) -> torch.Tensor:
     dest_bytes = dest.view(-1).view(torch.uint8)
     for start in range(0, source.size, STAGING_BYTES):
         n = min(STAGING_BYTES, source.size - start)
-        staging = _staging(target.index, wait=True)
+        staging = _take(target.index, wait=True)
         staging.bytes[:n] = source[start:start + n]  # the only copy the host waits for
         with torch.cuda.stream(stream):
             dest_bytes[start:start + n].copy_(staging.host[:n], non_blocking=True)
         staging.event.record(stream)
+        _give_back(target.index, staging)
     compute.wait_event(staging.event)  # copies on one stream finish in order: the last event covers all
     return dest
 
@@ -133,7 +133,7 @@ def download(buffer: torch.Tensor) -> np.ndarray:
             if len(in_flight) == 2:
                 _copy_out(index, *in_flight.popleft(), out_bytes)
             n = min(STAGING_BYTES, out_bytes.size - start)
-            staging = _staging(index, wait=False)
+            staging = _take(index, wait=False)  # held until copied out: its event alone does not say so
             staging.host[:n].copy_(source[start:start + n], non_blocking=True)
             staging.event.record(stream)
             in_flight.append((staging, start, n))
@@ -145,7 +145,7 @@ def download(buffer: torch.Tensor) -> np.ndarray:
 def _copy_out(index: int, staging: _Staging, start: int, n: int, out_bytes: np.ndarray) -> None:
     staging.event.synchronize()
     out_bytes[start:start + n] = staging.bytes[:n]
-    _release(index, staging)
+    _give_back(index, staging)
 
 
 def _cpu_tensor(array: np.ndarray) -> torch.Tensor:

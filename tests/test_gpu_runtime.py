@@ -1,0 +1,121 @@
+"""The GPU runtime on a real device (`pytest -m gpu`): CUDA-graph replays, streams, memory, OOM."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import ember
+import ember.nn as nn
+import ember.nn.functional as F
+from ember.runtime import cuda
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("EMBER_INTERPRET", "0") != "0",
+                       reason="needs a CUDA GPU (and EMBER_INTERPRET unset)"),
+]
+
+
+def make(dtype=ember.float32, dropout=0.0, width=256):
+    ember.manual_seed(0)
+    layers = [nn.Linear(64, width), nn.ReLU()] + ([nn.Dropout(dropout)] if dropout else []) + [nn.Linear(width, 10)]
+    model = nn.Sequential(*layers).to("cuda").to(dtype)
+    opt = ember.optim.Adam(model.parameters(), lr=1e-3)
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x).float(), y)
+        loss.backward()
+        opt.step()
+        return loss
+    return model, step
+
+
+def batches(n, dtype=ember.float32, batch=128):
+    rng = np.random.default_rng(0)
+    for _ in range(n):
+        yield (ember.tensor(rng.standard_normal((batch, 64)).astype(np.float32), device="cuda").to(dtype),
+               ember.tensor(rng.integers(0, 10, batch), device="cuda"))
+
+
+@pytest.mark.parametrize("dtype", [ember.float32, ember.bfloat16])
+def test_cuda_graph_replay_equals_running_the_python(dtype):
+    model, step = make(dtype)
+    expected = [step(x, y).item() for x, y in batches(8, dtype)]
+    expected_params = [p.numpy() for p in model.parameters()]
+    model, step = make(dtype)
+    jitted = ember.jit(step)
+    got = [jitted(x, y).item() for x, y in batches(8, dtype)]
+    assert jitted.stats["replays"] == 5 and jitted.why_not_replayed == []  # replayed as a CUDA graph
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+    for a, b in zip((p.numpy() for p in model.parameters()), expected_params):
+        np.testing.assert_allclose(a.astype(np.float32), b.astype(np.float32), rtol=1e-6, atol=1e-7)
+
+
+def test_dropout_steps_replay_launch_by_launch_with_fresh_masks():
+    model, step = make(dropout=0.3)
+    expected = [step(x, y).item() for x, y in batches(6)]
+    model, step = make(dropout=0.3)
+    jitted = ember.jit(step)
+    got = [jitted(x, y).item() for x, y in batches(6)]
+    assert jitted.stats["replays"] == 3 and "random" in jitted.why_not_replayed[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("use_jit", [False, True])
+def test_ten_thousand_steps_keep_memory_flat(use_jit):
+    model, step = make(width=128)
+    if use_jit:
+        step = ember.jit(step)
+    data = list(batches(4, batch=64))
+    for i in range(10_000):
+        x, y = data[i % 4]
+        loss = step(x, y)
+        if i == 200:
+            torch.cuda.synchronize()
+            settled = torch.cuda.memory_allocated()
+    torch.cuda.synchronize()
+    assert np.isfinite(loss.item())
+    assert torch.cuda.memory_allocated() <= settled + 64 * 1024
+
+
+def test_two_streams_compute_what_one_does():
+    rng = np.random.default_rng(3)
+    a, b = rng.standard_normal((64, 2048)).astype(np.float32), rng.standard_normal((32, 4096)).astype(np.float32)
+
+    def branches():
+        x, y = ember.tensor(a, device="cuda"), ember.tensor(b, device="cuda")
+        return [t.numpy() for t in ((x.softmax(-1) * 2).sum(0), (y.exp() + 1).log().sum(1))]
+
+    previous = cuda.max_streams
+    try:
+        cuda.max_streams = 1
+        one = branches()
+        cuda.max_streams = 2
+        cuda._plans.clear()
+        two = branches()
+    finally:
+        cuda.max_streams = previous
+    for p, q in zip(one, two):
+        np.testing.assert_array_equal(p, q)
+
+
+def test_out_of_memory_is_an_ember_error_and_the_process_goes_on():
+    free, _ = torch.cuda.mem_get_info()
+    too_big = free // 4 * 2  # float32 elements: twice the free bytes
+    with pytest.raises(ember.OutOfMemoryError, match="asked .* MiB free of"):
+        (ember.ones(too_big, device="cuda") * 2).numpy()  # the result alone cannot fit
+    assert (ember.ones(1024, device="cuda") * 2).sum().item() == 2048
+
+
+def test_memory_stats_report_the_device():
+    x = ember.randn(1024, 1024, device="cuda")
+    (x * 2).sum().item()
+    stats = ember.memory_stats()
+    assert stats["allocated_bytes"] >= 4 * 1024 * 1024
+    assert stats["peak_bytes"] >= stats["allocated_bytes"]
+    assert stats["cached_bytes"] >= stats["allocated_bytes"]

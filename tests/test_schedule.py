@@ -1,0 +1,133 @@
+"""The schedule: intermediates share an arena by lifetime; independent small kernels run side by side."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import ember
+from ember.compiler import schedule
+from ember.ir import toposort
+from ember.runtime import cuda
+
+pytestmark = pytest.mark.usefixtures("cuda_backend")
+
+
+def planned(*tensors):
+    nodes = [t._node for t in tensors]
+    order = toposort(nodes)
+    plan, _ = cuda.plan_for(order, {id(n) for n in nodes})
+    return plan
+
+
+def lifetimes(plan):
+    """(first, last) launch position of every arena slot, a parallel group counting as one position."""
+    time = list(range(len(plan.kernels)))
+    for start, stop in plan.schedule.groups:
+        for p in range(start, stop):
+            time[p] = start
+    span = {}
+    for position, ck in enumerate(plan.kernels):
+        for n in ck.kernel.outputs:
+            if id(n) in plan.schedule.slots:
+                span[id(n)] = (time[position], time[position])
+        for n in ck.kernel.reads:
+            if id(n) in span:
+                span[id(n)] = (span[id(n)][0], time[position])
+    return span
+
+
+def chain_of_reductions(x, depth=6):
+    """Each normalisation reads the previous one through a reduction, so every stage is stored."""
+    for _ in range(depth):
+        x = x - x.max(dim=1, keepdim=True).values
+        x = x.exp() / x.exp().sum(dim=0, keepdim=True)
+    return x
+
+
+def deep_mlp(x, depth=8):
+    """Every layer's product and activation is stored (a matmul reads stored operands)."""
+    weights = [ember.randn(64, 64, device=x.device) * 0.1 for _ in range(depth)]
+    ember.realize(*weights)
+    for w in weights:
+        x = (x @ w).relu()
+    return x
+
+
+def test_intermediates_share_an_arena_far_smaller_than_their_sum():
+    plan = planned(deep_mlp(ember.randn(64, 64, device="cuda")))
+    sched = plan.schedule
+    assert len(sched.slots) >= 8
+    assert sched.arena_bytes <= sched.intermediate_bytes / 4
+
+
+def test_slots_sharing_memory_never_live_at_the_same_time():
+    x = ember.randn(64, 96, device="cuda")
+    branches = [chain_of_reductions(x * k, depth=3) for k in (1.0, 2.0, 3.0)]
+    plan = planned(*branches)
+    span = lifetimes(plan)
+    slots = list(plan.schedule.slots.items())
+    for i, (a, (offset_a, size_a)) in enumerate(slots):
+        for b, (offset_b, size_b) in slots[i + 1:]:
+            if offset_a < offset_b + size_b and offset_b < offset_a + size_a:  # they share bytes
+                (start_a, end_a), (start_b, end_b) = span[a], span[b]
+                assert end_a < start_b or end_b < start_a
+            assert offset_a % schedule.ALIGN == 0
+
+
+def test_results_through_the_arena_equal_the_reference():
+    data = np.random.default_rng(1).standard_normal((64, 96)).astype(np.float32)
+    expected = chain_of_reductions(ember.tensor(data)).numpy()
+    got = chain_of_reductions(ember.tensor(data, device="cuda")).numpy()
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_independent_small_kernels_form_a_parallel_group(monkeypatch):
+    rng = np.random.default_rng(2)
+    a, b = rng.standard_normal((8, 300)).astype(np.float32), rng.standard_normal((16, 200)).astype(np.float32)
+
+    def branches(device):
+        x, y = ember.tensor(a, device=device), ember.tensor(b, device=device)
+        return (x.softmax(-1) * 2).sum(0), (y.exp() + 1).log().sum(1)
+
+    monkeypatch.setattr(cuda, "max_streams", 2)
+    plan = planned(*branches("cuda"))
+    assert plan.schedule.groups and plan.schedule.parallel_kernels >= 2
+    assert len(set(plan.schedule.streams)) == 2
+    for got, expected in zip(branches("cuda"), branches("cpu")):
+        np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5, atol=1e-5)
+
+    monkeypatch.setattr(cuda, "max_streams", 1)
+    cuda._plans.clear()
+    assert not planned(*branches("cuda")).schedule.groups
+
+
+def test_explain_reports_the_arena_and_the_streams():
+    x = ember.randn(64, 96, device="cuda")
+    text = str(ember.explain.plan(chain_of_reductions(x)))
+    assert "share an arena of" in text
+
+
+def test_memory_stats_name_their_fields():
+    (ember.randn(16, 16, device="cuda") * 2).numpy()
+    stats = ember.memory_stats("cuda")
+    assert {"allocated_bytes", "peak_bytes", "cached_bytes", "arena_bytes"} <= set(stats)
+    with pytest.raises(ember.DeviceError, match="memory_stats"):
+        ember.memory_stats("cpu")
+
+
+def test_out_of_memory_names_the_sizes_and_the_process_goes_on(monkeypatch):
+    empty = torch.empty
+
+    def refusing(*shape, **kwargs):
+        if shape and shape[0] == (1000, 1000):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return empty(*shape, **kwargs)
+
+    monkeypatch.setattr(cuda.torch, "empty", refusing)
+    big = ember.ones(1000, 1000, device="cuda") * 3
+    with pytest.raises(ember.OutOfMemoryError, match=r"asked 3\.8 MiB for a result \[1000, 1000\] float32"):
+        big.numpy()
+    monkeypatch.setattr(cuda.torch, "empty", empty)
+    assert big.sum().item() == 3_000_000  # the graph stayed pending and computes once memory is there

@@ -246,3 +246,11 @@ def test_the_interpreter_runs_one_cuda_device():
     assert ember.tensor([1.0], device="cuda:0").numpy().tolist() == [1.0]
     with pytest.raises(DeviceError, match="interpreter"):
         ember.tensor([1.0], device="cuda:1")
+
+
+def test_module_to_dtype_keeps_the_device():
+    model = ember.nn.Linear(4, 3).to("cuda")
+    model.to(ember.bfloat16)
+    assert all(p.device == ember.Device("cuda") and p.dtype is ember.bfloat16 for p in model.parameters())
+    model.to("cpu", ember.float32)
+    assert all(p.device == ember.Device("cpu") and p.dtype is ember.float32 for p in model.parameters())

@@ -201,26 +201,7 @@ class Tensor:
     # -- placement and casts -----------------------------------------------------------
     def to(self, *args, **kwargs) -> Tensor:
         """`.to(dtype)`, `.to(device)`, `.to(device, dtype)` or `.to(other_tensor)`."""
-        dtype = kwargs.pop("dtype", None)
-        device = kwargs.pop("device", None)
-        kwargs.pop("non_blocking", None)
-        kwargs.pop("copy", None)
-        if kwargs:
-            raise TypeError(f"to(): unexpected arguments {sorted(kwargs)}")
-        for a in args:
-            if isinstance(a, Tensor):
-                dtype, device = a.dtype, a.device
-            elif isinstance(a, Device):
-                device = a
-            elif isinstance(a, str):  # a dtype name, else a device ("tpu" then fails as a device)
-                try:
-                    dtype = dtypes.as_dtype(a)
-                except TypeError:
-                    device = a
-            elif type(a).__name__ == "device":
-                device = str(a)
-            else:
-                dtype = a
+        dtype, device = to_arguments(args, kwargs)
         out = self
         if dtype is not None:
             from ember.ops.pointwise import cast
@@ -308,6 +289,32 @@ class Tensor:
 
     def fill_(self, value) -> Tensor:
         return self.assign(value)
+
+
+def to_arguments(args: tuple, kwargs: dict) -> tuple:
+    """The (dtype, device) a `.to(...)` call asks for, None for what it leaves as it is."""
+    kwargs = dict(kwargs)
+    dtype = kwargs.pop("dtype", None)
+    device = kwargs.pop("device", None)
+    kwargs.pop("non_blocking", None)
+    kwargs.pop("copy", None)
+    if kwargs:
+        raise TypeError(f"to(): unexpected arguments {sorted(kwargs)}")
+    for a in args:
+        if isinstance(a, Tensor):
+            dtype, device = a.dtype, a.device
+        elif isinstance(a, Device):
+            device = a
+        elif isinstance(a, str):  # a dtype name, else a device ("tpu" then fails as a device)
+            try:
+                dtype = dtypes.as_dtype(a)
+            except TypeError:
+                device = a
+        elif type(a).__name__ == "device":
+            device = str(a)
+        else:
+            dtype = a
+    return dtype, device
 
 
 def _float_mode(value: np.ndarray) -> str:

@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from ember.errors import ShapeError
+from ember.ir import Node
 from ember.ops.creation import tensor
 from ember.placement import check_device
 from ember.tensor import Tensor
@@ -102,6 +103,8 @@ class DataLoader:
             yield ready.popleft()
 
     def _batch(self, indices: np.ndarray) -> tuple[Tensor, ...]:
+        if isinstance(self.dataset, TensorDataset) and self.device.type == "cuda":
+            return tuple(self._rows_on_device(a, indices) for a in self.dataset.arrays)
         if isinstance(self.dataset, TensorDataset):
             fields: Sequence[np.ndarray] = [a[indices] for a in self.dataset.arrays]
         else:
@@ -109,3 +112,12 @@ class DataLoader:
             items = [item if isinstance(item, tuple) else (item,) for item in items]
             fields = [np.stack([_host_array(item[f]) for item in items]) for f in range(len(items[0]))]
         return tuple(tensor(f, device=self.device) for f in fields)
+
+    def _rows_on_device(self, array: np.ndarray, indices: np.ndarray) -> Tensor:
+        """A batch gathered from the dataset straight into pinned memory and uploaded from there."""
+        dtype = tensor(array[:0]).dtype  # what `tensor(array[indices])` would make
+        if dtype.np != array.dtype:
+            return tensor(array[indices], device=self.device)
+        from ember.runtime import transfer
+
+        return Tensor(Node.from_buffer(transfer.upload_rows(array, indices, self.device), dtype, self.device))

@@ -7,7 +7,8 @@ The data needs no download: each of ten classes is a fixed random prototype imag
 convolution can find it), and a sample is its class's prototype plus Gaussian noise. A training step
 (forward, cross entropy, backward, Adam update) is one call of a step function; with `--jit` (the
 default on cuda) `ember.jit` records it once and replays it (one CUDA graph per step on a GPU),
-while the DataLoader uploads the next batch during the current step.
+while the DataLoader uploads the next batch during the current step. On the CPU (the NumPy reference
+backend) the default sizes take minutes: try `--steps 30 --hidden 256`.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from ember.autograd import no_grad
 from ember.errors import DTypeError
 from ember.ops.creation import tensor as _tensor
 from ember.ops.creation import zeros
-from ember.tensor import Tensor
+from ember.tensor import Tensor, to_arguments
 
 
 class Parameter(Tensor):
@@ -290,11 +290,9 @@ class Module:
 
         Only floating-point tensors change dtype, as in PyTorch; gradients follow their parameter.
         """
-        probe = zeros(())
-        target = probe.to(*args, **kwargs)
-        casts = target.dtype is not probe.dtype
-        return self._convert(lambda t: t.to(device=target.device, dtype=target.dtype if casts and
-                                            t.dtype.is_floating_point else None))
+        dtype, device = to_arguments(args, kwargs)
+        dtype = dtypes.as_dtype(dtype) if dtype is not None else None
+        return self._convert(lambda t: t.to(device=device, dtype=dtype if t.dtype.is_floating_point else None))
 
     def _convert(self, fn: Callable[[Tensor], Tensor]) -> Module:
         with no_grad():

@@ -27,7 +27,7 @@ def _wide(x: Tensor) -> Tensor:
 
 
 def _rounded(x: Tensor, dtype: dtypes.DType) -> Tensor:
-    """The result of one torch op on `dtype` tensors: rounded to `dtype`, computed on in `_wide`'s dtype."""
+    """The result of one torch op on `dtype` tensors: rounded to `dtype`, then widened for the next op."""
     return _wide(cast(x, dtype))
 
 
@@ -79,7 +79,7 @@ class Adam(Optimizer):
         exp_avg = state["exp_avg"].assign(_lerp(_wide(state["exp_avg"]), grad, 1 - beta1))
         decayed = _rounded(_wide(state["exp_avg_sq"]) * beta2, dtype)
         exp_avg_sq = state["exp_avg_sq"].assign(decayed + grad * (1 - beta2) * grad)
-        # 0-d float32 tensors, computed once per kernel rather than per element
+        # 0-d float32 tensors: scalar work inside the update's kernel, not work per element
         neg_step_size = -lr / (1 - beta1**step)
         bias_correction2_sqrt = (1 - beta2**step).sqrt()
         if group["amsgrad"]:

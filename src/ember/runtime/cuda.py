@@ -218,13 +218,13 @@ def compile_plan(order: list[Node], keep: set[int], sig: passes.Signature) -> Pl
 
 def plan_for(order: list[Node], keep: set[int]) -> tuple[Plan, passes.Signature]:
     sig = passes.signature(order, keep)
-    plan = _plans.get(sig.key)
+    plan = _plans.get((sig.key, max_streams))
     if plan is None:
         plan = _load_plan(sig.key)
         if plan is None:
             plan = compile_plan(order, keep, sig)
             _save_plan(sig.key, plan)
-        _plans[sig.key] = plan
+        _plans[sig.key, max_streams] = plan
     else:
         stats["plan_hits"] += 1
     return plan, sig

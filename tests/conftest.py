@@ -23,9 +23,13 @@ import torch.nn.functional as F
 import ember
 
 # The cuda backend runs generated Triton kernels; without a GPU, Triton's interpreter runs them
-# on the CPU (EMBER_INTERPRET=1), which is how the generated code is tested here.
+# on the CPU (EMBER_INTERPRET=1), which is how the generated code is tested here. Triton reads
+# TRITON_INTERPRET when it is first imported, which torch itself may do before ember's cuda backend
+# is loaded (torch.optim does), so it is set here too.
 if not torch.cuda.is_available():
     os.environ.setdefault("EMBER_INTERPRET", "1")
+    if os.environ["EMBER_INTERPRET"] not in ("", "0"):
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture

@@ -123,6 +123,16 @@ def test_a_new_shape_is_recorded_on_its_own_and_both_replay():
     assert step.stats["replays"] == 5  # switching shapes hands the parameters over, no new recording
 
 
+def test_steady_replays_copy_nothing_for_the_state():
+    model, opt = make()
+    step = ember.jit(step_fn(model, opt))
+    train(step, BATCHES[:4])
+    (entry,) = step._entries.values()
+    shown = [id(node) for _, node in entry.program.states]  # ids: holding the nodes would count as a use
+    train(step, BATCHES[4:])
+    assert shown == [id(node) for _, node in entry.program.states]
+
+
 def test_values_kept_from_before_a_replay_keep_their_value():
     model, opt = make()
     step = ember.jit(step_fn(model, opt))
@@ -194,16 +204,16 @@ def test_an_interrupt_waits_for_the_replay_to_finish(monkeypatch):
     model, opt = make()
     step = ember.jit(step_fn(model, opt))
     train(step, BATCHES[:3])
-    execute = cuda.execute
+    run = cuda.Replay.run
 
-    def interrupted(*args, **kwargs):
-        os.kill(os.getpid(), signal.SIGINT)  # arrives while the replay's kernels run
-        return execute(*args, **kwargs)
+    def interrupted(self, draws):
+        os.kill(os.getpid(), signal.SIGINT)  # arrives as the replay starts
+        return run(self, draws)
 
-    monkeypatch.setattr(cuda, "execute", interrupted)
+    monkeypatch.setattr(cuda.Replay, "run", interrupted)
     with pytest.raises(KeyboardInterrupt):
         step(*(ember.tensor(v, device="cuda") for v in BATCHES[3]))
-    monkeypatch.setattr(cuda, "execute", execute)
+    monkeypatch.setattr(cuda.Replay, "run", run)
     assert step.stats["replays"] == 1
     reference, ref_opt = make()
     train(step_fn(reference, ref_opt), BATCHES[:4])

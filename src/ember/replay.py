@@ -273,12 +273,13 @@ class _Program:
             t = ref()
             if t is None:
                 continue
-            current = t._node
-            if current is not node:  # set from outside, e.g. by another shape's replay: take its value
+            if t._node is not node:  # set from outside, e.g. by another shape's replay: take its value
+                current = t._node
                 if current.buffer is None or (current.shape, current.dtype, current.device) != (
                         node.shape, node.dtype, node.device):
                     return False
                 node.buffer.copy_(current.buffer)
+                del current
             elif sys.getrefcount(node) <= _OWN_REFERENCES + 1:  # + 1: the Tensor showing it
                 continue
             self.states[k] = (ref, self._detach_state(t, node))

@@ -2,14 +2,16 @@
 
 Batches are cut from realized NumPy arrays by fancy indexing (one copy per batch),
 not by lazy gathers, so loading data never adds graph to a training step. For a
-cuda device the loader keeps batches ahead: a batch is uploaded (asynchronously,
-through the runtime's transfers) before the step that needs it is enqueued.
+cuda device a worker thread keeps batches ahead: it gathers each batch straight into
+pinned memory and enqueues its upload on the runtime's upload stream while the main
+thread builds and runs the step on the batch before.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
+import queue
+import threading
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -63,10 +65,11 @@ class DataLoader:
     NumPy Generator seeded once by `seed`, so the sequence of epochs is reproducible.
 
     Batches are realized tensors on `device` (the default device if None). On a cuda
-    device the loader stays `prefetch` batches ahead of the batch it yields: the next
-    batch is already cut and its upload enqueued on the GPU's upload stream while the
-    step for the current one is built and run, so the copy overlaps compute. `prefetch=0`
-    cuts and uploads each batch only when it is asked for. The batches, their order and
+    device a worker thread stays up to `prefetch` batches ahead of the batch it yields:
+    the next batch is cut and its upload enqueued on the GPU's upload stream while the
+    step for the current one is built and run, so the copy overlaps compute (the gather
+    is torch's, which leaves the GIL to the main thread). `prefetch=0` cuts and uploads
+    each batch on the main thread, only when it is asked for. The batches, their order and
     `len()` are the same for every `prefetch`; on the CPU there is nothing to overlap and
     `prefetch` has no effect.
     """
@@ -93,16 +96,24 @@ class DataLoader:
     def __iter__(self) -> Iterator[tuple[Tensor, ...]]:
         n = len(self.dataset)
         order = self._rng.permutation(n) if self.shuffle else np.arange(n)
-        ahead = self.prefetch if self.device.type == "cuda" else 0
-        ready: deque[tuple[Tensor, ...]] = deque()  # batches cut and uploaded, oldest first
-        for b in range(len(self)):
-            ready.append(self._batch(order[b * self.batch_size:(b + 1) * self.batch_size]))
-            if len(ready) > ahead:
-                yield ready.popleft()
-        while ready:
-            yield ready.popleft()
+        batches = [order[b * self.batch_size:(b + 1) * self.batch_size] for b in range(len(self))]
+        if self.device.type != "cuda" or self.prefetch == 0:
+            for indices in batches:
+                yield self._ready(self._batch(indices))
+            return
+        yield from map(self._ready, _made_ahead(self._batch, batches, self.prefetch))
 
-    def _batch(self, indices: np.ndarray) -> tuple[Tensor, ...]:
+    def _ready(self, batch: tuple[tuple[Tensor, object], ...]) -> tuple[Tensor, ...]:
+        """The batch's tensors, ordered after their uploads on the stream of the thread using them."""
+        from ember.runtime import transfer
+
+        for _, event in batch:
+            if event is not None:
+                transfer.wait(event, self.device)
+        return tuple(t for t, _ in batch)
+
+    def _batch(self, indices: np.ndarray) -> tuple[tuple[Tensor, object], ...]:
+        """The batch's tensors, each with the event of its upload (or None)."""
         if isinstance(self.dataset, TensorDataset) and self.device.type == "cuda":
             return tuple(self._rows_on_device(a, indices) for a in self.dataset.arrays)
         if isinstance(self.dataset, TensorDataset):
@@ -111,13 +122,57 @@ class DataLoader:
             items = [self.dataset[int(i)] for i in indices]
             items = [item if isinstance(item, tuple) else (item,) for item in items]
             fields = [np.stack([_host_array(item[f]) for item in items]) for f in range(len(items[0]))]
-        return tuple(tensor(f, device=self.device) for f in fields)
+        return tuple((tensor(f, device=self.device), None) for f in fields)
 
-    def _rows_on_device(self, array: np.ndarray, indices: np.ndarray) -> Tensor:
+    def _rows_on_device(self, array: np.ndarray, indices: np.ndarray) -> tuple[Tensor, object]:
         """A batch gathered from the dataset straight into pinned memory and uploaded from there."""
         dtype = tensor(array[:0]).dtype  # what `tensor(array[indices])` would make
         if dtype.np != array.dtype:
-            return tensor(array[indices], device=self.device)
+            return tensor(array[indices], device=self.device), None
         from ember.runtime import transfer
 
-        return Tensor(Node.from_buffer(transfer.upload_rows(array, indices, self.device), dtype, self.device))
+        buffer, event = transfer.upload_rows(array, indices, self.device)
+        return Tensor(Node.from_buffer(buffer, dtype, self.device)), event
+
+
+_DONE = object()
+
+
+def _made_ahead(make, items: list, depth: int) -> Iterator:
+    """`map(make, items)`, computed by a worker thread up to `depth` items ahead of the consumer, so
+    cutting and uploading the next batch overlaps the step run on the current one. An error in the
+    worker is raised in the consumer; leaving the loop early stops the worker."""
+    ready: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def offer(value) -> bool:
+        while not stop.is_set():
+            try:
+                ready.put(value, timeout=0.05)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def work() -> None:
+        try:
+            for item in items:
+                if not offer((make(item), None)):
+                    return
+        except BaseException as error:  # noqa: BLE001 - handed to the consumer, which raises it
+            offer((None, error))
+            return
+        offer((_DONE, None))
+
+    worker = threading.Thread(target=work, name="ember-dataloader", daemon=True)
+    worker.start()
+    try:
+        while True:
+            value, error = ready.get()
+            if error is not None:
+                raise error
+            if value is _DONE:
+                return
+            yield value
+    finally:
+        stop.set()

@@ -105,7 +105,12 @@ def load_source(source: codegen.KernelSource):
 
 # -- plans -------------------------------------------------------------------------------------
 
-max_streams = 2  # streams a plan's independent small kernels may spread over; 1 runs everything in order
+# Streams a plan's independent small kernels may spread over when it is captured into a CUDA graph
+# (`ember.jit`); 1 runs everything in order. Outside a graph the plan runs on one stream: switching
+# streams and recording events costs the host more per kernel than the overlap saves (measured in
+# benchmarks/runtime.py, row 4).
+max_streams = 2
+_capturing = False  # a Replay is being captured into a CUDA graph
 ARENAS_KEPT = 8  # plans whose intermediate arenas stay allocated between runs (most recently run first)
 
 
@@ -262,7 +267,7 @@ def execute(plan: Plan, sig: passes.Signature, device: Device, inputs: list[torc
     if plan.steps is None:
         plan.steps = [_step(ck) for ck in plan.kernels]
     try:
-        if plan.schedule.groups and not INTERPRET:
+        if plan.schedule.groups and _capturing:
             _run_streams(plan, buffers, sig, target)
         else:
             for step in plan.steps:
@@ -439,12 +444,16 @@ class Replay:
         target = torch_device(self.steps[0].device)
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize(target)
+        global _capturing
         try:
+            _capturing = True
             with torch.cuda.graph(graph):
                 self._launch(None)
         except Exception as error:  # e.g. a kernel that synchronises; replays stay correct without the graph
             self.why_no_graph = f"capture failed: {error}"
             return
+        finally:
+            _capturing = False
         self.graph = graph
 
     def run(self, draws: list[tuple[int, int]] | None) -> None:

@@ -12,6 +12,7 @@ Under the interpreter (EMBER_INTERPRET=1) the cuda device is the CPU and a trans
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 
 import numpy as np
@@ -41,6 +42,7 @@ class _Staging:
 
 
 _pools: dict[int, list[_Staging]] = {}  # per device index, least recently used first
+_pool_lock = threading.Lock()  # a DataLoader uploads from its worker thread while the main thread may too
 _upload_streams: dict[int, torch.cuda.Stream] = {}
 
 
@@ -56,23 +58,26 @@ def _take(index: int, wait: bool) -> _Staging:
     """Take out of the pool a buffer whose last copy has finished, or make one when all are busy.
     With `wait`, a full pool of busy buffers waits for its oldest copy instead of growing (uploads:
     back-pressure); downloads never wait, since they must not wait for an unrelated upload."""
-    pool = _pools.setdefault(index, [])
-    staging = next((s for s in pool if s.idle()), None)
-    if staging is None and wait and len(pool) >= MAX_STAGING:
-        staging = pool[0]
-        staging.event.synchronize()
+    with _pool_lock:
+        pool = _pools.setdefault(index, [])
+        staging = next((s for s in pool if s.idle()), None)
+        if staging is None and wait and len(pool) >= MAX_STAGING:
+            staging = pool[0]
+        if staging is not None:
+            pool.remove(staging)
     if staging is None:
         return _Staging()
-    pool.remove(staging)
+    staging.event.synchronize()  # at once for an idle buffer
     return staging
 
 
 def _give_back(index: int, staging: _Staging) -> None:
     """Return a buffer once its copy is enqueued (its event tells when it is done); one beyond
     MAX_STAGING is dropped, and torch's pinned-memory cache keeps it until that copy is done."""
-    pool = _pools[index]
-    if len(pool) < MAX_STAGING:
-        pool.append(staging)  # the pool runs from the oldest copy to the newest
+    with _pool_lock:
+        pool = _pools[index]
+        if len(pool) < MAX_STAGING:
+            pool.append(staging)  # the pool runs from the oldest copy to the newest
 
 
 def upload(array: np.ndarray, device: Device) -> torch.Tensor:
@@ -110,37 +115,45 @@ def upload(array: np.ndarray, device: Device) -> torch.Tensor:
     return dest
 
 
-def upload_rows(array: np.ndarray, rows: np.ndarray, device: Device) -> torch.Tensor:
-    """`upload(array[rows], device)` with one host copy instead of two: the rows are gathered
-    straight into pinned staging buffers (a DataLoader's batch, cut from its dataset)."""
+def upload_rows(array: np.ndarray, rows: np.ndarray, device: Device) -> tuple[torch.Tensor, object]:
+    """`array[rows]` on `device`, gathered straight into pinned staging buffers (one host copy, by
+    torch's multi-threaded gather, which leaves the GIL to other threads). Returns the tensor and the
+    event its copy completes with: pass it to `wait` on the thread that will use the tensor, so that
+    compute enqueued meanwhile by other threads does not wait for this copy."""
     target = torch_device(device)
     row_bytes = array[0].nbytes if array.shape[0] else 0
     if target.type == "cpu" or not array.flags.c_contiguous or row_bytes == 0 or row_bytes > STAGING_BYTES:
-        return upload(array[rows], device)
+        return upload(array[rows], device), None
     stats["uploads"] += 1
     stats["bytes_uploaded"] += row_bytes * len(rows)
     compute = torch.cuda.current_stream(target)
     stream = upload_stream(device)
+    source = _cpu_tensor(array)
     with torch.cuda.stream(stream):  # allocated on the upload stream: see `upload`
-        dest = torch.empty((len(rows), *array.shape[1:]), dtype=dtypes.to_torch(dtypes.from_numpy(array.dtype)),
-                           device=target)
+        dest = torch.empty((len(rows), *array.shape[1:]), dtype=source.dtype, device=target)
     dest.record_stream(compute)
     dest_bytes = dest.view(-1).view(torch.uint8)
+    rows = torch.from_numpy(np.asarray(rows, dtype=np.int64))
     per_chunk = STAGING_BYTES // row_bytes
-    staging = None
     for first in range(0, len(rows), per_chunk):
         chunk = rows[first:first + per_chunk]
         n = len(chunk) * row_bytes
         staging = _take(target.index, wait=True)
-        gathered = staging.bytes[:n].view(array.dtype).reshape(len(chunk), *array.shape[1:])
-        np.take(array, chunk, axis=0, out=gathered)  # the only copy the host makes
+        gathered = staging.host[:n].view(source.dtype).view(len(chunk), *array.shape[1:])
+        torch.index_select(source, 0, chunk, out=gathered)
         with torch.cuda.stream(stream):
             dest_bytes[first * row_bytes:first * row_bytes + n].copy_(staging.host[:n], non_blocking=True)
         staging.event.record(stream)
         _give_back(target.index, staging)
-    if staging is not None:
-        compute.wait_event(staging.event)
-    return dest
+    done = torch.cuda.Event()  # of its own: a staging buffer's event moves on to its next copy
+    done.record(stream)
+    return dest, done
+
+
+def wait(event, device: Device) -> None:
+    """Make the current stream wait for an upload's event (None: nothing to wait for)."""
+    if event is not None:
+        torch.cuda.current_stream(torch_device(device)).wait_event(event)
 
 
 def download(buffer: torch.Tensor) -> np.ndarray:

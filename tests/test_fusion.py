@@ -79,13 +79,16 @@ def test_long_rows_are_reduced_in_a_loop(rng, monkeypatch):
 
 
 def test_few_long_reductions_are_split_across_programs(rng):
-    x, xc = pair(rng, 3, 20000, low=-5, high=5)
+    x, xc = pair(rng, 3, 100_000, low=-5, high=5)
     total = x.sum(-1)
     p = plan(total)
     assert p.kernels[0].rows >= 3 * 64  # many partial sums per output, in parallel
     assert_close(total, xc.sum(-1), rtol=1e-5, atol=1e-3)
-    column, column_c = pair(rng, 20000, 5)
+    column, column_c = pair(rng, 100_000, 5)
     assert_close(column.amax(0), column_c.amax(0))
+    wide, wide_c = pair(rng, 4096, 256)  # a bias gradient: a short column reduction into few programs
+    assert len(plan(wide.sum(0)).kernels) == 2
+    assert_close(wide.sum(0), wide_c.sum(0), rtol=1e-5, atol=1e-4)
     assert_close(x.softmax(-1), xc.softmax(-1), atol=1e-7)
 
 

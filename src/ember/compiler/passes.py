@@ -268,9 +268,9 @@ class _Builder:
         # and a block of 128 outputs when it is a leading axis (the kept axes are contiguous then)
         trailing = all(s == 1 for s in x.shape[axis + 1:])
         programs = outputs if trailing else -(-outputs // 128)
-        if programs >= SPLIT_MIN_PROGRAMS or n < SPLIT_MIN_LENGTH:
+        if programs >= SPLIT_MIN_PROGRAMS or n < SPLIT_MIN_LENGTH or n * outputs < SPLIT_MIN_ELEMENTS:
             return None
-        parts = SPLIT_PARTS
+        parts = min(SPLIT_PARTS, n // SPLIT_MIN_PART)
         padded = -(-n // parts) * parts
         if padded != n:  # pad with the reduction's identity, so the padding changes nothing
             pads = tuple((0, padded - n) if d == axis else (0, 0) for d in range(len(x.shape)))
@@ -305,7 +305,9 @@ class _Builder:
 
 SPLIT_PARTS = 64  # partial results per output of a split reduction
 SPLIT_MIN_PROGRAMS = 1024  # split only reductions that would otherwise run on fewer programs
-SPLIT_MIN_LENGTH = 8192  # and only reductions at least this long
+SPLIT_MIN_LENGTH = 1024  # and only reductions at least this long
+SPLIT_MIN_ELEMENTS = 1 << 18  # reading at least this many elements (below, the extra launch costs more)
+SPLIT_MIN_PART = 64  # elements each partial result reduces, at least
 SPLIT_IDENTITY = {Op.SUM: 0.0, Op.MAX: -math.inf, Op.MIN: math.inf, Op.PROD: 1.0}
 # scatter_add dtypes without atomic addition on the GPU, and the type they accumulate in
 ATOMIC_WIDENING = {dtypes.bool_: dtypes.int32, dtypes.uint8: dtypes.int32, dtypes.int8: dtypes.int32,

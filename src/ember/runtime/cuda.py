@@ -106,10 +106,11 @@ def load_source(source: codegen.KernelSource):
 # -- plans -------------------------------------------------------------------------------------
 
 # Streams a plan's independent small kernels may spread over when it is captured into a CUDA graph
-# (`ember.jit`); 1 runs everything in order. Outside a graph the plan runs on one stream: switching
-# streams and recording events costs the host more per kernel than the overlap saves (measured in
-# benchmarks/runtime.py, row 4).
-max_streams = 2
+# (`ember.jit`); 1 runs everything in order. Outside a graph a plan always runs on one stream:
+# switching streams and recording events costs the host more per kernel than the overlap saves.
+# Inside graphs two streams were within noise of one on an H200 (benchmarks/runtime.py, row 4: the
+# planner already splits reductions that would leave the GPU idle), so one is the default.
+max_streams = 1
 _capturing = False  # a Replay is being captured into a CUDA graph
 ARENAS_KEPT = 8  # plans whose intermediate arenas stay allocated between runs (most recently run first)
 

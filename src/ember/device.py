@@ -67,8 +67,8 @@ class device:
 
 
 def memory_stats(d: str | Device | None = None) -> dict:
-    """Memory of a cuda device in bytes: "allocated_bytes" now, "peak_bytes" since the start,
-    "cached_bytes" held by the allocator, and "arena_bytes" kept for the intermediates of recent plans."""
+    """Memory of a cuda device in bytes: "allocated" now, "peak" since the start, "cached" held by
+    the allocator, and "arena": what recently run plans keep for their intermediates."""
     target = as_device(d if d is not None else "cuda")
     if target.type != "cuda":
         raise DeviceError(f"memory_stats: {target} has no device memory to report; ask for a cuda device")

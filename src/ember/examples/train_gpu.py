@@ -170,7 +170,7 @@ def train(model: str = "mlp", device: str | None = None, steps: int = 300, batch
     seconds = time.perf_counter() - start
     final_loss = float(np.mean([t.item() for t in last_losses]))
     bar.close()
-    peak = ember.memory_stats(device)["peak_bytes"] if device.startswith("cuda") else None
+    peak = ember.memory_stats(device)["peak"] if device.startswith("cuda") else None
     return Summary(model, sum(p.numel() for p in net.parameters()), device, dtype, jit, steps, batch_size,
                    first_loss, final_loss, evaluate(net, x_test, y_test, device, dt), seconds,
                    steps - timed_from, peak, dict(step.stats) if jit else None)

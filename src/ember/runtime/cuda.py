@@ -19,6 +19,7 @@ import os
 import pickle
 import sys
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -336,7 +337,8 @@ def _arena_views(plan: Plan, target, device: Device) -> dict[int, torch.Tensor]:
 
 def _allocate(shape: tuple[int, ...], dtype, target, device: Device, what: str) -> torch.Tensor:
     try:
-        return torch.empty(shape, dtype=dtypes.to_torch(dtype), device=target)
+        buffer = torch.empty(shape, dtype=dtypes.to_torch(dtype), device=target)
+        return _count(buffer) if INTERPRET else buffer
     except torch.cuda.OutOfMemoryError:
         asked = math.prod(shape) * dtype.itemsize
         raise OutOfMemoryError(f"out of GPU memory on {device}: asked {_mib(asked)} for {what} {list(shape)} "
@@ -355,15 +357,32 @@ def _free_text(target) -> str:
 
 
 def memory_stats(device: Device) -> dict:
-    """Bytes allocated now, the peak since the start (or the last reset), and held by the allocator."""
+    """Bytes "allocated" now, the "peak" since the start, "cached" by the allocator, and the "arena"
+    bytes kept for the intermediates of recently run plans. Under the interpreter, whose buffers
+    are ordinary CPU tensors, the first three count the buffers the executor allocated itself."""
+    arena = sum(p.schedule.arena_bytes for p, _ in _arenas.values())
     if INTERPRET:
-        return {"allocated_bytes": 0, "peak_bytes": 0, "cached_bytes": 0,
-                "arena_bytes": sum(sum(s for _, s in p.schedule.slots.values()) for p, _ in _arenas.values())}
+        return {"allocated": _interpreted["allocated"], "peak": _interpreted["peak"], "cached": arena,
+                "arena": arena}
     target = torch_device(device)
-    return {"allocated_bytes": torch.cuda.memory_allocated(target),
-            "peak_bytes": torch.cuda.max_memory_allocated(target),
-            "cached_bytes": torch.cuda.memory_reserved(target),
-            "arena_bytes": sum(p.schedule.arena_bytes for p, _ in _arenas.values())}
+    return {"allocated": torch.cuda.memory_allocated(target), "peak": torch.cuda.max_memory_allocated(target),
+            "cached": torch.cuda.memory_reserved(target), "arena": arena}
+
+
+_interpreted = {"allocated": 0, "peak": 0}
+
+
+def _count(buffer: torch.Tensor) -> torch.Tensor:
+    """Count an interpreter buffer in memory_stats until it is freed."""
+    size = buffer.numel() * buffer.element_size()
+    _interpreted["allocated"] += size
+    _interpreted["peak"] = max(_interpreted["peak"], _interpreted["allocated"])
+    weakref.finalize(buffer, _uncount, size)
+    return buffer
+
+
+def _uncount(size: int) -> None:
+    _interpreted["allocated"] -= size
 
 
 def _step(ck: CompiledKernel):

@@ -100,6 +100,7 @@ def realize(nodes: Iterable[Node]) -> None:
     if device_type == "cpu" and jit.recording():
         jit.note_host_work(order)
     values = _backend(device_type)(order, keep)
-    for n in order:
-        if id(n) in values:
-            n.set_buffer(values[id(n)])
+    with jit.deferred_interrupt():  # every result is bound, or (interrupted before) none: never half a step
+        for n in order:
+            if id(n) in values:
+                n.set_buffer(values[id(n)])

@@ -244,3 +244,122 @@ def test_an_interrupted_eager_step_is_never_half_applied(monkeypatch):
     train(step_fn(reference, ref_opt), BATCHES[:2])
     for a, b in zip(params(model), params(reference)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_gradients_cleared_outside_the_step_are_set_by_each_replay():
+    model, opt = make()
+
+    def forward_backward(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    step = ember.jit(forward_backward)
+    for x, y in BATCHES:
+        opt.zero_grad()
+        step(ember.tensor(x, device="cuda"), ember.tensor(y, device="cuda"))
+        assert all(p.grad is not None for p in model.parameters())
+        opt.step()  # parameters change outside the step: the replay follows them
+    assert step.stats["replays"] == 4
+    reference, ref_opt = make()
+    for x, y in BATCHES:
+        ref_opt.zero_grad()
+        F.cross_entropy(reference(ember.tensor(x, device="cuda")), ember.tensor(y, device="cuda")).backward()
+        ref_opt.step()
+    for a, b in zip(params(model), params(reference)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_gradient_accumulation_across_calls_runs_as_written():
+    model, opt = make()
+
+    def forward_backward(x, y):
+        F.cross_entropy(model(x), y).backward()
+
+    step = ember.jit(forward_backward)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i, (x, y) in enumerate(BATCHES * 2):
+            step(ember.tensor(x, device="cuda"), ember.tensor(y, device="cuda"))
+            if i % 4 == 3:
+                opt.step()
+                opt.zero_grad()
+    assert step.stats["replays"] == 0
+    assert "accumulation" in " ".join(step.why_not_replayed)
+    reference, ref_opt = make()
+    for i, (x, y) in enumerate(BATCHES * 2):
+        F.cross_entropy(reference(ember.tensor(x, device="cuda")), ember.tensor(y, device="cuda")).backward()
+        if i % 4 == 3:
+            ref_opt.step()
+            ref_opt.zero_grad()
+    for a, b in zip(params(model), params(reference)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_loading_only_the_optimizer_state_records_again():
+    model, opt = make()
+    step = ember.jit(step_fn(model, opt))
+    train(step, BATCHES[:4])
+    saved = opt.state_dict()
+    train(step, BATCHES[4:5])
+    opt.load_state_dict(saved)
+    got = train(step, BATCHES[5:])
+
+    reference, ref_opt = make()
+    train(step_fn(reference, ref_opt), BATCHES[:4])
+    saved = ref_opt.state_dict()
+    train(step_fn(reference, ref_opt), BATCHES[4:5])
+    ref_opt.load_state_dict(saved)
+    assert got == train(step_fn(reference, ref_opt), BATCHES[5:])
+
+
+def test_the_same_tensor_twice_is_a_step_of_its_own():
+    step = ember.jit(lambda a, b: a - b)
+    x = ember.tensor(BATCHES[0][0], device="cuda")
+    for _ in range(3):
+        assert not step(x, x).numpy().any()
+    other = ember.tensor(BATCHES[1][0], device="cuda")
+    np.testing.assert_array_equal(step(x, other).numpy(), BATCHES[0][0] - BATCHES[1][0])
+
+
+def test_a_returned_argument_is_the_argument_of_the_call():
+    step = ember.jit(lambda a: (a, a * 2))
+    for x, _ in BATCHES[:4]:
+        same, double = step(ember.tensor(x, device="cuda"))
+        np.testing.assert_array_equal(same.numpy(), x)
+        np.testing.assert_array_equal(double.numpy(), x * 2)
+    assert step.stats["replays"] == 2
+
+
+def test_numpy_arguments_are_not_replayed_from_stale_data():
+    ember.manual_seed(0)
+    w = ember.randn(4, device="cuda")
+    step = ember.jit(lambda scale: (w * float(scale.sum())).sum())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        values = [step(np.full(3, k, np.float32)).item() for k in range(4)]
+    assert values == [w.sum().item() * 3 * k for k in range(4)] or np.allclose(
+        values, [w.sum().item() * 3 * k for k in range(4)], rtol=1e-6)
+    assert step.stats["replays"] == 0
+
+
+def test_a_copy_kept_while_another_shape_ran_keeps_its_value():
+    model, opt = make()
+    step = ember.jit(step_fn(model, opt))
+    small = [(x[:3], y[:3]) for x, y in BATCHES]
+    train(step, BATCHES[:3] + small[:3])  # both shapes recorded
+    train(step, BATCHES[3:4])
+    snapshot = model[0].weight.detach()
+    before = snapshot.numpy().copy()
+    train(step, small[3:4] + BATCHES[4:5])
+    np.testing.assert_array_equal(snapshot.numpy(), before)
+
+
+def test_switching_to_eval_mode_records_again():
+    model, _ = make(dropout=0.5)
+    step = ember.jit(lambda x: model(x))
+    x = ember.tensor(BATCHES[0][0], device="cuda")
+    for _ in range(3):
+        step(x)
+    model.eval()
+    np.testing.assert_array_equal(step(x).numpy(), model(x).numpy())

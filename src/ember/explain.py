@@ -39,9 +39,6 @@ def _attrs(n: Node) -> str:
     return ""
 
 
-SMALL_GRID = 66  # programs below which a kernel leaves most of a large GPU idle (the runtime asks the GPU)
-
-
 class Plan:
     """A planned (not launched) graph: its fused kernels and their generated sources."""
 
@@ -52,9 +49,8 @@ class Plan:
         self.sources = {id(k): codegen.generate(k, self.stored) for k in self.kernels
                         if k.kind not in ("matmul", "conv2d")}
         self.unfused = sum(1 for n in order if _is_work(n))
-        small = [max((launch.grid for launch in self.sources[id(k)].launches), default=0) < SMALL_GRID
-                 if id(k) in self.sources else False for k in self.kernels]
-        self.schedule = schedule.schedule(self.kernels, self.lowered.outputs, small, max_streams=2)
+        # the runtime's default schedule: one stream (several are used only when asked for, in graphs)
+        self.schedule = schedule.schedule(self.kernels, self.lowered.outputs, [False] * len(self.kernels), 1)
         self.numbering = {id(n): i for i, n in enumerate(self.lowered.nodes)}
 
     @property
@@ -126,10 +122,6 @@ class Plan:
         if sched.slots:
             lines.append(f"memory: {len(sched.slots)} intermediates of {_mib(sched.intermediate_bytes)} share an "
                          f"arena of {_mib(sched.arena_bytes)} (reused by lifetime)")
-        for start, stop in sched.groups:
-            together = ", ".join(str(self.kernels[i].index) for i in sched.order[start:stop])
-            lines.append(f"streams: kernels {together} run side by side "
-                         f"on {len(set(sched.streams[start:stop]))} streams")
         return "\n".join(lines)
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 import sys
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -65,8 +66,14 @@ class JitFunction:
         leaves: list = []
         _flatten((args, kwargs), leaves)
         tensors = [x for x in leaves if isinstance(x, Tensor)]
-        key = tuple(_describe(x) for x in leaves), _structure((args, kwargs))
+        first = {}  # the same Tensor passed twice is a different step from two Tensors
+        aliases = tuple(first.setdefault(id(t._node), i) for i, t in enumerate(tensors))
+        key = tuple(_describe(x) for x in leaves), aliases, _structure((args, kwargs))
         entry = self._entries.setdefault(key, _Entry())
+        if entry.failure is None and any(d is None for d in key[0]):
+            entry.failure = (f"{self.__name__} is not replayed: an argument is neither a Tensor nor hashable "
+                             "(a NumPy array?); pass such values as ember Tensors")
+            warnings.warn(f"ember.jit: {entry.failure}", stacklevel=2)
         if entry.program is not None:
             if entry.program.still_valid():
                 self.stats["replays"] += 1
@@ -94,7 +101,10 @@ class JitFunction:
             result = self.fn(*args, **kwargs)
             out_leaves: list = []
             _flatten(result, out_leaves)
-            realize(*[t for t in out_leaves if isinstance(t, Tensor)])
+            # what the step returns or leaves behind (gradients, updated Tensors) is computed in it
+            left = [t.grad for ref, _, _ in rec.grads.values() if (t := ref()) is not None and t.grad is not None]
+            left += [t for ref, _ in rec.rebound.values() if (t := ref()) is not None]
+            realize(*[t for t in out_leaves if isinstance(t, Tensor)], *left)
         keys = [r.sig.key for r in rec.plans]
         settled, entry.keys = keys == entry.keys, keys
         entry.calls += 1
@@ -157,12 +167,13 @@ def _rebuild(structure, leaves):
 
 
 def _describe(x):
+    """What a replay depends on in an argument; None for a value it cannot tell apart from another."""
     if isinstance(x, Tensor):
         return "tensor", x.shape, x.dtype, x.device, x.requires_grad
     try:
         hash(x)
     except TypeError:
-        return "value", type(x), repr(x)
+        return None
     return "value", type(x), x
 
 
@@ -216,7 +227,7 @@ class _Program:
         returned = {id(t._node) for t in out_leaves if isinstance(t, Tensor)}
         draw_index = {(seed, offset): k for k, (seed, offset, _) in enumerate(rec.draws)}
         self.draw_counts = [count for _, _, count in rec.draws]
-        self.constants: list[tuple] = []  # (tensor ref, node) for held values the step only reads
+        self.constants: list[list] = []  # [tensor, its node, buffer read, buffer last seen] for values only read
         self.uploads: list[tuple[int, object, object]] = []  # (argument, device buffer, device) for host data
         steps = []
         for r in rec.plans:
@@ -233,9 +244,11 @@ class _Program:
                 elif key in self.arg_slots:
                     buffer = self.arg_slots[key][1]
                 elif key in uploaded:
-                    self.uploads.append((uploaded[key], buffer, r.device))
+                    if all(b is not buffer for _, b, _ in self.uploads):
+                        self.uploads.append((uploaded[key], buffer, r.device))
                 else:
-                    self.constants += [(ref, leaf) for ref in leaf.handles if ref() is not None]
+                    self.constants += [[ref, weakref.ref(leaf), buffer, buffer]
+                                       for ref in leaf.handles if ref() is not None]
                 inputs.append(buffer)
             outputs, copies = [], []
             for j, (node, buffer) in enumerate(zip(r.kept, r.outputs)):
@@ -255,34 +268,66 @@ class _Program:
             steps.append(cuda.ReplayStep(r.plan, sig, r.device, inputs, outputs, copies, seed_draws))
         returned_slots = {id(node): out for r in rec.plans for node, out in zip(r.kept, r.outputs)
                           if id(node) in returned}
-        # a returned Tensor the step did not compute (an argument, a constant) is returned as it is
-        self.out_slots = [(returned_slots.get(id(t._node)) if isinstance(t, Tensor) else None, t)
-                          for t in out_leaves]
+        self.out_slots = []  # ("computed", buffer, node) | ("argument", index, None) | ("value", value, None)
+        for t in out_leaves:
+            if isinstance(t, Tensor) and id(t._node) in returned_slots:
+                self.out_slots.append(("computed", returned_slots[id(t._node)], t._node))
+            elif isinstance(t, Tensor) and id(t._node) in arg_nodes:
+                self.out_slots.append(("argument", arg_nodes[id(t._node)], None))
+            else:  # a constant or a Python value
+                self.out_slots.append(("value", t, None))
+        self.grads = self._gradients(rec, produced_ids)
         self.plans = cuda.Replay(steps)
         if cuda_graph:
             self.plans.capture_graph()
+
+    @staticmethod
+    def _gradients(rec: recorder.Recorder, produced_ids: set[int]) -> list[tuple]:
+        """(parameter, gradient Tensor the replay writes, whether .grad must be None before a replay) for
+        every `.grad` the step set; None in the last place when the step sets .grad before reading it."""
+        read = {id(b) for r in rec.plans for b in r.inputs}
+        grads = []
+        for ref, before, first in rec.grads.values():
+            p = ref()
+            if p is None or p.grad is None:
+                continue
+            if p.grad._node.buffer is None or id(p.grad._node.buffer) not in produced_ids:
+                raise recorder.NotCapturable("a .grad is set to a value the step did not compute")
+            if before is not None and id(before._node.buffer) in read:
+                raise recorder.NotCapturable("it adds to the .grad left by the call before (gradient "
+                                              "accumulation): clear gradients inside the step, or accumulate "
+                                              "without ember.jit")
+            # a step that sets .grad from nothing (backward into a None .grad) depends on it being None
+            grads.append((ref, p.grad, before is None and first is not None))
+        return grads
 
     def still_valid(self) -> bool:
         """Whether a replay computes what the Python would; on the way, make the state Tensors show the
         buffers the replay updates."""
         if not all(read() == value for read, value in self.guards):
             return False
-        if not all((t := ref()) is None or t._node is node for ref, node in self.constants):
-            return False
+        for constant in self.constants:
+            if not self._follow(constant):
+                return False
+        if not all((p := ref()) is None or p.grad is None for ref, _, needs_none in self.grads if needs_none):
+            return False  # the step would add to a gradient left from before: a different step
         for k, (ref, node) in enumerate(self.states):
             t = ref()
-            if t is None:
+            if t is None:  # replaced wholesale (an optimizer's load_state_dict): record again
+                return False
+            if t._node is node:
+                if sys.getrefcount(node) <= _OWN_REFERENCES + 1:  # + 1: the Tensor showing it
+                    continue
+                self.states[k] = (ref, self._detach_state(t, node))
                 continue
-            if t._node is not node:  # set from outside, e.g. by another shape's replay: take its value
-                current = t._node
-                if current.buffer is None or (current.shape, current.dtype, current.device) != (
-                        node.shape, node.dtype, node.device):
-                    return False
-                node.buffer.copy_(current.buffer)
-                del current
-            elif sys.getrefcount(node) <= _OWN_REFERENCES + 1:  # + 1: the Tensor showing it
-                continue
-            self.states[k] = (ref, self._detach_state(t, node))
+            current = t._node  # set from outside, e.g. by another shape's replay: take its value
+            if current.buffer is None or (current.shape, current.dtype, current.device) != (
+                    node.shape, node.dtype, node.device):
+                return False
+            fresh = self._detach_state(t, node)  # first, so whatever else shows `node` keeps its value
+            fresh.buffer.copy_(current.buffer)
+            del current
+            self.states[k] = (ref, fresh)
         return True
 
     @staticmethod
@@ -295,6 +340,28 @@ class _Program:
         t.data = Tensor(fresh)
         return fresh
 
+    @staticmethod
+    def _follow(constant: list) -> bool:
+        """Keep a value the step reads up to date with the Tensor that shows it (parameters updated
+        outside the step): copy a new value into the buffer the replay reads once the node that held
+        that buffer is gone (nothing can see the old value any more); else record the step again."""
+        ref, node, buffer, seen = constant
+        t = ref()
+        if t is None or t._node.buffer is seen:
+            return True
+        current = t._node.buffer
+        if node() is not None or current is None or current.shape != buffer.shape or current.dtype != buffer.dtype:
+            return False
+        buffer.copy_(current)
+        constant[3] = current
+        return True
+
+    def _rebind_gradients(self) -> None:
+        """Give each parameter the gradient Tensor the replay wrote, as running the step would."""
+        for ref, grad, _ in self.grads:
+            if (p := ref()) is not None:
+                p._grad = grad
+
     def replay(self, args: list[Tensor]):
         from ember.runtime.executor import from_host
 
@@ -306,6 +373,14 @@ class _Program:
         draws = [take_offsets(n) for n in self.draw_counts] if self.draw_counts else None
         with recorder.deferred_interrupt():
             self.plans.run(draws)
-        leaves = iter([Tensor(Node.from_buffer(slot.clone(), t.dtype, t.device)) if slot is not None else t
-                       for slot, t in self.out_slots])
+            self._rebind_gradients()
+        leaves = iter([_returned(value, args) for value in self.out_slots])
         return _rebuild(self.result_structure, leaves) if self.result_structure is not None else next(leaves)
+
+
+def _returned(value: tuple, args: list[Tensor]):
+    """One returned leaf: a fresh Tensor of a computed value, an argument, or a value as recorded."""
+    kind, what, like = value
+    if kind == "computed":
+        return Tensor(Node.from_buffer(what.clone(), like.dtype, like.device))
+    return args[what] if kind == "argument" else what

@@ -21,17 +21,27 @@ from ember.runtime.executor import to_host
 
 
 class Tensor:
-    __slots__ = ("_node", "requires_grad", "grad", "_grad_fn", "__weakref__")
+    __slots__ = ("_node", "requires_grad", "_grad", "_grad_fn", "__weakref__")
     __array_priority__ = 1000  # numpy scalars on the left defer to Tensor's operators
 
     def __init__(self, node: Node, requires_grad: bool = False, grad_fn: autograd.Function | None = None):
         self._node = node
         self.requires_grad = requires_grad
-        self.grad: Tensor | None = None
+        self._grad: Tensor | None = None
         self._grad_fn = grad_fn
         _hold(node, self)
 
     # -- properties --------------------------------------------------------------------
+    @property
+    def grad(self) -> Tensor | None:
+        return self._grad
+
+    @grad.setter
+    def grad(self, value: Tensor | None) -> None:
+        if jit.recording():
+            jit.note_grad(self, self._grad, value)
+        self._grad = value
+
     @property
     def shape(self) -> tuple[int, ...]:
         return self._node.shape

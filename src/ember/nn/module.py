@@ -8,6 +8,7 @@ Parameter objects for its whole life; only the graph node behind each one change
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict, namedtuple
 from collections.abc import Callable, Iterator
 
@@ -18,6 +19,7 @@ from ember.autograd import no_grad
 from ember.errors import DTypeError
 from ember.ops.creation import tensor as _tensor
 from ember.ops.creation import zeros
+from ember.runtime import jit
 from ember.tensor import Tensor, to_arguments
 
 
@@ -60,6 +62,8 @@ class Module:
         raise NotImplementedError(f"{type(self).__name__} has no forward(); define one in the subclass")
 
     def __call__(self, *args, **kwargs):
+        if jit.recording():  # a recorded step depends on train/eval mode (dropout, batch norm)
+            jit.guard(functools.partial(getattr, self, "training"))
         return self.forward(*args, **kwargs)
 
     # -- registration -------------------------------------------------------------------

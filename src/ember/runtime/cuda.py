@@ -313,13 +313,13 @@ def _side_streams(target) -> list:
     return _side[target]
 
 
-_arenas: dict[int, tuple[Plan, dict[int, torch.Tensor]]] = {}  # id(plan) -> views, most recently run last
+_arenas: dict[tuple, tuple[Plan, dict[int, torch.Tensor]]] = {}  # (id(plan), device) -> views, newest last
 
 
 def _arena_views(plan: Plan, target, device: Device) -> dict[int, torch.Tensor]:
     """Views of the plan's intermediates into its arena, kept between runs of the plan. Kernels run in
     stream order, so the next run cannot overwrite an intermediate the last one still reads."""
-    entry = _arenas.pop(id(plan), None)
+    entry = _arenas.pop((id(plan), device), None)  # a plan may run on several GPUs: one arena on each
     if entry is None or entry[0] is not plan:
         sched = plan.schedule
         arena = _allocate((sched.arena_bytes,), dtypes.uint8, target, device, "intermediates")
@@ -331,7 +331,7 @@ def _arena_views(plan: Plan, target, device: Device) -> dict[int, torch.Tensor]:
         entry = (plan, views)
         while len(_arenas) >= ARENAS_KEPT:
             _arenas.pop(next(iter(_arenas)))
-    _arenas[id(plan)] = entry
+    _arenas[id(plan), device] = entry
     return entry[1]
 
 

@@ -53,6 +53,7 @@ class Recorder:
     uploads: dict[int, Node] = field(default_factory=dict)  # id(device buffer) -> the host node it came from
     draws: list[tuple[int, int, int]] = field(default_factory=list)  # (seed, offset, count) per random draw
     arguments: set[int] = field(default_factory=set)  # ids of the step's argument nodes
+    grads: dict[int, tuple] = field(default_factory=dict)  # id(tensor) -> (tensor, .grad before, first new)
     failure: str | None = None
 
 
@@ -75,6 +76,11 @@ def fail(reason: str) -> None:
 def note_rebind(tensor, old: Node) -> None:
     if _recording and id(tensor) not in _recording[-1].rebound:
         _recording[-1].rebound[id(tensor)] = (weakref.ref(tensor), old)
+
+
+def note_grad(tensor, old, new) -> None:
+    if _recording and id(tensor) not in _recording[-1].grads:
+        _recording[-1].grads[id(tensor)] = (weakref.ref(tensor), old, new)
 
 
 def note_upload(buffer, source: Node) -> None:

@@ -42,7 +42,7 @@ class _Staging:
 
 
 _pools: dict[int, list[_Staging]] = {}  # per device index, least recently used first
-_pool_lock = threading.Lock()  # a DataLoader uploads from its worker thread while the main thread may too
+_pool_lock = threading.Lock()  # uploads and downloads may come from several threads
 _upload_streams: dict[int, torch.cuda.Stream] = {}
 
 
@@ -117,9 +117,9 @@ def upload(array: np.ndarray, device: Device) -> torch.Tensor:
 
 def upload_rows(array: np.ndarray, rows: np.ndarray, device: Device) -> tuple[torch.Tensor, object]:
     """`array[rows]` on `device`, gathered straight into pinned staging buffers (one host copy, by
-    torch's multi-threaded gather, which leaves the GIL to other threads). Returns the tensor and the
-    event its copy completes with: pass it to `wait` on the thread that will use the tensor, so that
-    compute enqueued meanwhile by other threads does not wait for this copy."""
+    torch's multi-threaded gather). Returns the tensor and the event its copy completes with: pass it
+    to `wait` when the tensor is handed out, so that compute enqueued before then (the step on the
+    batch before) does not wait for this copy."""
     target = torch_device(device)
     row_bytes = array[0].nbytes if array.shape[0] else 0
     if target.type == "cpu" or not array.flags.c_contiguous or row_bytes == 0 or row_bytes > STAGING_BYTES:

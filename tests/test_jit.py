@@ -88,15 +88,30 @@ def test_returned_tensors_are_new_each_call():
     assert len(set(values)) == 4  # training moves the loss, and no call's result was overwritten
 
 
-def test_learning_rate_change_records_the_step_again():
-    def decay(opt):
-        return lambda i: [g.__setitem__("lr", g["lr"] * 0.5) for g in opt.param_groups] if i == 3 else None
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_a_scheduler_changing_the_learning_rate_every_step_is_replayed(optimizer):
+    def schedule(opt):
+        scheduler = ember.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+        return lambda i: scheduler.step()
+
+    model, opt = make(optimizer)
+    expected = train(step_fn(model, opt), BATCHES, schedule(opt))
+    model, opt = make(optimizer)
+    step = ember.jit(step_fn(model, opt))
+    got = train(step, BATCHES, schedule(opt))
+    assert step.stats["captures"] == 1 and step.stats["replays"] == 3
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+def test_other_hyper_parameter_changes_record_the_step_again():
+    def change_betas(opt):
+        return lambda i: [g.__setitem__("betas", (0.8, 0.99)) for g in opt.param_groups] if i == 3 else None
 
     model, opt = make()
-    expected = train(step_fn(model, opt), BATCHES, decay(opt))
+    expected = train(step_fn(model, opt), BATCHES, change_betas(opt))
     model, opt = make()
     step = ember.jit(step_fn(model, opt))
-    got = train(step, BATCHES, decay(opt))
+    got = train(step, BATCHES, change_betas(opt))
     assert got == expected
     assert step.stats["captures"] == 2
 

@@ -260,25 +260,30 @@ def test_adam_step_over_fifty_cuda_parameters_is_two_launches(name, kwargs):
         assert sum(plan.launches for plan in plans) == 2
 
 
-def test_step_guards_every_hyper_parameter_but_the_parameters(monkeypatch):
-    """A captured step (`ember.jit`) is replayed only while the hyper-parameters it read still hold."""
+def test_step_guards_every_hyper_parameter_but_the_parameters_and_the_rate(monkeypatch):
+    """A captured step (`ember.jit`) is replayed only while the hyper-parameters it read still hold; the
+    learning rate is read from a tensor instead, which a replay brings up to date."""
     from ember.runtime import jit
 
-    guards = []
+    guards, refreshers = [], []
     monkeypatch.setattr(jit, "guard", guards.append)
+    monkeypatch.setattr(jit, "refresh", refreshers.append)
     model = nn.Linear(3, 2)
     opt = optim.Adam([{"params": [model.weight]}, {"params": [model.bias], "lr": 0.1}], lr=0.01)
     model(ember.randn(4, 3)).sum().backward()
     opt.step()
-    assert len(guards) == 1
+    assert len(guards) == 1 and len(refreshers) == 1
     read = guards[0]
     before = read()
     opt.step()  # new state, the same hyper-parameters
     assert read() == before
     opt.param_groups[1]["lr"] = 0.05
-    assert read() != before
-    opt.param_groups[1]["lr"] = 0.1
     assert read() == before
+    rate = opt._lr(opt.param_groups[1], model.bias.device)
+    assert rate.item() == pytest.approx(0.05)
+    opt.param_groups[1]["lr"] = 0.02
+    refreshers[0]()
+    assert rate.item() == pytest.approx(0.02)  # the same Tensor shows the new rate
     opt.param_groups[0]["betas"] = (0.8, 0.999)
     assert read() != before
 

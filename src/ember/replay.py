@@ -8,27 +8,31 @@
         opt.step()
         return loss
 
-The first call runs the function as written (warm-up: kernels compile, optimizer
-state appears). The second runs it again while the runtime records every plan it
-executes; later calls with arguments of the same shapes, dtypes and devices skip the
-Python: they copy the arguments into the recorded step's buffers and replay its
+Calls run the function as written (warm-up: kernels compile, optimizer state appears)
+until two in a row ran the same plans; the next one also records every plan it
+executes, and later calls with arguments of the same shapes, dtypes and devices skip
+the Python: they copy the arguments into the recorded step's buffers and replay its
 plans — on a GPU as one CUDA graph, so a step costs one launch of host work.
 
-What a replay assumes did not change since the recording (and what happens if it did):
-- argument shapes, dtypes, devices and non-Tensor argument values: a different
+What may change between replays, and how it is handled:
+- argument shapes, dtypes, devices and aliasing, and non-Tensor argument values: each
   combination is recorded on its own, as a new step;
-- the optimizer's hyper-parameters (lr, betas, ...): re-read before each replay, and a
-  change records the step again;
-- which Tensor shows each parameter and state value: assigning a new value from outside
-  (`load_state_dict`, `p.data = ...`) records the step again;
-- Python values the function computes from anything else (a global, a counter, the time)
-  are fixed at the recording, as in `jax.jit`: pass changing values as Tensor arguments;
-- values created from host data inside the function (`ember.tensor(...)`) are constants.
+- the learning rate: the optimizer reads it from a 0-d tensor that each replay brings up
+  to date (a scheduler stepping every iteration costs nothing);
+- other hyper-parameters and train/eval mode: re-read before each replay, and a change
+  records the step again;
+- values set from outside (`load_state_dict`, a parameter updated by an optimizer outside
+  the step): the replay follows them, or records again when it cannot;
+- copies of a parameter kept from before a replay keep their value.
+What may not: Python values the function computes from anything else (a global, a
+counter, the time) are fixed at the recording, as in `jax.jit` (pass changing values as
+Tensor arguments), and values created from host data inside the function are constants.
 Random numbers drawn inside the step are fresh at every replay (such steps replay launch
-by launch instead of as one CUDA graph). Tensors the step leaves behind for later
-(gradients in `.grad`) are rewritten in place by each replay; returned Tensors are new
-each call. A step that reads a value on the host (`.item()`) or computes on the cpu
-cannot be replayed: it keeps running as written, and `why_not_replayed` says why.
+by launch instead of as a CUDA graph). Gradients the step leaves in `.grad` are rewritten
+in place by each replay; returned Tensors are new each call. A step that reads a value on
+the host (`.item()`), computes on the cpu, takes unhashable arguments (NumPy arrays) or
+adds to the `.grad` of the call before cannot be replayed: it keeps running as written,
+and `why_not_replayed` says why.
 """
 
 from __future__ import annotations
@@ -197,6 +201,7 @@ class _Program:
                                           "op by op and has nothing to replay)")
         self.result_structure = _structure(result)
         self.guards = rec.guards
+        self.refreshers = rec.refreshers
         slots = _Slots()
         produced_ids = {id(b) for r in rec.plans for b in r.outputs}
 
@@ -211,7 +216,7 @@ class _Program:
                 continue
             final = t._node
             if final.buffer is None or id(final.buffer) not in produced_ids:
-                raise recorder.NotCapturable("a Tensor is set to a value the step did not compute")
+                continue  # set to a value from outside the step's plans: a value it reads, followed as such
             slots.state_in[id(old.buffer)] = final.buffer
             final_of[id(final)] = final
             self.states.append((ref, final))
@@ -306,6 +311,8 @@ class _Program:
         buffers the replay updates."""
         if not all(read() == value for read, value in self.guards):
             return False
+        for update in self.refreshers:
+            update()
         for constant in self.constants:
             if not self._follow(constant):
                 return False

@@ -67,7 +67,8 @@ class Adam(Optimizer):
                 state["max_exp_avg_sq"] = zeros_like(param)
         if group["maximize"]:
             grad = -grad
-        lr, (beta1, beta2), eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        (beta1, beta2), eps, weight_decay = group["betas"], group["eps"], group["weight_decay"]
+        lr = self._lr(group, param.device)
         dtype = param.dtype
         step = state["step"].assign(state["step"] + 1)
         grad = _wide(grad)

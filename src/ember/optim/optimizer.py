@@ -39,6 +39,7 @@ class Optimizer:
                             "(pass model.parameters() or [tensor])")
         self.defaults = defaults
         self.state: dict[Tensor, dict] = {}
+        self._rates: dict[tuple, list] = {}  # (id(group), device) -> [lr value, 0-d Tensor showing it]
         self.param_groups: list[dict] = []
         groups = list(params)
         if not groups:
@@ -80,6 +81,7 @@ class Optimizer:
             with enable_grad():
                 loss = closure()
         jit.guard(self._hyper_parameters)
+        jit.refresh(self._refresh_rates)
         updated = []
         with no_grad():
             for group in self.param_groups:
@@ -97,9 +99,30 @@ class Optimizer:
         raise NotImplementedError
 
     def _hyper_parameters(self) -> tuple:
-        """Every group's settings but its parameters: what a captured step reads from Python.
-        Insertion order, not sorted: cheaper, and a reordering only costs a harmless recapture."""
-        return tuple(tuple((k, v) for k, v in group.items() if k != "params") for group in self.param_groups)
+        """Every group's settings but its parameters and learning rate: what a captured step reads from
+        Python. Insertion order, not sorted: cheaper, and a reordering only costs a harmless recapture."""
+        return tuple(tuple((k, v) for k, v in group.items() if k not in ("params", "lr"))
+                     for group in self.param_groups)
+
+    def _lr(self, group: dict, device) -> Tensor:
+        """The group's learning rate as a 0-d float32 tensor. The update reads it from device memory, so
+        a replayed step (`ember.jit`) takes the rate a scheduler sets without being recorded again; it
+        is uploaded again only when the rate changes."""
+        rate = self._rates.get((id(group), device))
+        if rate is None:
+            rate = self._rates[id(group), device] = [group["lr"], _tensor(group["lr"], dtype=dtypes.float32,
+                                                                           device=device)]
+        elif rate[0] != group["lr"]:
+            rate[0] = group["lr"]
+            rate[1].data = _tensor(group["lr"], dtype=dtypes.float32, device=device)  # the same Tensor, a new value
+        return rate[1]
+
+    def _refresh_rates(self) -> None:
+        """Before a replay: show each group's current learning rate in the tensor the step reads."""
+        for group in self.param_groups:
+            for (key, device), rate in self._rates.items():
+                if key == id(group) and rate[0] != group["lr"]:
+                    self._lr(group, device)
 
     # -- checkpoints ------------------------------------------------------------------------
     def state_dict(self) -> dict:

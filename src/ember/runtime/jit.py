@@ -48,6 +48,7 @@ class RecordedPlan:
 @dataclass
 class Recorder:
     guards: list[tuple[Callable[[], object], object]] = field(default_factory=list)
+    refreshers: list[Callable[[], None]] = field(default_factory=list)
     plans: list[RecordedPlan] = field(default_factory=list)
     rebound: dict[int, tuple[weakref.ref, Node]] = field(default_factory=dict)  # id(tensor) -> (tensor, old node)
     uploads: dict[int, Node] = field(default_factory=dict)  # id(device buffer) -> the host node it came from
@@ -65,6 +66,13 @@ def guard(read: Callable[[], object]) -> None:
     """Make the capture in progress depend on `read()`: a replay re-reads it and recaptures on a change."""
     if _recording:
         _recording[-1].guards.append((read, read()))
+
+
+def refresh(update: Callable[[], None]) -> None:
+    """Run `update()` before each replay of the step being recorded: it brings Tensors the step reads
+    up to date with Python state (an optimizer's learning rate), and the replay follows them."""
+    if _recording and update not in _recording[-1].refreshers:
+        _recording[-1].refreshers.append(update)
 
 
 def fail(reason: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ember import nested
 from ember.device import Device, as_device, default_device
 from ember.device import device as default_on
 from ember.tensor import Tensor
@@ -40,33 +41,13 @@ def on_device(device: str | Device, fn: Callable[..., Any], *args, **kwargs) -> 
         logits = ember.on_device("cuda", model, images)   # images and logits stay on the CPU
     """
     target = check_device(device)
-    sources = {t.device for t in _tensors((args, kwargs))}
+    sources = {t.device for t in nested.leaves((args, kwargs)) if isinstance(t, Tensor)}
     home = sources.pop() if len(sources) == 1 else default_device()
     with default_on(target):
         result = fn(*_moved(args, target), **_moved(kwargs, target))
     return _moved(result, home)
 
 
-def _tensors(value) -> list[Tensor]:
-    if isinstance(value, Tensor):
-        return [value]
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _tensors(item)]
-    return []
-
-
 def _moved(value, device: Device):
     """`value` with every Tensor in it (through lists, tuples and dicts) moved to `device`."""
-    if isinstance(value, Tensor):
-        return value.to(device)
-    if isinstance(value, dict):
-        moved = value.copy()  # keeps the mapping's type (an OrderedDict, a defaultdict's factory)
-        moved.update((k, _moved(v, device)) for k, v in value.items())
-        return moved
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple takes its fields as arguments
-        return type(value)(*(_moved(v, device) for v in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(_moved(v, device) for v in value)
-    return value
+    return nested.map_leaves(lambda x: x.to(device) if isinstance(x, Tensor) else x, value)

@@ -44,6 +44,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ember import nested
 from ember.compiler import passes
 from ember.ir import Node
 from ember.ops.random import take_offsets
@@ -67,12 +68,11 @@ class JitFunction:
 
     def __call__(self, *args, **kwargs):
         self.stats["calls"] += 1
-        leaves: list = []
-        _flatten((args, kwargs), leaves)
+        leaves = nested.leaves((args, kwargs))
         tensors = [x for x in leaves if isinstance(x, Tensor)]
         first = {}  # the same Tensor passed twice is a different step from two Tensors
         aliases = tuple(first.setdefault(id(t._node), i) for i, t in enumerate(tensors))
-        key = tuple(_describe(x) for x in leaves), aliases, _structure((args, kwargs))
+        key = tuple(_describe(x) for x in leaves), aliases, nested.structure((args, kwargs))
         entry = self._entries.setdefault(key, _Entry())
         if entry.failure is None and any(d is None for d in key[0]):
             entry.failure = (f"{self.__name__} is not replayed: an argument is neither a Tensor nor hashable "
@@ -103,8 +103,7 @@ class JitFunction:
         with recorder.record() as rec:
             rec.arguments = {id(n) for n in nodes_before}
             result = self.fn(*args, **kwargs)
-            out_leaves: list = []
-            _flatten(result, out_leaves)
+            out_leaves = nested.leaves(result)
             # what the step returns or leaves behind (gradients, updated Tensors) is computed in it
             left = [t.grad for ref, _, _ in rec.grads.values() if (t := ref()) is not None and t.grad is not None]
             left += [t for ref, _ in rec.rebound.values() if (t := ref()) is not None]
@@ -141,35 +140,6 @@ class _Entry:
 _OWN_REFERENCES = 3
 
 
-def _flatten(x, leaves: list) -> None:
-    if isinstance(x, (list, tuple)):
-        for item in x:
-            _flatten(item, leaves)
-    elif isinstance(x, dict):
-        for item in x.values():
-            _flatten(item, leaves)
-    else:
-        leaves.append(x)
-
-
-def _structure(x):
-    if isinstance(x, (list, tuple)):
-        return type(x), tuple(_structure(i) for i in x)
-    if isinstance(x, dict):
-        return dict, tuple((k, _structure(v)) for k, v in x.items())
-    return None
-
-
-def _rebuild(structure, leaves):
-    if structure is None:
-        return next(leaves)
-    kind, items = structure
-    if kind is dict:
-        return {k: _rebuild(v, leaves) for k, v in items}
-    values = [_rebuild(i, leaves) for i in items]
-    return kind(*values) if hasattr(kind, "_fields") else kind(values)
-
-
 def _describe(x):
     """What a replay depends on in an argument; None for a value it cannot tell apart from another."""
     if isinstance(x, Tensor):
@@ -199,16 +169,33 @@ class _Program:
         if not rec.plans:
             raise recorder.NotCapturable("it computes nothing on a cuda device (the cpu's reference backend runs "
                                           "op by op and has nothing to replay)")
-        self.result_structure = _structure(result)
-        self.guards = rec.guards
-        self.refreshers = rec.refreshers
-        slots = _Slots()
+        self.result_structure = nested.structure(result)
+        self.guards, self.refreshers = rec.guards, rec.refreshers
+        self.draw_counts = [count for _, _, count in rec.draws]
+        self.constants: list[list] = []  # [tensor, its node, buffer read, buffer last seen] for values only read
+        self.uploads: list[tuple[int, object, object]] = []  # (argument, device buffer, device) for host data
         produced_ids = {id(b) for r in rec.plans for b in r.outputs}
+        slots = _Slots()
+        finals = self._find_states(rec, produced_ids, slots)
+        arg_nodes = {id(t._node): i for i, t in enumerate(args)}
+        self.arg_slots: dict[int, tuple[int, object]] = {  # id(argument's buffer) -> (argument, own buffer)
+            id(t._node.buffer): (i, cuda.torch.empty_like(t._node.buffer))
+            for i, t in enumerate(args) if t._node.buffer is not None and t.device.type == "cuda"}
+        uploaded = {b: arg_nodes[id(src)] for b, src in rec.uploads.items() if id(src) in arg_nodes}
+        returned = {id(t._node) for t in out_leaves if isinstance(t, Tensor)}
+        draw_index = {(seed, offset): k for k, (seed, offset, _) in enumerate(rec.draws)}
+        steps = [self._bind(r, slots, finals, uploaded, returned, draw_index) for r in rec.plans]
+        self.out_slots = self._returns(rec, out_leaves, returned, arg_nodes)
+        self.grads = self._gradients(rec, produced_ids)
+        self.plans = cuda.Replay(steps)
+        if cuda_graph:
+            self.plans.capture_graph()
 
-        # state: Tensors rebound during the step, from a value that existed before it to one it computed.
-        # Replays read and update the state's new buffer; the old value's buffer is never written, so
-        # a Tensor still showing it (a model whose state_dict was loaded, a detached copy) keeps it.
-        final_of: dict[int, Node] = {}
+    def _find_states(self, rec: recorder.Recorder, produced_ids: set[int], slots: _Slots) -> set[int]:
+        """Tensors rebound during the step from a value that existed before it to one it computed; the
+        ids of their final nodes. Replays read and update the state's new buffer; the old value's
+        buffer is never written, so a Tensor still showing it (a detached copy) keeps it."""
+        finals = set()
         self.states: list[tuple] = []  # (tensor ref, node it must still show)
         for ref, old in rec.rebound.values():
             t = ref()
@@ -218,73 +205,65 @@ class _Program:
             if final.buffer is None or id(final.buffer) not in produced_ids:
                 continue  # set to a value from outside the step's plans: a value it reads, followed as such
             slots.state_in[id(old.buffer)] = final.buffer
-            final_of[id(final)] = final
+            finals.add(id(final))
             self.states.append((ref, final))
+        return finals
 
-        # arguments: their buffers, or the device buffers they were uploaded to inside the step
-        arg_nodes = {id(t._node): i for i, t in enumerate(args)}
-        self.arg_slots: dict[int, tuple[int, object]] = {}  # id(argument's buffer) -> (argument, own buffer)
-        for i, t in enumerate(args):
-            if t._node.buffer is not None and t.device.type == "cuda":
-                self.arg_slots[id(t._node.buffer)] = (i, cuda.torch.empty_like(t._node.buffer))
-        uploaded = {b: arg_nodes[id(src)] for b, src in rec.uploads.items() if id(src) in arg_nodes}
+    def _bind(self, r: recorder.RecordedPlan, slots: _Slots, finals: set[int], uploaded: dict, returned: set[int],
+              draw_index: dict):
+        """One recorded plan on fixed buffers: where each input comes from, where each output goes."""
+        from ember.runtime import cuda
 
-        returned = {id(t._node) for t in out_leaves if isinstance(t, Tensor)}
-        draw_index = {(seed, offset): k for k, (seed, offset, _) in enumerate(rec.draws)}
-        self.draw_counts = [count for _, _, count in rec.draws]
-        self.constants: list[list] = []  # [tensor, its node, buffer read, buffer last seen] for values only read
-        self.uploads: list[tuple[int, object, object]] = []  # (argument, device buffer, device) for host data
-        steps = []
-        for r in rec.plans:
-            inputs, reads_state = [], {}
-            for i, (leaf, buffer) in enumerate(zip(r.sig.inputs, r.inputs)):
-                key = id(buffer)
-                if key in slots.produced:
-                    buffer = slots.produced[key]
-                elif key in slots.state_in:
-                    if id(slots.state_in[key]) in slots.written:
-                        raise recorder.NotCapturable("it reads a value's old version after updating it")
-                    buffer = slots.state_in[key]
-                    reads_state[id(buffer)] = i
-                elif key in self.arg_slots:
-                    buffer = self.arg_slots[key][1]
-                elif key in uploaded:
-                    if all(b is not buffer for _, b, _ in self.uploads):
-                        self.uploads.append((uploaded[key], buffer, r.device))
-                else:
-                    self.constants += [[ref, weakref.ref(leaf), buffer, buffer]
-                                       for ref in leaf.handles if ref() is not None]
-                inputs.append(buffer)
-            outputs, copies = [], []
-            for j, (node, buffer) in enumerate(zip(r.kept, r.outputs)):
-                if id(node) in final_of:
-                    source_index = reads_state.get(id(buffer))
-                    in_place = True if source_index is None else recorder.writes_in_place(r.plan, source_index, j)
-                    if in_place is False:  # through a buffer of its own, copied over the state after the plan
-                        copies.append((buffer, cuda.torch.empty_like(buffer)))
-                        buffer = copies[-1][1]
-                    slots.written.add(id(node.buffer))
-                elif id(node) in returned:
-                    node.set_buffer(buffer.clone())  # this call's result stays; replays write the slot
-                slots.produced[id(r.outputs[j])] = r.outputs[j]
-                outputs.append(buffer)
-            seed_draws = [draw_index.get(s, -1) for s in r.sig.seeds]
-            sig = passes.Signature(r.sig.key, [], r.sig.scalars, r.sig.seeds)  # not the old values' nodes
-            steps.append(cuda.ReplayStep(r.plan, sig, r.device, inputs, outputs, copies, seed_draws))
-        returned_slots = {id(node): out for r in rec.plans for node, out in zip(r.kept, r.outputs)
-                          if id(node) in returned}
-        self.out_slots = []  # ("computed", buffer, node) | ("argument", index, None) | ("value", value, None)
+        inputs, reads_state = [], {}
+        for i, (leaf, buffer) in enumerate(zip(r.sig.inputs, r.inputs)):
+            key = id(buffer)
+            if key in slots.produced:
+                buffer = slots.produced[key]
+            elif key in slots.state_in:
+                if id(slots.state_in[key]) in slots.written:
+                    raise recorder.NotCapturable("it reads a value's old version after updating it")
+                buffer = slots.state_in[key]
+                reads_state[id(buffer)] = i
+            elif key in self.arg_slots:
+                buffer = self.arg_slots[key][1]
+            elif key in uploaded:
+                if all(b is not buffer for _, b, _ in self.uploads):
+                    self.uploads.append((uploaded[key], buffer, r.device))
+            else:
+                holders = [ref for ref in leaf.handles if ref() is not None]
+                self.constants += [[ref, weakref.ref(leaf), buffer, buffer] for ref in holders]
+            inputs.append(buffer)
+        outputs, copies = [], []
+        for j, (node, buffer) in enumerate(zip(r.kept, r.outputs)):
+            if id(node) in finals:
+                source = reads_state.get(id(buffer))
+                in_place = True if source is None else recorder.writes_in_place(r.plan, source, j)
+                if in_place is False:  # through a buffer of its own, copied over the state after the plan
+                    copies.append((buffer, cuda.torch.empty_like(buffer)))
+                    buffer = copies[-1][1]
+                slots.written.add(id(node.buffer))
+            elif id(node) in returned:
+                node.set_buffer(buffer.clone())  # this call's result stays; replays write the slot
+            slots.produced[id(r.outputs[j])] = r.outputs[j]
+            outputs.append(buffer)
+        seed_draws = [draw_index.get(s, -1) for s in r.sig.seeds]
+        sig = passes.Signature(r.sig.key, [], r.sig.scalars, r.sig.seeds)  # not the old values' nodes
+        return cuda.ReplayStep(r.plan, sig, r.device, inputs, outputs, copies, seed_draws)
+
+    @staticmethod
+    def _returns(rec: recorder.Recorder, out_leaves: list, returned: set[int], arg_nodes: dict) -> list[tuple]:
+        """How to make each returned leaf: ("computed", buffer, (dtype, device)), ("argument", index, None)
+        or ("value", value, None) for a constant or a Python value."""
+        computed = {id(node): out for r in rec.plans for node, out in zip(r.kept, r.outputs) if id(node) in returned}
+        slots = []
         for t in out_leaves:
-            if isinstance(t, Tensor) and id(t._node) in returned_slots:
-                self.out_slots.append(("computed", returned_slots[id(t._node)], t._node))
+            if isinstance(t, Tensor) and id(t._node) in computed:
+                slots.append(("computed", computed[id(t._node)], (t.dtype, t.device)))
             elif isinstance(t, Tensor) and id(t._node) in arg_nodes:
-                self.out_slots.append(("argument", arg_nodes[id(t._node)], None))
-            else:  # a constant or a Python value
-                self.out_slots.append(("value", t, None))
-        self.grads = self._gradients(rec, produced_ids)
-        self.plans = cuda.Replay(steps)
-        if cuda_graph:
-            self.plans.capture_graph()
+                slots.append(("argument", arg_nodes[id(t._node)], None))
+            else:
+                slots.append(("value", t, None))
+        return slots
 
     @staticmethod
     def _gradients(rec: recorder.Recorder, produced_ids: set[int]) -> list[tuple]:
@@ -382,12 +361,12 @@ class _Program:
             self.plans.run(draws)
             self._rebind_gradients()
         leaves = iter([_returned(value, args) for value in self.out_slots])
-        return _rebuild(self.result_structure, leaves) if self.result_structure is not None else next(leaves)
+        return nested.rebuild(self.result_structure, leaves)
 
 
 def _returned(value: tuple, args: list[Tensor]):
     """One returned leaf: a fresh Tensor of a computed value, an argument, or a value as recorded."""
-    kind, what, like = value
+    kind, what, placed = value
     if kind == "computed":
-        return Tensor(Node.from_buffer(what.clone(), like.dtype, like.device))
+        return Tensor(Node.from_buffer(what.clone(), *placed))
     return args[what] if kind == "argument" else what

@@ -289,3 +289,23 @@ def test_plans_are_stored_on_disk_and_a_corrupt_entry_is_rebuilt(rng, tmp_path, 
     cuda._plans.clear()
     np.testing.assert_allclose(step(x).numpy(), expected, rtol=1e-5, atol=1e-6)
     assert cuda.stats["plans_compiled"] - before["plans_compiled"] == 2
+
+
+def test_a_convolution_takes_bias_batch_norm_residual_and_activation_in_one_neighbour_kernel(rng):
+    import ember.nn as nn
+    import ember.nn.functional as F
+
+    def block(device):
+        ember.manual_seed(0)
+        conv, bn = nn.Conv2d(8, 8, 3, padding=1).to(device), nn.BatchNorm2d(8).to(device)
+        bn.running_mean.data = ember.randn(8, device=device) * 0.1
+        bn.running_var.data = ember.rand(8, device=device) + 0.5
+        bn.eval()
+        x = ember.tensor(data, device=device)
+        return F.relu(bn(conv(x)) + x)
+
+    data = rng.standard_normal((2, 8, 12, 12)).astype(np.float32)
+    out = block("cuda")  # the module is moved lazily: explain moves it first, as the runtime does
+    p = plan(out)
+    assert [k.kind for k in p.kernels] == ["conv2d", "pointwise"]
+    assert_close(out, block("cpu"), rtol=1e-4, atol=1e-5)

@@ -254,3 +254,15 @@ def test_module_to_dtype_keeps_the_device():
     assert all(p.device == ember.Device("cuda") and p.dtype is ember.bfloat16 for p in model.parameters())
     model.to("cpu", ember.float32)
     assert all(p.device == ember.Device("cpu") and p.dtype is ember.float32 for p in model.parameters())
+
+
+def test_the_device_context_places_new_tensors_and_modules():
+    with ember.device("cuda"):
+        model = ember.nn.Linear(4, 3)
+        x = ember.randn(2, 4)
+        y = model(x)
+    assert all(p.device == ember.Device("cuda") for p in model.parameters())
+    assert x.device == y.device == ember.Device("cuda")
+    assert ember.zeros(1).device == ember.Device("cpu")  # back to the default outside the block
+    expected = x.numpy() @ model.weight.numpy().T + model.bias.numpy()
+    np.testing.assert_allclose(y.numpy(), expected, rtol=1e-5, atol=1e-6)

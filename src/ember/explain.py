@@ -10,7 +10,7 @@ import contextlib
 
 from ember.compiler import fusion, passes, schedule
 from ember.compiler.codegen import triton as codegen
-from ember.ir import Kind, Node, Op, toposort
+from ember.ir import Kind, Node, Op
 
 
 def _mib(n: int) -> str:
@@ -139,9 +139,12 @@ def _upstream(cores: list[Node], work: list[Node]) -> list[Node]:
 
 
 def plan(*tensors) -> Plan:
-    """The fused plan that computing these tensors (and what they need) would run."""
-    nodes = [t._node for t in tensors]
-    order = toposort(nodes)
+    """The fused plan that computing these tensors (and what they need) would run. Values the graph
+    copies from another device are moved first, as the runtime moves them before it plans."""
+    from ember.runtime import executor
+
+    nodes = [t._node for t in tensors if not t._node.realized]
+    order = executor.pending_on_one_device(nodes)
     return Plan(order, {id(n) for n in nodes} | {id(n) for n in order if n.is_held()})
 
 

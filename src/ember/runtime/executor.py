@@ -70,6 +70,16 @@ def realize_with_next(node: Node) -> None:
     _companions.append(weakref.ref(node))
 
 
+def pending_on_one_device(nodes: list[Node]) -> list[Node]:
+    """The pending graph behind `nodes`, after moving across devices what it copies from elsewhere
+    (a transfer computes its source where it lives first): what one backend then evaluates."""
+    order = toposort(nodes)
+    transfers = [n for n in order if n.op is Op.COPY and n.inputs[0].device != n.device]
+    for n in transfers:
+        _transfer(n)
+    return toposort(nodes) if transfers else order
+
+
 def realize(nodes: Iterable[Node]) -> None:
     requested = [n for n in nodes if not n.realized]
     if not requested:
@@ -80,14 +90,9 @@ def realize(nodes: Iterable[Node]) -> None:
                  and n.device == device and n.is_held()]
         _companions.clear()
         requested += [n for n in extra if n not in requested]
-    order = toposort(requested)
-    transfers = [n for n in order if n.op is Op.COPY and n.inputs[0].device != n.device]
-    if transfers:
-        for n in transfers:
-            _transfer(n)
-        order = toposort(requested)
-        if not order:
-            return
+    order = pending_on_one_device(requested)
+    if not order:
+        return
     keep = {id(n) for n in requested} | {id(n) for n in order if n.is_held()}
     by_device: dict = {}
     for n in order:

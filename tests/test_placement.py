@@ -266,3 +266,20 @@ def test_the_device_context_places_new_tensors_and_modules():
     assert ember.zeros(1).device == ember.Device("cpu")  # back to the default outside the block
     expected = x.numpy() @ model.weight.numpy().T + model.bias.numpy()
     np.testing.assert_allclose(y.numpy(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_matmul_precision_is_set_as_in_pytorch():
+    import torch
+
+    from ember.runtime import cuda  # noqa: F401 - the backend follows the setting once loaded
+
+    assert ember.get_matmul_precision() == "highest"
+    try:
+        ember.set_matmul_precision("high")
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+        ember.set_matmul_precision("highest")
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+        with pytest.raises(ValueError, match="highest, high, medium"):
+            ember.set_matmul_precision("low")
+    finally:
+        ember.set_matmul_precision("highest")

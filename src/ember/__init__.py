@@ -6,7 +6,14 @@ then the whole pending graph is computed at once.
 
 from ember import data, dtypes, nn, optim
 from ember.autograd import enable_grad, grad, inference_mode, is_grad_enabled, no_grad, set_grad_enabled
-from ember.device import Device, default_device, device, memory_stats
+from ember.device import (
+    Device,
+    default_device,
+    device,
+    get_matmul_precision,
+    memory_stats,
+    set_matmul_precision,
+)
 from ember.dtypes import (
                           DType,
                           bfloat16,
@@ -45,5 +52,6 @@ __all__ = [
     "ShapeError", "bfloat16", "bool", "default_device", "device", "double", "dtypes", "enable_grad", "float",
     "float16", "float32", "float64", "grad", "half", "inference_mode", "int", "int8", "int16", "int32", "int64",
     "is_grad_enabled", "long", "no_grad", "on_device", "promote_types", "realize", "result_type", "set_grad_enabled",
-    "short", "uint8", "data", "nn", "optim", "explain", "load", "save", "jit", "memory_stats", *_ops_all,
+    "short", "uint8", "data", "nn", "optim", "explain", "load", "save", "jit", "memory_stats",
+    "set_matmul_precision", "get_matmul_precision", *_ops_all,
 ]

@@ -75,3 +75,24 @@ def memory_stats(d: str | Device | None = None) -> dict:
     from ember.runtime import cuda
 
     return cuda.memory_stats(target)
+
+
+_MATMUL_PRECISIONS = ("highest", "high", "medium")
+_matmul_precision = ["highest"]
+
+
+def set_matmul_precision(precision: str) -> None:
+    """How float32 matmuls and convolutions run on cuda, as `torch.set_float32_matmul_precision`:
+    "highest" in float32, "high" (or "medium") on TF32 tensor cores (a 10-bit mantissa, about 3e-4
+    relative error, several times faster). The cpu reference backend always computes in full."""
+    if precision not in _MATMUL_PRECISIONS:
+        raise ValueError(f"set_matmul_precision: expected one of {', '.join(_MATMUL_PRECISIONS)}, got {precision!r}")
+    _matmul_precision[0] = precision
+    import sys
+
+    if "ember.runtime.cuda" in sys.modules:  # else the backend applies it when it is loaded
+        sys.modules["ember.runtime.cuda"].apply_matmul_precision(precision)
+
+
+def get_matmul_precision() -> str:
+    return _matmul_precision[0]

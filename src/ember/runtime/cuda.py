@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from ember import dtypes  # noqa: E402
 from ember.compiler import fusion, passes, schedule  # noqa: E402
 from ember.compiler.codegen import triton as codegen  # noqa: E402
-from ember.device import Device  # noqa: E402
+from ember.device import Device, get_matmul_precision  # noqa: E402
 from ember.errors import CompileError, DeviceError, OutOfMemoryError  # noqa: E402
 from ember.ir import Node, Op  # noqa: E402
 from ember.runtime import jit  # noqa: E402
@@ -41,6 +41,16 @@ if INTERPRET:
     from ember.runtime import triton_interpreter
 
     triton_interpreter.apply()
+
+
+def apply_matmul_precision(precision: str) -> None:
+    """cuBLAS and cuDNN take float32 products in TF32 unless the precision is "highest"."""
+    tf32 = precision != "highest"
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+
+
+apply_matmul_precision(get_matmul_precision())
 
 
 def is_available() -> bool:

@@ -378,3 +378,108 @@ def test_switching_to_eval_mode_records_again():
         step(x)
     model.eval()
     np.testing.assert_array_equal(step(x).numpy(), model(x).numpy())
+
+
+def test_a_recorded_step_reads_what_another_recorded_step_updated():
+    def run(use_jit):
+        model, opt = make()
+        train_step = step_fn(model, opt)
+        evaluate = lambda x, y: F.cross_entropy(model(x), y)  # noqa: E731
+        if use_jit:
+            train_step, evaluate = ember.jit(train_step), ember.jit(evaluate)
+        batch = [ember.tensor(v, device="cuda") for v in BATCHES[0]]
+        losses = [evaluate(*batch).item() for _ in range(2)]
+        for x, y in BATCHES:
+            train_step(ember.tensor(x, device="cuda"), ember.tensor(y, device="cuda"))
+            losses.append(evaluate(*batch).item())
+        return losses
+
+    assert run(True) == run(False)
+
+
+def test_a_recorded_update_that_clears_gradients_clears_them_each_replay():
+    model, opt = make("sgd")
+
+    @ember.jit
+    def update():
+        opt.step()
+        opt.zero_grad()
+
+    for x, y in BATCHES:
+        F.cross_entropy(model(ember.tensor(x, device="cuda")), ember.tensor(y, device="cuda")).backward()
+        ember.realize(*(p.grad for p in model.parameters()))  # gradients from outside, computed first
+        update()
+        assert all(p.grad is None for p in model.parameters())
+    reference, ref_opt = make("sgd")
+    for x, y in BATCHES:
+        F.cross_entropy(reference(ember.tensor(x, device="cuda")), ember.tensor(y, device="cuda")).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for a, b in zip(params(model), params(reference)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_gradients_of_a_backward_pass_outside_the_step_are_not_replayed():
+    model, opt = make("sgd")
+    update = ember.jit(lambda: opt.step())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for x, y in BATCHES[:4]:
+            opt.zero_grad()
+            F.cross_entropy(model(ember.tensor(x, device="cuda")), ember.tensor(y, device="cuda")).backward()
+            update()
+    assert update.stats["replays"] == 0 and "outside" in update.why_not_replayed[0]
+
+
+def test_unfreezing_a_parameter_records_again():
+    def run(use_jit):
+        model, opt = make("sgd")
+        model[0].weight.requires_grad_(False)
+        step = ember.jit(step_fn(model, opt)) if use_jit else step_fn(model, opt)
+        return train(step, BATCHES, lambda i: model[0].weight.requires_grad_(True) if i == 3 else None)
+
+    assert run(True) == run(False)
+
+
+def test_a_scheduler_stepped_inside_the_step_runs_as_written():
+    def run(use_jit):
+        model, opt = make()
+        scheduler = ember.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        step = step_fn(model, opt)
+
+        def with_schedule(x, y):
+            loss = step(x, y)
+            scheduler.step()
+            return loss
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return train(ember.jit(with_schedule) if use_jit else with_schedule, BATCHES), opt.param_groups[0]["lr"]
+
+    assert run(True) == run(False)
+
+
+def test_float64_parameters_keep_a_float64_learning_rate():
+    p = ember.ones(3, dtype=ember.float64, device="cuda", requires_grad=True)
+    opt = ember.optim.SGD([p], lr=0.1)
+    p.sum().backward()
+    opt.step()
+    np.testing.assert_array_equal(p.numpy(), np.full(3, 0.9))
+
+
+def test_a_step_that_sets_the_mode_itself_is_replayed():
+    model, opt = make(dropout=0.5)
+    train_step = step_fn(model, opt)
+
+    def train_mode_step(x, y):
+        model.train()
+        return train_step(x, y)
+
+    def eval_step(x):
+        model.eval()
+        return model(x)
+
+    jitted_train, jitted_eval = ember.jit(train_mode_step), ember.jit(eval_step)
+    for x, y in BATCHES:
+        jitted_train(ember.tensor(x, device="cuda"), ember.tensor(y, device="cuda"))
+        jitted_eval(ember.tensor(x, device="cuda"))
+    assert jitted_train.stats["replays"] == 3 and jitted_eval.stats["replays"] >= 3

@@ -279,7 +279,7 @@ def test_step_guards_every_hyper_parameter_but_the_parameters_and_the_rate(monke
     assert read() == before
     opt.param_groups[1]["lr"] = 0.05
     assert read() == before
-    rate = opt._lr(opt.param_groups[1], model.bias.device)
+    rate = opt._lr(opt.param_groups[1], model.bias.device, model.bias.dtype)
     assert rate.item() == pytest.approx(0.05)
     opt.param_groups[1]["lr"] = 0.02
     refreshers[0]()

@@ -18,9 +18,10 @@ What may change between replays, and how it is handled:
 - argument shapes, dtypes, devices and aliasing, and non-Tensor argument values: each
   combination is recorded on its own, as a new step;
 - the learning rate: the optimizer reads it from a 0-d tensor that each replay brings up
-  to date (a scheduler stepping every iteration costs nothing);
-- other hyper-parameters and train/eval mode: re-read before each replay, and a change
-  records the step again;
+  to date (a scheduler stepped every iteration, outside the function, costs nothing);
+- other hyper-parameters, train/eval mode and which parameters require gradients:
+  re-read before each replay, and a change records the step again (a mode the step sets
+  itself is set by its replays too);
 - values set from outside (`load_state_dict`, a parameter updated by an optimizer outside
   the step): the replay follows them, or records again when it cannot;
 - copies of a parameter kept from before a replay keep their value.
@@ -30,9 +31,10 @@ Tensor arguments), and values created from host data inside the function are con
 Random numbers drawn inside the step are fresh at every replay (such steps replay launch
 by launch instead of as a CUDA graph). Gradients the step leaves in `.grad` are rewritten
 in place by each replay; returned Tensors are new each call. A step that reads a value on
-the host (`.item()`), computes on the cpu, takes unhashable arguments (NumPy arrays) or
-adds to the `.grad` of the call before cannot be replayed: it keeps running as written,
-and `why_not_replayed` says why.
+the host (`.item()`), computes on the cpu, takes unhashable arguments (NumPy arrays), steps
+a scheduler inside itself, optimizes gradients of a backward pass run outside it, or adds
+to the `.grad` of the call before cannot be replayed: it keeps running as written, and
+`why_not_replayed` says why.
 """
 
 from __future__ import annotations
@@ -172,7 +174,7 @@ class _Program:
         self.result_structure = nested.structure(result)
         self.guards, self.refreshers = rec.guards, rec.refreshers
         self.draw_counts = [count for _, _, count in rec.draws]
-        self.constants: list[list] = []  # [tensor, its node, buffer read, buffer last seen] for values only read
+        self.constants: list[tuple] = []  # (tensor, its node, buffer read) for values the step only reads
         self.uploads: list[tuple[int, object, object]] = []  # (argument, device buffer, device) for host data
         produced_ids = {id(b) for r in rec.plans for b in r.outputs}
         slots = _Slots()
@@ -231,7 +233,7 @@ class _Program:
                     self.uploads.append((uploaded[key], buffer, r.device))
             else:
                 holders = [ref for ref in leaf.handles if ref() is not None]
-                self.constants += [[ref, weakref.ref(leaf), buffer, buffer] for ref in holders]
+                self.constants += [(ref, weakref.ref(leaf), buffer) for ref in holders]
             inputs.append(buffer)
         outputs, copies = [], []
         for j, (node, buffer) in enumerate(zip(r.kept, r.outputs)):
@@ -273,7 +275,10 @@ class _Program:
         grads = []
         for ref, before, first in rec.grads.values():
             p = ref()
-            if p is None or p.grad is None:
+            if p is None:
+                continue
+            if p.grad is None:  # the step clears it
+                grads.append((ref, None, False))
                 continue
             if p.grad._node.buffer is None or id(p.grad._node.buffer) not in produced_ids:
                 raise recorder.NotCapturable("a .grad is set to a value the step did not compute")
@@ -288,10 +293,10 @@ class _Program:
     def still_valid(self) -> bool:
         """Whether a replay computes what the Python would; on the way, make the state Tensors show the
         buffers the replay updates."""
+        for update in self.refreshers:  # first: what the step itself sets (a mode) is then as it will be
+            update()
         if not all(read() == value for read, value in self.guards):
             return False
-        for update in self.refreshers:
-            update()
         for constant in self.constants:
             if not self._follow(constant):
                 return False
@@ -328,18 +333,18 @@ class _Program:
 
     @staticmethod
     def _follow(constant: list) -> bool:
-        """Keep a value the step reads up to date with the Tensor that shows it (parameters updated
-        outside the step): copy a new value into the buffer the replay reads once the node that held
-        that buffer is gone (nothing can see the old value any more); else record the step again."""
-        ref, node, buffer, seen = constant
+        """Keep a value the step reads up to date with the Tensor that shows it (a parameter updated
+        outside the step, or by another recorded step): copy its value into the buffer the replay
+        reads, once the node that held that buffer is gone (nothing can see the old value any more);
+        else record the step again."""
+        ref, node, buffer = constant
         t = ref()
-        if t is None or t._node.buffer is seen:
+        if t is None or t._node.buffer is buffer:
             return True
         current = t._node.buffer
         if node() is not None or current is None or current.shape != buffer.shape or current.dtype != buffer.dtype:
             return False
         buffer.copy_(current)
-        constant[3] = current
         return True
 
     def _rebind_gradients(self) -> None:

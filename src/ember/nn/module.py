@@ -62,9 +62,13 @@ class Module:
         raise NotImplementedError(f"{type(self).__name__} has no forward(); define one in the subclass")
 
     def __call__(self, *args, **kwargs):
-        if jit.recording():  # a recorded step depends on train/eval mode (dropout, batch norm)
+        if jit.recording():  # a recorded step depends on train/eval mode and on which parameters train
             jit.guard(functools.partial(getattr, self, "training"))
+            jit.guard(self._trainable)
         return self.forward(*args, **kwargs)
+
+    def _trainable(self) -> tuple[bool, ...]:
+        return tuple(p.requires_grad for p in self._parameters.values() if p is not None)
 
     # -- registration -------------------------------------------------------------------
     def __setattr__(self, name: str, value) -> None:
@@ -219,6 +223,8 @@ class Module:
     def train(self, mode: bool = True) -> Module:
         if not isinstance(mode, bool):
             raise ValueError(f"train(): mode must be a bool, got {mode!r}")
+        if jit.recording():  # a step that sets the mode itself: its replays set it as well
+            jit.refresh(functools.partial(self.train, mode))
         for module in self.modules():
             object.__setattr__(module, "training", mode)
         return self

@@ -68,7 +68,7 @@ class Adam(Optimizer):
         if group["maximize"]:
             grad = -grad
         (beta1, beta2), eps, weight_decay = group["betas"], group["eps"], group["weight_decay"]
-        lr = self._lr(group, param.device)
+        lr = self._lr(group, param.device, param.dtype)
         dtype = param.dtype
         step = state["step"].assign(state["step"] + 1)
         grad = _wide(grad)

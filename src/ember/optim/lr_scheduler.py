@@ -12,6 +12,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 
 from ember.optim.optimizer import Optimizer
+from ember.runtime import jit
 
 
 class LRScheduler:
@@ -40,6 +41,8 @@ class LRScheduler:
         return self._last_lr
 
     def step(self) -> None:
+        # a replay does not run Python: the rate it would set is read before each replay instead
+        jit.fail("it steps a learning-rate scheduler inside itself; step the scheduler outside the step")
         self._step_count += 1
         self.last_epoch += 1
         for group, lr in zip(self.optimizer.param_groups, self.get_lr()):

@@ -39,7 +39,7 @@ class Optimizer:
                             "(pass model.parameters() or [tensor])")
         self.defaults = defaults
         self.state: dict[Tensor, dict] = {}
-        self._rates: dict[tuple, list] = {}  # (id(group), device) -> [lr value, 0-d Tensor showing it]
+        self._rates: dict[tuple, list] = {}  # (id(group), device, dtype) -> [lr value, 0-d Tensor showing it]
         self.param_groups: list[dict] = []
         groups = list(params)
         if not groups:
@@ -88,6 +88,8 @@ class Optimizer:
                 for p in group["params"]:
                     if p.grad is None:
                         continue
+                    if jit.recording():
+                        jit.note_grad_read(p)
                     state = self.state.setdefault(p, {})
                     self._update(p, p.grad, state, group)
                     updated.append(p)
@@ -104,25 +106,26 @@ class Optimizer:
         return tuple(tuple((k, v) for k, v in group.items() if k not in ("params", "lr"))
                      for group in self.param_groups)
 
-    def _lr(self, group: dict, device) -> Tensor:
+    def _lr(self, group: dict, device, dtype) -> Tensor:
         """The group's learning rate as a 0-d float32 tensor. The update reads it from device memory, so
         a replayed step (`ember.jit`) takes the rate a scheduler sets without being recorded again; it
         is uploaded again only when the rate changes."""
-        rate = self._rates.get((id(group), device))
+        dtype = dtypes.float64 if dtype is dtypes.float64 else dtypes.float32  # float64 parameters keep theirs
+        rate = self._rates.get((id(group), device, dtype))
         if rate is None:
-            rate = self._rates[id(group), device] = [group["lr"], _tensor(group["lr"], dtype=dtypes.float32,
-                                                                           device=device)]
+            rate = self._rates[id(group), device, dtype] = [group["lr"], _tensor(group["lr"], dtype=dtype,
+                                                                                  device=device)]
         elif rate[0] != group["lr"]:
             rate[0] = group["lr"]
-            rate[1].data = _tensor(group["lr"], dtype=dtypes.float32, device=device)  # the same Tensor, a new value
+            rate[1].data = _tensor(group["lr"], dtype=dtype, device=device)  # the same Tensor, a new value
         return rate[1]
 
     def _refresh_rates(self) -> None:
         """Before a replay: show each group's current learning rate in the tensor the step reads."""
         for group in self.param_groups:
-            for (key, device), rate in self._rates.items():
+            for (key, device, dtype), rate in list(self._rates.items()):
                 if key == id(group) and rate[0] != group["lr"]:
-                    self._lr(group, device)
+                    self._lr(group, device, dtype)
 
     # -- checkpoints ------------------------------------------------------------------------
     def state_dict(self) -> dict:

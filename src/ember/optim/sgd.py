@@ -41,4 +41,4 @@ class SGD(Optimizer):
             else:
                 buf.assign(buf * momentum + grad * (1 - group["dampening"]))
             grad = grad + buf * momentum if group["nesterov"] else buf
-        param.assign(param - grad * self._lr(group, param.device))
+        param.assign(param - grad * self._lr(group, param.device, param.dtype))

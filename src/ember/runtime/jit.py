@@ -19,6 +19,7 @@ replayed launch by launch instead, so each replay gets fresh random offsets.
 
 from __future__ import annotations
 
+import functools
 import signal
 import threading
 import weakref
@@ -89,6 +90,22 @@ def note_rebind(tensor, old: Node) -> None:
 def note_grad(tensor, old, new) -> None:
     if _recording and id(tensor) not in _recording[-1].grads:
         _recording[-1].grads[id(tensor)] = (weakref.ref(tensor), old, new)
+
+
+def note_grad_read(tensor) -> None:
+    """The step reads `tensor.grad`. A gradient set inside the step is part of the recording; one
+    computed before it is an input: a replay must see the same one (or the step is recorded again),
+    and one still pending would be computed inside the recording from inputs the replay cannot know."""
+    if not _recording or id(tensor) in _recording[-1].grads:
+        return
+    if not tensor.grad._node.realized:
+        fail("it reads gradients of a backward pass run outside it (run the backward pass inside the step)")
+    else:  # the buffer stays alive while the recording reads it, so its id names it
+        guard(functools.partial(_grad_buffer, tensor))
+
+
+def _grad_buffer(tensor) -> int | None:
+    return id(tensor.grad._node.buffer) if tensor.grad is not None else None
 
 
 def note_upload(buffer, source: Node) -> None:

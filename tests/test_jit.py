@@ -353,8 +353,7 @@ def test_numpy_arguments_are_not_replayed_from_stale_data():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         values = [step(np.full(3, k, np.float32)).item() for k in range(4)]
-    assert values == [w.sum().item() * 3 * k for k in range(4)] or np.allclose(
-        values, [w.sum().item() * 3 * k for k in range(4)], rtol=1e-6)
+    np.testing.assert_allclose(values, [w.sum().item() * 3 * k for k in range(4)], rtol=1e-6)
     assert step.stats["replays"] == 0
 
 

@@ -142,10 +142,6 @@ class Plan:
     compile_seconds: float = 0.0
     steps: list | None = field(default=None, repr=False)  # launch recipes, rebuilt after loading
 
-    @property
-    def launches(self) -> int:
-        return sum(len(ck.source.launches) if ck.source else 1 for ck in self.kernels)
-
 
 _plans: dict[tuple, Plan] = {}
 stats = {"plans_compiled": 0, "plans_loaded": 0, "plan_hits": 0, "launches": 0}

@@ -88,30 +88,14 @@ def upload(array: np.ndarray, device: Device) -> torch.Tensor:
     stats["bytes_uploaded"] += array.nbytes
     if target.type == "cpu":  # the interpreter: a CPU tensor that never aliases the array
         return _cpu_tensor(np.array(array, dtype=dtype.np, order="C", copy=True))
-    compute = torch.cuda.current_stream(target)
-    stream = upload_stream(device)
-    # The destination is allocated on the upload stream, not on the compute stream: a block the caching
-    # allocator hands out on the compute stream may have been freed by a tensor that queued kernels still
-    # read, which is safe for later compute-stream work but not for a copy on another stream (the upload
-    # would have to wait for all queued compute, losing the overlap). Blocks of the upload stream's pool
-    # were last written by earlier uploads, in order on this stream. `record_stream(compute)` makes the
-    # allocator wait for the compute stream's use of this tensor before the block is handed out again.
-    with torch.cuda.stream(stream):
-        dest = torch.empty(array.shape, dtype=dtypes.to_torch(dtype), device=target)
-    dest.record_stream(compute)
-    if array.size == 0:
-        return dest
     source = np.ascontiguousarray(array, dtype=dtype.np).reshape(-1).view(np.uint8)
-    dest_bytes = dest.view(-1).view(torch.uint8)
-    for start in range(0, source.size, STAGING_BYTES):
-        n = min(STAGING_BYTES, source.size - start)
-        staging = _take(target.index, wait=True)
+
+    def fill(staging: _Staging, start: int, n: int) -> None:
         staging.bytes[:n] = source[start:start + n]  # the only copy the host waits for
-        with torch.cuda.stream(stream):
-            dest_bytes[start:start + n].copy_(staging.host[:n], non_blocking=True)
-        staging.event.record(stream)
-        _give_back(target.index, staging)
-    compute.wait_event(staging.event)  # copies on one stream finish in order: the last event covers all
+
+    pieces = [(start, min(STAGING_BYTES, source.size - start)) for start in range(0, source.size, STAGING_BYTES)]
+    dest, done = _staged(device, array.shape, dtypes.to_torch(dtype), pieces, fill)
+    torch.cuda.current_stream(target).wait_event(done)
     return dest
 
 
@@ -126,23 +110,43 @@ def upload_rows(array: np.ndarray, rows: np.ndarray, device: Device) -> tuple[to
         return upload(array[rows], device), None
     stats["uploads"] += 1
     stats["bytes_uploaded"] += row_bytes * len(rows)
-    compute = torch.cuda.current_stream(target)
-    stream = upload_stream(device)
     source = _cpu_tensor(array)
-    with torch.cuda.stream(stream):  # allocated on the upload stream: see `upload`
-        dest = torch.empty((len(rows), *array.shape[1:]), dtype=source.dtype, device=target)
-    dest.record_stream(compute)
-    dest_bytes = dest.view(-1).view(torch.uint8)
     rows = torch.from_numpy(np.asarray(rows, dtype=np.int64))
-    per_chunk = STAGING_BYTES // row_bytes
-    for first in range(0, len(rows), per_chunk):
-        chunk = rows[first:first + per_chunk]
-        n = len(chunk) * row_bytes
-        staging = _take(target.index, wait=True)
+
+    def fill(staging: _Staging, start: int, n: int) -> None:
+        chunk = rows[start // row_bytes:(start + n) // row_bytes]
         gathered = staging.host[:n].view(source.dtype).view(len(chunk), *array.shape[1:])
         torch.index_select(source, 0, chunk, out=gathered)
+
+    per_chunk = STAGING_BYTES // row_bytes * row_bytes
+    total = len(rows) * row_bytes
+    pieces = [(start, min(per_chunk, total - start)) for start in range(0, total, per_chunk)]
+    return _staged(device, (len(rows), *array.shape[1:]), source.dtype, pieces, fill)
+
+
+def _staged(device: Device, shape: tuple[int, ...], dtype: torch.dtype, pieces: list[tuple[int, int]],
+            fill) -> tuple[torch.Tensor, torch.cuda.Event]:
+    """A new device tensor filled through staging buffers: for each (byte offset, byte count) piece,
+    `fill(staging, offset, count)` writes the bytes into a pinned buffer, which is then copied on the
+    upload stream. Returns the tensor and an event recorded after the last copy."""
+    target = torch_device(device)
+    compute = torch.cuda.current_stream(target)
+    stream = upload_stream(device)
+    # The destination is allocated on the upload stream, not on the compute stream: a block the caching
+    # allocator hands out on the compute stream may have been freed by a tensor that queued kernels still
+    # read, which is safe for later compute-stream work but not for a copy on another stream (the upload
+    # would have to wait for all queued compute, losing the overlap). Blocks of the upload stream's pool
+    # were last written by earlier uploads, in order on this stream. `record_stream(compute)` makes the
+    # allocator wait for the compute stream's use of this tensor before the block is handed out again.
+    with torch.cuda.stream(stream):
+        dest = torch.empty(shape, dtype=dtype, device=target)
+    dest.record_stream(compute)
+    dest_bytes = dest.view(-1).view(torch.uint8)
+    for start, n in pieces:
+        staging = _take(target.index, wait=True)
+        fill(staging, start, n)
         with torch.cuda.stream(stream):
-            dest_bytes[first * row_bytes:first * row_bytes + n].copy_(staging.host[:n], non_blocking=True)
+            dest_bytes[start:start + n].copy_(staging.host[:n], non_blocking=True)
         staging.event.record(stream)
         _give_back(target.index, staging)
     done = torch.cuda.Event()  # of its own: a staging buffer's event moves on to its next copy

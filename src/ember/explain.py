@@ -47,7 +47,7 @@ class Plan:
         self.lowered = passes.lower(order, keep, self.signature)
         self.kernels, self.stored = fusion.plan(self.lowered.nodes, self.lowered.outputs)
         self.sources = {id(k): codegen.generate(k, self.stored) for k in self.kernels
-                        if k.kind not in ("matmul", "conv2d")}
+                        if k.kind not in ("matmul", "conv2d") or k.core is not None}
         self.unfused = sum(1 for n in order if _is_work(n))
         # the runtime's default schedule: one stream (several are used only when asked for, in graphs)
         self.schedule = schedule.schedule(self.kernels, self.lowered.outputs, [False] * len(self.kernels), 1)
@@ -56,7 +56,33 @@ class Plan:
     @property
     def launches(self) -> int:
         return sum(len(s.launches) for s in self.sources.values()) + sum(
-            1 for k in self.kernels if k.kind in ("matmul", "conv2d"))
+            1 for k in self.kernels if k.kind in ("matmul", "conv2d") and k.core is None)
+
+    @property
+    def gemm_choices(self) -> list[dict]:
+        """Per generated GEMM: its kernel index, the form chosen ("triton" or "cublas") and both forms'
+        times in ms where they were measured (on this GPU, found in the autotune cache)."""
+        return [dict(self._gemm_choice(k), kernel=k.index) for k in self.kernels if k.core is not None]
+
+    def _gemm_choice(self, k: fusion.FusedKernel) -> dict:
+        """What the runtime chose (or would choose) for a GEMM kernel, without profiling anything."""
+        source = self.sources[id(k)]
+        choice = {"chosen": "triton", "triton_ms": None, "cublas_ms": None, "config": None}
+        if k.core.device.type != "cuda":
+            return choice
+        from ember.runtime import autotune, cuda
+
+        problem = autotune.Problem.of(source.launches[0], k.core.dtype, source.launches[0].layout)
+        tuned = autotune.cached(f"config {problem.key}")
+        ranked = tuned.get("ranked") if tuned else None
+        config = autotune.Config(**ranked[0]) if ranked else autotune.default_config(problem)
+        timed = autotune.cached(f"choice {source.name} {problem.key}")
+        if timed and timed.get("config"):
+            config = autotune.Config(**timed["config"])
+        choice["config"] = str(config)
+        if cuda.gemm_backend != "auto":
+            return dict(choice, chosen=cuda.gemm_backend, forced=True)
+        return dict(choice, **{key: timed[key] for key in ("chosen", "triton_ms", "cublas_ms")}) if timed else choice
 
     def name(self, n: Node) -> str:
         return f"%{self.numbering[id(n)]}"
@@ -87,7 +113,9 @@ class Plan:
         dtype = k.outputs[0].dtype.name if k.outputs else ""
         shape = list(k.space) if not k.segments else f"{len(k.segments)} segments"
         how = ""
-        if id(k) in self.sources:
+        if k.core is not None:
+            how = self._gemm_how(k)
+        elif id(k) in self.sources:
             launch = self.sources[id(k)].launches[-1]
             blocks = "x".join(str(v) for v in launch.constexprs.values())
             how = f"(triton, BLOCK {blocks}, {launch.num_warps} warps)"
@@ -100,17 +128,38 @@ class Plan:
                 lines.append(f"  segment   {list(part.space)}")
             work = [n for n in part.covers if _is_work(n) or n.op is Op.RAND or n in part.outputs]
             cores = [n for n in work if n.op.kind in (Kind.REDUCE, Kind.CONTRACTION) or n.op is Op.SCATTER_ADD]
-            before = _upstream(cores, work)
+            if k.core is not None:  # a GEMM: its operands' sums along K belong to the mainloop
+                cores = [k.core]
+                before = _upstream(cores + k.reductions, work, part.covers)
+                before = [n for n in work if n in before or n in k.reductions
+                          or fusion.summed_output(k, n) is not None]
+            else:
+                before = _upstream(cores, work, part.covers)
             label = "mainloop" if cores else "ops"
             for group, title in ((before, label), (cores, "core"), ([n for n in work if n not in cores
                                                                       and n not in before], "epilogue")):
                 for i, n in enumerate(group):
                     lines.append(f"  {title if i == 0 else '':<9} {self.line(n, part.outputs)}")
+        for decision in k.decisions:
+            lines.append(f"  decision  {decision}")
         read = sum(n.numel * n.dtype.itemsize for n in k.reads)
         written = sum(n.numel * n.dtype.itemsize for n in k.outputs)
         replaced = sum(1 for n in k.covers if _is_work(n))
         lines.append(f"  reads {_mib(read)}  writes {_mib(written)}  replaces {replaced} unfused kernels")
         return lines
+
+    def _gemm_how(self, k: fusion.FusedKernel) -> str:
+        choice = self._gemm_choice(k)
+        config = choice["config"] or "BLOCK sizes tuned on the GPU"
+        split = f"cuBLAS + {len(k.split) - 1} kernel{'s' if len(k.split) != 2 else ''}"
+        if choice.get("forced"):
+            timing = f"forced: {'the generated kernel' if choice['chosen'] == 'triton' else split}"
+        elif choice["triton_ms"] is None:
+            timing = f"or {split}, not yet timed"
+        else:
+            timing = (f"triton {choice['triton_ms']:.3f} ms vs {split} {choice['cublas_ms']:.3f} ms -> "
+                      f"{choice['chosen']}")
+        return f"(triton GEMM, {config}; {timing})"
 
     def __str__(self) -> str:
         lines = []
@@ -125,9 +174,9 @@ class Plan:
         return "\n".join(lines)
 
 
-def _upstream(cores: list[Node], work: list[Node]) -> list[Node]:
-    """Nodes of `work` that feed a core: the mainloop (prologue) of the kernel."""
-    inside = {id(n) for n in work}
+def _upstream(cores: list[Node], work: list[Node], covers: list[Node]) -> list[Node]:
+    """Nodes of `work` that feed a core, through views: the mainloop (prologue) of the kernel."""
+    inside = {id(n) for n in covers}
     found: dict[int, Node] = {}
     stack = [i for c in cores for i in c.inputs]
     while stack:

@@ -186,7 +186,10 @@ class _Program:
         uploaded = {b: arg_nodes[id(src)] for b, src in rec.uploads.items() if id(src) in arg_nodes}
         returned = {id(t._node) for t in out_leaves if isinstance(t, Tensor)}
         draw_index = {(seed, offset): k for k, (seed, offset, _) in enumerate(rec.draws)}
-        steps = [self._bind(r, slots, finals, uploaded, returned, draw_index) for r in rec.plans]
+        # a gradient the step also returns keeps showing the buffer replays write, as .grad does
+        gradients = {id(p.grad._node) for ref, _, _ in rec.grads.values() if (p := ref()) is not None
+                     and p.grad is not None}
+        steps = [self._bind(r, slots, finals, uploaded, returned - gradients, draw_index) for r in rec.plans]
         self.out_slots = self._returns(rec, out_leaves, returned, arg_nodes)
         self.grads = self._gradients(rec, produced_ids)
         self.plans = cuda.Replay(steps)

@@ -13,16 +13,29 @@ A reduction over A of a FULL value is a ROW value, and a ROW value broadcast bac
 along A is FULL again, which is what lets softmax, layer norm or cross entropy be
 one kernel: each reduction is computed in registers for the rows the kernel holds.
 
-Planning goes in four steps:
-1. choose what must be stored (`materialized`): outputs, operands and results of
-   the vendor ops (matmul, conv), reductions for now, and shared producers that
-   the cost model below says are cheaper to store than to recompute;
+A GEMM kernel (kind "matmul" with a `core`) iterates over the output of its
+matmul: its *mainloop* (prologue) applies the cheap ops that produce each operand
+to the tiles as they are loaded, and may sum an operand along K on the way (the
+bias gradient beside a weight gradient); its *epilogue* is any pointwise DAG over
+the accumulator, with broadcast and full-size loads and several outputs.
+
+Planning goes in five steps:
+1. choose what must be stored (`materialized`): outputs, results of matmuls and
+   convolutions, the operands of the vendor ones, reductions for now, shared
+   producers that the cost model below says are cheaper to store than to
+   recompute, and GEMM operands whose prologue the cost model rejects;
 2. every stored node roots a kernel that inlines everything unstored above it;
 3. a reduction referenced by exactly one kernel, at ROW level over that kernel's
    space, is pulled into it instead of being stored;
-4. kernels over the same space are merged when no path through a third kernel
+4. GEMM kernels take the pointwise kernels over their output space that read
+   them (epilogues) and the reductions of their operands along K;
+5. kernels over the same space are merged when no path through a third kernel
    joins them (vertical and horizontal fusion); the pointwise kernels left are
    grouped, level by level, into segmented launches (one launch, many tensors).
+
+Each GEMM kernel also carries its *split* form: the same nodes planned with the
+matmul as a vendor call (operands stored, epilogue in kernels of its own), which
+the runtime times against the fused kernel and runs when it is faster.
 """
 
 from __future__ import annotations
@@ -31,12 +44,28 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from ember import dtypes
+from ember.device import get_matmul_precision
 from ember.ir import Kind, Node, Op
 
 FULL, ROW, OTHER = "full", "row", "other"
+MAINLOOP = "mainloop"  # the level of a GEMM kernel's operand reductions: no other kernel reads them in registers
 OPAQUE = (Op.MATMUL, Op.CONV2D)
 MAX_SEGMENTS = 64  # pointwise kernels fused into one launch at most
 MAX_RECOMPUTE_OPS = 48  # a shared producer with a larger cone is stored, not recomputed
+RAND_OPS = 8  # a random number (Philox rounds), in pointwise ops
+GEMM_DTYPES = (dtypes.float16, dtypes.bfloat16, dtypes.float32)  # matmuls generated as Triton GEMMs
+
+# The prologue cost model, in seconds on a nominal Hopper GPU (only the ratios matter): a prologue
+# is applied to an operand tile once per output tile that loads it, on the CUDA cores, while the
+# tensor cores run the dot; it pays while that work fits beside the dot, and it must not read more
+# bytes than storing the operand would move (its write and its read).
+NOMINAL_TILE = 128  # output tile edge: an operand element is loaded once per tile across the other edge
+ALU_RATE = 60e12  # float32 operations per second on CUDA cores
+DOT_RATE = {"half": 700e12, "tf32": 350e12, "float32": 50e12}  # multiply-adds x 2 per second
+PROLOGUE_SHARE = 0.25  # of the dot's time, what the prologue's work may take
+BANDWIDTH = 3e12  # bytes per second of device memory
+LAUNCH_SECONDS = 3e-6  # what a kernel of its own costs beyond its bytes
 
 
 @dataclass(eq=False)
@@ -50,7 +79,14 @@ class FusedKernel:
     covers: list[Node] = field(default_factory=list)  # every node computed inside, for explain
     reads: list[Node] = field(default_factory=list)  # stored nodes and inputs it loads
     segments: list[FusedKernel] = field(default_factory=list)  # a segmented launch's parts
+    core: Node | None = None  # a generated GEMM's matmul (None: a vendor matmul, or no matmul)
+    split: list[FusedKernel] = field(default_factory=list)  # a GEMM's vendor form: same nodes, several kernels
+    split_stored: set[int] = field(default_factory=set)  # the intermediates the split form stores
+    decisions: list[str] = field(default_factory=list)  # the cost model's choices, for explain
     index: int = 0
+
+    def split_stored_nodes(self) -> list[Node]:
+        return [n for k in self.split for n in k.outputs if id(n) in self.split_stored]
 
     @property
     def rows(self) -> int:
@@ -103,8 +139,11 @@ def input_level(node: Node, level: str, space: tuple[int, ...], axes: tuple[int,
 
 
 class Planner:
-    def __init__(self, nodes: list[Node], outputs: list[Node]):
+    def __init__(self, nodes: list[Node], outputs: list[Node], fuse_gemms: bool = True, given: set[int] = frozenset()):
+        """`given`: nodes already stored elsewhere (a split plan's inputs); `fuse_gemms`: whether
+        matmuls become generated GEMM kernels or vendor calls."""
         self.nodes = nodes
+        self.generate_gemms = fuse_gemms
         self.position = {id(n): i for i, n in enumerate(nodes)}
         self.outputs = outputs
         self.output_ids = {id(o) for o in outputs}
@@ -112,15 +151,21 @@ class Planner:
         for n in nodes:
             for i in n.inputs:
                 self.users[id(i)].append(n)
-        self.stored: set[int] = set()
+        self.given = set(given)
+        self.stored: set[int] = set(given)
+        self.decisions: dict[int, list[str]] = defaultdict(list)  # id(matmul) -> the cost model's choices
 
     # -- step 1: what is stored --------------------------------------------------------
     def choose_stored(self) -> None:
         stored = self.stored
         stored |= self.output_ids
         for n in self.nodes:
+            if id(n) in self.given:
+                continue
             if n.op in OPAQUE:
                 stored.add(id(n))
+                if self.is_gemm(n):
+                    continue
                 for i in n.inputs:  # vendor ops read strided views of stored buffers
                     base = self._view_base(i)
                     if base.op is not Op.BUFFER:
@@ -132,6 +177,42 @@ class Planner:
                 continue
             if self._store_is_cheaper(n):
                 stored.add(id(n))
+        for n in self.nodes:
+            if self.is_gemm(n):
+                for position, operand in enumerate(n.inputs):
+                    if not self._prologue_pays(n, position, operand):
+                        stored.add(id(self._view_base(operand)))
+
+    def is_gemm(self, node: Node) -> bool:
+        return self.generate_gemms and node.op is Op.MATMUL and node.dtype in GEMM_DTYPES
+
+    def _prologue_pays(self, mm: Node, position: int, operand: Node) -> bool:
+        """Whether a GEMM computes an operand's producers in its mainloop rather than loading it stored.
+        The decision is kept for explain."""
+        ops, reads = self._cone(operand)
+        if ops == 0:
+            return True  # a view of stored values: strided loads, nothing to decide
+        m, k = mm.inputs[0].shape[-2:]
+        n = mm.shape[-1]
+        passes = -(-(n if position == 0 else m) // NOMINAL_TILE)
+        own = operand.numel * operand.dtype.itemsize
+        read = sum(min(r.numel, operand.numel) * r.dtype.itemsize for r in reads)
+        work = ops * operand.numel * passes / ALU_RATE
+        dot = 2 * mm.numel * k / DOT_RATE[_dot_kind(mm.dtype)]
+        share = work / dot if dot else 0.0
+        storing = 2 * own / BANDWIDTH + LAUNCH_SECONDS  # a producer kernel's write, the GEMM's read of it
+        what = f"operand {position} ({ops} ops over {list(operand.shape)})"
+        if read > 2 * own:
+            verdict = (f"stored: recomputing it would read {_mib(read)} to save writing and reading "
+                       f"{_mib(own)}")
+        elif share > PROLOGUE_SHARE and work > storing:
+            verdict = (f"stored: {ops} ops x {passes} tile passes would take {share:.0%} of the dot's time "
+                       f"(at most {PROLOGUE_SHARE:.0%}) and more than storing it costs")
+        else:
+            verdict = (f"recomputed in the mainloop: reads {_mib(read)} instead of writing and reading "
+                       f"{_mib(own)}; {ops} ops x {passes} tile passes, {share:.0%} of the dot's time")
+        self.decisions[id(mm)].append(f"{what} {verdict}")
+        return verdict.startswith("recomputed")
 
     def _view_base(self, node: Node) -> Node:
         """The node under a chain of movement ops that a strided view can express."""
@@ -153,6 +234,8 @@ class Planner:
                 continue
             if n.op.kind in (Kind.UNARY, Kind.BINARY, Kind.TERNARY, Kind.INDEX, Kind.REDUCE):
                 ops += 1
+            elif n.op is Op.RAND:
+                ops += RAND_OPS
             stack.extend(n.inputs)
         return ops, reads
 
@@ -176,10 +259,12 @@ class Planner:
     def root_kernels(self) -> list[FusedKernel]:
         kernels = []
         for n in self.nodes:
-            if id(n) not in self.stored or n.op is Op.BUFFER:
+            if id(n) not in self.stored or n.op is Op.BUFFER or id(n) in self.given:
                 continue
             if n.op in OPAQUE:
-                kernels.append(FusedKernel(n.op.label, n.shape, (), [n], {id(n): FULL}))
+                core = n if self.is_gemm(n) else None
+                kernels.append(FusedKernel(n.op.label, n.shape, (), [n], {id(n): FULL}, core=core,
+                                           decisions=self.decisions[id(n)]))
             elif n.op is Op.SCATTER_ADD:
                 kernels.append(FusedKernel("scatter_add", n.shape, (), [n], {id(n): FULL}))
             elif n.op.kind is Kind.REDUCE:
@@ -205,6 +290,16 @@ class Planner:
     def references(self, kernel: FusedKernel) -> dict[int, set[str]]:
         """Stored nodes the kernel reads, with the levels it reads them at."""
         refs: dict[int, set[str]] = defaultdict(set)
+        if kernel.core is not None:
+            seen = set()
+            for i in kernel.core.inputs:
+                self._walk(kernel, i, OTHER, refs, seen)
+            for r in kernel.reductions:
+                self._walk(kernel, r.inputs[0], OTHER, refs, seen)
+            for o in kernel.outputs:
+                if o is not kernel.core and o not in kernel.reductions:
+                    self._walk(kernel, o, FULL, refs, seen, skip_root=True)
+            return refs
         if kernel.kind in ("matmul", "conv2d", "scatter_add"):
             for o in kernel.outputs:
                 for i in o.inputs:
@@ -225,6 +320,8 @@ class Planner:
             if (id(n), lv) in seen:
                 continue
             seen.add((id(n), lv))
+            if n is kernel.core and not is_root:
+                continue  # the accumulator, in registers
             if not is_root and (id(n) in self.stored or n.op is Op.BUFFER) and n not in kernel.reductions:
                 refs[id(n)].add(lv)
                 continue
@@ -236,7 +333,7 @@ class Planner:
         by_root = {id(k.root): k for k in kernels}
         refs = {id(k): self.references(k) for k in kernels}
         for r in reversed(self.nodes):
-            if r.op.kind is not Kind.REDUCE or id(r) not in self.stored:
+            if r.op.kind is not Kind.REDUCE or id(r) not in self.stored or id(r) in self.given:
                 continue
             readers = [k for k in kernels if id(r) in refs[id(k)]]
             if len(readers) != 1:
@@ -259,7 +356,73 @@ class Planner:
             refs[id(k)] = self.references(k)
         return kernels
 
-    # -- step 4: merge kernels over one space, then segment pointwise launches -----------
+    # -- step 4: GEMM kernels take their epilogues and their operands' reductions ---------
+    def fuse_gemms(self, kernels: list[FusedKernel]) -> list[FusedKernel]:
+        refs = {id(k): self.references(k) for k in kernels}
+        for gemm in [k for k in kernels if k.core is not None]:
+            taken = True
+            while taken:  # an epilogue may read another epilogue's output: repeat until none joins
+                taken = False
+                for other in list(kernels):
+                    if other is gemm or not self._joins(gemm, other, refs):
+                        continue
+                    same_space = other.space == gemm.space
+                    if not (self._mergeable if same_space else self._acyclic)(gemm, other, kernels, refs):
+                        continue
+                    self._absorb(gemm, other)
+                    if other.kind == "reduce":
+                        gemm.levels.update({id(o): MAINLOOP for o in other.outputs})
+                    kernels.remove(other)
+                    del refs[id(other)]
+                    refs[id(gemm)] = self.references(gemm)
+                    taken = True
+            core = gemm.core
+            read_elsewhere = any(id(core) in r for key, r in refs.items() if key != id(gemm))
+            if id(core) not in self.output_ids and not read_elsewhere and len(gemm.outputs) > 1:
+                gemm.outputs.remove(core)  # the accumulator feeds the epilogue in registers only
+                del gemm.levels[id(core)]
+                self.stored.discard(id(core))
+        return kernels
+
+    def _joins(self, gemm: FusedKernel, other: FusedKernel, refs: dict) -> bool:
+        """Whether `other` is an epilogue of `gemm` (pointwise over its output, reading it) or the
+        sum of one of its operands along K."""
+        if other.kind == "pointwise" and other.space == gemm.space:
+            return any(id(o) in refs[id(other)] for o in gemm.outputs)
+        if other.kind == "pointwise" and math.prod(other.space) == math.prod(gemm.space):
+            return self._reads_in_order(other, gemm)
+        if other.kind == "reduce" and len(other.reductions) == 1 and all(
+                _under_reshapes(o) is other.reductions[0] for o in other.outputs):
+            return self.operand_reduction(gemm.core, other.reductions[0]) is not None
+        return False
+
+    def _reads_in_order(self, kernel: FusedKernel, gemm: FusedKernel) -> bool:
+        """Whether a pointwise kernel over a reshape of the GEMM's output space reads the GEMM's results,
+        and only through pointwise ops and reshapes: element i of its space reads element i of theirs
+        (a linear layer over [batch, tokens, features], whose GEMM runs over [batch x tokens, features])."""
+        results = {id(o): gemm.levels[id(o)] for o in gemm.outputs}
+        reaches, seen = False, set()
+        stack = [(o, True) for o in kernel.outputs]
+        while stack:
+            n, in_order = stack.pop()
+            if (id(n), in_order) in seen:
+                continue
+            seen.add((id(n), in_order))
+            if id(n) in results and n not in kernel.outputs:
+                if not in_order or results[id(n)] != FULL:
+                    return False
+                reaches = True
+                continue
+            if n not in kernel.outputs and (id(n) in self.stored or n.op is Op.BUFFER):
+                continue
+            keeps = in_order and (n.op.kind in (Kind.UNARY, Kind.BINARY, Kind.TERNARY) or n.op is Op.RESHAPE)
+            stack.extend((i, keeps) for i in n.inputs)
+        return reaches
+
+    def operand_reduction(self, core: Node, reduction: Node) -> int | None:
+        return summed_operand(core, reduction, self.stored)
+
+    # -- step 5: merge kernels over one space, then segment pointwise launches -----------
     def merge(self, kernels: list[FusedKernel]) -> list[FusedKernel]:
         refs = {id(k): self.references(k) for k in kernels}
         groups: dict[tuple, list[FusedKernel]] = defaultdict(list)
@@ -290,6 +453,9 @@ class Planner:
             for o in x.outputs:
                 if id(o) in refs[id(y)] and not refs[id(y)][id(o)] <= {x.levels[id(o)]}:
                     return False
+        return self._acyclic(a, b, kernels, refs)
+
+    def _acyclic(self, a: FusedKernel, b: FusedKernel, kernels: list[FusedKernel], refs: dict) -> bool:
         deps = self._dependencies(kernels, refs)
         for src, dst in ((a, b), (b, a)):
             frontier = [d for d in deps[id(dst)] if d != id(src)]
@@ -384,15 +550,68 @@ class Planner:
         kernel.reads = sorted(reads, key=lambda n: self.position[id(n)])
 
 
-def plan(nodes: list[Node], outputs: list[Node]) -> tuple[list[FusedKernel], set[int]]:
+def _under_reshapes(node: Node) -> Node:
+    while node.op is Op.RESHAPE:
+        node = node.inputs[0]
+    return node
+
+
+def summed_output(kernel: FusedKernel, output: Node) -> Node | None:
+    """The operand sum of a GEMM kernel that `output` stores (itself or a reshape of it), if any."""
+    source = _under_reshapes(output)
+    return source if source in kernel.reductions else None
+
+
+def summed_operand(core: Node, reduction: Node, stored: set[int]) -> int | None:
+    """The operand of a 2-d GEMM that `reduction` sums along K, if it is one: the operand is the
+    summed value itself or its transpose."""
+    if len(core.shape) != 2 or reduction.op is not Op.SUM or len(reduction.attrs["axes"]) != 1:
+        return None
+    summed = reduction.inputs[0]
+    for position, operand in enumerate(core.inputs):
+        transposed = operand.op is Op.PERMUTE and id(operand) not in stored
+        source = operand.inputs[0] if transposed else operand
+        if source is not summed:
+            continue
+        k_axis = 1 if position == 0 else 0
+        if reduction.attrs["axes"] == ((1 - k_axis) if transposed else k_axis,):
+            return position
+    return None
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def _dot_kind(dtype) -> str:
+    if dtype is not dtypes.float32:
+        return "half"
+    return "float32" if get_matmul_precision() == "highest" else "tf32"
+
+
+def plan(nodes: list[Node], outputs: list[Node], fuse_gemms: bool = True,
+         given: set[int] = frozenset()) -> tuple[list[FusedKernel], set[int]]:
     """Fused kernels in launch order, and the ids of the nodes that get buffers."""
-    planner = Planner(nodes, outputs)
+    planner = Planner(nodes, outputs, fuse_gemms, given)
     planner.choose_stored()
     kernels = planner.root_kernels()
     kernels = planner.pull_reductions(kernels)
+    kernels = planner.fuse_gemms(kernels)
     kernels = planner.merge(kernels)
     kernels = planner.segment(kernels)
     for i, k in enumerate(kernels):
         k.index = i
         planner.describe(k)
-    return kernels, set(planner.stored)
+    for k in kernels:
+        if k.core is not None:
+            _plan_split(k, planner.position)
+    return kernels, set(planner.stored) - set(given)
+
+
+def _plan_split(gemm: FusedKernel, position: dict[int, int]) -> None:
+    """The GEMM kernel's nodes planned with a vendor matmul: its reads are the split plan's inputs."""
+    nodes = sorted(gemm.reads + gemm.covers, key=lambda n: position[id(n)])
+    given = {id(n) for n in gemm.reads}
+    split, stored = plan(nodes, list(gemm.outputs), fuse_gemms=False, given=given)
+    gemm.split = split
+    gemm.split_stored = stored - {id(o) for o in gemm.outputs}

@@ -97,6 +97,8 @@ class Lowered:
 
 def lower(order: list[Node], keep: set[int], sig: Signature) -> Lowered:
     builder = _Builder()
+    builder.gemm_operands = _gemm_operands(order)
+    builder.transposed_products = _transposed_products(order, keep)
     mapping: dict[int, Node] = {}
     for k, leaf in enumerate(sig.inputs):
         mapping[id(leaf)] = builder.input(k, leaf)
@@ -120,6 +122,41 @@ def lower(order: list[Node], keep: set[int], sig: Signature) -> Lowered:
     return Lowered(nodes, outputs, builder.inputs, replaced=len(order) - sum(1 for n in nodes if n.inputs))
 
 
+def _gemm_operands(order: list[Node]) -> set[int]:
+    """Nodes a matmul reads, directly or through views: a GEMM kernel may sum them along K itself."""
+    found = set()
+    for node in order:
+        if node.op is Op.MATMUL:
+            for operand in node.inputs:
+                while True:
+                    found.add(id(operand))
+                    if operand.op not in (Op.PERMUTE, Op.RESHAPE, Op.EXPAND) or not operand.inputs:
+                        break
+                    operand = operand.inputs[0]
+    return found
+
+
+def _transposed_products(order: list[Node], keep: set[int]) -> set[int]:
+    """Matmuls read only through a transpose of their last two axes (a weight gradient, for one):
+    lowered as the product of the transposed operands, (AB)^T = B^T A^T, so no kernel transposes."""
+    readers: dict[int, list[Node]] = {}
+    for node in order:
+        for i in node.inputs:
+            readers.setdefault(id(i), []).append(node)
+    found = set()
+    for node in order:
+        if node.op is Op.MATMUL and id(node) not in keep:
+            users = readers.get(id(node), [])
+            if users and all(u.op is Op.PERMUTE and _swaps_last_two(u.attrs["order"]) for u in users):
+                found.add(id(node))
+    return found
+
+
+def _swaps_last_two(order: tuple[int, ...]) -> bool:
+    n = len(order)
+    return n >= 2 and tuple(order) == tuple(range(n - 2)) + (n - 1, n - 2)
+
+
 def _reachable(outputs: list[Node]) -> list[Node]:
     from ember.ir import toposort
 
@@ -132,6 +169,8 @@ class _Builder:
     def __init__(self):
         self.seen: dict[tuple, Node] = {}
         self.inputs: list[Node] = []
+        self.gemm_operands: set[int] = set()  # (ids of original nodes) not split when reduced
+        self.transposed_products: set[int] = set()  # (ids of original matmuls) lowered transposed
 
     def input(self, k: int, leaf: Node) -> Node:
         node = Node(Op.BUFFER, (), {"input": k}, leaf.shape, leaf.dtype, leaf.device)
@@ -262,6 +301,8 @@ class _Builder:
         in two stages, first P partial results per output (in parallel), then those."""
         if op not in SPLIT_IDENTITY or len(attrs["axes"]) != 1:
             return None
+        if original.inputs and id(original.inputs[0]) in self.gemm_operands:
+            return None  # summed along K inside the GEMM that reads it
         (axis,) = attrs["axes"]
         n, outputs = x.shape[axis], original.numel
         # a row kernel gives each program one or a few rows when the reduced axis is the last one,
@@ -288,6 +329,11 @@ class _Builder:
         return self.make(Op.RESHAPE, (total,), {"shape": original.shape}, original)
 
     def _fold_movement(self, op: Op, x: Node, attrs: dict, original: Node) -> Node | None:
+        if op is Op.PERMUTE and x.op is Op.MATMUL and original.inputs and \
+                id(original.inputs[0]) in self.transposed_products:
+            a, b = (self.make(Op.PERMUTE, (i,), {"order": attrs["order"]}, _like(i, _transposed(i.shape)))
+                    for i in x.inputs)
+            return self.make(Op.MATMUL, (b, a), {}, original)
         if x.shape == original.shape and op in (Op.RESHAPE, Op.EXPAND):
             return x
         if op is Op.PERMUTE and attrs["order"] == tuple(range(len(x.shape))):
@@ -312,6 +358,10 @@ SPLIT_IDENTITY = {Op.SUM: 0.0, Op.MAX: -math.inf, Op.MIN: math.inf, Op.PROD: 1.0
 # scatter_add dtypes without atomic addition on the GPU, and the type they accumulate in
 ATOMIC_WIDENING = {dtypes.bool_: dtypes.int32, dtypes.uint8: dtypes.int32, dtypes.int8: dtypes.int32,
                    dtypes.int16: dtypes.int32, dtypes.bfloat16: dtypes.float32}
+
+
+def _transposed(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return shape[:-2] + (shape[-1], shape[-2])
 
 
 def _like(node: Node, shape: tuple[int, ...], dtype: dtypes.DType | None = None) -> Node:

@@ -38,9 +38,13 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     except ShapeError:
         raise ShapeError(f"matmul: the batch dims {x.shape[:-2]} and {y.shape[:-2]} of shapes {a.shape} and "
                          f"{b.shape} cannot be broadcast together; make them equal or 1") from None
-    x = expand(x, batch + x.shape[-2:])
-    y = expand(y, batch + y.shape[-2:])
-    out = apply(Op.MATMUL, x, y)
+    if y.ndim == 2 and x.ndim > 2:  # one matrix for the whole batch: a single GEMM over the batch's rows
+        rows = reshape(x, (-1, x.shape[-1]))
+        out = reshape(apply(Op.MATMUL, rows, y), batch + (x.shape[-2], y.shape[-1]))
+    else:
+        x = expand(x, batch + x.shape[-2:])
+        y = expand(y, batch + y.shape[-2:])
+        out = apply(Op.MATMUL, x, y)
     if a.ndim == 1:
         out = squeeze(out, -2)
     if b.ndim == 1:

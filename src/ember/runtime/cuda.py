@@ -35,7 +35,7 @@ from ember.compiler.codegen import triton as codegen  # noqa: E402
 from ember.device import Device, get_matmul_precision  # noqa: E402
 from ember.errors import CompileError, DeviceError, OutOfMemoryError  # noqa: E402
 from ember.ir import Node, Op  # noqa: E402
-from ember.runtime import jit  # noqa: E402
+from ember.runtime import autotune, jit  # noqa: E402
 
 if INTERPRET:
     from ember.runtime import triton_interpreter
@@ -122,6 +122,10 @@ def load_source(source: codegen.KernelSource):
 # Inside graphs two streams were within noise of one on an H200 (benchmarks/runtime.py, row 4: the
 # planner already splits reductions that would leave the GPU idle), so one is the default.
 max_streams = 1
+# How generated GEMM kernels run: "auto" times each against its split form (cuBLAS through torch.matmul,
+# the prologue and epilogue in kernels of their own) on its first run and keeps the faster; "triton"
+# always runs the generated kernel, "cublas" always the split form.
+gemm_backend = "auto"
 _capturing = False  # a Replay is being captured into a CUDA graph
 ARENAS_KEPT = 8  # plans whose intermediate arenas stay allocated between runs (most recently run first)
 
@@ -131,6 +135,18 @@ class CompiledKernel:
     kernel: fusion.FusedKernel
     source: codegen.KernelSource | None = None
     module: object = None
+    split: list[CompiledKernel] = field(default_factory=list)  # a GEMM's split form, compiled
+    choice: dict | None = None  # a GEMM's: "chosen" ("triton" or "cublas"), "triton_ms", "cublas_ms", "config"
+
+
+def compile_kernel(kernel: fusion.FusedKernel, stored: set[int]) -> CompiledKernel:
+    ck = CompiledKernel(kernel)
+    if kernel.kind not in ("matmul", "conv2d") or kernel.core is not None:
+        ck.source = codegen.generate(kernel, stored)
+        ck.module = load_source(ck.source)
+    if kernel.core is not None:
+        ck.split = [compile_kernel(k, stored | kernel.split_stored) for k in kernel.split]
+    return ck
 
 
 @dataclass
@@ -154,17 +170,29 @@ def _plan_path(key: tuple) -> Path:
     import ember
 
     gpu = "interpreter" if INTERPRET else torch.cuda.get_device_name()
-    identity = repr((key, gpu, max_streams, ember.__version__, torch.__version__, triton.__version__))
+    identity = repr((key, gpu, max_streams, gemm_backend, get_matmul_precision(), ember.__version__, _code_digest(),
+                     torch.__version__, triton.__version__))
     return cache_dir("plans") / (hashlib.sha256(identity.encode()).hexdigest()[:32] + ".pkl")
+
+
+@functools.cache
+def _code_digest() -> str:
+    """ember's own source: a plan stored by another build of the compiler is not this one's."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def _save_plan(key: tuple, plan: Plan) -> None:
     """Write a plan atomically; modules and launch recipes are not stored (sources are, and are re-imported)."""
     position = {id(n): i for i, n in enumerate(plan.lowered.nodes)}
-    modules = [ck.module for ck in plan.kernels]
+    every = [c for ck in plan.kernels for c in (ck, *ck.split)]
+    modules = [ck.module for ck in every]
     slots, steps = plan.schedule.slots, plan.steps
     try:
-        for ck in plan.kernels:
+        for ck in every:
             ck.module = None
         plan.steps = None
         plan.schedule.slots = {position[k]: v for k, v in slots.items()}
@@ -173,7 +201,7 @@ def _save_plan(key: tuple, plan: Plan) -> None:
         return  # a plan that cannot be stored is still used in this process
     finally:
         plan.schedule.slots, plan.steps = slots, steps
-        for ck, module in zip(plan.kernels, modules):
+        for ck, module in zip(every, modules):
             ck.module = module
     path = _plan_path(key)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -192,8 +220,9 @@ def _load_plan(key: tuple) -> Plan | None:
             return None
         plan.schedule.slots = {id(plan.lowered.nodes[i]): v for i, v in plan.schedule.slots.items()}
         for ck in plan.kernels:
-            if ck.source is not None:
-                ck.module = load_source(ck.source)
+            for c in (ck, *ck.split):
+                if c.source is not None:
+                    c.module = load_source(c.source)
     except Exception:  # corrupt, truncated or from an incompatible ember: never trusted
         return None
     stats["plans_loaded"] += 1
@@ -215,13 +244,7 @@ def compile_plan(order: list[Node], keep: set[int], sig: passes.Signature) -> Pl
     start = time.perf_counter()
     lowered = passes.lower(order, keep, sig)
     kernels, stored = fusion.plan(lowered.nodes, lowered.outputs)
-    compiled = []
-    for k in kernels:
-        ck = CompiledKernel(k)
-        if k.kind not in ("matmul", "conv2d"):
-            ck.source = codegen.generate(k, stored)
-            ck.module = load_source(ck.source)
-        compiled.append(ck)
+    compiled = [compile_kernel(k, stored) for k in kernels]
     sms = _multiprocessors()
     sched = schedule.schedule(kernels, lowered.outputs, [_is_small(ck, sms) for ck in compiled], max_streams)
     compiled = [compiled[i] for i in sched.order]
@@ -231,13 +254,13 @@ def compile_plan(order: list[Node], keep: set[int], sig: passes.Signature) -> Pl
 
 def plan_for(order: list[Node], keep: set[int]) -> tuple[Plan, passes.Signature]:
     sig = passes.signature(order, keep)
-    plan = _plans.get((sig.key, max_streams))
+    plan = _plans.get((sig.key, max_streams, gemm_backend, get_matmul_precision()))
     if plan is None:
         plan = _load_plan(sig.key)
         if plan is None:
             plan = compile_plan(order, keep, sig)
             _save_plan(sig.key, plan)
-        _plans[sig.key, max_streams] = plan
+        _plans[sig.key, max_streams, gemm_backend, get_matmul_precision()] = plan
     else:
         stats["plan_hits"] += 1
     return plan, sig
@@ -395,6 +418,8 @@ def _step(ck: CompiledKernel):
     """A callable running one fused kernel from the buffers of a run; its argument lists are
     prepared once per plan, so a plan-cache hit costs little more than the launches."""
     kernel = ck.kernel
+    if kernel.core is not None:
+        return _GemmStep(ck)
     if kernel.kind == "matmul":
         return functools.partial(_matmul, kernel.outputs[0])
     if kernel.kind == "conv2d":
@@ -406,10 +431,77 @@ def _step(ck: CompiledKernel):
 _ARG_KINDS = {"read": 0, "write": 0, "size": 1, "bound": 1, "scalar": 2, "seed": 3, "offset": 4}
 
 
-def _prepared_launch(ck: CompiledKernel, launch: codegen.Launch):
+def _prepared_launch(ck: CompiledKernel, launch: codegen.Launch, config: autotune.Config | None = None):
     recipe = [(_ARG_KINDS[a.kind], id(a.value) if a.kind in ("read", "write") else a.value) for a in launch.args]
+    if config is not None:  # a GEMM: grid and block sizes from its tuned configuration
+        batch, m, n, _ = launch.gemm
+        return getattr(ck.module, launch.function), config.grid(batch, m, n), recipe, config.launch_options()
     options = dict(launch.constexprs, num_warps=launch.num_warps)
     return getattr(ck.module, launch.function), (launch.grid,), recipe, options
+
+
+def gemm_problem(ck: CompiledKernel) -> autotune.Problem:
+    launch = ck.source.launches[0]
+    return autotune.Problem.of(launch, ck.kernel.core.dtype, launch.layout)
+
+
+class _GemmStep:
+    """A generated GEMM kernel, or its split form (cuBLAS plus separate kernels), whichever is chosen.
+
+    The configuration comes from profiling the bare GEMM of its problem; the choice between the two
+    forms from timing both on the first run with real buffers (both compute the same outputs from the
+    same inputs, so running either any number of times leaves the right values)."""
+
+    def __init__(self, ck: CompiledKernel):
+        self.ck = ck
+        self.problem = gemm_problem(ck)
+        self.configs = autotune.configs_for(self.problem)
+        self.launches = {c: [_prepared_launch(ck, ck.source.launches[0], c)] for c in self.configs}
+        self.fused = self.launches[self.configs[0]]
+        self.split = [_step(c) for c in ck.split]
+        self.workspace = [n for n in ck.kernel.split_stored_nodes()]
+        if ck.choice is not None and ck.choice.get("config"):  # a plan loaded from disk keeps its choice
+            self._use(autotune.Config(**ck.choice["config"]))
+
+    def _use(self, config: autotune.Config) -> None:
+        if config not in self.launches:
+            self.launches[config] = [_prepared_launch(self.ck, self.ck.source.launches[0], config)]
+        self.fused = self.launches[config]
+
+    def __call__(self, buffers: dict[int, torch.Tensor], sig: passes.Signature) -> None:
+        if self._chosen(buffers, sig) == "triton":
+            _run_launches(self.fused, self.ck, buffers, sig)
+        else:
+            self._run_split(buffers, sig)
+
+    def _run_split(self, buffers: dict[int, torch.Tensor], sig: passes.Signature) -> None:
+        target = torch_device(self.ck.kernel.core.device)
+        for n in self.workspace:
+            buffers[id(n)] = _allocate(n.shape, n.dtype, target, n.device, "a GEMM's split intermediate")
+        for step in self.split:
+            step(buffers, sig)
+
+    def _writes_its_inputs(self, buffers: dict[int, torch.Tensor]) -> bool:
+        """Whether an output is bound to an input's buffer (a state updated in place): running the
+        kernel more than once, as timing does, would then apply the update more than once."""
+        kernel = self.ck.kernel
+        read = {buffers[id(n)].data_ptr() for n in kernel.reads if id(n) in buffers}
+        return any(buffers[id(o)].data_ptr() in read for o in kernel.outputs)
+
+    def _chosen(self, buffers: dict[int, torch.Tensor], sig: passes.Signature) -> str:
+        if gemm_backend != "auto":
+            return gemm_backend
+        choice = self.ck.choice
+        if choice is None:
+            choice = {"chosen": "triton", "triton_ms": None, "cublas_ms": None, "config": None}
+            if autotune.enabled() and not _capturing and not self._writes_its_inputs(buffers):
+                runs = {c: functools.partial(_run_launches, launches, self.ck, buffers, sig)
+                        for c, launches in self.launches.items()}
+                choice = autotune.timed_choice(f"{self.ck.source.name} {self.problem.key}", runs,
+                                               lambda: self._run_split(buffers, sig))
+                self._use(autotune.Config(**choice["config"]))
+            self.ck.choice = choice
+        return choice["chosen"]
 
 
 def _run_launches(launches: list, ck: CompiledKernel, buffers: dict[int, torch.Tensor],

@@ -171,7 +171,10 @@ def writes_in_place(plan, input_index: int, output_index: int) -> bool | None:
     part = next((s for s in kernel.segments if result in s.outputs), kernel)
     if any(source in s.reads for s in kernel.segments if s is not part):
         return False
-    return part.kind == "pointwise" and not part.reductions and _elementwise_use(part, source)
+    # a GEMM's epilogue (an optimizer update fused after a weight gradient) reads element for element too;
+    # a value read by its mainloop is used at other positions, which _elementwise_use rejects
+    elementwise_kernel = part.kind == "pointwise" and not part.reductions or part.core is not None
+    return elementwise_kernel and _elementwise_use(part, source)
 
 
 def _elementwise_use(kernel, source: Node) -> bool:

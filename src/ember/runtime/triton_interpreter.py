@@ -17,6 +17,7 @@ from triton.runtime import interpreter
 _Builder = getattr(interpreter, "InterpreterBuilder", None)
 _binary_op = getattr(_Builder, "binary_op", None)
 _cast_impl = getattr(_Builder, "cast_impl", None)
+_create_dot = getattr(_Builder, "create_dot", None)
 _Executor = getattr(interpreter, "GridExecutor", None)
 _run = _Executor.__dict__.get("__call__") if _Executor is not None else None
 
@@ -40,6 +41,14 @@ def _cast_rounding_bfloat16(self, src, dst_type):
     return interpreter.TensorHandle(data.astype(interpreter._get_np_dtype(target)), target)
 
 
+def _dot_reading_bfloat16(self, a, b, d, input_precision, max_num_imprecise_acc):
+    """The interpreter keeps bfloat16 tiles as their raw 16 bits and multiplies those as integers."""
+    if tl.bfloat16 in (a.dtype.scalar, b.dtype.scalar):
+        a, b = (interpreter.TensorHandle(x.data.view(ml_dtypes.bfloat16).astype(np.float32), tl.float32)
+                if x.dtype.scalar == tl.bfloat16 else x for x in (a, b))
+    return _create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+
 def _run_quietly(self, *args, **kwargs):
     """A GPU computes inf and NaN silently; NumPy, which computes for the interpreter, warns each time."""
     with np.errstate(all="ignore"):
@@ -51,5 +60,7 @@ def apply() -> None:
         _Builder.binary_op = _binary_op_typing_comparisons_as_bool
     if _cast_impl is not None:
         _Builder.cast_impl = _cast_rounding_bfloat16
+    if _create_dot is not None:
+        _Builder.create_dot = _dot_reading_bfloat16
     if _run is not None:
         _Executor.__call__ = _run_quietly

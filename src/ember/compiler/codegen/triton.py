@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass, field
 
 from ember import dtypes
-from ember.compiler.fusion import FULL, OTHER, ROW, FusedKernel, input_level
+from ember.compiler.fusion import FULL, OTHER, ROW, FusedKernel, input_level, summed_operand, summed_output
 from ember.dtypes import DType
 from ember.errors import CompileError
 from ember.ir import Kind, Node, Op
@@ -64,6 +64,8 @@ class Launch:
     constexprs: dict[str, int]
     grid: int
     num_warps: int = 4
+    gemm: tuple[int, int, int, int] | None = None  # (batch, M, N, K): the grid and block sizes come from a tuned config
+    layout: str = ""  # a GEMM's operand layouts, as autotune.Problem names them
 
 
 @dataclass
@@ -128,6 +130,11 @@ class Emitter:
         self.hoisting = False
         self.hoisted: set[tuple] = set()  # memo keys of values computed before a loop
         self.count = 0
+        self.accumulator: str | None = None  # a GEMM epilogue's name for the core's value
+        # A GEMM's tiles are 2-d: a mask split by axis lets a load that varies along one axis only (a
+        # bias, a per-feature scale) load a row or a column instead of the whole tile.
+        self.axes_of: dict[str, frozenset[str]] = {}  # name -> the tile axes ("rm", "ka", ...) it varies along
+        self.mask_parts: dict[str, dict[str, str]] = {}  # a 2-d mask -> {axis: that axis's own mask}
         self.big = max([n.numel for n in kernel.covers + kernel.reads + kernel.outputs] + [1]) > INT32_LIMIT
 
     # -- small helpers -------------------------------------------------------------------
@@ -147,7 +154,20 @@ class Emitter:
         self.line(f"{name} = {expr}")
         if self.is_tile(expr):
             self.tiles.add(name)
+        if self.axes_of:
+            self.axes_of[name] = self.varies_along(expr)
         return name
+
+    def varies_along(self, expr: str) -> frozenset[str]:
+        return frozenset().union(*(self.axes_of.get(token, ()) for token in _IDENTIFIER.findall(expr)))
+
+    def load_mask(self, mask: str | None, offset: str) -> str | None:
+        """The mask a load at `offset` needs: the parts of a split mask along the axes the offset varies."""
+        parts = self.mask_parts.get(mask or "")
+        if not parts:
+            return mask
+        used = [part for axis, part in parts.items() if axis in self.varies_along(offset)]
+        return mask if len(used) == len(parts) else " & ".join(used) or None
 
     def is_tile(self, expr: str) -> bool:
         """Whether an expression varies across the lanes of the block (else it is one scalar)."""
@@ -239,6 +259,10 @@ class Emitter:
 
     def _value(self, node: Node, idx: Index) -> tuple[str, DType]:
         kernel = self.kernel
+        if node is kernel.core:  # the planner lets an epilogue read it only at the element computed
+            if self.accumulator is None:
+                raise CompileError(f"kernel {kernel.index}: the matmul's result is read before it is computed")
+            return self.accumulator, dtypes.float32
         if node in kernel.reductions:
             if id(node) not in self.reduced:
                 raise CompileError(f"kernel {kernel.index}: reduction {node} is read before it is computed")
@@ -262,15 +286,38 @@ class Emitter:
         raise CompileError(f"kernel {kernel.index}: {node.op.label} cannot be computed inside a fused kernel")
 
     def load(self, node: Node, idx: Index) -> tuple[str, DType]:
+        """A stored node's value, computed in float32 if it is a half type."""
         pointer = self.ctx.arg("read", node, "in")
         offset = self.linear(idx, node.shape)
         # an offset every lane shares is a scalar load, in bounds by construction
-        mask = f", mask={idx.mask}, other=0" if idx.mask and self.is_tile(offset) else ""
+        needed = self.load_mask(idx.mask, offset)
+        mask = f", mask={needed}, other=0" if needed and self.is_tile(offset) else ""
         text = f"tl.load({pointer} + {offset}{mask})"
         out = compute_dtype(node.dtype)
         if out is not node.dtype:
             text += f".to({TL[out]})"
         return self.define(text), out
+
+    def operand(self, node: Node, idx: Index, dtype: DType, contiguous: str, tile: str) -> tuple[str, str]:
+        """A GEMM operand tile in `dtype` and its layout: a view of a stored value is loaded as it is (so
+        the tile goes to the tensor cores unconverted), "n" when the index `contiguous` runs along its
+        rows in memory, else "t"; a prologue ("p") is computed, zeroed outside the mask and cast."""
+        view = node
+        while view.op in (Op.RESHAPE, Op.PERMUTE, Op.EXPAND, Op.SLICE, Op.FLIP) and view.op is not Op.BUFFER \
+                and id(view) not in self.ctx.stored:
+            idx = self.move(view, idx)
+            view = view.inputs[0]
+        if view.op is Op.BUFFER or id(view) in self.ctx.stored:
+            offset = self.linear(idx, view.shape)
+            rows, cols = (_IDENTIFIER.findall(part)[0] for part in tile.split(", "))
+            if not {"rm" if rows == "BLOCK_M" else "kb", "ka" if cols == "BLOCK_K" else "rn"} <= set(
+                    _IDENTIFIER.findall(offset)):
+                offset = f"{offset} + tl.zeros({tile}, tl.int32)"  # a size-1 axis: still a tile of pointers
+            value = self.define(f"tl.load({self.ctx.arg('read', view, 'in')} + {offset}, mask={idx.mask}, other=0)")
+            layout = "t" if idx.dims and idx.dims[-1] not in (contiguous, "0") else "n"
+            return (value if view.dtype is dtype else self.define(f"{value}.to({TL[dtype]})", "x")), layout
+        value, _ = self.value(view, idx)
+        return self.define(f"tl.where({idx.mask}, {value}, 0).to({TL[dtype]})", "x"), "p"
 
     def leaf(self, node: Node, idx: Index) -> tuple[str, DType]:
         if node.op is Op.CONST:
@@ -439,7 +486,10 @@ class Emitter:
         if dt is not node.dtype:
             value = f"({value}).to({TL[node.dtype]})"
         mask = f", mask={idx.mask}" if idx.mask else ""
-        self.line(f"tl.store({pointer} + {self.linear(idx, node.shape)}, {value}{mask})")
+        offset = self.linear(idx, node.shape)
+        if self.kernel.core is not None and not {"rm", "rn"} <= set(_IDENTIFIER.findall(offset)):
+            offset = f"{offset} + tl.zeros({tile}, tl.int32)"  # a GEMM's size-1 axis: tl.store needs a tile of pointers
+        self.line(f"tl.store({pointer} + {offset}, {value}{mask})")
 
 
 def _int(text: str) -> int | None:
@@ -493,6 +543,8 @@ def generate(kernel: FusedKernel, stored: set[int]) -> KernelSource:
         launches.append(_rows(ctx, kernel, body))
     elif kernel.kind == "scatter_add":
         launches.extend(_scatter_add(ctx, kernel, body))
+    elif kernel.kind == "matmul" and kernel.core is not None:
+        launches.append(_gemm(ctx, kernel, body))
     else:
         raise CompileError(f"no Triton generator for {kernel.kind} kernels")
     header = _header(kernel)
@@ -716,3 +768,112 @@ def _scatter_add(ctx: Context, kernel: FusedKernel, body: list[str]) -> list[Lau
                      -(-index.numel // POINTWISE_BLOCK), 4)
     return [first, second]
 
+
+
+def dot_precision(dtype: DType) -> str:
+    """How tl.dot multiplies float32 tiles: TF32 tensor cores unless the precision is "highest"."""
+    from ember.device import get_matmul_precision
+
+    return "ieee" if dtype is not dtypes.float32 or get_matmul_precision() == "highest" else "tf32"
+
+
+def _gemm(ctx: Context, kernel: FusedKernel, body: list[str]) -> Launch:
+    """A tiled GEMM over the core's output: each program computes a BLOCK_M x BLOCK_N tile, walking K
+    in BLOCK_K steps; operand tiles come through the mainloop (prologue), the accumulator through
+    the epilogue. Tiles are visited in groups of GROUP_M rows, so neighbouring programs share the
+    operand tiles they load while those are still in L2."""
+    core = kernel.core
+    a, b = core.inputs
+    *batch, m, n = core.shape
+    k = a.shape[-1]
+    inner: list[str] = []
+    mainloop = Emitter(ctx, kernel, inner, "    ")
+    M, N, K = ctx.size(m), ctx.size(n), ctx.size(k)
+    wide = ".to(tl.int64)" if mainloop.big else ""
+    mainloop.line("pid = tl.program_id(0)")
+    mainloop.line(f"tiles_m = tl.cdiv({M}, BLOCK_M)")
+    mainloop.line(f"tiles_n = tl.cdiv({N}, BLOCK_N)")
+    mainloop.line("group_size = GROUP_M * tiles_n")
+    mainloop.line("first_m = (pid // group_size) * GROUP_M")
+    mainloop.line("group_rows = tl.minimum(tiles_m - first_m, GROUP_M)")
+    mainloop.line("pid_m = first_m + (pid % group_size) % group_rows")
+    mainloop.line("pid_n = (pid % group_size) // group_rows")
+    mainloop.line(f"rm = pid_m{wide} * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]")
+    mainloop.line(f"rn = pid_n{wide} * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]")
+    batch_dims: tuple[str, ...] = ()
+    if batch:
+        mainloop.line(f"batch = tl.program_id(1){wide}")
+        batch_dims = mainloop.unravel("batch", tuple(batch))
+    tiles = {"rm", "rn", "ka", "kb", "mask_a", "mask_b", "mask", "acc", "mask_m", "mask_n", "mask_ka", "mask_kb"}
+    mainloop.tiles |= tiles
+    axes = {name: frozenset([name]) for name in ("rm", "rn", "ka", "kb")}
+    masks = {"mask_a": {"rm": "mask_m", "ka": "mask_ka"}, "mask_b": {"kb": "mask_kb", "rn": "mask_n"},
+             "mask": {"rm": "mask_m", "rn": "mask_n"}}
+    mainloop.axes_of.update(axes)
+    mainloop.axes_of.update({name: frozenset(parts) for name, parts in masks.items()})
+    mainloop.mask_parts = masks
+    mainloop.line(f"mask_m = rm < {M}")
+    mainloop.line(f"mask_n = rn < {N}")
+    mainloop.line("acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)")
+    sums = {}
+    for r in kernel.reductions:  # operands summed along K on the way
+        sums[id(r)] = mainloop.define(f"tl.zeros([{'BLOCK_M, 1' if _summed(kernel, r) == 0 else '1, BLOCK_N'}], "
+                                      "tl.float32)", "sum")
+    mainloop.line(f"for start in range(0, {K}, BLOCK_K):")
+    mainloop.indent = "        "
+    mainloop.line("ka = start + tl.arange(0, BLOCK_K)[None, :]")
+    mainloop.line("kb = start + tl.arange(0, BLOCK_K)[:, None]")
+    mainloop.line(f"mask_ka = ka < {K}")
+    mainloop.line(f"mask_kb = kb < {K}")
+    mainloop.line("mask_a = mask_m & mask_ka")
+    mainloop.line("mask_b = mask_kb & mask_n")
+    tile_a, layout_a = mainloop.operand(a, Index((*batch_dims, "rm", "ka"), None, "mask_a", OTHER), core.dtype, "ka",
+                                        "[BLOCK_M, BLOCK_K]")
+    tile_b, layout_b = mainloop.operand(b, Index((*batch_dims, "kb", "rn"), None, "mask_b", OTHER), core.dtype, "rn",
+                                        "[BLOCK_K, BLOCK_N]")
+    precision = f", input_precision=\"{dot_precision(core.dtype)}\"" if core.dtype is dtypes.float32 else ""
+    mainloop.line(f"acc = tl.dot({tile_a}, {tile_b}, acc{precision})")
+    for r in kernel.reductions:
+        axis, tile = (1, tile_a) if _summed(kernel, r) == 0 else (0, tile_b)
+        mainloop.line(f"{sums[id(r)]} += tl.sum({tile}.to(tl.float32), axis={axis}, keep_dims=True)")
+    epilogue = Emitter(ctx, kernel, inner, "    ")
+    epilogue.tiles |= tiles | set(sums.values()) | set(mainloop.tiles)
+    epilogue.count = mainloop.count
+    epilogue.unravelled = dict(mainloop.unravelled)
+    epilogue.accumulator = "acc"
+    epilogue.axes_of = dict(mainloop.axes_of)
+    epilogue.mask_parts = masks
+    for o in kernel.outputs:  # one row of programs stores what every row of them summed
+        r = summed_output(kernel, o)
+        if r is None:
+            continue
+        first = "pid_n == 0" if _summed(kernel, r) == 0 else "pid_m == 0"
+        position, bound = ("rm", M) if _summed(kernel, r) == 0 else ("rn", N)
+        pointer = ctx.arg("write", o, "out")  # a reshape of the sum: the same positions
+        epilogue.line(f"tl.store({pointer} + {position}, {sums[id(r)]}.to({TL[o.dtype]}), "
+                      f"mask=({position} < {bound}) & ({first}))")
+    epilogue.line("mask = mask_m & mask_n")
+    for o in kernel.outputs:
+        if summed_output(kernel, o) is None:
+            epilogue.store(o, _epilogue_index(epilogue, core, o.shape, batch_dims), "[BLOCK_M, BLOCK_N]")
+    launch = _finish(ctx, body, "kernel", inner, {"BLOCK_M": 0, "BLOCK_N": 0, "BLOCK_K": 0, "GROUP_M": 0}, 0, 4)
+    launch.gemm = (math.prod(batch), m, n, k)
+    launch.layout = layout_a + layout_b
+    return launch
+
+
+def _epilogue_index(emitter: Emitter, core: Node, shape: tuple[int, ...], batch_dims: tuple[str, ...]) -> Index:
+    """Where the tile's elements sit in an output of the epilogue: the core's shape, or a reshape of it
+    (the planner checked that element i of one is element i of the other)."""
+    *batch, m, n = core.shape
+    if shape == core.shape:
+        return Index((*batch_dims, "rm", "rn"), None, "mask", FULL)
+    if not batch and shape and shape[-1] == n:  # rows regrouped: one division per row, not per element
+        return Index((*emitter.unravel("rm", shape[:-1]), "rn"), None, "mask", FULL)
+    linear = emitter.linear(Index((*batch_dims, "rm", "rn"), None, "mask", FULL), core.shape)
+    return Index(None, linear, "mask", FULL)
+
+
+def _summed(kernel: FusedKernel, reduction: Node) -> int:
+    """Which operand of a GEMM kernel a reduction in its mainloop sums along K."""
+    return summed_operand(kernel.core, reduction, set())

@@ -1,0 +1,262 @@
+"""GEMM tuning: profile the bare GEMM, then run the fused kernel with what won.
+
+A generated GEMM takes its tile sizes, warps and pipeline stages as launch-time
+constants, so one source serves every configuration. For each *problem* (GPU,
+dtype, operand layouts, M/N/K rounded up to powers of two, batched or not) the
+candidate configurations are timed on a bare GEMM of that problem with random
+operands, and the fastest few are kept on disk. A fused kernel then runs with one of
+those, whatever its prologue and epilogue: the one that runs it fastest, timed on its
+first run below.
+
+A second choice is made per fused kernel, on its first run with real buffers: the
+generated kernel (under each of those configurations) against its split form (cuBLAS through torch.matmul, with the
+prologue and epilogue in kernels of their own). Both times and the winner are kept
+on disk too, and `ember.explain` shows them.
+
+`EMBER_AUTOTUNE=0` profiles nothing: a size-based default configuration and the
+generated kernel. Under the interpreter nothing is profiled either.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ember import dtypes
+from ember.compiler.codegen import triton as codegen
+
+WARMUP, REPS = 2, 10  # launches before and inside a timing
+
+
+@dataclass(frozen=True)
+class Config:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def launch_options(self) -> dict:
+        return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_K": self.block_k,
+                "GROUP_M": self.group_m, "num_warps": self.num_warps, "num_stages": self.num_stages}
+
+    def grid(self, batch: int, m: int, n: int) -> tuple[int, int]:
+        return (-(-m // self.block_m)) * (-(-n // self.block_n)), batch
+
+    def __str__(self) -> str:
+        return (f"BLOCK {self.block_m}x{self.block_n}x{self.block_k}, {self.num_warps} warps, "
+                f"{self.num_stages} stages")
+
+
+# Candidates for 2-byte inputs, written for Hopper's shared memory (228 KiB per SM); float32 tiles
+# take half the K depth. Configurations a GPU cannot run fail to compile and are skipped.
+CANDIDATES = [
+    Config(128, 256, 64, 8, 8, 3), Config(256, 128, 64, 8, 8, 3), Config(128, 256, 64, 8, 8, 4),
+    Config(128, 128, 64, 8, 8, 4), Config(128, 128, 64, 8, 4, 4), Config(128, 128, 128, 8, 8, 3),
+    Config(64, 256, 64, 8, 4, 4), Config(128, 64, 64, 8, 4, 4), Config(64, 128, 64, 8, 4, 4),
+    Config(64, 64, 64, 8, 4, 4),
+]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What a GEMM configuration is tuned for."""
+
+    dtype: str
+    layout: str  # per operand, "n" (K contiguous in A, N in B) or "t" (transposed); a prologue counts as "n"
+    m: int
+    n: int
+    k: int
+    batched: bool
+    precision: str
+
+    @staticmethod
+    def of(launch: codegen.Launch, dtype: dtypes.DType, layout: str) -> Problem:
+        batch, m, n, k = launch.gemm
+        return Problem(dtype.name, layout.replace("p", "n"), _bucket(m), _bucket(n), _bucket(k), batch > 1,
+                       codegen.dot_precision(dtype))
+
+    @property
+    def key(self) -> str:
+        return (f"{self.dtype} {self.layout} {self.m}x{self.n}x{self.k}{' batched' if self.batched else ''} "
+                f"{self.precision}")
+
+
+def _bucket(size: int) -> int:
+    return max(16, 1 << max(size - 1, 0).bit_length())
+
+
+def default_config(problem: Problem) -> Config:
+    """A configuration chosen from the sizes alone: large tiles for large problems."""
+    depth = 64 if problem.dtype != "float32" else 32
+    block_m = min(128, problem.m)
+    block_n = min(128, problem.n)
+    warps = 8 if block_m * block_n >= 128 * 128 else 4
+    return Config(block_m, block_n, min(depth, problem.k), 8, warps, 3)
+
+
+def enabled() -> bool:
+    from ember.runtime import cuda
+
+    return not cuda.INTERPRET and os.environ.get("EMBER_AUTOTUNE", "1") not in ("0", "")
+
+
+# -- the disk cache ----------------------------------------------------------------------------
+
+_entries: dict[str, dict] | None = None
+
+
+def _path() -> Path:
+    from ember.runtime import cuda
+
+    return cuda.cache_dir("autotune") / "gemm.json"
+
+
+def _scope() -> str:
+    """Entries hold for one GPU model and one set of library versions."""
+    import triton
+
+    return f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__}"
+
+
+def _load() -> dict[str, dict]:
+    global _entries
+    if _entries is None:
+        try:
+            data = json.loads(_path().read_text())
+            _entries = data if isinstance(data, dict) else {}
+        except (OSError, ValueError):  # missing or corrupt: rebuilt, never trusted
+            _entries = {}
+    return _entries
+
+
+def _store(key: str, value: dict) -> None:
+    entries = _load()
+    entries[key] = value
+    path = _path()
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(entries, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def cached(key: str) -> dict | None:
+    if not enabled():
+        return None
+    return _load().get(f"{_scope()} | {key}")
+
+
+def _remember(key: str, value: dict) -> None:
+    _store(f"{_scope()} | {key}", value)
+
+
+# -- profiling ---------------------------------------------------------------------------------
+
+RANKED = 3  # the bare GEMM's fastest configurations, each tried with the fused kernel's epilogue
+
+
+def configs_for(problem: Problem) -> list[Config]:
+    """The problem's fastest configurations on the bare GEMM, best first: from the disk cache, or
+    profiled now (with a progress bar). Without profiling, the size-based default alone."""
+    if not enabled():
+        return [default_config(problem)]
+    entry = cached(f"config {problem.key}")
+    if entry is not None:
+        try:
+            return [Config(**c) for c in entry["ranked"]]
+        except (KeyError, TypeError):
+            pass
+    ranked = _profile_bare(problem)
+    _remember(f"config {problem.key}", {"ranked": [asdict(c) for c, _ in ranked], "ms": [ms for _, ms in ranked]})
+    return [c for c, _ in ranked]
+
+
+def _profile_bare(problem: Problem) -> list[tuple[Config, float]]:
+    from tqdm import tqdm
+
+    from ember.runtime import cuda
+
+    kernel, stored, source = _bare_gemm(problem)
+    module = cuda.load_source(source)
+    launch = source.launches[0]
+    fn = getattr(module, launch.function)
+    dtype = dtypes.to_torch(dtypes.as_dtype(problem.dtype))
+    a_shape = (problem.m, problem.k) if problem.layout[0] != "t" else (problem.k, problem.m)
+    b_shape = (problem.k, problem.n) if problem.layout[1] != "t" else (problem.n, problem.k)
+    a = torch.randn(a_shape, device="cuda").to(dtype)
+    b = torch.randn(b_shape, device="cuda").to(dtype)
+    out = torch.empty((problem.m, problem.n), device="cuda", dtype=dtype)
+    args = [a, b, out] + [arg.value for arg in launch.args if arg.kind == "size"]
+    depth = 1 if problem.dtype != "float32" else 2
+    candidates = [Config(c.block_m, c.block_n, c.block_k // depth, c.group_m, c.num_warps, c.num_stages)
+                  for c in CANDIDATES]
+    timed = []
+    bar = tqdm(candidates, desc=f"ember: tuning GEMM {problem.key}", leave=False, file=sys.stderr,
+               disable=None)
+    for config in bar:
+        grid, options = config.grid(1, problem.m, problem.n), config.launch_options()
+        try:
+            ms = time_ms(lambda grid=grid, options=options: fn.run(*args, grid=grid, warmup=False, **options))
+        except Exception:  # e.g. more shared memory than this GPU has: not a candidate here
+            continue
+        timed.append((config, ms))
+    bar.close()
+    timed.sort(key=lambda pair: pair[1])
+    return timed[:RANKED] or [(default_config(problem), math.inf)]
+
+
+def _bare_gemm(problem: Problem):
+    """A generated GEMM with nothing fused: the problem's operands, in its layouts, multiplied."""
+    from ember.compiler import fusion
+    from ember.device import as_device
+    from ember.ir import Node, Op
+
+    dtype = dtypes.as_dtype(problem.dtype)
+    device = as_device("cuda")
+    operands = []
+    for layout, shape in zip(problem.layout, ((problem.m, problem.k), (problem.k, problem.n))):
+        if layout == "t":
+            base = Node(Op.BUFFER, (), {}, shape[::-1], dtype, device)
+            operands.append(Node.make(Op.PERMUTE, (base,), order=(1, 0)))
+        else:
+            operands.append(Node(Op.BUFFER, (), {}, shape, dtype, device))
+    core = Node.make(Op.MATMUL, tuple(operands))
+    kernel = fusion.FusedKernel("matmul", core.shape, (), [core], {id(core): fusion.FULL}, core=core)
+    stored = {id(core)}
+    return kernel, stored, codegen.generate(kernel, stored)
+
+
+def time_ms(run) -> float:
+    """Milliseconds per call of `run` on the current stream: warm-up calls, then REPS between events."""
+    for _ in range(WARMUP):
+        run()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(REPS):
+        run()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / REPS
+
+
+def timed_choice(key: str, fused: dict[Config, object], split) -> dict:
+    """Time a fused kernel under each of its configurations (callables) against its split form, keep
+    the fastest, remember the times: "chosen" ("triton" or "cublas"), "config", "triton_ms", "cublas_ms"."""
+    entry = cached(f"choice {key}")
+    if entry is not None and entry.get("chosen") in ("triton", "cublas") and "config" in entry:
+        return entry
+    start = time.perf_counter()
+    times = {config: time_ms(run) for config, run in fused.items()}
+    config = min(times, key=times.get)
+    cublas_ms = time_ms(split)
+    entry = {"chosen": "triton" if times[config] <= cublas_ms else "cublas", "config": asdict(config),
+             "triton_ms": times[config], "cublas_ms": cublas_ms, "seconds": time.perf_counter() - start}
+    _remember(f"choice {key}", entry)
+    return entry

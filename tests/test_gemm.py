@@ -1,0 +1,623 @@
+"""Generated GEMM kernels (run by Triton's interpreter in CI) against torch and the reference backend,
+and the GEMM planner's choices: what the mainloop (prologue) recomputes, what the epilogue takes,
+where an operand's sum along K goes, which form (generated or split) runs, and how a problem is
+tuned and remembered.
+
+Inputs are random and never zero; results are compared with torch in float64 on the same (rounded)
+values, or with the reference backend ("cpu") where the computation draws random numbers."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+import ember
+import ember.nn.functional as F
+from ember.compiler.fusion import summed_operand
+from ember.explain import plan
+
+pytestmark = pytest.mark.usefixtures("cuda_backend")
+
+NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+RTOL = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 1e-2}
+
+@pytest.fixture(autouse=True, scope="module")
+def fresh_cache(tmp_path_factory):
+    """These tests plan and store into a cache directory of their own."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("EMBER_CACHE_DIR", str(tmp_path_factory.mktemp("ember-cache")))
+        yield
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+def random(rng, *shape, dtype: str = "float32", low: float = -1.0, high: float = 1.0) -> np.ndarray:
+    """Random values of `dtype`, kept away from zero (|x| >= 0.05)."""
+    drawn = rng.uniform(low, high, size=shape)
+    drawn = np.where(np.abs(drawn) < 0.05, np.copysign(0.05, drawn) + drawn, drawn)
+    return drawn.astype(NUMPY_DTYPES[dtype])
+
+
+def on(device: str, *arrays: np.ndarray, grad: bool = False) -> list[ember.Tensor]:
+    return [ember.tensor(a, device=device, requires_grad=grad) for a in arrays]
+
+
+def t64(array: np.ndarray) -> torch.Tensor:
+    """The exact values of an array of any float dtype, in float64, for the reference."""
+    return torch.from_numpy(np.asarray(array).astype(np.float64))
+
+
+def values(tensor) -> np.ndarray:
+    if isinstance(tensor, np.ndarray):
+        return tensor.astype(np.float64)
+    if isinstance(tensor, torch.Tensor):
+        return tensor.detach().numpy().astype(np.float64)
+    return tensor.numpy().astype(np.float64)
+
+
+def assert_matches(got, want, dtype: str = "float32", what: str = "value") -> None:
+    """Element-wise within `RTOL[dtype]` of the reference, and within it of the reference's scale
+    (a long sum of products rounds to its magnitude, not to each small element's)."""
+    got, want = values(got), values(want)
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    rtol = RTOL[dtype]
+    scale = float(np.abs(want).max()) if want.size else 1.0
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * scale, err_msg=what)
+
+
+def sections(lines: list[str]) -> dict[str, list[str]]:
+    """explain's lines of one kernel by section ("mainloop", "core", "epilogue", "decision"): a section's
+    title stands on its first line only."""
+    found: dict[str, list[str]] = defaultdict(list)
+    current = None
+    for line in lines[1:]:
+        title = line[2:11].strip()
+        if title:
+            current = title
+        found[current].append(line[12:])
+    return found
+
+
+def only_gemm(p) -> tuple:
+    """The one kernel of a plan, which must be a generated GEMM, and its explain sections."""
+    assert [k.kind for k in p.kernels] == ["matmul"], str(p)
+    (k,) = p.kernels
+    assert k.core is not None, str(p)
+    return k, sections(p.describe(k))
+
+
+def layout(p, kernel) -> str:
+    """How the generated GEMM loads its operands: per operand "n", "t" (transposed in place) or "p" (a
+    prologue computes it)."""
+    return p.sources[id(kernel)].launches[0].layout
+
+
+# -- bare GEMMs ---------------------------------------------------------------------------------
+
+SIZES = [  # (M, N, K)
+    pytest.param((1, 17, 33), id="1x17x33"),
+    pytest.param((17, 1, 5), id="17x1x5"),
+    pytest.param((1000, 17, 9), id="1000x17x9"),
+    pytest.param((5, 1000, 17), id="5x1000x17"),
+    pytest.param((33, 17, 1000), id="33x17x1000"),
+    pytest.param((17, 33, 1), id="17x33x1"),
+]
+GEMM_DTYPES = ["float32", "float16", "bfloat16"]
+
+
+@pytest.mark.parametrize("dtype", GEMM_DTYPES)
+@pytest.mark.parametrize("mnk", SIZES)
+def test_a_bare_gemm_at_odd_sizes_is_one_generated_kernel(mnk, dtype, rng):
+    m, n, k = mnk
+    a, b = random(rng, m, k, dtype=dtype), random(rng, k, n, dtype=dtype)
+    x, w = on("cuda", a, b)
+    out = x @ w
+    kernel, _ = only_gemm(plan(out))
+    assert kernel.core.dtype.name == dtype
+    assert out.dtype.name == dtype
+    assert_matches(out, t64(a) @ t64(b), dtype)
+
+
+@pytest.mark.parametrize("shapes", [((0, 3), (3, 4)), ((3, 0), (0, 4))], ids=["no-rows", "no-inner"])
+def test_an_empty_gemm_gives_an_empty_or_zero_result(shapes, rng):
+    a, b = (random(rng, *s) for s in shapes)
+    x, w = on("cuda", a, b)
+    assert_matches(x @ w, t64(a) @ t64(b))
+
+
+# -- transposed operands --------------------------------------------------------------------------
+
+TRANSPOSES = {  # name: (A's storage shape, B's storage shape, product, layout)
+    "a.mT @ b": ((9, 7), (9, 5), lambda a, b: a.mT @ b, "tn"),
+    "a @ b.mT": ((7, 9), (5, 9), lambda a, b: a @ b.mT, "nt"),
+    "a.mT @ b.mT": ((9, 7), (5, 9), lambda a, b: a.mT @ b.mT, "tt"),
+}
+
+
+@pytest.mark.parametrize("case", TRANSPOSES)
+def test_transposed_operands_are_loaded_in_place_with_no_transpose_kernel(case, rng):
+    a_shape, b_shape, product, expected_layout = TRANSPOSES[case]
+    a, b = random(rng, *a_shape), random(rng, *b_shape)
+    out = product(*on("cuda", a, b))
+    p = plan(out)
+    kernel, _ = only_gemm(p)
+    assert layout(p, kernel) == expected_layout
+    assert_matches(out, product(t64(a), t64(b)))
+
+
+# -- batched matmul -------------------------------------------------------------------------------
+
+BATCHED = {  # name: (A's shape, B's shape)
+    "3-d @ 3-d": ((3, 7, 5), (3, 5, 9)),
+    "4-d @ 2-d": ((2, 3, 7, 5), (5, 9)),
+    "broadcast batches": ((2, 1, 7, 5), (3, 5, 9)),
+    "2-d @ 3-d": ((7, 5), (2, 5, 9)),
+}
+
+
+@pytest.mark.parametrize("case", BATCHED)
+def test_a_batched_matmul_broadcasts_its_batch_in_one_generated_kernel(case, rng):
+    a_shape, b_shape = BATCHED[case]
+    a, b = random(rng, *a_shape), random(rng, *b_shape)
+    out = ember.matmul(*on("cuda", a, b))
+    only_gemm(plan(out))
+    assert_matches(out, torch.matmul(t64(a), t64(b)))
+
+
+def test_a_batched_gemm_takes_a_prologue_on_a_broadcast_operand_and_a_bias_epilogue(rng):
+    a, b, bias = random(rng, 2, 3, 7, 5), random(rng, 5, 9), random(rng, 9)
+    x, w, c = on("cuda", a, b, bias)
+    out = F.relu(x) @ w.tanh() + c
+    only_gemm(plan(out))
+    assert_matches(out, torch.relu(t64(a)) @ torch.tanh(t64(b)) + t64(bias))
+
+
+# -- prologues in the mainloop --------------------------------------------------------------------
+
+def _prologue_cases(rng):
+    """name: (arrays, ember function, torch float64 reference function)"""
+    x, w, scale, shift = random(rng, 20, 24), random(rng, 24, 19), random(rng, 24), random(rng, 24)
+    return {
+        "activation": ((x, w), lambda a, b: F.relu(a) @ b, lambda a, b: torch.relu(a) @ b),
+        "cast": ((x.astype(np.float16), w), lambda a, b: a.to(ember.float32) @ b, lambda a, b: a @ b),
+        "scale and shift": ((x, w, scale, shift), lambda a, b, s, t: F.relu(a * s + t) @ b,
+                            lambda a, b, s, t: torch.relu(a * s + t) @ b),
+        "second operand": ((x, w), lambda a, b: a @ F.relu(b), lambda a, b: a @ torch.relu(b)),
+        "both operands": ((x, w), lambda a, b: a.exp() @ b.sigmoid(), lambda a, b: a.exp() @ b.sigmoid()),
+    }
+
+
+PROLOGUES = ["activation", "cast", "scale and shift", "second operand", "both operands"]
+
+
+@pytest.mark.parametrize("case", PROLOGUES)
+def test_a_cheap_operand_producer_is_recomputed_in_the_mainloop(case, rng):
+    arrays, fn, reference = _prologue_cases(rng)[case]
+    out = fn(*on("cuda", *arrays))
+    p = plan(out)
+    kernel, explained = only_gemm(p)
+    assert explained["mainloop"], str(p)
+    assert explained["decision"] and all("recomputed in the mainloop" in d for d in explained["decision"]), str(p)
+    assert "p" in layout(p, kernel)
+    assert_matches(out, reference(*(t64(a) for a in arrays)))
+
+
+def test_a_dropout_mask_is_drawn_in_the_mainloop_as_the_reference_backend_draws_it(rng):
+    a, b = random(rng, 20, 24), random(rng, 24, 19)
+    results = {}
+    for device in ("cuda", "cpu"):
+        ember.manual_seed(11)
+        x, w = on(device, a, b)
+        results[device] = F.dropout(x, 0.5, training=True) @ w
+    p = plan(results["cuda"])
+    _, explained = only_gemm(p)
+    assert any("rand(" in line for line in explained["mainloop"]), str(p)
+    assert "recomputed in the mainloop" in explained["decision"][0], str(p)
+    ember.manual_seed(11)
+    mask = F.dropout(on("cpu", a)[0], 0.5, training=True).numpy() != 0  # the same draw, on its own
+    assert 0.3 < mask.mean() < 0.7
+    assert_matches(results["cuda"], results["cpu"])
+    assert_matches(results["cuda"], t64(np.where(mask, a * 2, 0)) @ t64(b))
+
+
+@pytest.mark.parametrize("case", ["transposed", "broadcast"])
+def test_explain_shows_a_prologue_read_through_a_view_in_the_mainloop(case, rng):
+    if case == "transposed":
+        a, b = random(rng, 20, 24), random(rng, 19, 24)
+        out = on("cuda", a)[0] @ on("cuda", b)[0].tanh().mT
+        expected = t64(a) @ torch.tanh(t64(b)).mT
+    else:
+        a, b = random(rng, 2, 7, 5), random(rng, 5, 9)
+        out = on("cuda", a)[0] @ on("cuda", b)[0].tanh()
+        expected = t64(a) @ torch.tanh(t64(b))
+    p = plan(out)
+    kernel, explained = only_gemm(p)
+    assert layout(p, kernel).endswith("p")  # the kernel does compute it in the mainloop
+    assert_matches(out, expected)
+    assert any("tanh(" in line for line in explained["mainloop"]), str(p)
+    # the batch is folded into the rows of one GEMM; the epilogue stores them in the batched shape
+    assert all("reshape(" in line for line in explained["epilogue"]), str(p)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_half_precision_gemm_fuses_a_prologue_and_an_epilogue_when_the_dot_is_wide_enough(dtype, rng):
+    a, b, bias = random(rng, 20, 24, dtype=dtype), random(rng, 24, 130, dtype=dtype), random(rng, 130, dtype=dtype)
+    x, w, c = on("cuda", a, b, bias)
+    out = F.gelu(F.relu(x) @ w + c)
+    p = plan(out)
+    kernel, explained = only_gemm(p)
+    assert explained["mainloop"] and explained["epilogue"], str(p)
+    assert "recomputed in the mainloop" in kernel.decisions[0], str(p)
+    assert out.dtype.name == dtype
+    assert_matches(out, torch.nn.functional.gelu(torch.relu(t64(a)) @ t64(b) + t64(bias)), dtype)
+
+
+# -- a rejected prologue ----------------------------------------------------------------------------
+
+def test_a_prologue_that_would_read_more_than_it_saves_is_stored(rng):
+    arrays = [random(rng, 64, 64) for _ in range(4)] + [random(rng, 64, 16)]
+    a, b, c, d, w = on("cuda", *arrays)
+    out = (a + b + c + d) @ w
+    p = plan(out)
+    assert [k.kind for k in p.kernels] == ["pointwise", "matmul"], str(p)
+    gemm = p.kernels[1]
+    assert len(gemm.decisions) == 1 and "stored: recomputing it would read" in gemm.decisions[0], str(p)
+    assert not sections(p.describe(gemm))["mainloop"], str(p)
+    ta, tb, tc, td, tw = (t64(x) for x in arrays)
+    assert_matches(out, (ta + tb + tc + td) @ tw)
+
+
+def test_a_prologue_that_would_slow_a_large_half_precision_dot_is_stored():
+    # planned, not run: GELU's ops, applied once per output tile across N = 8192, would take more of the
+    # tensor cores' time than storing the operand costs
+    x, w = ember.randn(8192, 4096, device="cuda").to(ember.bfloat16), ember.randn(4096, 8192, device="cuda")
+    out = F.gelu(x.float()).to(ember.bfloat16) @ w.to(ember.bfloat16)
+    p = plan(out)
+    gemm = next(k for k in p.kernels if k.core is not None)
+    assert any("of the dot's time" in d and "stored" in d for d in gemm.decisions), str(p)
+
+
+def test_a_cheap_prologue_of_a_small_half_precision_gemm_is_recomputed(rng):
+    # a small GEMM is bound by latency: a kernel of its own for exp() costs more than recomputing it
+    a, b = random(rng, 20, 24, dtype="float16"), random(rng, 24, 19, dtype="float16")
+    x, w = on("cuda", a, b)
+    out = x.exp() @ w
+    p = plan(out)
+    assert [k.kind for k in p.kernels] == ["matmul"], str(p)
+    assert "recomputed in the mainloop" in p.kernels[0].decisions[0], str(p)
+    assert_matches(out, torch.exp(torch.from_numpy(a.astype(np.float32))).double() @ t64(b), "float16")
+
+
+# -- epilogues ------------------------------------------------------------------------------------
+
+def _epilogue_cases(rng):
+    """name: (arrays, ember function, torch float64 reference, output dtype)"""
+    x, w, bias = random(rng, 20, 24), random(rng, 24, 19), random(rng, 19)
+    residual, other = random(rng, 20, 19), random(rng, 19, 20)
+    return {
+        "bias and gelu": ((x, w, bias), lambda a, b, c: F.gelu(a @ b + c),
+                          lambda a, b, c: torch.nn.functional.gelu(a @ b + c), "float32"),
+        "residual": ((x, w, residual), lambda a, b, r: a @ b + r, lambda a, b, r: a @ b + r, "float32"),
+        "cast": ((x, w), lambda a, b: (a @ b).to(ember.float16), lambda a, b: (a @ b).half().double(), "float16"),
+        "transposed read": ((x, w, other), lambda a, b, o: (a @ b) * o.mT, lambda a, b, o: (a @ b) * o.mT,
+                            "float32"),
+    }
+
+
+@pytest.mark.parametrize("case", ["bias and gelu", "residual", "cast", "transposed read"])
+def test_pointwise_consumers_of_the_product_run_in_the_epilogue(case, rng):
+    arrays, fn, reference, dtype = _epilogue_cases(rng)[case]
+    out = fn(*on("cuda", *arrays))
+    p = plan(out)
+    kernel, explained = only_gemm(p)
+    assert explained["epilogue"] and not explained["mainloop"], str(p)
+    assert kernel.outputs[0].dtype.name == dtype and out.dtype.name == dtype
+    assert_matches(out, reference(*(t64(a) for a in arrays)), dtype)
+
+
+def test_the_pre_activation_and_the_activation_are_stored_by_one_gemm(rng):
+    a, b, bias = random(rng, 20, 24), random(rng, 24, 19), random(rng, 19)
+    x, w, c = on("cuda", a, b, bias)
+    h = x @ w + c
+    g = F.gelu(h)
+    p = plan(h, g)
+    kernel, _ = only_gemm(p)
+    assert len(kernel.outputs) == 2, str(p)
+    with ember.explain.capture() as plans:
+        ember.realize(h, g)
+    assert len(plans) == 1 and len(plans[0].kernels) == 1, "\n".join(map(str, plans))
+    th = t64(a) @ t64(b) + t64(bias)
+    assert_matches(h, th, what="pre-activation")
+    assert_matches(g, torch.nn.functional.gelu(th), what="activation")
+
+
+def test_the_next_layers_gemm_reads_the_previous_epilogues_output(rng):
+    a, b, v = random(rng, 20, 24), random(rng, 24, 19), random(rng, 19, 7)
+    x, w, u = on("cuda", a, b, v)
+    out = F.relu(x @ w) @ u
+    p = plan(out)
+    assert [k.kind for k in p.kernels] == ["matmul", "matmul"], str(p)
+    assert_matches(out, torch.relu(t64(a) @ t64(b)) @ t64(v))
+
+
+# -- the linear layer's backward --------------------------------------------------------------------
+
+def _linear_grads(rng, activation: bool, batch=(50,)):
+    xs, ws, bs = random(rng, *batch, 24), random(rng, 17, 24), random(rng, 17)
+    gs = random(rng, *batch, 17)
+    x, w, b = on("cuda", xs, ws, bs, grad=True)
+    y = F.linear(x, w, b)
+    if activation:
+        y = F.gelu(y)
+    y.backward(on("cuda", gs)[0])
+    with ember.explain.capture() as plans:
+        ember.realize(x.grad, w.grad, b.grad)
+    tx, tw, tb = (t64(v).requires_grad_() for v in (xs, ws, bs))
+    ty = torch.nn.functional.linear(tx, tw, tb)
+    if activation:
+        ty = torch.nn.functional.gelu(ty)
+    ty.backward(t64(gs))
+    for name, got, want in (("dx", x.grad, tx.grad), ("dW", w.grad, tw.grad), ("db", b.grad, tb.grad)):
+        assert_matches(got, want, what=name)
+    assert len(plans) == 1
+    return plans[0]
+
+
+def test_the_bias_gradient_is_summed_inside_the_weight_gradients_gemm(rng):
+    p = _linear_grads(rng, activation=False)
+    assert all(k.kind == "matmul" and k.core is not None for k in p.kernels), str(p)  # no reduce, no transpose
+    (summing,) = [k for k in p.kernels if k.reductions]
+    assert summing.core.shape == (17, 24), str(p)  # dW = g^T x, with db = sum of g over the batch
+    assert any(line.startswith("%") and "sum(" in line for line in sections(p.describe(summing))["mainloop"]), str(p)
+
+
+def test_the_activation_derivative_lands_in_a_gemm_of_the_linear_backward(rng):
+    p = _linear_grads(rng, activation=True)
+    assert len(p.kernels) <= 4, str(p)
+    assert all(k.kind == "matmul" for k in p.kernels), str(p)
+    # the derivative of gelu (its erf and exp) is computed beside a product, not in a kernel of its own
+    explained = [sections(p.describe(k)) for k in p.kernels]
+    assert any("exp(" in line for s in explained for line in s["epilogue"] + s["mainloop"]), str(p)
+    assert any(k.reductions for k in p.kernels), str(p)
+
+
+def test_a_batched_linear_backward_gives_torchs_gradients(rng):
+    _linear_grads(rng, activation=True, batch=(3, 10))
+
+
+# -- an operand's sum along K ------------------------------------------------------------------------
+
+SUMS_ALONG_K = {  # name: (A's storage shape, B's storage shape, product, sum, position of the summed operand)
+    "first operand": ((20, 24), (24, 19), lambda a, b: a @ b, lambda a, b: a.sum(1), 0),
+    "second operand": ((20, 24), (24, 19), lambda a, b: a @ b, lambda a, b: b.sum(0), 1),
+    "transposed first operand": ((24, 20), (24, 19), lambda a, b: a.mT @ b, lambda a, b: a.sum(0), 0),
+    "transposed second operand": ((20, 24), (19, 24), lambda a, b: a @ b.mT, lambda a, b: b.sum(1), 1),
+    "kept dimension": ((20, 24), (24, 19), lambda a, b: a @ b, lambda a, b: b.sum(0, keepdim=True), 1),
+}
+
+
+@pytest.mark.parametrize("case", SUMS_ALONG_K)
+def test_an_operands_sum_along_k_is_taken_in_the_mainloop(case, rng):
+    a_shape, b_shape, product, total, position = SUMS_ALONG_K[case]
+    a, b = random(rng, *a_shape), random(rng, *b_shape)
+    x, w = on("cuda", a, b)
+    out, summed = product(x, w), total(x, w)
+    p = plan(out, summed)
+    kernel, explained = only_gemm(p)
+    assert len(kernel.reductions) == 1 and len(kernel.outputs) == 2, str(p)
+    assert any("sum(" in line for line in explained["mainloop"]), str(p)
+    assert summed_operand(kernel.core, kernel.reductions[0], set()) == position
+    assert_matches(out, product(t64(a), t64(b)), what="product")
+    assert_matches(summed, total(t64(a), t64(b)), what="sum")
+
+
+def test_a_sum_of_an_operand_along_another_axis_than_k_is_a_kernel_of_its_own(rng):
+    a, b = random(rng, 20, 24), random(rng, 24, 19)
+    x, w = on("cuda", a, b)
+    out, summed = x @ w, x.sum(0)
+    p = plan(out, summed)
+    assert sorted(k.kind for k in p.kernels) == ["matmul", "reduce"], str(p)
+    ember.realize(out, summed)
+    assert_matches(out, t64(a) @ t64(b))
+    assert_matches(summed, t64(a).sum(0))
+
+
+# -- the split form ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["auto", "triton", "cublas"])
+def test_every_gemm_backend_computes_the_same_fused_graph(backend, rng, monkeypatch):
+    from ember.runtime import cuda
+
+    monkeypatch.setattr(cuda, "gemm_backend", backend)
+    a, b, bias = random(rng, 20, 24), random(rng, 24, 19), random(rng, 19)
+    x, w, c = on("cuda", a, b, bias)
+    out = F.gelu(F.relu(x) @ w + c)
+    p = plan(out)
+    kernel, explained = only_gemm(p)
+    assert explained["mainloop"] and explained["epilogue"], str(p)
+    assert [k.kind for k in kernel.split] == ["pointwise", "matmul", "pointwise"], str(p)
+    expected_choice = "cublas" if backend == "cublas" else "triton"  # "auto" times nothing without a GPU
+    assert p.gemm_choices[0]["chosen"] == expected_choice
+    before = cuda.stats["launches"]
+    result = values(out)
+    # the generated form is one launch; the split form, its prologue and epilogue kernels around cuBLAS
+    assert cuda.stats["launches"] - before == (2 if expected_choice == "cublas" else 1)
+    assert_matches(result, torch.nn.functional.gelu(torch.relu(t64(a)) @ t64(b) + t64(bias)))
+
+
+@pytest.mark.parametrize("backend", ["triton", "cublas"])
+def test_the_split_weight_gradient_sums_the_bias_gradient_in_a_kernel_of_its_own(backend, rng, monkeypatch):
+    from ember.runtime import cuda
+
+    monkeypatch.setattr(cuda, "gemm_backend", backend)
+    p = _linear_grads(rng, activation=True)
+    (summing,) = [k for k in p.kernels if k.reductions]
+    assert "reduce" in [k.kind for k in summing.split], str(p)
+
+
+# -- plan caches ------------------------------------------------------------------------------------
+
+def test_a_repeated_gemm_step_hits_the_plan_cache_and_a_new_process_reads_it_from_disk(rng, tmp_path,
+                                                                                         monkeypatch):
+    from ember.runtime import cuda
+
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cuda, "_plans", {})
+    a, b, bias = random(rng, 20, 24), random(rng, 24, 19), random(rng, 19)
+    x, w, c = on("cuda", a, b, bias)
+
+    def step():
+        return F.gelu(F.relu(x) @ w + c).realize()
+
+    expected = torch.nn.functional.gelu(torch.relu(t64(a)) @ t64(b) + t64(bias))
+    before = dict(cuda.stats)
+
+    def made(what: str) -> int:
+        return cuda.stats[what] - before[what]
+
+    for _ in range(3):
+        assert_matches(step(), expected)
+    assert (made("plans_compiled"), made("plan_hits")) == (1, 2)
+    assert list((tmp_path / "plans").glob("*.pkl"))
+    cuda._plans.clear()  # as a new process would start
+    assert_matches(step(), expected)
+    assert (made("plans_compiled"), made("plans_loaded")) == (1, 1)
+    monkeypatch.setattr(cuda, "gemm_backend", "cublas")  # another form: another plan
+    assert_matches(step(), expected)
+    assert made("plans_compiled") == 2
+
+
+# -- autotune, without a GPU ---------------------------------------------------------------------
+
+def _problem(m, n, k, dtype=ember.float32, layout="nn", batch=1):
+    from ember.compiler.codegen.triton import Launch
+    from ember.runtime import autotune
+
+    return autotune.Problem.of(Launch("kernel", [], {}, 0, gemm=(batch, m, n, k)), dtype, layout)
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@pytest.mark.parametrize("mnk", [(1, 1, 1), (17, 33, 5), (1000, 17, 9), (5, 1000, 17), (4096, 4096, 4096),
+                                 (33, 17, 1000)])
+@pytest.mark.parametrize("dtype", [ember.float32, ember.float16])
+def test_the_default_configuration_fits_the_bucketed_problem(mnk, dtype):
+    from ember.runtime import autotune
+
+    problem = _problem(*mnk, dtype=dtype)
+    for size, bucket in zip(mnk, (problem.m, problem.n, problem.k)):
+        assert _is_power_of_two(bucket) and bucket >= max(size, 16)
+        assert bucket < 2 * max(size, 16)
+    config = autotune.default_config(problem)
+    for block, bucket in ((config.block_m, problem.m), (config.block_n, problem.n), (config.block_k, problem.k)):
+        assert _is_power_of_two(block) and 16 <= block <= bucket
+    assert config.grid(1, *mnk[:2])[0] == math.ceil(mnk[0] / config.block_m) * math.ceil(mnk[1] / config.block_n)
+
+
+def test_a_problem_key_tells_dtypes_layouts_sizes_batching_and_precision_apart():
+    keys = {
+        "base": _problem(100, 200, 300).key,
+        "same bucket": _problem(128, 129 + 70, 257).key,
+        "dtype": _problem(100, 200, 300, dtype=ember.float16).key,
+        "layout": _problem(100, 200, 300, layout="tn").key,
+        "other layout": _problem(100, 200, 300, layout="nt").key,
+        "size": _problem(100, 200, 600).key,
+        "batched": _problem(100, 200, 300, batch=4).key,
+        "prologue": _problem(100, 200, 300, layout="pn").key,
+    }
+    assert keys["same bucket"] == keys["base"]
+    assert keys["prologue"] == keys["base"]  # a prologue's operand is tuned as a plain one
+    distinct = [keys[k] for k in ("base", "dtype", "layout", "other layout", "size", "batched")]
+    assert len(set(distinct)) == len(distinct)
+    precision = ember.get_matmul_precision()
+    try:
+        ember.set_matmul_precision("high" if precision == "highest" else "highest")
+        assert _problem(100, 200, 300).key != keys["base"]  # TF32 and IEEE float32 dots are tuned apart
+        assert _problem(100, 200, 300, dtype=ember.float16).key == keys["dtype"]
+    finally:
+        ember.set_matmul_precision(precision)
+
+
+def test_autotuning_is_off_under_the_interpreter_and_with_ember_autotune_0(monkeypatch):
+    from ember.runtime import autotune, cuda
+
+    monkeypatch.setattr(cuda, "INTERPRET", False)
+    monkeypatch.setenv("EMBER_AUTOTUNE", "1")
+    assert autotune.enabled()
+    monkeypatch.setenv("EMBER_AUTOTUNE", "0")
+    assert not autotune.enabled()
+    monkeypatch.setenv("EMBER_AUTOTUNE", "1")
+    monkeypatch.setattr(cuda, "INTERPRET", True)
+    assert not autotune.enabled()
+    assert autotune.cached("config anything") is None
+    problem = _problem(100, 200, 300)
+    assert autotune.configs_for(problem) == [autotune.default_config(problem)]  # nothing profiled
+
+
+@pytest.fixture
+def tuning_cache(tmp_path, monkeypatch):
+    from ember.runtime import autotune
+
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(autotune, "_entries", None)
+    return tmp_path / "autotune" / "gemm.json"
+
+
+def test_tuning_results_are_written_whole_and_read_back(tuning_cache):
+    from ember.runtime import autotune
+
+    autotune._store("config a", {"config": {"block_m": 64}, "ms": 0.5})
+    autotune._store("choice b", {"chosen": "cublas"})
+    assert json.loads(tuning_cache.read_text()) == {"config a": {"config": {"block_m": 64}, "ms": 0.5},
+                                                    "choice b": {"chosen": "cublas"}}
+    assert [p.name for p in tuning_cache.parent.iterdir()] == ["gemm.json"]  # no temporary file left
+    autotune._entries = None  # as a new process would start
+    assert autotune._load()["choice b"] == {"chosen": "cublas"}
+
+
+def test_a_write_cut_short_leaves_the_previous_tuning_file_intact(tuning_cache, monkeypatch):
+    from ember.runtime import autotune
+
+    autotune._store("config a", {"ms": 1.0})
+    real_write = Path.write_text
+
+    def crash_halfway(self, text, *args, **kwargs):
+        real_write(self, text[: len(text) // 2], *args, **kwargs)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(Path, "write_text", crash_halfway)
+    with pytest.raises(OSError, match="disk full"):
+        autotune._store("config b", {"ms": 2.0})
+    monkeypatch.setattr(Path, "write_text", real_write)
+    assert json.loads(tuning_cache.read_text()) == {"config a": {"ms": 1.0}}
+
+
+@pytest.mark.parametrize("content", ["{not json", "[1, 2, 3]", ""])
+def test_a_corrupt_tuning_file_is_ignored_and_rewritten(content, tuning_cache):
+    from ember.runtime import autotune
+
+    tuning_cache.parent.mkdir(parents=True, exist_ok=True)
+    tuning_cache.write_text(content)
+    assert autotune._load() == {}
+    autotune._store("config a", {"ms": 1.0})
+    assert json.loads(tuning_cache.read_text()) == {"config a": {"ms": 1.0}}
+
+
+def test_explain_names_the_configuration_and_the_form_a_gemm_runs_with(rng, monkeypatch):
+    from ember.runtime import cuda
+
+    x, w = on("cuda", random(rng, 20, 24), random(rng, 24, 19))
+    out = F.relu(x) @ w
+    text = str(plan(out))
+    assert "triton GEMM, BLOCK 32x32x32, 4 warps, 3 stages; or cuBLAS + 1 kernel, not yet timed" in text
+    monkeypatch.setattr(cuda, "gemm_backend", "cublas")
+    assert "forced: cuBLAS + 1 kernel" in str(plan(out))

@@ -347,6 +347,52 @@ def test_the_next_layers_gemm_reads_the_previous_epilogues_output(rng):
     assert_matches(out, torch.relu(t64(a) @ t64(b)) @ t64(v))
 
 
+def test_row_and_column_reductions_of_the_epilogue_are_combined_across_tiles(rng):
+    # 150 x 140 spans several tiles each way, so the partial reductions of the tiles must be combined
+    a, b, bias = random(rng, 150, 24), random(rng, 24, 140), random(rng, 140)
+    x, w, c = on("cuda", a, b, bias)
+    h = F.gelu(x @ w + c)
+    rows, cols, squares = h.sum(1), h.amax(0), (h * h).sum(1, keepdim=True)
+    p = plan(h, rows, cols, squares)
+    kernel, explained = only_gemm(p)
+    assert len(kernel.reductions) == 3 and not explained["mainloop"], str(p)
+    with ember.explain.capture() as plans:
+        ember.realize(h, rows, cols, squares)
+    assert len(plans[0].kernels) == 1
+    th = torch.nn.functional.gelu(t64(a) @ t64(b) + t64(bias))
+    assert_matches(rows, th.sum(1), what="row sums")
+    assert_matches(cols, th.amax(0), what="column maxima")
+    assert_matches(squares, (th * th).sum(1, keepdim=True), what="row sums of squares")
+
+
+def test_an_epilogue_reduction_is_right_when_the_kernel_runs_again(rng):
+    # the runtime fills the atomically combined outputs before each launch: a second run does not add
+    a, b = random(rng, 40, 24), random(rng, 24, 30)
+    x, w = on("cuda", a, b)
+    first = (x @ w).sum(0).numpy()
+    second = (x @ w).sum(0).numpy()
+    np.testing.assert_allclose(second, first, rtol=1e-6)
+    assert_matches(ember.tensor(second), (t64(a) @ t64(b)).sum(0))
+
+
+@pytest.mark.parametrize("case", ["softmax", "bfloat16 sum"])
+def test_a_reduction_the_tiles_cannot_combine_is_a_kernel_of_its_own(case, rng):
+    if case == "softmax":  # the sum needs the max of the whole row first
+        a, b = random(rng, 40, 24), random(rng, 24, 30)
+        x, w = on("cuda", a, b)
+        out = F.softmax(x @ w, dim=1)
+        expected, dtype = torch.softmax(t64(a) @ t64(b), dim=1), "float32"
+    else:  # atomics combine float32 partial sums only
+        a, b = random(rng, 40, 24, dtype="bfloat16"), random(rng, 24, 30, dtype="bfloat16")
+        x, w = on("cuda", a, b)
+        out = (x @ w).sum(1)
+        expected, dtype = (t64(a) @ t64(b)).sum(1), "bfloat16"
+    p = plan(out)
+    gemm = next(k for k in p.kernels if k.core is not None)
+    assert not gemm.reductions and "reduce" in [k.kind for k in p.kernels], str(p)
+    assert_matches(out, expected, dtype)
+
+
 # -- the linear layer's backward --------------------------------------------------------------------
 
 def _linear_grads(rng, activation: bool, batch=(50,)):

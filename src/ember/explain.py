@@ -129,10 +129,9 @@ class Plan:
             work = [n for n in part.covers if _is_work(n) or n.op is Op.RAND or n in part.outputs]
             cores = [n for n in work if n.op.kind in (Kind.REDUCE, Kind.CONTRACTION) or n.op is Op.SCATTER_ADD]
             if k.core is not None:  # a GEMM: its operands' sums along K belong to the mainloop
-                cores = [k.core]
-                before = _upstream(cores + k.reductions, work, part.covers)
-                before = [n for n in work if n in before or n in k.reductions
-                          or fusion.summed_output(k, n) is not None]
+                cores, sums = [k.core], fusion.operand_sums(k)
+                before = _upstream(cores + sums, work, part.covers)
+                before = [n for n in work if n in before or n in sums or fusion.summed_output(k, n) in sums]
             else:
                 before = _upstream(cores, work, part.covers)
             label = "mainloop" if cores else "ops"

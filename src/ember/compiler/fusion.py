@@ -391,9 +391,37 @@ class Planner:
             return any(id(o) in refs[id(other)] for o in gemm.outputs)
         if other.kind == "pointwise" and math.prod(other.space) == math.prod(gemm.space):
             return self._reads_in_order(other, gemm)
-        if other.kind == "reduce" and len(other.reductions) == 1 and all(
-                _under_reshapes(o) is other.reductions[0] for o in other.outputs):
-            return self.operand_reduction(gemm.core, other.reductions[0]) is not None
+        if other.kind != "reduce" or not all(_under_reshapes(o) in other.reductions for o in other.outputs):
+            return False
+        if len(other.reductions) == 1 and self.operand_reduction(gemm.core, other.reductions[0]) is not None:
+            return True
+        return self._reduces_tiles(other, gemm, refs)
+
+    def _reduces_tiles(self, kernel: FusedKernel, gemm: FusedKernel, refs: dict) -> bool:
+        """Whether a reduce kernel sums (or takes the max or min of) rows or columns of the GEMM's epilogue
+        values, each reduction on its own: every tile then reduces its part, combined atomically, which
+        needs a float32 result (the accumulator's type)."""
+        if kernel.space != gemm.space or len(gemm.space) != 2 or kernel.axes not in ((0,), (1,)):
+            return False
+        if not any(id(o) in refs[id(kernel)] for o in gemm.outputs):
+            return False
+        for r in kernel.reductions:
+            if r.op not in (Op.SUM, Op.MAX, Op.MIN) or r.dtype is not dtypes.float32:
+                return False
+            if self._cone_reaches(r.inputs[0], set(map(id, kernel.reductions))):
+                return False  # one reduction needs another's result (softmax, variance): two passes
+        return True
+
+    def _cone_reaches(self, node: Node, targets: set[int]) -> bool:
+        stack, seen = [node], set()
+        while stack:
+            n = stack.pop()
+            if id(n) in targets:
+                return True
+            if id(n) in seen or (id(n) in self.stored and n is not node) or n.op is Op.BUFFER:
+                continue
+            seen.add(id(n))
+            stack.extend(n.inputs)
         return False
 
     def _reads_in_order(self, kernel: FusedKernel, gemm: FusedKernel) -> bool:
@@ -560,6 +588,12 @@ def summed_output(kernel: FusedKernel, output: Node) -> Node | None:
     """The operand sum of a GEMM kernel that `output` stores (itself or a reshape of it), if any."""
     source = _under_reshapes(output)
     return source if source in kernel.reductions else None
+
+
+def operand_sums(kernel: FusedKernel) -> list[Node]:
+    """A GEMM kernel's reductions computed in its mainloop (operands summed along K); the others reduce
+    rows or columns of its epilogue."""
+    return [r for r in kernel.reductions if summed_operand(kernel.core, r, set()) is not None]
 
 
 def summed_operand(core: Node, reduction: Node, stored: set[int]) -> int | None:

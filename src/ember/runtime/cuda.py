@@ -460,6 +460,8 @@ class _GemmStep:
         self.fused = self.launches[self.configs[0]]
         self.split = [_step(c) for c in ck.split]
         self.workspace = [n for n in ck.kernel.split_stored_nodes()]
+        identities = {Op.SUM: 0.0, Op.MAX: -math.inf, Op.MIN: math.inf}
+        self.atomic = [(id(o), identities[op]) for o, op in codegen.epilogue_reduction_outputs(ck.kernel)]
         if ck.choice is not None and ck.choice.get("config"):  # a plan loaded from disk keeps its choice
             self._use(autotune.Config(**ck.choice["config"]))
 
@@ -470,9 +472,14 @@ class _GemmStep:
 
     def __call__(self, buffers: dict[int, torch.Tensor], sig: passes.Signature) -> None:
         if self._chosen(buffers, sig) == "triton":
-            _run_launches(self.fused, self.ck, buffers, sig)
+            self._run_fused(self.fused, buffers, sig)
         else:
             self._run_split(buffers, sig)
+
+    def _run_fused(self, launches: list, buffers: dict[int, torch.Tensor], sig: passes.Signature) -> None:
+        for key, identity in self.atomic:  # the tiles' partial reductions are combined into these
+            buffers[key].fill_(identity)
+        _run_launches(launches, self.ck, buffers, sig)
 
     def _run_split(self, buffers: dict[int, torch.Tensor], sig: passes.Signature) -> None:
         target = torch_device(self.ck.kernel.core.device)
@@ -495,7 +502,7 @@ class _GemmStep:
         if choice is None:
             choice = {"chosen": "triton", "triton_ms": None, "cublas_ms": None, "config": None}
             if autotune.enabled() and not _capturing and not self._writes_its_inputs(buffers):
-                runs = {c: functools.partial(_run_launches, launches, self.ck, buffers, sig)
+                runs = {c: functools.partial(self._run_fused, launches, buffers, sig)
                         for c, launches in self.launches.items()}
                 choice = autotune.timed_choice(f"{self.ck.source.name} {self.problem.key}", runs,
                                                lambda: self._run_split(buffers, sig))

@@ -20,7 +20,16 @@ import re
 from dataclasses import dataclass, field
 
 from ember import dtypes
-from ember.compiler.fusion import FULL, OTHER, ROW, FusedKernel, input_level, summed_operand, summed_output
+from ember.compiler.fusion import (
+    FULL,
+    OTHER,
+    ROW,
+    FusedKernel,
+    input_level,
+    operand_sums,
+    summed_operand,
+    summed_output,
+)
 from ember.dtypes import DType
 from ember.errors import CompileError
 from ember.ir import Kind, Node, Op
@@ -816,7 +825,7 @@ def _gemm(ctx: Context, kernel: FusedKernel, body: list[str]) -> Launch:
     mainloop.line(f"mask_n = rn < {N}")
     mainloop.line("acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)")
     sums = {}
-    for r in kernel.reductions:  # operands summed along K on the way
+    for r in operand_sums(kernel):  # operands summed along K on the way
         sums[id(r)] = mainloop.define(f"tl.zeros([{'BLOCK_M, 1' if _summed(kernel, r) == 0 else '1, BLOCK_N'}], "
                                       "tl.float32)", "sum")
     mainloop.line(f"for start in range(0, {K}, BLOCK_K):")
@@ -833,7 +842,7 @@ def _gemm(ctx: Context, kernel: FusedKernel, body: list[str]) -> Launch:
                                         "[BLOCK_K, BLOCK_N]")
     precision = f", input_precision=\"{dot_precision(core.dtype)}\"" if core.dtype is dtypes.float32 else ""
     mainloop.line(f"acc = tl.dot({tile_a}, {tile_b}, acc{precision})")
-    for r in kernel.reductions:
+    for r in operand_sums(kernel):
         axis, tile = (1, tile_a) if _summed(kernel, r) == 0 else (0, tile_b)
         mainloop.line(f"{sums[id(r)]} += tl.sum({tile}.to(tl.float32), axis={axis}, keep_dims=True)")
     epilogue = Emitter(ctx, kernel, inner, "    ")
@@ -845,7 +854,7 @@ def _gemm(ctx: Context, kernel: FusedKernel, body: list[str]) -> Launch:
     epilogue.mask_parts = masks
     for o in kernel.outputs:  # one row of programs stores what every row of them summed
         r = summed_output(kernel, o)
-        if r is None:
+        if r is None or r not in operand_sums(kernel):
             continue
         first = "pid_n == 0" if _summed(kernel, r) == 0 else "pid_m == 0"
         position, bound = ("rm", M) if _summed(kernel, r) == 0 else ("rn", N)
@@ -856,6 +865,7 @@ def _gemm(ctx: Context, kernel: FusedKernel, body: list[str]) -> Launch:
     for o in kernel.outputs:
         if summed_output(kernel, o) is None:
             epilogue.store(o, _epilogue_index(epilogue, core, o.shape, batch_dims), "[BLOCK_M, BLOCK_N]")
+    _epilogue_reductions(ctx, kernel, epilogue, batch_dims)
     launch = _finish(ctx, body, "kernel", inner, {"BLOCK_M": 0, "BLOCK_N": 0, "BLOCK_K": 0, "GROUP_M": 0}, 0, 4)
     launch.gemm = (math.prod(batch), m, n, k)
     launch.layout = layout_a + layout_b
@@ -872,6 +882,36 @@ def _epilogue_index(emitter: Emitter, core: Node, shape: tuple[int, ...], batch_
         return Index((*emitter.unravel("rm", shape[:-1]), "rn"), None, "mask", FULL)
     linear = emitter.linear(Index((*batch_dims, "rm", "rn"), None, "mask", FULL), core.shape)
     return Index(None, linear, "mask", FULL)
+
+
+ATOMIC = {Op.SUM: "tl.atomic_add", Op.MAX: "tl.atomic_max", Op.MIN: "tl.atomic_min"}
+
+
+def _epilogue_reductions(ctx: Context, kernel: FusedKernel, epilogue: Emitter, batch_dims: tuple[str, ...]) -> None:
+    """Rows or columns of an epilogue value reduced across tiles: each program reduces its tile and
+    combines the result atomically into the output, which the runtime fills with the identity first."""
+    at = Index((*batch_dims, "rm", "rn"), None, "mask", FULL)
+    for r in kernel.reductions:
+        if r in operand_sums(kernel):
+            continue
+        (axis,) = r.attrs["axes"]
+        value, dt = epilogue.value(r.inputs[0], at)
+        identity = _identity(r.op, dt)
+        tile = epilogue.define(f"tl.where(mask, {value} + tl.zeros([BLOCK_M, BLOCK_N], {TL[dt]}), {identity})", "t")
+        combine = "tl.sum" if r.op is Op.SUM else "tl.max" if r.op is Op.MAX else "tl.min"
+        part = epilogue.define(f"{combine}({tile}, axis={axis}, keep_dims=True)", "part")
+        position, keep = ("rm", "mask_m") if axis == 1 else ("rn", "mask_n")
+        for o in kernel.outputs:
+            if summed_output(kernel, o) is r:
+                pointer = ctx.arg("write", o, "out")
+                epilogue.line(f"{ATOMIC[r.op]}({pointer} + {position}, {part}, mask={keep})")
+
+
+def epilogue_reduction_outputs(kernel: FusedKernel) -> list[tuple[Node, Op]]:
+    """The outputs a GEMM kernel reduces into atomically, with their reductions: the runtime fills them
+    with the reduction's identity before each launch."""
+    sums = operand_sums(kernel)
+    return [(o, r.op) for o in kernel.outputs if (r := summed_output(kernel, o)) is not None and r not in sums]
 
 
 def _summed(kernel: FusedKernel, reduction: Node) -> int:

@@ -97,7 +97,6 @@ class Lowered:
 
 def lower(order: list[Node], keep: set[int], sig: Signature) -> Lowered:
     builder = _Builder()
-    builder.gemm_operands = _gemm_operands(order)
     builder.transposed_products = _transposed_products(order, keep)
     mapping: dict[int, Node] = {}
     for k, leaf in enumerate(sig.inputs):
@@ -120,20 +119,6 @@ def lower(order: list[Node], keep: set[int], sig: Signature) -> Lowered:
             outputs.append(new)
     nodes = [n for n in _reachable(outputs)]
     return Lowered(nodes, outputs, builder.inputs, replaced=len(order) - sum(1 for n in nodes if n.inputs))
-
-
-def _gemm_operands(order: list[Node]) -> set[int]:
-    """Nodes a matmul reads, directly or through views: a GEMM kernel may sum them along K itself."""
-    found = set()
-    for node in order:
-        if node.op is Op.MATMUL:
-            for operand in node.inputs:
-                while True:
-                    found.add(id(operand))
-                    if operand.op not in (Op.PERMUTE, Op.RESHAPE, Op.EXPAND) or not operand.inputs:
-                        break
-                    operand = operand.inputs[0]
-    return found
 
 
 def _transposed_products(order: list[Node], keep: set[int]) -> set[int]:
@@ -169,7 +154,6 @@ class _Builder:
     def __init__(self):
         self.seen: dict[tuple, Node] = {}
         self.inputs: list[Node] = []
-        self.gemm_operands: set[int] = set()  # (ids of original nodes) not split when reduced
         self.transposed_products: set[int] = set()  # (ids of original matmuls) lowered transposed
 
     def input(self, k: int, leaf: Node) -> Node:
@@ -301,8 +285,6 @@ class _Builder:
         in two stages, first P partial results per output (in parallel), then those."""
         if op not in SPLIT_IDENTITY or len(attrs["axes"]) != 1:
             return None
-        if original.inputs and id(original.inputs[0]) in self.gemm_operands:
-            return None  # summed along K inside the GEMM that reads it
         (axis,) = attrs["axes"]
         n, outputs = x.shape[axis], original.numel
         # a row kernel gives each program one or a few rows when the reduced axis is the last one,

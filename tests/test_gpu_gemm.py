@@ -1,0 +1,111 @@
+"""Generated GEMMs on a real GPU (`pytest -m gpu`): realistic sizes and precisions against torch on the
+same GPU, with error bounds that fit each precision, and the autotuner profiling for real."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import ember
+import ember.nn.functional as F
+from ember.runtime import autotune, cuda
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("EMBER_INTERPRET", "0") != "0",
+                       reason="needs a CUDA GPU (and EMBER_INTERPRET unset)"),
+]
+
+# relative error in the Frobenius norm, by how the product is computed
+BOUND = {"float32": 1e-5, "tf32": 3e-4, "bfloat16": 1e-2, "float16": 5e-3}
+
+
+@pytest.fixture(params=["triton", "cublas"])
+def backend(request, monkeypatch):
+    monkeypatch.setattr(cuda, "gemm_backend", request.param)
+    return request.param
+
+
+def to_ember(t: torch.Tensor) -> ember.Tensor:
+    return ember.tensor(t.detach().cpu().float().numpy(), device="cuda").to(getattr(ember, str(t.dtype)[6:]))
+
+
+def relative_error(got: ember.Tensor, want: torch.Tensor) -> float:
+    g = torch.from_numpy(got.float().numpy()).double()
+    w = want.detach().double().cpu()
+    assert torch.isfinite(g).all(), "NaN or inf in ember's result"
+    return float((g - w).norm() / w.norm())
+
+
+@pytest.mark.parametrize("precision", ["float32", "tf32", "bfloat16", "float16"])
+def test_a_fused_linear_layer_at_a_realistic_size_is_within_its_precisions_error(precision, backend):
+    dtype = {"tf32": torch.float32}.get(precision, getattr(torch, precision))
+    torch.manual_seed(0)
+    x, w = torch.randn(2048, 1024, device="cuda", dtype=dtype), torch.randn(1536, 1024, device="cuda", dtype=dtype)
+    b, r = torch.randn(1536, device="cuda", dtype=dtype), torch.randn(2048, 1536, device="cuda", dtype=dtype)
+    ember.set_matmul_precision("high" if precision == "tf32" else "highest")
+    try:
+        out = F.gelu(F.linear(to_ember(x), to_ember(w), to_ember(b))) + to_ember(r)
+        want = torch.nn.functional.gelu(x.double() @ w.double().T + b.double()) + r.double()
+        assert relative_error(out, want) < BOUND[precision]
+    finally:
+        ember.set_matmul_precision("highest")
+
+
+def test_a_mainloop_prologue_and_a_transposed_operand_at_a_realistic_size(backend):
+    torch.manual_seed(1)
+    x, w = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16), torch.randn(1024, 2048, device="cuda",
+                                                                                     dtype=torch.bfloat16)
+    scale, shift = torch.rand(2048, device="cuda", dtype=torch.bfloat16), torch.randn(2048, device="cuda",
+                                                                                      dtype=torch.bfloat16)
+    out = F.relu(to_ember(x) * to_ember(scale) + to_ember(shift)) @ to_ember(w).mT
+    want = torch.relu(x.double() * scale.double() + shift.double()) @ w.double().T
+    assert relative_error(out, want) < BOUND["bfloat16"]
+
+
+def test_a_linear_layers_backward_at_a_realistic_size_equals_torchs(backend):
+    torch.manual_seed(2)
+    x = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(2048, 512, device="cuda", dtype=torch.bfloat16)
+    ex, ew, eb = (to_ember(t).requires_grad_() for t in (x, w, b))
+    F.gelu(F.linear(ex, ew, eb)).backward(to_ember(g))
+    ember.realize(ex.grad, ew.grad, eb.grad)
+    xd, wd, bd = (t.detach().double().requires_grad_() for t in (x, w, b))
+    torch.nn.functional.gelu(xd @ wd.T + bd).backward(g.double())
+    for got, want in ((ex.grad, xd.grad), (ew.grad, wd.grad), (eb.grad, bd.grad)):
+        assert relative_error(got, want) < BOUND["bfloat16"]
+
+
+def test_the_autotuner_profiles_caches_on_disk_and_explains_its_choice(tmp_path, monkeypatch):
+    monkeypatch.setenv("EMBER_AUTOTUNE", "1")
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(autotune, "_entries", None)
+    monkeypatch.setattr(cuda, "gemm_backend", "auto")
+    torch.manual_seed(3)
+    x, w = torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16), torch.randn(512, 768, device="cuda",
+                                                                                    dtype=torch.bfloat16)
+    b = torch.randn(768, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        return F.gelu(to_ember(x) @ to_ember(w) + to_ember(b))
+
+    out = step()
+    out.realize()
+    entries = json.loads((tmp_path / "autotune" / "gemm.json").read_text())
+    assert any(" config bfloat16 nn 1024x1024x512" in key for key in entries), list(entries)
+    (choice,) = [v for k, v in entries.items() if " choice " in k]
+    assert choice["chosen"] in ("triton", "cublas") and choice["triton_ms"] > 0 and choice["cublas_ms"] > 0
+    text = str(ember.explain.plan(step()))
+    assert f"triton {choice['triton_ms']:.3f} ms vs cuBLAS + 1 kernel {choice['cublas_ms']:.3f} ms" in text, text
+    want = torch.nn.functional.gelu(x.double() @ w.double() + b.double())
+    assert relative_error(out, want) < BOUND["bfloat16"]
+    monkeypatch.setattr(autotune, "_profile_bare", lambda problem: pytest.fail("profiled again despite the cache"))
+    monkeypatch.setattr(autotune, "_entries", None)  # as a new process reads the file
+    cuda._plans.clear()
+    np.testing.assert_allclose(step().float().numpy(), out.float().numpy(), rtol=1e-2, atol=1e-2)

@@ -355,8 +355,11 @@ class Emitter:
         source = node.inputs[0].shape
         level = input_level(node, idx.level, self.kernel.space, self.kernel.axes, 0)
         if op is Op.RESHAPE:
-            if idx.dims is None or 0 in source:  # the linear position is the same on both sides of a reshape
-                return Index(None, self.linear(idx, node.shape), idx.mask, level)  # (empty: no runs to match)
+            loaded = node.inputs[0].op is Op.BUFFER or id(node.inputs[0]) in self.ctx.stored
+            if idx.dims is None or 0 in source or loaded and self.kernel.core is not None:
+                # the linear position is the same on both sides of a reshape (empty: no runs to match); a
+                # GEMM loading a reshaped buffer uses it rather than regrouping its tile's indices
+                return Index(None, self.linear(idx, node.shape), idx.mask, level)
             return Index(self.reshape_dims(idx.dims, node.shape, source), None, idx.mask, level)
         dims = self.dims(idx, node.shape)
         if op is Op.PERMUTE:
@@ -828,6 +831,7 @@ def _gemm(ctx: Context, kernel: FusedKernel, body: list[str]) -> Launch:
     for r in operand_sums(kernel):  # operands summed along K on the way
         sums[id(r)] = mainloop.define(f"tl.zeros([{'BLOCK_M, 1' if _summed(kernel, r) == 0 else '1, BLOCK_N'}], "
                                       "tl.float32)", "sum")
+    before_loop = dict(mainloop.unravelled)  # names defined inside the loop are out of scope after it
     mainloop.line(f"for start in range(0, {K}, BLOCK_K):")
     mainloop.indent = "        "
     mainloop.line("ka = start + tl.arange(0, BLOCK_K)[None, :]")
@@ -848,7 +852,7 @@ def _gemm(ctx: Context, kernel: FusedKernel, body: list[str]) -> Launch:
     epilogue = Emitter(ctx, kernel, inner, "    ")
     epilogue.tiles |= tiles | set(sums.values()) | set(mainloop.tiles)
     epilogue.count = mainloop.count
-    epilogue.unravelled = dict(mainloop.unravelled)
+    epilogue.unravelled = before_loop
     epilogue.accumulator = "acc"
     epilogue.axes_of = dict(mainloop.axes_of)
     epilogue.mask_parts = masks

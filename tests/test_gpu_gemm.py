@@ -52,10 +52,12 @@ def test_a_fused_linear_layer_at_a_realistic_size_is_within_its_precisions_error
         out = F.gelu(F.linear(to_ember(x), to_ember(w), to_ember(b))) + to_ember(r)
         want = torch.nn.functional.gelu(x.double() @ w.double().T + b.double()) + r.double()
         bound = BOUND[precision]
-        if precision == "tf32":  # tensor cores drop the low mantissa bits: as far off as torch's TF32 at most
+        if precision == "tf32":
+            # Triton truncates float32 operands to TF32 where cuBLAS rounds them: about 2.5 times torch's error
+            # (7.7e-4 against 2.9e-4 here, K = 1024); bounded by 3 times torch's own TF32 error
             torch.backends.cuda.matmul.allow_tf32 = True
             theirs = torch.nn.functional.gelu(x @ w.T + b) + r
-            bound = max(bound, 1.5 * float((theirs.double() - want).norm() / want.norm()))
+            bound = max(bound, 3 * float((theirs.double() - want).norm() / want.norm()))
         assert relative_error(out, want) < bound
     finally:
         ember.set_matmul_precision("highest")

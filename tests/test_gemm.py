@@ -667,3 +667,21 @@ def test_explain_names_the_configuration_and_the_form_a_gemm_runs_with(rng, monk
     assert "triton GEMM, BLOCK 32x32x32, 4 warps, 3 stages; or cuBLAS + 1 kernel, not yet timed" in text
     monkeypatch.setattr(cuda, "gemm_backend", "cublas")
     assert "forced: cuBLAS + 1 kernel" in str(plan(out))
+
+
+def test_a_generated_gemm_that_does_not_fit_the_gpu_runs_its_split_form(rng, monkeypatch):
+    # an epilogue can need more shared memory than the bare GEMM whose configuration it runs with
+    from ember.runtime import cuda
+
+    failing = cuda._run_launches
+
+    def out_of_resource(launches, ck, buffers, sig):
+        if ck.kernel.core is not None:
+            raise ember.CompileError("kernel failed: out of resource: shared memory, Required: 344064")
+        return failing(launches, ck, buffers, sig)
+
+    monkeypatch.setattr(cuda, "_run_launches", out_of_resource)
+    a, b, bias = random(rng, 20, 24), random(rng, 24, 19), random(rng, 19)
+    x, w, c = on("cuda", a, b, bias)
+    out = F.gelu(x @ w + c)
+    assert_matches(out, torch.nn.functional.gelu(t64(a) @ t64(b) + t64(bias)))

@@ -153,6 +153,8 @@ class Plan:
         split = f"cuBLAS + {len(k.split) - 1} kernel{'s' if len(k.split) != 2 else ''}"
         if choice.get("forced"):
             timing = f"forced: {'the generated kernel' if choice['chosen'] == 'triton' else split}"
+        elif choice["triton_ms"] is None and choice["chosen"] == "cublas":
+            timing = f"{split}: the generated kernel does not fit this GPU"
         elif choice["triton_ms"] is None:
             timing = f"or {split}, not yet timed"
         else:

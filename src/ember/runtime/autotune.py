@@ -250,12 +250,22 @@ def timed_choice(key: str, fused: dict[Config, object], split) -> dict:
     """Time a fused kernel under each of its configurations (callables) against its split form, keep
     the fastest, remember the times: "chosen" ("triton" or "cublas"), "config", "triton_ms", "cublas_ms"."""
     entry = cached(f"choice {key}")
-    if entry is not None and entry.get("chosen") in ("triton", "cublas") and "config" in entry:
+    if entry is not None and entry.get("chosen") in ("triton", "cublas") and "cublas_ms" in entry:
         return entry
     start = time.perf_counter()
-    times = {config: time_ms(run) for config, run in fused.items()}
-    config = min(times, key=times.get)
+    times = {}
+    for config, run in fused.items():
+        try:
+            times[config] = time_ms(run)
+        except Exception:  # the epilogue needs more shared memory than the bare GEMM: not a candidate here
+            continue
     cublas_ms = time_ms(split)
+    if not times:
+        entry = {"chosen": "cublas", "config": None, "triton_ms": None, "cublas_ms": cublas_ms,
+                 "seconds": time.perf_counter() - start}
+        _remember(f"choice {key}", entry)
+        return entry
+    config = min(times, key=times.get)
     entry = {"chosen": "triton" if times[config] <= cublas_ms else "cublas", "config": asdict(config),
              "triton_ms": times[config], "cublas_ms": cublas_ms, "seconds": time.perf_counter() - start}
     _remember(f"choice {key}", entry)

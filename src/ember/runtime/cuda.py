@@ -471,9 +471,17 @@ class _GemmStep:
         self.fused = self.launches[config]
 
     def __call__(self, buffers: dict[int, torch.Tensor], sig: passes.Signature) -> None:
-        if self._chosen(buffers, sig) == "triton":
+        if self._chosen(buffers, sig) != "triton":
+            self._run_split(buffers, sig)
+            return
+        try:
             self._run_fused(self.fused, buffers, sig)
-        else:
+        except CompileError as error:
+            if "out of resource" not in str(error):
+                raise
+            # the epilogue needs more registers or shared memory than this GPU has with this configuration
+            self.ck.choice = {"chosen": "cublas", "triton_ms": None, "cublas_ms": None, "config": None,
+                              "why": str(error)}
             self._run_split(buffers, sig)
 
     def _run_fused(self, launches: list, buffers: dict[int, torch.Tensor], sig: passes.Signature) -> None:
@@ -506,7 +514,8 @@ class _GemmStep:
                         for c, launches in self.launches.items()}
                 choice = autotune.timed_choice(f"{self.ck.source.name} {self.problem.key}", runs,
                                                lambda: self._run_split(buffers, sig))
-                self._use(autotune.Config(**choice["config"]))
+                if choice.get("config"):
+                    self._use(autotune.Config(**choice["config"]))
             self.ck.choice = choice
         return choice["chosen"]
 

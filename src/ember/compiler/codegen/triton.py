@@ -44,6 +44,7 @@ POINTWISE_BLOCK = 1024
 ROW_TILE = 4096  # elements of a row kernel's tile; rows longer than this are reduced in a loop
 LOOP_CHUNK = 1024  # columns per step of that loop
 INT32_LIMIT = 2**31 - 1
+GEMM_BLOCK = {"rm": "BLOCK_M", "rn": "BLOCK_N", "ka": "BLOCK_K", "kb": "BLOCK_K"}  # a GEMM tile's axes
 
 
 def compute_dtype(d: DType) -> DType:
@@ -307,23 +308,21 @@ class Emitter:
             text += f".to({TL[out]})"
         return self.define(text), out
 
-    def operand(self, node: Node, idx: Index, dtype: DType, contiguous: str, tile: str) -> tuple[str, str]:
-        """A GEMM operand tile in `dtype` and its layout: a view of a stored value is loaded as it is (so
-        the tile goes to the tensor cores unconverted), "n" when the index `contiguous` runs along its
-        rows in memory, else "t"; a prologue ("p") is computed, zeroed outside the mask and cast."""
+    def operand(self, node: Node, idx: Index, dtype: DType) -> tuple[str, str]:
+        """A GEMM operand tile in `dtype` and its layout. A view of a stored value is loaded as it is (so
+        the tile goes to the tensor cores unconverted): layout "n" when the tile's column index runs
+        along rows in memory, else "t". A prologue ("p") is computed, zeroed outside the mask and cast."""
+        rows, cols = idx.dims[-2:]
         view = node
-        while view.op in (Op.RESHAPE, Op.PERMUTE, Op.EXPAND, Op.SLICE, Op.FLIP) and view.op is not Op.BUFFER \
-                and id(view) not in self.ctx.stored:
+        while view.op in (Op.RESHAPE, Op.PERMUTE, Op.EXPAND, Op.SLICE, Op.FLIP) and id(view) not in self.ctx.stored:
             idx = self.move(view, idx)
             view = view.inputs[0]
         if view.op is Op.BUFFER or id(view) in self.ctx.stored:
             offset = self.linear(idx, view.shape)
-            rows, cols = (_IDENTIFIER.findall(part)[0] for part in tile.split(", "))
-            if not {"rm" if rows == "BLOCK_M" else "kb", "ka" if cols == "BLOCK_K" else "rn"} <= set(
-                    _IDENTIFIER.findall(offset)):
-                offset = f"{offset} + tl.zeros({tile}, tl.int32)"  # a size-1 axis: still a tile of pointers
+            if self.varies_along(offset) != {rows, cols}:  # a size-1 axis: tl.load still needs a tile of pointers
+                offset = f"{offset} + tl.zeros([{GEMM_BLOCK[rows]}, {GEMM_BLOCK[cols]}], tl.int32)"
             value = self.define(f"tl.load({self.ctx.arg('read', view, 'in')} + {offset}, mask={idx.mask}, other=0)")
-            layout = "t" if idx.dims and idx.dims[-1] not in (contiguous, "0") else "n"
+            layout = "t" if idx.dims and idx.dims[-1] not in (cols, "0") else "n"
             return (value if view.dtype is dtype else self.define(f"{value}.to({TL[dtype]})", "x")), layout
         value, _ = self.value(view, idx)
         return self.define(f"tl.where({idx.mask}, {value}, 0).to({TL[dtype]})", "x"), "p"
@@ -840,10 +839,8 @@ def _gemm(ctx: Context, kernel: FusedKernel, body: list[str]) -> Launch:
     mainloop.line(f"mask_kb = kb < {K}")
     mainloop.line("mask_a = mask_m & mask_ka")
     mainloop.line("mask_b = mask_kb & mask_n")
-    tile_a, layout_a = mainloop.operand(a, Index((*batch_dims, "rm", "ka"), None, "mask_a", OTHER), core.dtype, "ka",
-                                        "[BLOCK_M, BLOCK_K]")
-    tile_b, layout_b = mainloop.operand(b, Index((*batch_dims, "kb", "rn"), None, "mask_b", OTHER), core.dtype, "rn",
-                                        "[BLOCK_K, BLOCK_N]")
+    tile_a, layout_a = mainloop.operand(a, Index((*batch_dims, "rm", "ka"), None, "mask_a", OTHER), core.dtype)
+    tile_b, layout_b = mainloop.operand(b, Index((*batch_dims, "kb", "rn"), None, "mask_b", OTHER), core.dtype)
     precision = f", input_precision=\"{dot_precision(core.dtype)}\"" if core.dtype is dtypes.float32 else ""
     mainloop.line(f"acc = tl.dot({tile_a}, {tile_b}, acc{precision})")
     for r in operand_sums(kernel):

@@ -201,7 +201,7 @@ class Planner:
         dot = 2 * mm.numel * k / DOT_RATE[_dot_kind(mm.dtype)]
         share = work / dot if dot else 0.0
         storing = 2 * own / BANDWIDTH + LAUNCH_SECONDS  # a producer kernel's write, the GEMM's read of it
-        what = f"operand {position} ({ops} ops over {list(operand.shape)})"
+        pays = False
         if read > 2 * own:
             verdict = (f"stored: recomputing it would read {_mib(read)} to save writing and reading "
                        f"{_mib(own)}")
@@ -209,10 +209,11 @@ class Planner:
             verdict = (f"stored: {ops} ops x {passes} tile passes would take {share:.0%} of the dot's time "
                        f"(at most {PROLOGUE_SHARE:.0%}) and more than storing it costs")
         else:
+            pays = True
             verdict = (f"recomputed in the mainloop: reads {_mib(read)} instead of writing and reading "
                        f"{_mib(own)}; {ops} ops x {passes} tile passes, {share:.0%} of the dot's time")
-        self.decisions[id(mm)].append(f"{what} {verdict}")
-        return verdict.startswith("recomputed")
+        self.decisions[id(mm)].append(f"operand {position} ({ops} ops over {list(operand.shape)}) {verdict}")
+        return pays
 
     def _view_base(self, node: Node) -> Node:
         """The node under a chain of movement ops that a strided view can express."""

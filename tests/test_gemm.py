@@ -685,3 +685,21 @@ def test_a_generated_gemm_that_does_not_fit_the_gpu_runs_its_split_form(rng, mon
     x, w, c = on("cuda", a, b, bias)
     out = F.gelu(x @ w + c)
     assert_matches(out, torch.nn.functional.gelu(t64(a) @ t64(b) + t64(bias)))
+
+
+def test_explain_shows_why_a_producer_shared_by_two_gemms_is_recomputed(rng):
+    a, b, c = random(rng, 64, 32), random(rng, 32, 48), random(rng, 32, 40)
+    x, w1, w2 = on("cuda", a, b, c)
+
+    def layers():  # the shared activation is not held by a variable, so it need not be stored
+        h = F.relu(x * 2.5)
+        return h @ w1, h @ w2
+
+    p = plan(*layers())
+    assert [k.kind for k in p.kernels] == ["matmul", "matmul"], str(p)
+    for kernel in p.kernels:
+        assert any("read by 2 ops, recomputed by each reader" in d for d in kernel.decisions), str(p)
+    first, second = layers()
+    h = torch.relu(t64(a) * 2.5)
+    assert_matches(first, h @ t64(b))
+    assert_matches(second, h @ t64(c))

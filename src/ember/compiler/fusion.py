@@ -154,6 +154,7 @@ class Planner:
         self.given = set(given)
         self.stored: set[int] = set(given)
         self.decisions: dict[int, list[str]] = defaultdict(list)  # id(matmul) -> the cost model's choices
+        self.shared: dict[int, str] = {}  # id(producer with several readers) -> why it is stored or recomputed
 
     # -- step 1: what is stored --------------------------------------------------------
     def choose_stored(self) -> None:
@@ -189,9 +190,12 @@ class Planner:
     def _prologue_pays(self, mm: Node, position: int, operand: Node) -> bool:
         """Whether a GEMM computes an operand's producers in its mainloop rather than loading it stored.
         The decision is kept for explain."""
+        base = self._view_base(operand)
+        if base.op is Op.BUFFER or id(base) in self.stored:
+            return True  # a view of a stored value: strided loads, nothing to decide
         ops, reads = self._cone(operand)
         if ops == 0:
-            return True  # a view of stored values: strided loads, nothing to decide
+            return True
         m, k = mm.inputs[0].shape[-2:]
         n = mm.shape[-1]
         passes = -(-(n if position == 0 else m) // NOMINAL_TILE)
@@ -248,13 +252,19 @@ class Planner:
         once. A producer whose cone holds much work is stored regardless.
         """
         ops, reads = self._cone(node)
+        what = f"{node.op.label} {list(node.shape)} {node.dtype.name}, read by {len(self.users[id(node)])} ops,"
         if ops > MAX_RECOMPUTE_OPS:
+            self.shared[id(node)] = f"{what} stored: {ops} ops are too many to recompute"
             return True
         k = len(self.users[id(node)])
         # a cone reads at most as many elements of an input as it produces (a slice reads a part)
         input_bytes = sum(min(r.numel, node.numel) * r.dtype.itemsize for r in reads)
         own_bytes = node.numel * node.dtype.itemsize
-        return own_bytes * (1 + k) + input_bytes < k * input_bytes
+        store, recompute = own_bytes * (1 + k) + input_bytes, k * input_bytes
+        verdict = "stored" if store < recompute else "recomputed by each reader"
+        self.shared[id(node)] = (f"{what} {verdict}: storing moves {_mib(store)}, recomputing reads "
+                                 f"{_mib(recompute)}")
+        return store < recompute
 
     # -- step 2: one kernel per stored node ----------------------------------------------
     def root_kernels(self) -> list[FusedKernel]:
@@ -577,6 +587,10 @@ class Planner:
             stack.extend(n.inputs)
         kernel.covers = sorted(covers, key=lambda n: self.position[id(n)])
         kernel.reads = sorted(reads, key=lambda n: self.position[id(n)])
+        # a shared producer's decision where it draws a kernel boundary (stored) or is recomputed across one
+        kernel.decisions = kernel.decisions + [
+            self.shared[id(n)] for n in kernel.covers if id(n) in self.shared and (
+                id(n) in self.stored or any(u.op.kind in (Kind.REDUCE, Kind.CONTRACTION) for u in self.users[id(n)]))]
 
 
 def _under_reshapes(node: Node) -> Node:

@@ -1,5 +1,5 @@
-"""What the benchmark scripts share: timers, tensors shared between torch and ember, failure cells,
-the markdown table and the report appended to RESULTS.md.
+"""What the benchmark scripts share: their command line and row loop, timers, tensors shared between
+torch and ember, failure cells, the markdown table and the report appended to RESULTS.md.
 
 A time is measured from the call until the GPU is done (CUDA events, the GPU idle when a step
 starts), or with a host timer under --cpu-smoke, where torch runs on the CPU and ember's kernels
@@ -8,14 +8,18 @@ through Triton's interpreter so that every code path of a script runs without a 
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import gc
 import os
 import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,6 +37,81 @@ def select_backend(cpu_smoke: bool, script: str) -> None:
         os.environ["EMBER_INTERPRET"] = "1"
     elif os.environ.get("EMBER_INTERPRET", "0") not in ("", "0") or not torch.cuda.is_available():
         sys.exit(f"{script} times a CUDA GPU; without one (or with EMBER_INTERPRET=1), add --cpu-smoke")
+
+
+@dataclass
+class Options:
+    """A benchmark script's command line, parsed: see parse_options."""
+
+    args: argparse.Namespace  # the options; warmup and reps with their defaults filled in
+    which: int  # the index into a script's (full, --quick, --cpu-smoke) sizes
+    dev: str  # torch's device: "cuda", or "cpu" under --cpu-smoke
+    results_file: Path | None  # where the report is appended (None: nowhere)
+    cases: list[tuple[str, Any]]  # (row, what makes it) for every row, from the script's `cases`
+    selected: list[str]  # the rows asked for (--rows), in the order given
+
+
+def parse_options(argv: list[str] | None, script: str, doc: str,
+                  cases: Callable[[int, str], Iterable[tuple[str, Any]]], *,
+                  compile_smoke: str = "torch.compile with backend='eager'", rows_example: str = "1,3,5",
+                  warmup_help: str = "warm-up steps per variant (default 3)",
+                  add_options: Callable[[argparse.ArgumentParser], None] | None = None) -> Options:
+    """Parse the options every benchmark script takes (--quick, --cpu-smoke, --rows, --warmup, --reps,
+    --results) and any `add_options` adds, pick the backend (select_backend) and the sizes, make the rows
+    with `cases(which, dev)` (a row may stand in several entries; --rows runs them all), check --rows
+    against them and seed torch. `script` names the script in messages, `doc` is its docstring (its first
+    line describes it in --help); `compile_smoke` says what torch.compile does under --cpu-smoke."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, for a fast smoke run on a GPU")
+    parser.add_argument("--cpu-smoke", action="store_true",
+                        help="no GPU: tiny sizes, torch on the CPU, ember through Triton's interpreter, "
+                             f"{compile_smoke}, host timers")
+    parser.add_argument("--rows", default=None, help=f"rows to run, e.g. {rows_example}")
+    parser.add_argument("--warmup", type=int, default=None, help=warmup_help)
+    parser.add_argument("--reps", type=int, default=None, help="timed steps per variant (default 20)")
+    parser.add_argument("--results", type=Path, default=None,
+                        help=f"markdown file to append to (default {RESULTS} for full-size GPU runs only)")
+    if add_options is not None:
+        add_options(parser)
+    args = parser.parse_args(argv)
+    select_backend(args.cpu_smoke, script)
+
+    args.warmup = args.warmup if args.warmup is not None else 1 if args.cpu_smoke else 3
+    args.reps = args.reps if args.reps is not None else 2 if args.cpu_smoke else 20
+    which, dev = (2, "cpu") if args.cpu_smoke else (1 if args.quick else 0, "cuda")
+    results_file = args.results or (None if args.quick or args.cpu_smoke else RESULTS)
+    made = list(cases(which, dev))
+    names = list(dict.fromkeys(row for row, _ in made))  # each row once, in order
+    args.rows = args.rows if args.rows is not None else ",".join(names)
+    selected = args.rows.split(",")
+    if not set(selected) <= set(names):
+        parser.error(f"--rows: no row {', '.join(sorted(set(selected) - set(names)))}; "
+                     f"rows are {names[0]} to {names[-1]}")
+    torch.manual_seed(0)
+    return Options(args, which, dev, results_file, made, selected)
+
+
+def for_each_case(opts: Options, run: Callable[[Any], object]) -> None:
+    """Make each selected row (opts.cases: (row, a maker of its case)) and `run` it, one at a time to bound
+    memory: a setup that fails is reported and skipped; what a case held is freed before the next is made."""
+    for row, make in opts.cases:
+        if row not in opts.selected:
+            continue
+        case = guarded(f"{row} setup", make)
+        if case is None:
+            continue
+        print(f"row {case.row}: {case.name} ({case.shape})", flush=True)
+        run(case)
+        del case, make
+        release_memory(opts.args.cpu_smoke)
+
+
+def release_memory(cpu: bool) -> None:
+    """Free what the last row held: torch.compile's graphs, garbage, and (on a GPU) torch's cached blocks."""
+    torch._dynamo.reset()  # drop compiled graphs and the tensors their guards hold
+    gc.collect()
+    if not cpu:
+        torch.cuda.empty_cache()
 
 
 def to_ember(t: torch.Tensor, requires_grad: bool = False) -> ember.Tensor:

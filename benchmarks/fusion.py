@@ -16,25 +16,22 @@ float32 -> float64), so a fast wrong answer shows in the table.
 
 from __future__ import annotations
 
-import argparse
-import gc
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as TF
 from common import (
-    RESULTS,
     cell,
     chain_of_reductions,
     environment,
+    for_each_case,
     graph_gpu_ms,
     guarded,
     markdown_table,
     median_ms,
+    parse_options,
     publish,
-    select_backend,
     to_ember,
     to_torch,
 )
@@ -279,29 +276,9 @@ def table(results: list[dict], bandwidth: float, cpu: bool) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes, for a fast smoke run on a GPU")
-    parser.add_argument("--cpu-smoke", action="store_true",
-                        help="no GPU: tiny sizes, torch on the CPU, ember through Triton's interpreter, "
-                             "no torch.compile, host timers")
-    parser.add_argument("--rows", default="1,2,3,4,5,6,7", help="rows to run, e.g. 1,3,5")
-    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps per variant (default 3)")
-    parser.add_argument("--reps", type=int, default=None, help="timed steps per variant (default 20)")
-    parser.add_argument("--results", type=Path, default=None,
-                        help=f"markdown file to append to (default {RESULTS} for full-size GPU runs only)")
-    args = parser.parse_args(argv)
-    select_backend(args.cpu_smoke, "fusion.py")
+    opts = parse_options(argv, "fusion.py", __doc__, cases, compile_smoke="no torch.compile")
+    args, which, dev = opts.args, opts.which, opts.dev
     from ember.runtime import cuda as ember_cuda
-
-    args.warmup = args.warmup if args.warmup is not None else 1 if args.cpu_smoke else 3
-    args.reps = args.reps if args.reps is not None else 2 if args.cpu_smoke else 20
-    which, dev = (2, "cpu") if args.cpu_smoke else (1 if args.quick else 0, "cuda")
-    results_file = args.results or (None if args.quick or args.cpu_smoke else RESULTS)
-    rows = cases(which, dev)
-    selected = set(args.rows.split(","))
-    if not selected <= {row for row, _ in rows}:
-        parser.error(f"--rows: no row {', '.join(sorted(selected - {row for row, _ in rows}))}; rows are 1 to 7")
-    torch.manual_seed(0)
 
     copy_bytes = SIZES["copy"][which]
     bandwidth = copy_gbs(copy_bytes, dev, args.warmup, args.reps, args.cpu_smoke)
@@ -312,23 +289,11 @@ def main(argv: list[str] | None = None) -> None:
              "graph and the plan-cache lookup (end to end); 'kernels ms' replays ember's cached plan alone "
              "(launches and kernels, no graph building)"]
     results = []
-    for row, make in rows:
-        if row not in selected:
-            continue
-        case = guarded(f"{row} setup", make)
-        if case is None:
-            continue
-        print(f"row {case.row}: {case.name} ({case.shape})", flush=True)
-        results.append(run(case, args, ember_cuda.stats, notes))
-        del case, make
-        torch._dynamo.reset()  # drop compiled graphs and the tensors their guards hold
-        gc.collect()
-        if not args.cpu_smoke:
-            torch.cuda.empty_cache()
+    for_each_case(opts, lambda case: results.append(run(case, args, ember_cuda.stats, notes)))
 
     publish(f"fusion benchmark: {environment(args.cpu_smoke)}"
             + (" (--quick sizes)" if args.quick and not args.cpu_smoke else ""),
-            table(results, bandwidth, args.cpu_smoke), notes, results_file)
+            table(results, bandwidth, args.cpu_smoke), notes, opts.results_file)
 
 
 if __name__ == "__main__":

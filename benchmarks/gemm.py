@@ -28,24 +28,21 @@ Frobenius norm, max over a row's outputs).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import gc
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as TF
 from common import (
-    RESULTS,
     cell,
     environment,
+    for_each_case,
     guarded,
     markdown_table,
     median_ms,
+    parse_options,
     publish,
-    select_backend,
     to_ember,
     to_torch,
 )
@@ -451,30 +448,10 @@ def cublas_tflops(n: int, dev: str, warmup: int, reps: int, cpu: bool) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes, for a fast smoke run on a GPU")
-    parser.add_argument("--cpu-smoke", action="store_true",
-                        help="no GPU: tiny sizes, torch on the CPU, ember through Triton's interpreter, "
-                             "torch.compile with backend='eager', host timers")
-    parser.add_argument("--rows", default="1,2,3,4,5,6,7", help="rows to run, e.g. 1,3,5")
-    parser.add_argument("--warmup", type=int, default=None,
-                        help="warm-up steps per variant, after ember's first (checked) step (default 3)")
-    parser.add_argument("--reps", type=int, default=None, help="timed steps per variant (default 20)")
-    parser.add_argument("--results", type=Path, default=None,
-                        help=f"markdown file to append to (default {RESULTS} for full-size GPU runs only)")
-    args = parser.parse_args(argv)
-    select_backend(args.cpu_smoke, "gemm.py")
+    opts = parse_options(argv, "gemm.py", __doc__, cases,
+                         warmup_help="warm-up steps per variant, after ember's first (checked) step (default 3)")
+    args, which, dev = opts.args, opts.which, opts.dev
     from ember.runtime import cuda as ember_cuda
-
-    args.warmup = args.warmup if args.warmup is not None else 1 if args.cpu_smoke else 3
-    args.reps = args.reps if args.reps is not None else 2 if args.cpu_smoke else 20
-    which, dev = (2, "cpu") if args.cpu_smoke else (1 if args.quick else 0, "cuda")
-    results_file = args.results or (None if args.quick or args.cpu_smoke else RESULTS)
-    rows = cases(which, dev)
-    selected = set(args.rows.split(","))
-    if not selected <= {row for row, _ in rows}:
-        parser.error(f"--rows: no row {', '.join(sorted(selected - {row for row, _ in rows}))}; rows are 1 to 7")
-    torch.manual_seed(0)
 
     n = SIZES["ceiling"][which]
     rate = guarded("cuBLAS rate", lambda: cublas_tflops(n, dev, args.warmup, args.reps, args.cpu_smoke))
@@ -515,25 +492,16 @@ def main(argv: list[str] | None = None) -> None:
         notes.append("--cpu-smoke: torch on the CPU, ember through Triton's interpreter, both torch.compile "
                      "columns with backend='eager'; the times mean nothing")
     results = []
-    for row, make in rows:
-        if row not in selected:
-            continue
-        case = guarded(f"{row} setup", make)
-        if case is None:
-            continue
-        print(f"row {case.row}: {case.name} ({case.shape})", flush=True)
-        res = run(case, args, ember_cuda.stats, notes)
-        results.append(res)
-        notes.extend(target_notes(res))
-        del case, make
-        torch._dynamo.reset()  # drop compiled graphs and the tensors their guards hold
-        gc.collect()
-        if not args.cpu_smoke:
-            torch.cuda.empty_cache()
+
+    def run_row(case: Case) -> None:
+        results.append(run(case, args, ember_cuda.stats, notes))
+        notes.extend(target_notes(results[-1]))
+
+    for_each_case(opts, run_row)
 
     publish(f"gemm benchmark: {environment(args.cpu_smoke)}"
             + (" (--quick sizes)" if args.quick and not args.cpu_smoke else ""),
-            table(results), notes, results_file)
+            table(results), notes, opts.results_file)
 
 
 if __name__ == "__main__":

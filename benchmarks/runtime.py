@@ -22,19 +22,15 @@ torch eager in the same dtype, the outputs of rows 3 and 4 against torch in floa
 
 from __future__ import annotations
 
-import argparse
-import gc
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as TF
 from common import (
-    RESULTS,
     cell,
     chain_of_reductions,
     environment,
@@ -42,8 +38,9 @@ from common import (
     guarded,
     markdown_table,
     median_ms,
+    parse_options,
     publish,
-    select_backend,
+    release_memory,
     to_ember,
     to_torch,
 )
@@ -419,37 +416,17 @@ def table(lines: list[Line]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes, for a fast smoke run on a GPU")
-    parser.add_argument("--cpu-smoke", action="store_true",
-                        help="no GPU: tiny sizes, torch on the CPU, ember through Triton's interpreter, "
-                             "torch.compile with backend='eager', host timers")
-    parser.add_argument("--rows", default=",".join(ROWS), help="rows to run, e.g. 1,3")
-    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps per variant (default 3)")
-    parser.add_argument("--reps", type=int, default=None, help="timed steps per variant (default 20)")
-    parser.add_argument("--results", type=Path, default=None,
-                        help=f"markdown file to append to (default {RESULTS} for full-size GPU runs only)")
-    args = parser.parse_args(argv)
-    select_backend(args.cpu_smoke, "runtime.py")
-    selected = args.rows.split(",")
-    if not set(selected) <= set(ROWS):
-        parser.error(f"--rows: no row {', '.join(sorted(set(selected) - set(ROWS)))}; rows are 1 to {len(ROWS)}")
-    args.warmup = args.warmup if args.warmup is not None else 1 if args.cpu_smoke else 3
-    args.reps = args.reps if args.reps is not None else 2 if args.cpu_smoke else 20
-    args.which, args.dev = (2, "cpu") if args.cpu_smoke else (1 if args.quick else 0, "cuda")
-    results_file = args.results or (None if args.quick or args.cpu_smoke else RESULTS)
+    opts = parse_options(argv, "runtime.py", __doc__, lambda which, dev: ROWS.items(), rows_example="1,3")
+    args, selected, results_file = opts.args, opts.selected, opts.results_file
+    args.which, args.dev = opts.which, opts.dev  # the rows read them from args
     torch.backends.cuda.matmul.allow_tf32 = True  # float32 matmuls in TF32, for ember (through torch) and torch
-    torch.manual_seed(0)
     ember.manual_seed(0)
 
     lines: list[Line] = []
     for row in selected:
         print(f"row {row}", flush=True)
         lines += guarded(f"row {row}", lambda row=row: ROWS[row](args)) or [Line(row, "", "", "setup", None)]
-        torch._dynamo.reset()  # drop compiled graphs and the tensors their guards hold
-        gc.collect()
-        if not args.cpu_smoke:
-            torch.cuda.empty_cache()
+        release_memory(args.cpu_smoke)
 
     notes = ["rows 1, 2, 5: time per step of steps run back to back (median of 3 bursts), first call to GPU "
              "done; rows 3, 4: median of single steps, call to GPU done, GPU idle at the start",

@@ -597,9 +597,13 @@ def test_autotuning_is_off_under_the_interpreter_and_with_ember_autotune_0(monke
     from ember.runtime import autotune, cuda
 
     monkeypatch.setattr(cuda, "INTERPRET", False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
     monkeypatch.setenv("EMBER_AUTOTUNE", "1")
     assert autotune.enabled()
     monkeypatch.setenv("EMBER_AUTOTUNE", "0")
+    assert not autotune.enabled()
+    monkeypatch.setenv("EMBER_AUTOTUNE", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # explain on a machine without a GPU
     assert not autotune.enabled()
     monkeypatch.setenv("EMBER_AUTOTUNE", "1")
     monkeypatch.setattr(cuda, "INTERPRET", True)

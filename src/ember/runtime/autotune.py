@@ -106,7 +106,7 @@ def default_config(problem: Problem) -> Config:
 def enabled() -> bool:
     from ember.runtime import cuda
 
-    return not cuda.INTERPRET and os.environ.get("EMBER_AUTOTUNE", "1") not in ("0", "")
+    return not cuda.INTERPRET and torch.cuda.is_available() and os.environ.get("EMBER_AUTOTUNE", "1") not in ("0", "")
 
 
 # -- the disk cache ----------------------------------------------------------------------------

@@ -235,9 +235,9 @@ def _multiprocessors() -> int:
 
 def _is_small(ck: CompiledKernel, sms: int) -> bool:
     """Whether a kernel leaves most of the GPU idle, so another may run beside it."""
-    if ck.source is not None:
-        return max((launch.grid for launch in ck.source.launches), default=0) < sms // 2
-    return ck.kernel.outputs[0].numel < 64 * 64 * sms  # a vendor matmul or conv: fewer tiles than SMs
+    if ck.kernel.kind in ("matmul", "conv2d"):  # its grid comes from the tuned configuration
+        return math.prod(ck.kernel.space) < 64 * 64 * sms  # fewer 64 x 64 tiles than SMs
+    return max((launch.grid for launch in ck.source.launches), default=0) < sms // 2
 
 
 def compile_plan(order: list[Node], keep: set[int], sig: passes.Signature) -> Plan:

@@ -459,7 +459,7 @@ def test_an_operands_sum_along_k_is_taken_in_the_mainloop(case, rng):
     kernel, explained = only_gemm(p)
     assert len(kernel.reductions) == 1 and len(kernel.outputs) == 2, str(p)
     assert any("sum(" in line for line in explained["mainloop"]), str(p)
-    assert summed_operand(kernel.core, kernel.reductions[0], set()) == position
+    assert summed_operand(kernel.core, kernel.reductions[0]) == position
     assert_matches(out, product(t64(a), t64(b)), what="product")
     assert_matches(summed, total(t64(a), t64(b)), what="sum")
 

@@ -73,10 +73,9 @@ class Plan:
         from ember.runtime import autotune, cuda
 
         problem = autotune.Problem.of(source.launches[0], k.core.dtype, source.launches[0].layout)
-        tuned = autotune.cached(f"config {problem.key}")
-        ranked = tuned.get("ranked") if tuned else None
-        config = autotune.Config(**ranked[0]) if ranked else autotune.default_config(problem)
-        timed = autotune.cached(f"choice {source.name} {problem.key}")
+        ranked = autotune.cached_configs(problem)
+        config = ranked[0] if ranked else autotune.default_config(problem)
+        timed = autotune.cached_choice(source.name, problem)
         if timed and timed.get("config"):
             config = autotune.Config(**timed["config"])
         choice["config"] = str(config)

@@ -404,7 +404,7 @@ class Planner:
             return self._reads_in_order(other, gemm)
         if other.kind != "reduce" or not all(_under_reshapes(o) in other.reductions for o in other.outputs):
             return False
-        if len(other.reductions) == 1 and self.operand_reduction(gemm.core, other.reductions[0]) is not None:
+        if len(other.reductions) == 1 and summed_operand(gemm.core, other.reductions[0]) is not None:
             return True
         return self._reduces_tiles(other, gemm, refs)
 
@@ -457,9 +457,6 @@ class Planner:
             keeps = in_order and (n.op.kind in (Kind.UNARY, Kind.BINARY, Kind.TERNARY) or n.op is Op.RESHAPE)
             stack.extend((i, keeps) for i in n.inputs)
         return reaches
-
-    def operand_reduction(self, core: Node, reduction: Node) -> int | None:
-        return summed_operand(core, reduction, self.stored)
 
     # -- step 5: merge kernels over one space, then segment pointwise launches -----------
     def merge(self, kernels: list[FusedKernel]) -> list[FusedKernel]:
@@ -600,7 +597,8 @@ def _under_reshapes(node: Node) -> Node:
 
 
 def summed_output(kernel: FusedKernel, output: Node) -> Node | None:
-    """The operand sum of a GEMM kernel that `output` stores (itself or a reshape of it), if any."""
+    """The reduction of a GEMM kernel (an operand's sum along K, or a reduction of its epilogue) that
+    `output` stores, itself or through a reshape; None for any other output."""
     source = _under_reshapes(output)
     return source if source in kernel.reductions else None
 
@@ -608,17 +606,17 @@ def summed_output(kernel: FusedKernel, output: Node) -> Node | None:
 def operand_sums(kernel: FusedKernel) -> list[Node]:
     """A GEMM kernel's reductions computed in its mainloop (operands summed along K); the others reduce
     rows or columns of its epilogue."""
-    return [r for r in kernel.reductions if summed_operand(kernel.core, r, set()) is not None]
+    return [r for r in kernel.reductions if summed_operand(kernel.core, r) is not None]
 
 
-def summed_operand(core: Node, reduction: Node, stored: set[int]) -> int | None:
+def summed_operand(core: Node, reduction: Node) -> int | None:
     """The operand of a 2-d GEMM that `reduction` sums along K, if it is one: the operand is the
-    summed value itself or its transpose."""
+    summed value itself or its transpose (stored or not, the same values)."""
     if len(core.shape) != 2 or reduction.op is not Op.SUM or len(reduction.attrs["axes"]) != 1:
         return None
     summed = reduction.inputs[0]
     for position, operand in enumerate(core.inputs):
-        transposed = operand.op is Op.PERMUTE and id(operand) not in stored
+        transposed = operand.op is Op.PERMUTE
         source = operand.inputs[0] if transposed else operand
         if source is not summed:
             continue

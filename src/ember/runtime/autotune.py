@@ -167,15 +167,28 @@ def configs_for(problem: Problem) -> list[Config]:
     profiled now (with a progress bar). Without profiling, the size-based default alone."""
     if not enabled():
         return [default_config(problem)]
-    entry = cached(f"config {problem.key}")
-    if entry is not None:
-        try:
-            return [Config(**c) for c in entry["ranked"]]
-        except (KeyError, TypeError):
-            pass
+    known = cached_configs(problem)
+    if known:
+        return known
     ranked = _profile_bare(problem)
     _remember(f"config {problem.key}", {"ranked": [asdict(c) for c, _ in ranked], "ms": [ms for _, ms in ranked]})
     return [c for c, _ in ranked]
+
+
+def cached_configs(problem: Problem) -> list[Config]:
+    """The problem's ranked configurations from the disk cache, or none."""
+    entry = cached(f"config {problem.key}")
+    try:
+        return [Config(**c) for c in entry["ranked"]] if entry else []
+    except (KeyError, TypeError):  # an entry of another shape: profiled again
+        return []
+
+
+def cached_choice(kernel_name: str, problem: Problem) -> dict | None:
+    """A fused kernel's timed choice (see timed_choice) from the disk cache, or None."""
+    entry = cached(f"choice {kernel_name} {problem.key}")
+    return entry if entry is not None and entry.get("chosen") in ("triton", "cublas") and "cublas_ms" in entry \
+        else None
 
 
 def _profile_bare(problem: Problem) -> list[tuple[Config, float]]:
@@ -246,12 +259,13 @@ def time_ms(run) -> float:
     return begin.elapsed_time(end) / REPS
 
 
-def timed_choice(key: str, fused: dict[Config, object], split) -> dict:
+def timed_choice(kernel_name: str, problem: Problem, fused: dict[Config, object], split) -> dict:
     """Time a fused kernel under each of its configurations (callables) against its split form, keep
     the fastest, remember the times: "chosen" ("triton" or "cublas"), "config", "triton_ms", "cublas_ms"."""
-    entry = cached(f"choice {key}")
-    if entry is not None and entry.get("chosen") in ("triton", "cublas") and "cublas_ms" in entry:
+    entry = cached_choice(kernel_name, problem)
+    if entry is not None:
         return entry
+    key = f"{kernel_name} {problem.key}"
     start = time.perf_counter()
     times = {}
     for config, run in fused.items():

@@ -459,7 +459,7 @@ class _GemmStep:
         self.launches = {c: [_prepared_launch(ck, ck.source.launches[0], c)] for c in self.configs}
         self.fused = self.launches[self.configs[0]]
         self.split = [_step(c) for c in ck.split]
-        self.workspace = [n for n in ck.kernel.split_stored_nodes()]
+        self.workspace = ck.kernel.split_stored_nodes()
         identities = {Op.SUM: 0.0, Op.MAX: -math.inf, Op.MIN: math.inf}
         self.atomic = [(id(o), identities[op]) for o, op in codegen.epilogue_reduction_outputs(ck.kernel)]
         if ck.choice is not None and ck.choice.get("config"):  # a plan loaded from disk keeps its choice
@@ -512,7 +512,7 @@ class _GemmStep:
             if autotune.enabled() and not _capturing and not self._writes_its_inputs(buffers):
                 runs = {c: functools.partial(self._run_fused, launches, buffers, sig)
                         for c, launches in self.launches.items()}
-                choice = autotune.timed_choice(f"{self.ck.source.name} {self.problem.key}", runs,
+                choice = autotune.timed_choice(self.ck.source.name, self.problem, runs,
                                                lambda: self._run_split(buffers, sig))
                 if choice.get("config"):
                     self._use(autotune.Config(**choice["config"]))

@@ -826,10 +826,9 @@ def _gemm(ctx: Context, kernel: FusedKernel, body: list[str]) -> Launch:
     mainloop.line(f"mask_m = rm < {M}")
     mainloop.line(f"mask_n = rn < {N}")
     mainloop.line("acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)")
-    sums = {}
-    for r in operand_sums(kernel):  # operands summed along K on the way
-        sums[id(r)] = mainloop.define(f"tl.zeros([{'BLOCK_M, 1' if _summed(kernel, r) == 0 else '1, BLOCK_N'}], "
-                                      "tl.float32)", "sum")
+    summed = {id(r): summed_operand(core, r) for r in operand_sums(kernel)}  # operands summed along K on the way
+    sums = {key: mainloop.define(f"tl.zeros([{'BLOCK_M, 1' if position == 0 else '1, BLOCK_N'}], tl.float32)", "sum")
+            for key, position in summed.items()}
     before_loop = dict(mainloop.unravelled)  # names defined inside the loop are out of scope after it
     mainloop.line(f"for start in range(0, {K}, BLOCK_K):")
     mainloop.indent = "        "
@@ -843,9 +842,9 @@ def _gemm(ctx: Context, kernel: FusedKernel, body: list[str]) -> Launch:
     tile_b, layout_b = mainloop.operand(b, Index((*batch_dims, "kb", "rn"), None, "mask_b", OTHER), core.dtype)
     precision = f", input_precision=\"{dot_precision(core.dtype)}\"" if core.dtype is dtypes.float32 else ""
     mainloop.line(f"acc = tl.dot({tile_a}, {tile_b}, acc{precision})")
-    for r in operand_sums(kernel):
-        axis, tile = (1, tile_a) if _summed(kernel, r) == 0 else (0, tile_b)
-        mainloop.line(f"{sums[id(r)]} += tl.sum({tile}.to(tl.float32), axis={axis}, keep_dims=True)")
+    for key, position in summed.items():
+        axis, tile = (1, tile_a) if position == 0 else (0, tile_b)
+        mainloop.line(f"{sums[key]} += tl.sum({tile}.to(tl.float32), axis={axis}, keep_dims=True)")
     epilogue = Emitter(ctx, kernel, inner, "    ")
     epilogue.tiles |= tiles | set(sums.values()) | set(mainloop.tiles)
     epilogue.count = mainloop.count
@@ -855,10 +854,10 @@ def _gemm(ctx: Context, kernel: FusedKernel, body: list[str]) -> Launch:
     epilogue.mask_parts = masks
     for o in kernel.outputs:  # one row of programs stores what every row of them summed
         r = summed_output(kernel, o)
-        if r is None or r not in operand_sums(kernel):
+        if r is None or id(r) not in summed:
             continue
-        first = "pid_n == 0" if _summed(kernel, r) == 0 else "pid_m == 0"
-        position, bound = ("rm", M) if _summed(kernel, r) == 0 else ("rn", N)
+        first = "pid_n == 0" if summed[id(r)] == 0 else "pid_m == 0"
+        position, bound = ("rm", M) if summed[id(r)] == 0 else ("rn", N)
         pointer = ctx.arg("write", o, "out")  # a reshape of the sum: the same positions
         epilogue.line(f"tl.store({pointer} + {position}, {sums[id(r)]}.to({TL[o.dtype]}), "
                       f"mask=({position} < {bound}) & ({first}))")
@@ -866,7 +865,7 @@ def _gemm(ctx: Context, kernel: FusedKernel, body: list[str]) -> Launch:
     for o in kernel.outputs:
         if summed_output(kernel, o) is None:
             epilogue.store(o, _epilogue_index(epilogue, core, o.shape, batch_dims), "[BLOCK_M, BLOCK_N]")
-    _epilogue_reductions(ctx, kernel, epilogue, batch_dims)
+    _epilogue_reductions(ctx, kernel, epilogue, batch_dims, [r for r in kernel.reductions if id(r) not in summed])
     launch = _finish(ctx, body, "kernel", inner, {"BLOCK_M": 0, "BLOCK_N": 0, "BLOCK_K": 0, "GROUP_M": 0}, 0, 4)
     launch.gemm = (math.prod(batch), m, n, k)
     launch.layout = layout_a + layout_b
@@ -888,13 +887,12 @@ def _epilogue_index(emitter: Emitter, core: Node, shape: tuple[int, ...], batch_
 ATOMIC = {Op.SUM: "tl.atomic_add", Op.MAX: "tl.atomic_max", Op.MIN: "tl.atomic_min"}
 
 
-def _epilogue_reductions(ctx: Context, kernel: FusedKernel, epilogue: Emitter, batch_dims: tuple[str, ...]) -> None:
+def _epilogue_reductions(ctx: Context, kernel: FusedKernel, epilogue: Emitter, batch_dims: tuple[str, ...],
+                         reductions: list[Node]) -> None:
     """Rows or columns of an epilogue value reduced across tiles: each program reduces its tile and
     combines the result atomically into the output, which the runtime fills with the identity first."""
     at = Index((*batch_dims, "rm", "rn"), None, "mask", FULL)
-    for r in kernel.reductions:
-        if r in operand_sums(kernel):
-            continue
+    for r in reductions:
         (axis,) = r.attrs["axes"]
         value, dt = epilogue.value(r.inputs[0], at)
         identity = _identity(r.op, dt)
@@ -913,8 +911,3 @@ def epilogue_reduction_outputs(kernel: FusedKernel) -> list[tuple[Node, Op]]:
     with the reduction's identity before each launch."""
     sums = operand_sums(kernel)
     return [(o, r.op) for o in kernel.outputs if (r := summed_output(kernel, o)) is not None and r not in sums]
-
-
-def _summed(kernel: FusedKernel, reduction: Node) -> int:
-    """Which operand of a GEMM kernel a reduction in its mainloop sums along K."""
-    return summed_operand(kernel.core, reduction, set())

@@ -5,9 +5,16 @@ test_training.py."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from ember.examples import train_gpu
+
+SRC = Path(__file__).resolve().parents[1] / "src"
 
 # tiny sizes: the interpreter runs every generated kernel on the CPU
 TINY = dict(steps=20, batch_size=16, lr=3e-2, image_size=8, hidden=32, channels=(8, 8), train_samples=256,
@@ -53,3 +60,31 @@ def test_synthetic_images_are_reproducible_from_their_seed():
     assert (x1 == x2).all() and (y1 == y2).all()
     with pytest.raises(ValueError, match="multiple of 4"):
         train_gpu.synthetic_images(4, 6)
+
+
+NO_TORCH = """
+import sys
+
+class NoGpuLibraries:  # torch and triton cannot be imported: the newcomer's first command has neither
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in ("torch", "triton"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+sys.meta_path.insert(0, NoGpuLibraries())
+from ember.examples import digits
+
+digits.main(["--epochs", "2"])
+loaded = sorted(m for m in sys.modules if m.partition(".")[0] in ("torch", "triton"))
+print("gpu libraries loaded:", loaded)
+"""
+
+
+def test_digits_example_trains_where_torch_and_triton_cannot_be_imported(tmp_path):
+    """The cpu path (tensors, autograd, nn, optim, data, the example) needs neither torch nor triton."""
+    env = {k: v for k, v in os.environ.items() if k not in ("EMBER_INTERPRET", "TRITON_INTERPRET")}
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", NO_TORCH], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "test accuracy" in done.stdout
+    assert "gpu libraries loaded: []" in done.stdout

@@ -108,10 +108,11 @@ class DataLoader:
 
     def _ready(self, batch: tuple[tuple[Tensor, object], ...]) -> tuple[Tensor, ...]:
         """The batch's tensors, ordered after their uploads on the stream of the thread using them."""
-        from ember.runtime import transfer
+        events = [event for _, event in batch if event is not None]
+        if events:  # only a cuda batch has uploads; the cpu path never loads the runtime's torch side
+            from ember.runtime import transfer
 
-        for _, event in batch:
-            if event is not None:
+            for event in events:
                 transfer.wait(event, self.device)
         return tuple(t for t, _ in batch)
 

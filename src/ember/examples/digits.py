@@ -1,6 +1,6 @@
 """Train an MLP on scikit-learn's bundled 8x8 digits (no download) and report test accuracy.
 
-    python -m ember.examples.digits [--epochs 30] [--batch-size 64] [--device cpu]
+    python -m ember.examples.digits [--epochs 30] [--batch-size 64] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import ember
 import ember.nn as nn
 import ember.nn.functional as F
 from ember.data import DataLoader
+from ember.examples import default_device
 
 
 def load_digits_split(seed: int = 0, test_fraction: float = 0.2):
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--device", default=str(ember.default_device()))
+    parser.add_argument("--device", default=default_device(), help="default: cuda where a GPU is usable, else cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--explain", action="store_true", help="print the fused plan of one training step")
     args = parser.parse_args(argv)

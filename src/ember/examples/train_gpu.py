@@ -14,7 +14,6 @@ backend) the default sizes take minutes: try `--steps 30 --hidden 256`.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -26,20 +25,10 @@ import ember
 import ember.nn as nn
 import ember.nn.functional as F
 from ember.data import DataLoader
+from ember.examples import default_device
 
 CLASSES = 10
 WARMUP_STEPS = 3  # the first call, the recording and the first replay of a jit step; not timed
-
-
-def cuda_default() -> str:
-    """"cuda" on a machine with a CUDA GPU, else "cpu"; asks torch only (it is optional), never Triton."""
-    if os.environ.get("EMBER_INTERPRET", "0") not in ("", "0"):
-        return "cpu"  # the interpreter runs the cuda device, but far too slowly to be a default
-    try:
-        import torch
-    except ImportError:
-        return "cpu"
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def synthetic_images(samples: int, image_size: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -126,7 +115,7 @@ def train(model: str = "mlp", device: str | None = None, steps: int = 300, batch
           jit: bool | None = None, dtype: str = "float32", lr: float = 1e-3, image_size: int = 28,
           hidden: int = 2048, channels: tuple[int, int] = (32, 64), train_samples: int = 16384,
           test_samples: int = 2048, seed: int = 0, progress: bool = True) -> Summary:
-    device = device or cuda_default()
+    device = device or default_device()
     jit = device.startswith("cuda") if jit is None else jit
     dt = ember.dtypes.as_dtype(dtype)
     ember.manual_seed(seed)

@@ -23,13 +23,15 @@ import torch.nn.functional as F
 import ember
 
 # The cuda backend runs generated Triton kernels; without a GPU, Triton's interpreter runs them
-# on the CPU (EMBER_INTERPRET=1), which is how the generated code is tested here. Triton reads
-# TRITON_INTERPRET when it is first imported, which torch itself may do before ember's cuda backend
-# is loaded (torch.optim does), so it is set here too.
+# on the CPU (EMBER_INTERPRET=1), which is how the generated code is tested here. The choice is
+# ember's alone: Triton's process-wide TRITON_INTERPRET is neither needed nor read.
 if not torch.cuda.is_available():
     os.environ.setdefault("EMBER_INTERPRET", "1")
-    if os.environ["EMBER_INTERPRET"] not in ("", "0"):
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# On a machine with a GPU (and EMBER_INTERPRET unset), modules that test generated kernels on the
+# cuda device mark themselves `gpu` with this, so they run in the GPU suite (`pytest -m gpu`)
+# against the real device; without one they run in the default suite, through the interpreter.
+ON_GPU = torch.cuda.is_available() and os.environ.get("EMBER_INTERPRET", "0") in ("", "0")
 
 
 # GEMM autotuning profiles a dozen configurations per new problem on a GPU: the suite checks results, so

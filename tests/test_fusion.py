@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from conftest import ON_GPU
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import ember
 from ember.explain import plan
 
-pytestmark = pytest.mark.usefixtures("cuda_backend")
+pytestmark = [pytest.mark.usefixtures("cuda_backend"), *([pytest.mark.gpu] if ON_GPU else [])]
 
 
 def pair(rng, *shape, device="cuda", low=-2.0, high=2.0):
@@ -309,3 +310,60 @@ def test_a_convolution_takes_bias_batch_norm_residual_and_activation_in_one_neig
     p = plan(out)
     assert [k.kind for k in p.kernels] == ["conv2d", "pointwise"]
     assert_close(out, block("cpu"), rtol=1e-4, atol=1e-5)
+
+
+REDUCTIONS = {
+    "sum": lambda t, d, k: t.sum(d, keepdim=k), "mean": lambda t, d, k: t.mean(d, keepdim=k),
+    "amax": lambda t, d, k: t.amax(d, keepdim=k), "amin": lambda t, d, k: t.amin(d, keepdim=k),
+    "prod": lambda t, d, k: t.prod(d, keepdim=k) if isinstance(d, int) else t.prod(),
+    "argmax": lambda t, d, k: t.argmax(d, keepdim=k) if isinstance(d, int) else t.argmax(),
+    "logsumexp": lambda t, d, k: t.logsumexp(d, keepdim=k), "var": lambda t, d, k: t.var(d, keepdim=k),
+}
+AFTER = {  # a consumer in the same kernel, a scalar parameter not exactly representable in float32
+    "none": lambda t: t, "clamp": lambda t: t.clamp(-0.5, 0.7), "scaled_exp": lambda t: (t * 3.3).tanh().exp(),
+    "broadcast_back": lambda t: t,  # replaced below by a use beside the reduced input
+}
+
+
+def _degenerate_program(x, reduction, dims, keepdim, after):
+    y = (x * 1.7 - 0.2).relu() + x  # a producer fused before the reduction
+    r = REDUCTIONS[reduction](y, dims, keepdim)
+    if after == "broadcast_back" and keepdim and r.dtype == y.dtype:
+        return y - r  # read again beside the input: the kernel stores both shapes
+    return AFTER[after](r if r.dtype.is_floating_point else r.to(ember.float32))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@example(shape=[1, 1], reduction="sum", axes=1, keepdim=True, after="clamp", seed=0)
+@example(shape=[1, 1, 0], reduction="amax", axes=4, keepdim=False, after="none", seed=0)
+@given(shape=st.lists(st.sampled_from([0, 1, 1, 2, 3, 5]), min_size=0, max_size=4),
+       reduction=st.sampled_from(sorted(REDUCTIONS)), axes=st.integers(0, 15), keepdim=st.booleans(),
+       after=st.sampled_from(sorted(AFTER)), seed=st.integers(0, 2**16))
+def test_reductions_over_size_0_and_1_axes_compile_and_match_the_reference(shape, reduction, axes, keepdim, after,
+                                                                          seed):
+    """Shapes with 0s and 1s in every position: reductions over them, kernels whose every value is one scalar,
+    and reductions the planner removes (over size-1 axes) all compile and equal the reference, or raise the
+    same error (an empty max or argmax has no value)."""
+    shape = tuple(shape)
+    rank = len(shape)
+    picked = tuple(d for d in range(rank) if axes >> d & 1)
+    dims = picked[0] if len(picked) == 1 else (picked if picked else None)
+    if reduction in ("prod", "argmax") and isinstance(dims, tuple):
+        dims = None
+    if dims is None and keepdim:
+        dims = tuple(range(rank)) or None
+    array = np.random.default_rng(seed).uniform(-2, 2, size=shape).astype(np.float32)
+    outcomes = []
+    for device in ("cuda", "cpu"):
+        try:
+            value = _degenerate_program(ember.tensor(array, device=device), reduction, dims, keepdim, after)
+            outcomes.append(value.numpy())
+        except (IndexError, RuntimeError, ValueError) as error:
+            outcomes.append(type(error))
+    fused, reference = outcomes
+    where = f"{reduction} over dims {dims} (keepdim={keepdim}) of shape {shape}, then {after}"
+    if isinstance(reference, type):
+        assert fused is reference, where
+    else:
+        assert not isinstance(fused, type), f"{where}: cuda raised {fused.__name__}"
+        np.testing.assert_allclose(fused, reference, rtol=2e-5, atol=2e-5, err_msg=where)

@@ -31,19 +31,6 @@ BF16 = dict(rtol=2e-2, atol=2e-2)
 F32 = dict(rtol=1e-5, atol=1e-5)
 
 
-def test_fusion_suite_runs_on_the_gpu(rng, tmp_path):
-    import test_fusion
-
-    for name in dir(test_fusion):
-        fn = getattr(test_fusion, name)
-        if name.startswith("test_") and name != "test_random_graphs_fused_equal_reference" and callable(fn):
-            wanted = fn.__code__.co_varnames[:fn.__code__.co_argcount]
-            with pytest.MonkeyPatch.context() as monkeypatch:
-                fixtures = {"rng": rng, "tmp_path": tmp_path / name, "monkeypatch": monkeypatch}
-                (tmp_path / name).mkdir()
-                fn(**{k: v for k, v in fixtures.items() if k in wanted})
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_softmax_and_layer_norm_match_torch_at_scale(dtype):
     x = torch.randn(4096, 4096, device="cuda", dtype=dtype)

@@ -120,3 +120,42 @@ def test_on_device_runs_a_region_on_the_gpu():
     total = ember.on_device("cuda", lambda t: (t @ t.T).relu().sum(1), ember.tensor(x))
     assert total.device == ember.Device("cpu")
     np.testing.assert_allclose(total.numpy(), np.maximum(x @ x.T, 0).sum(1), rtol=1e-3, atol=1e-2)
+
+
+# -- DLPack on the GPU: shared memory, stream-ordered ----------------------------------------------------
+
+def test_from_dlpack_and_ember_tensor_of_a_torch_cuda_tensor_share_its_memory():
+    t = torch.randn(256, 512, device="cuda")
+    for e in (ember.from_dlpack(t), ember.tensor(t)):
+        assert e.device == CUDA and e._node.buffer.data_ptr() == t.data_ptr()
+        torch.testing.assert_close(torch.from_dlpack(e * 2), t * 2)
+    e = ember.from_dlpack(t)
+    t.add_(1)  # on torch's current stream, which ember computes on: ordered
+    torch.testing.assert_close(torch.from_dlpack(e + 0), t)
+
+
+def test_torch_from_dlpack_of_an_ember_cuda_tensor_shares_memory_and_is_stream_ordered():
+    x = torch.randn(4096, 4096, device="cuda")
+    e = (ember.from_dlpack(x) * 3).exp()  # pending: computed by the export
+    assert e.__dlpack_device__() == (2, 0)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # the consumer's stream waits for the one that computed the value
+        t = torch.from_dlpack(e)
+        total = t.double().sum()
+    side.synchronize()
+    assert t.data_ptr() == e._node.buffer.data_ptr()
+    expected = (x * 3).exp().double().sum()
+    torch.testing.assert_close(total, expected, rtol=1e-5, atol=0)
+    t.zero_()  # a write through torch is seen by ember once ordered
+    torch.cuda.synchronize()
+    assert float((e + 1).sum().item()) == 4096 * 4096
+
+
+def test_cupy_shares_ember_cuda_memory_through_dlpack():
+    cupy = pytest.importorskip("cupy")
+    e = ember.tensor(np.arange(10, dtype=np.float32), device="cuda") * 2
+    c = cupy.from_dlpack(e)
+    assert c.data.ptr == e._node.buffer.data_ptr()
+    np.testing.assert_array_equal(cupy.asnumpy(c), np.arange(10, dtype=np.float32) * 2)
+    back = ember.from_dlpack(c)
+    assert back._node.buffer.data_ptr() == c.data.ptr

@@ -19,6 +19,7 @@ from conftest import (
     HALVES,
     NUMERIC,
     TORCH,
+    assert_same,
     check_against_torch,
     check_finite_differences,
     random_array,
@@ -268,6 +269,62 @@ def test_broadcast_mismatch_raises_like_torch(left, right):
 
 
 # -- where and clamp --------------------------------------------------------------------------------
+
+# -- half-precision tensors with Python numbers they cannot hold exactly -------------------------------
+
+INEXACT = [3.3, 0.1, 1 / 3, 1e-3, 65519.0]  # 65519 is past float16's largest finite value, 65504
+WITH_NUMBER = {  # torch computes mul and div in float32 with the number in float32, the rest with it rounded
+    "mul": lambda m, x, s: x * s, "rmul": lambda m, x, s: s * x, "div": lambda m, x, s: x / s,
+    "rdiv": lambda m, x, s: s / x, "floor_divide": lambda m, x, s: x // s, "add": lambda m, x, s: x + s,
+    "radd": lambda m, x, s: s + x, "sub": lambda m, x, s: x - s, "rsub": lambda m, x, s: s - x,
+    "remainder": lambda m, x, s: x % s, "rremainder": lambda m, x, s: s % x, "fmod": lambda m, x, s: m.fmod(x, s),
+    "add_alpha": lambda m, x, s: m.add(x, x * 0.5, alpha=s), "sub_alpha": lambda m, x, s: m.sub(x, x * 0.5, alpha=s),
+    "lt": lambda m, x, s: x < s, "le": lambda m, x, s: x <= s, "gt": lambda m, x, s: x > s,
+    "ge": lambda m, x, s: x >= s, "eq": lambda m, x, s: x == s, "ne": lambda m, x, s: x != s,
+    "where_self": lambda m, x, s: m.where(x > 0, s, x), "where_other": lambda m, x, s: m.where(x > 0, x, s),
+    "masked_fill": lambda m, x, s: x.masked_fill(x > 0, s), "clamp": lambda m, x, s: x.clamp(-s, s),
+    "leaky_relu": lambda m, x, s: m.leaky_relu(x, s),
+}
+
+
+def _half_values(dtype: str, scalar: float) -> np.ndarray:
+    """Random values of a half type, with some equal to the number as the type rounds it (for ==)."""
+    values = np.random.default_rng(7).standard_normal(4096) * 3
+    values[::97] = scalar
+    return values.astype(ember.dtypes.as_dtype(dtype).np)
+
+
+def _torch_or_skip(fn, x, scalar):
+    try:
+        return fn(TORCH, torch.from_numpy(x.astype(np.float32)).to(getattr(torch, x.dtype.name)), scalar)
+    except RuntimeError as error:  # torch refuses a number its type cannot hold in some ops (65519 in float16)
+        pytest.skip(f"torch refuses: {error}")
+
+
+@pytest.mark.parametrize("scalar", INEXACT, ids=["3.3", "0.1", "1_3", "1e-3", "65519"])
+@pytest.mark.parametrize("name", sorted(WITH_NUMBER))
+@pytest.mark.parametrize("dtype", HALVES)
+def test_half_tensor_with_an_inexact_python_number_is_bit_exact_with_torch(dtype, name, scalar):
+    x = _half_values(dtype, scalar)
+    fn = WITH_NUMBER[name]
+    expected = _torch_or_skip(fn, x, scalar)
+    assert_same(fn(ember, ember.tensor(x), scalar), expected, rtol=0, atol=0, what=f"{name} with {scalar}")
+
+
+@pytest.mark.parametrize("scalar", INEXACT, ids=["3.3", "0.1", "1_3", "1e-3", "65519"])
+@pytest.mark.parametrize("name, fn", [("pow", lambda m, x, s: x.abs() ** s), ("rpow", lambda m, x, s: s ** (x / 4))])
+@pytest.mark.parametrize("dtype", HALVES)
+def test_half_pow_with_an_inexact_python_number_is_within_one_unit_of_torch(dtype, name, fn, scalar):
+    """The number is rounded to the half type as torch does; the power itself may differ from torch's by
+    one unit in the last place (torch's float32 pow and ember's are different approximations)."""
+    x = _half_values(dtype, scalar)
+    expected = _torch_or_skip(fn, x, scalar)
+    got = fn(ember, ember.tensor(x), scalar)
+    assert got.dtype.name == dtype
+    got_bits = got.numpy().astype(ember.dtypes.as_dtype(dtype).np).view(np.int16).astype(np.int32)
+    want_bits = expected.view(torch.int16).numpy().astype(np.int32)
+    assert np.abs(got_bits - want_bits).max() <= 1
+
 
 WHERE_CASES = {  # name: (condition shape, x shape or scalar, y shape or scalar)
     "same": ((3, 4), (3, 4), (3, 4)),

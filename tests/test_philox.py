@@ -1,40 +1,21 @@
 """ember.ir.philox must reproduce Triton's tl.randint / tl.rand / tl.randn bit-for-bit.
 
-The Triton side runs under the CPU interpreter (TRITON_INTERPRET=1) on torch CPU tensors.
+The Triton side runs under the CPU interpreter on torch CPU tensors: the kernel is made an interpreted
+function explicitly, so nothing else in the process is interpreted.
 """
 
-import os
+import numpy as np
+import pytest
+import torch
+import triton
+import triton.language as tl
 
-os.environ["TRITON_INTERPRET"] = "1"  # must precede the triton import
-
-import importlib.util  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-torch = pytest.importorskip("torch")
-triton = pytest.importorskip("triton")
-tl = pytest.importorskip("triton.language")
-
-_SRC = Path(__file__).resolve().parents[1] / "src"
-_PHILOX_PATH = _SRC / "ember" / "ir" / "philox.py"
-
-
-def _load_philox():
-    # Loaded by file path so the test does not depend on the ember package __init__ files.
-    spec = importlib.util.spec_from_file_location("_ember_philox_under_test", _PHILOX_PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-philox = _load_philox()
+from ember.ir import philox
+from ember.runtime.triton_interpreter import interpreted
 
 BLOCK = 256
 
 
-@triton.jit
 def _random_kernel(seed, off_ptr, int_ptr, uni_ptr, nrm_ptr, n, BLOCK: tl.constexpr):
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = idx < n
@@ -43,6 +24,9 @@ def _random_kernel(seed, off_ptr, int_ptr, uni_ptr, nrm_ptr, n, BLOCK: tl.conste
     tl.store(int_ptr + idx, r.to(tl.int32, bitcast=True), mask=mask)
     tl.store(uni_ptr + idx, tl.rand(seed, offsets), mask=mask)
     tl.store(nrm_ptr + idx, tl.randn(seed, offsets), mask=mask)
+
+
+_random_kernel = interpreted(_random_kernel)
 
 
 def _triton_draws(seed: int, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -151,16 +135,3 @@ def test_statistics() -> None:
     # Each of the 32 bits is set about half the time.
     bits = (r[:, None] >> np.arange(32, dtype=np.uint32)) & 1
     assert np.all(np.abs(bits.mean(axis=0) - 0.5) < 0.01)
-
-
-@pytest.mark.skipif(
-    not ((_SRC / "ember" / "__init__.py").exists() and (_SRC / "ember" / "ir" / "__init__.py").exists()),
-    reason="ember package __init__ files not present",
-)
-def test_package_import() -> None:
-    from ember.ir.philox import philox_normal, philox_randint, philox_uniform
-
-    offsets = np.arange(10, dtype=np.int32)
-    np.testing.assert_array_equal(philox_uniform(5, offsets), philox.philox_uniform(5, offsets))
-    np.testing.assert_array_equal(philox_randint(5, offsets), philox.philox_randint(5, offsets))
-    np.testing.assert_array_equal(philox_normal(5, offsets), philox.philox_normal(5, offsets))

@@ -112,11 +112,17 @@ class Tensor:
         value = self.numpy()
         return value if dtype is None else value.astype(dtype)
 
-    def __dlpack__(self, *args, **kwargs):
-        return self.numpy().__dlpack__(*args, **kwargs)
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        """The DLPack capsule of this tensor's memory, shared, not copied (computed first if pending)."""
+        from ember.runtime import dlpack
 
-    def __dlpack_device__(self):
-        return self.numpy().__dlpack_device__()
+        self.realize()
+        return dlpack.export(self._node, stream=stream, max_version=max_version, dl_device=dl_device, copy=copy)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        from ember.runtime import dlpack
+
+        return dlpack.dlpack_device(self.device)
 
     def __repr__(self) -> str:
         value = self.numpy()

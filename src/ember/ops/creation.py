@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+import sys
 
 import numpy as np
 
@@ -19,6 +20,7 @@ from ember.errors import DTypeError, ShapeError
 from ember.ir import Node, Op
 from ember.ops.movement import expand, reshape
 from ember.ops.pointwise import cast, scalar, where
+from ember.runtime import dlpack
 from ember.runtime.executor import from_host
 from ember.tensor import Tensor, leaf
 
@@ -53,17 +55,24 @@ def _infer_dtype(array: np.ndarray, data) -> DType:
 
 
 def tensor(data, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
-    """A new tensor holding a copy of `data` (nested lists, scalars, NumPy arrays or Tensors)."""
+    """A new tensor holding a copy of `data` (nested lists, scalars, NumPy arrays or Tensors).
+
+    A torch tensor on a GPU is the exception: its memory is shared (as `from_dlpack` does), with no copy
+    through the host, and the result stays on its device unless `dtype` or `device` asks for another one
+    (then it is converted, a copy). A torch tensor on the CPU is copied, as anything else on the host."""
+    if _is_torch_tensor(data) and data.is_cuda:
+        shared = Tensor(dlpack.node_from_torch(data))
+        out = cast(shared, dtypes.as_dtype(dtype)) if dtype is not None else shared
+        return _requires_grad(out.to(as_device(device)) if device is not None else out, requires_grad)
     device = as_device(device)
+    if _is_torch_tensor(data):
+        data = dlpack.node_from_torch(data).buffer  # a NumPy view of its memory, copied below
     if isinstance(data, Tensor):
         out = data.detach()
         out = cast(out, dtypes.as_dtype(dtype)) if dtype is not None else out
         return _requires_grad(out.to(device), requires_grad)
     if isinstance(data, (list, tuple)) and any(isinstance(v, Tensor) for v in _flatten(data)):
         data = _to_nested(data)
-    if hasattr(data, "__dlpack__") and not isinstance(data, np.ndarray) and type(data).__module__ == "torch":
-        data = data.detach().cpu().numpy() if data.dtype.__str__() != "torch.bfloat16" else (
-            data.detach().cpu().float().numpy().astype(dtypes.bfloat16.np))
     try:
         array = np.asarray(data)
     except ValueError as e:
@@ -97,7 +106,15 @@ def from_numpy(array: np.ndarray) -> Tensor:
 
 
 def from_dlpack(x) -> Tensor:
-    return from_numpy(np.from_dlpack(x))
+    """A tensor on the memory of `x` (a torch, NumPy, CuPy... array, or a DLPack producer), not a copy:
+    a write through `x` is seen by later computations that read the tensor. Memory that is not
+    contiguous is copied once."""
+    return Tensor(dlpack.node_from_dlpack(x))
+
+
+def _is_torch_tensor(x) -> bool:
+    torch = sys.modules.get("torch")  # a torch tensor exists only once torch is imported
+    return torch is not None and isinstance(x, torch.Tensor)
 
 
 def full(size, fill_value, dtype=None, device=None, requires_grad: bool = False) -> Tensor:

@@ -42,13 +42,41 @@ def scalar(value, dtype: DType, device, shape: tuple[int, ...] = ()) -> Tensor:
 
 
 def _convert(value, dtype: DType):
+    """The value a constant of `dtype` holds: every backend reads the same one."""
     if dtype is dtypes.bool_:
         return bool(value)
     if dtype.is_integer:  # out-of-range Python ints wrap around, as torch's conversion does
         bits = 8 * dtype.itemsize
         wrapped = int(value) & ((1 << bits) - 1)
         return wrapped - (1 << bits) if dtype.is_signed and wrapped >= 1 << (bits - 1) else wrapped
-    return float(value)
+    if dtype is dtypes.float64:
+        return float(value)
+    with np.errstate(over="ignore"):  # too large for the type: infinity, as a cast gives
+        return float(np.asarray(float(value), dtype=dtype.np))
+
+
+HALVES = (dtypes.float16, dtypes.bfloat16)
+
+
+def _number_in_float32(a, b) -> tuple[Tensor, float] | None:
+    """(tensor, number) when one operand is a float16/bfloat16 tensor and the other a Python number that
+    the half type does not hold exactly. torch multiplies and divides such a pair in float32, with the
+    number rounded to float32 only, and rounds the result once; its other binary ops (add, sub, the
+    comparisons, pow, remainder...) round the number to the half type first, as a constant of that type
+    does here. Where the half type holds the number exactly, both ways compute the same."""
+    t, number = (a, b) if isinstance(a, Tensor) else (b, a)
+    if (not isinstance(t, Tensor) or t.dtype not in HALVES or not isinstance(number, (int, float, np.number))
+            or isinstance(number, (bool, np.bool_))):
+        return None
+    if _convert(number, t.dtype) == _convert(number, dtypes.float32):
+        return None
+    return t, number
+
+
+def _in_float32(prim: Op, t: Tensor, number, number_first: bool = False) -> Tensor:
+    """`prim` of a half tensor and a number, computed in float32 and rounded once to the tensor's type."""
+    wide = [cast(t, dtypes.float32), scalar(number, dtypes.float32, t.device, t.shape)]
+    return cast(apply(prim, *(wide[::-1] if number_first else wide)), t.dtype)
 
 
 def as_tensor(x, like: Tensor | None = None, dtype: DType | None = None) -> Tensor:
@@ -274,27 +302,39 @@ def _binary(prim: Op, name: str):
 
 
 def add(a, b, alpha=1) -> Tensor:
-    if alpha != 1:
-        b = b * alpha if isinstance(b, Scalar) else mul(b, alpha)
-    x, y = prepare("add", a, b)
-    return apply(Op.ADD, x, y)
+    return _add_or_sub(Op.ADD, "add", a, b, alpha)
 
 
 def sub(a, b, alpha=1) -> Tensor:
-    if alpha != 1:
-        b = b * alpha if isinstance(b, Scalar) else mul(b, alpha)
-    x, y = prepare("sub", a, b)
-    if x.dtype is dtypes.bool_:
+    return _add_or_sub(Op.SUB, "sub", a, b, alpha)
+
+
+def _add_or_sub(prim: Op, name: str, a, b, alpha) -> Tensor:
+    if alpha != 1 and isinstance(b, Scalar):
+        b = b * alpha
+    x, y = prepare(name, a, b)
+    if prim is Op.SUB and x.dtype is dtypes.bool_:
         raise DTypeError(f"sub: subtraction of bool tensors is not supported ({operands(a, b)}); "
                          "use logical_xor or ^")
-    return apply(Op.SUB, x, y)
+    if alpha == 1 or isinstance(b, Scalar):
+        return apply(prim, x, y)
+    if x.dtype in HALVES:  # as torch: alpha rounded to the half type, a + alpha * b in float32, rounded once
+        wide = apply(prim, cast(x, dtypes.float32), cast(y, dtypes.float32) * _convert(alpha, x.dtype))
+        return cast(wide, x.dtype)
+    return apply(prim, x, mul(y, alpha))
 
 
 def rsub(a, b) -> Tensor:
     return sub(b, a)
 
 
-mul = _binary(Op.MUL, "mul")
+def mul(a, b) -> Tensor:
+    pair = _number_in_float32(a, b)
+    if pair is not None:
+        return _in_float32(Op.MUL, *pair)
+    return apply(Op.MUL, *prepare("mul", a, b))
+
+
 maximum = _binary(Op.MAXIMUM, "maximum")
 minimum = _binary(Op.MINIMUM, "minimum")
 eq = _binary(Op.EQ, "eq")
@@ -317,6 +357,13 @@ def div(a, b, rounding_mode: str | None = None) -> Tensor:
     """True division (integers give the default float dtype), or 'trunc' / 'floor' rounding."""
     if rounding_mode == "floor":
         return floor_divide(a, b)
+    if rounding_mode is None and isinstance(a, Scalar) and isinstance(b, Tensor):
+        # number / tensor is the tensor's reciprocal times the number, as in torch; a half reciprocal is
+        # rounded before the product, as torch's two ops do
+        inverse = reciprocal(b)
+        return _in_float32(Op.MUL, inverse, a) if inverse.dtype in HALVES else mul(inverse, a)
+    if rounding_mode is None and isinstance(a, Tensor) and _number_in_float32(a, b):
+        return _in_float32(Op.DIV, a, b)
     x, y = prepare("div", a, b)
     if rounding_mode == "trunc":
         return apply(Op.DIV, x, y) if x.dtype.is_integer else trunc(apply(Op.DIV, x, y))
@@ -331,6 +378,8 @@ true_divide = divide = div
 
 
 def floor_divide(a, b) -> Tensor:
+    if isinstance(a, Tensor) and _number_in_float32(a, b):
+        return _in_float32(Op.FLOORDIV, a, b)
     x, y = prepare("floor_divide", a, b)
     if x.dtype is dtypes.bool_:
         raise DTypeError(f"floor_divide: not supported for bool tensors ({operands(a, b)})")

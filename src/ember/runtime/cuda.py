@@ -23,24 +23,19 @@ import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
+from ember import dtypes
+from ember.compiler import fusion, passes, schedule
+from ember.compiler.codegen import triton as codegen
+from ember.device import Device, get_matmul_precision
+from ember.errors import CompileError, DeviceError, OutOfMemoryError
+from ember.ir import Node, Op
+from ember.runtime import autotune, jit, triton_interpreter
+
+# ember's choice, read once: generated kernels are interpreted (see triton_interpreter), whatever
+# Triton's own TRITON_INTERPRET says
 INTERPRET = os.environ.get("EMBER_INTERPRET", "0") not in ("", "0")
-if INTERPRET:
-    os.environ["TRITON_INTERPRET"] = "1"  # must be set before triton is imported
-
-import torch  # noqa: E402
-
-from ember import dtypes  # noqa: E402
-from ember.compiler import fusion, passes, schedule  # noqa: E402
-from ember.compiler.codegen import triton as codegen  # noqa: E402
-from ember.device import Device, get_matmul_precision  # noqa: E402
-from ember.errors import CompileError, DeviceError, OutOfMemoryError  # noqa: E402
-from ember.ir import Node, Op  # noqa: E402
-from ember.runtime import autotune, jit  # noqa: E402
-
-if INTERPRET:
-    from ember.runtime import triton_interpreter
-
-    triton_interpreter.apply()
 
 
 def apply_matmul_precision(precision: str) -> None:
@@ -110,7 +105,7 @@ def load_source(source: codegen.KernelSource):
     except Exception as error:  # a generated kernel that does not import is a compiler bug
         raise CompileError(f"generated kernel {source.name} failed to load: {error} (source: {path})") from error
     module.__ember_path__ = path
-    _modules[source.name] = module
+    _modules[source.name] = triton_interpreter.runnable(module, INTERPRET)
     return module
 
 

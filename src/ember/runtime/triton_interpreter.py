@@ -1,17 +1,32 @@
-"""Fixes for bugs of Triton's CPU interpreter that a GPU does not have.
+"""How ember's Triton kernels are made runnable: compiled for the GPU, or run by Triton's CPU interpreter.
 
 With `EMBER_INTERPRET=1` the cuda backend runs generated kernels through the interpreter, which is
-how they are tested without a GPU. These patches make the interpreter compute what the GPU computes,
-so a test failure points at the generated code, not at the interpreter. The cuda runtime applies
-them when it runs in interpreter mode; nothing else imports this module.
+how they are tested without a GPU. That choice is ember's and is made per kernel object here
+(`runnable`), never through Triton's process-wide `TRITON_INTERPRET`: a Triton kernel elsewhere in
+the process (torch.compile's, a test's) neither changes ember's kernels nor is changed by them.
+Interpreted kernels get a private copy of the helper library (the interpreter writes its own names
+into the globals of what it runs, and runs no libdevice).
+
+The rest of the module fixes bugs of the interpreter that a GPU does not have, so a test failure
+points at the generated code, not at the interpreter; they are applied with the first interpreted
+module and change nothing a compiled kernel does.
 """
 
 from __future__ import annotations
+
+import functools
+import importlib.util
+import threading
+from types import ModuleType
 
 import ml_dtypes
 import numpy as np
 import triton.language as tl
 from triton.runtime import interpreter
+from triton.runtime.jit import JITFunction
+
+from ember.compiler.codegen import triton_lib
+from ember.errors import CompileError
 
 # The patched internals; a Triton that renamed them is left as it is (its tests then show why).
 _Builder = getattr(interpreter, "InterpreterBuilder", None)
@@ -20,6 +35,8 @@ _cast_impl = getattr(_Builder, "cast_impl", None)
 _create_dot = getattr(_Builder, "create_dot", None)
 _Executor = getattr(interpreter, "GridExecutor", None)
 _run = _Executor.__dict__.get("__call__") if _Executor is not None else None
+_jit_call = JITFunction.__dict__.get("__call__")
+_running = threading.local()  # how many interpreted grids this thread is inside
 
 
 def _binary_op_typing_comparisons_as_bool(self, lhs, rhs, op):
@@ -51,16 +68,79 @@ def _dot_reading_bfloat16(self, a, b, d, input_precision, max_num_imprecise_acc)
 
 def _run_quietly(self, *args, **kwargs):
     """A GPU computes inf and NaN silently; NumPy, which computes for the interpreter, warns each time."""
-    with np.errstate(all="ignore"):
-        return _run(self, *args, **kwargs)
+    _running.depth = getattr(_running, "depth", 0) + 1
+    try:
+        with np.errstate(all="ignore"):
+            return _run(self, *args, **kwargs)
+    finally:
+        _running.depth -= 1
 
 
-def apply() -> None:
+def _call_interpreted_inside_a_grid(self, *args, **kwargs):
+    """Triton's own library (tl.zeros, tl.sum, tl.randint...) is made of compiled functions unless
+    TRITON_INTERPRET was set before triton was imported; called from an interpreted kernel, they run
+    interpreted too. Outside an interpreted grid a compiled function behaves as Triton made it."""
+    if not getattr(_running, "depth", 0):
+        return _jit_call(self, *args, **kwargs)
+    twin = self.__dict__.get("_ember_interpreted")  # (hashing a JITFunction would walk its source)
+    if twin is None:
+        twin = self.__dict__["_ember_interpreted"] = interpreter.InterpretedFunction(self.fn)
+    return twin(*args, **kwargs)
+
+
+def _apply_fixes() -> None:
     if _binary_op is not None:
         _Builder.binary_op = _binary_op_typing_comparisons_as_bool
     if _cast_impl is not None:
         _Builder.cast_impl = _cast_rounding_bfloat16
     if _create_dot is not None:
         _Builder.create_dot = _dot_reading_bfloat16
-    if _run is not None:
+    if _run is not None and _jit_call is not None:
         _Executor.__call__ = _run_quietly
+        JITFunction.__call__ = _call_interpreted_inside_a_grid
+
+
+def runnable(module: ModuleType, interpret: bool) -> ModuleType:
+    """Bind a loaded generated-kernel module's kernels and helper library to one way of running."""
+    if not interpret and isinstance(tl.zeros, interpreter.InterpretedFunction):
+        raise CompileError("Triton was imported with TRITON_INTERPRET=1, so its own library cannot be compiled "
+                           "for the GPU; unset TRITON_INTERPRET (EMBER_INTERPRET=1 runs ember's kernels through "
+                           "the interpreter)")
+    for name, value in list(vars(module).items()):
+        if isinstance(value, (JITFunction, interpreter.InterpretedFunction)):
+            setattr(module, name, _kernel(value.fn, interpret))
+    module.lib = library(interpret)
+    return module
+
+
+def interpreted(fn) -> interpreter.InterpretedFunction:
+    """A Triton kernel (a plain function, or one made by @triton.jit) run by the interpreter on torch CPU
+    tensors, with the fixes above; nothing else in the process is interpreted."""
+    _fixes_applied()
+    return interpreter.InterpretedFunction(getattr(fn, "fn", fn))
+
+
+def _kernel(fn, interpret: bool):
+    return interpreted(fn) if interpret else JITFunction(fn)
+
+
+@functools.cache
+def library(interpret: bool) -> ModuleType:
+    """A copy of the helper library whose functions run one way; interpreted, fmod has the body the
+    interpreter can run."""
+    spec = importlib.util.spec_from_file_location(f"ember_triton_lib_{'interpreted' if interpret else 'compiled'}",
+                                                  triton_lib.__file__)
+    lib = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lib)
+    runnable_functions = {name: _kernel(value.fn, interpret) for name, value in vars(lib).items()
+                          if isinstance(value, (JITFunction, interpreter.InterpretedFunction))}
+    vars(lib).update(runnable_functions)
+    if interpret:
+        lib.fmod = lib.fmod_interpreted
+    return lib
+
+
+@functools.cache
+def _fixes_applied() -> bool:
+    _apply_fixes()
+    return True

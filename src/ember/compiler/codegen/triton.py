@@ -498,8 +498,11 @@ class Emitter:
             value = f"({value}).to({TL[node.dtype]})"
         mask = f", mask={idx.mask}" if idx.mask else ""
         offset = self.linear(idx, node.shape)
-        if self.kernel.core is not None and not {"rm", "rn"} <= set(_IDENTIFIER.findall(offset)):
-            offset = f"{offset} + tl.zeros({tile}, tl.int32)"  # a GEMM's size-1 axis: tl.store needs a tile of pointers
+        # tl.store needs a tile of pointers: an offset that is one scalar (every axis of size 1), or a GEMM's
+        # that misses an axis of size 1, is broadcast to the tile
+        if not self.is_tile(offset) or (
+                self.kernel.core is not None and not {"rm", "rn"} <= set(_IDENTIFIER.findall(offset))):
+            offset = f"{offset} + tl.zeros({tile}, tl.int32)"
         self.line(f"tl.store({pointer} + {offset}, {value}{mask})")
 
 

@@ -2,25 +2,26 @@
 
 They are written with core `tl` operations, so the same kernels run on the GPU and
 under Triton's CPU interpreter, which is how CI tests generated code. fmod alone has
-two bodies: libdevice's on the GPU, which the interpreter cannot run.
+two bodies: libdevice's on the GPU, and `fmod_interpreted` for the interpreter, which
+cannot run libdevice (the interpret target binds it as `fmod`, see
+`ember.runtime.triton_interpreter`).
 """
-
-import os
 
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-    @triton.jit
-    def fmod(a, b):
-        return a % b  # the interpreter's a % b is NumPy's fmod, exact; it runs no libdevice
-else:
-    @triton.jit
-    def fmod(a, b):
-        """C's fmod, exact, with the sign of the dividend. A GPU computes a % b as a - trunc(a / b) * b:
-        wrong for large quotients, and inf for fmod(inf, inf)."""
-        return libdevice.fmod(a, b)
+
+@triton.jit
+def fmod(a, b):
+    """C's fmod, exact, with the sign of the dividend. A GPU computes a % b as a - trunc(a / b) * b:
+    wrong for large quotients, and inf for fmod(inf, inf)."""
+    return libdevice.fmod(a, b)
+
+
+@triton.jit
+def fmod_interpreted(a, b):
+    return a % b  # the interpreter's a % b is NumPy's fmod, exact
 
 
 @triton.jit

@@ -1,0 +1,131 @@
+"""DLPack both ways, without copies: ember tensors on other libraries' memory, and theirs on ember's.
+
+An imported tensor's memory becomes the buffer of a realized ember node (a NumPy array on the cpu
+device, a torch tensor on cuda), so a later write by the exporting library is seen by every ember
+computation that reads the node after it. Exporting realizes a pending tensor first and hands out the
+node's buffer; on cuda, the consumer's stream is made to wait for the stream that computed it, as the
+protocol asks (torch's own `__dlpack__` does this for the buffer, which lives on the current stream
+ember computes on).
+
+Memory is shared when it is contiguous in row-major order, which is what ember's kernels index; other
+strides are copied once into a contiguous buffer. NumPy reads DLPack on the cpu without torch; a cuda
+producer, or a bfloat16 one, needs torch.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import ml_dtypes
+import numpy as np
+
+from ember import dtypes
+from ember.device import CPU, Device, as_device
+from ember.dtypes import DType
+from ember.errors import DeviceError, DTypeError
+from ember.ir import Node
+
+DL_CPU, DL_CUDA, DL_CUDA_HOST, DL_CUDA_MANAGED = 1, 2, 3, 13
+
+
+def _torch():
+    """torch, imported only for a producer or consumer that needs it (the cpu path needs none)."""
+    try:
+        import torch
+    except ImportError:
+        raise DeviceError("DLPack: this producer (cuda memory, or bfloat16) needs torch, which is not installed "
+                          "(pip install torch)") from None
+    return torch
+
+
+def _is_torch_tensor(x) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def node_from_dlpack(x) -> Node:
+    """A realized node whose buffer is the memory of `x` (any object with `__dlpack__`)."""
+    if not hasattr(x, "__dlpack__") or not hasattr(x, "__dlpack_device__"):
+        raise TypeError(f"from_dlpack: expected an object with __dlpack__ and __dlpack_device__, "
+                        f"got {type(x).__name__}")
+    kind, _ = x.__dlpack_device__()
+    if kind == DL_CPU and not _is_torch_tensor(x):
+        try:
+            return _node_from_numpy(np.from_dlpack(x))
+        except BufferError:  # a dtype NumPy cannot read (bfloat16): torch can
+            pass
+    if kind not in (DL_CPU, DL_CUDA, DL_CUDA_HOST, DL_CUDA_MANAGED):
+        raise DeviceError(f"from_dlpack: DLPack device type {kind} is not supported; ember runs on cpu and cuda")
+    torch = _torch()
+    t = x if isinstance(x, torch.Tensor) else torch.from_dlpack(x)
+    return node_from_torch(t)
+
+
+def node_from_torch(t) -> Node:
+    """A realized node on the torch tensor's memory (its device: cpu, or cuda:N)."""
+    torch = _torch()
+    t = t.detach()
+    dtype = _dtype_of(t.dtype)
+    if not t.is_contiguous():
+        t = t.contiguous()  # ember's kernels index row-major memory
+    if t.device.type == "cpu":
+        if dtype is dtypes.bfloat16:  # NumPy has no bfloat16: the same bits, viewed through ml_dtypes
+            return _node_from_numpy(t.view(torch.int16).numpy().view(ml_dtypes.bfloat16))
+        return _node_from_numpy(t.numpy())
+    if t.device.type != "cuda":
+        raise DeviceError(f"from_dlpack: a torch tensor on {t.device} cannot be shared; ember runs on cpu and cuda")
+    device = as_device(f"cuda:{t.device.index}")
+    from ember.runtime import cuda
+
+    if cuda.torch_device(device).type != "cuda":
+        raise DeviceError(f"from_dlpack: a tensor on {t.device} cannot be used while the cuda device runs "
+                          "through the interpreter (EMBER_INTERPRET=1)")
+    return Node.from_buffer(t, dtype, device)
+
+
+def _dtype_of(torch_dtype) -> DType:
+    try:
+        return dtypes.as_dtype(torch_dtype)
+    except TypeError:
+        raise DTypeError(f"from_dlpack: dtype {torch_dtype} is not supported by ember; supported: "
+                         f"{', '.join(d.name for d in dtypes.ALL)}") from None
+
+
+def _node_from_numpy(array: np.ndarray) -> Node:
+    dtype = dtypes.from_numpy(array.dtype)
+    return Node.from_buffer(np.ascontiguousarray(array), dtype, CPU)
+
+
+def dlpack_device(device: Device) -> tuple[int, int]:
+    """Where a tensor on `device` lives, as DLPack names it (the interpreter's cuda device is the CPU)."""
+    if device.type == "cpu":
+        return (DL_CPU, 0)
+    from ember.runtime import cuda
+
+    return (DL_CUDA, device.index) if cuda.torch_device(device).type == "cuda" else (DL_CPU, 0)
+
+
+def export(node: Node, **protocol):
+    """The DLPack capsule of a realized node's buffer; `protocol` holds __dlpack__'s keyword arguments
+    (stream, max_version, dl_device, copy), passed on to the buffer's own exporter."""
+    buffer = _shareable(node)
+    if isinstance(buffer, np.ndarray) and buffer.dtype == ml_dtypes.bfloat16:
+        torch = _torch()  # NumPy exports no bfloat16; torch does, over the same memory
+        buffer = torch.from_numpy(buffer.view(np.int16)).view(torch.bfloat16)
+        protocol.pop("stream", None)
+    elif isinstance(buffer, np.ndarray):
+        protocol.pop("stream", None)  # NumPy's exporter takes no stream: host memory needs no ordering
+    return buffer.__dlpack__(**{k: v for k, v in protocol.items() if v is not None})
+
+
+def _shareable(node: Node):
+    """The node's buffer, made contiguous and writable once (a constant is a read-only broadcast view)."""
+    buffer = node.buffer
+    if isinstance(buffer, np.ndarray):
+        if not (buffer.flags.c_contiguous and buffer.flags.writeable):
+            buffer = np.array(buffer, copy=True, order="C")
+            node.buffer = buffer
+    elif not buffer.is_contiguous():
+        buffer = buffer.contiguous()
+        node.buffer = buffer
+    return buffer

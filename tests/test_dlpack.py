@@ -8,6 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from conftest import ON_GPU
 
 import ember
 
@@ -60,6 +61,7 @@ def test_numpy_and_torch_read_bfloat16_and_constants_through_dlpack():
     assert torch.from_dlpack(ones).sum().item() == 6.0
 
 
+@pytest.mark.skipif(ON_GPU, reason="the interpreter's cuda device; tests/test_gpu_transfer.py checks a GPU's")
 def test_interpreted_cuda_tensors_share_their_torch_buffers(cuda_backend, rng):
     x = rng.standard_normal(10).astype(np.float32)
     e = ember.tensor(x, device="cuda").exp()

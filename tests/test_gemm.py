@@ -613,6 +613,19 @@ def test_autotuning_is_off_under_the_interpreter_and_with_ember_autotune_0(monke
     assert autotune.configs_for(problem) == [autotune.default_config(problem)]  # nothing profiled
 
 
+def test_gemms_too_small_to_matter_are_not_profiled(monkeypatch):
+    """A GEMM of a microsecond takes the size-based configuration and its fused kernel: profiling it would
+    spend seconds of compiling on the first step for nothing."""
+    from ember.runtime import autotune
+
+    monkeypatch.setattr(autotune, "enabled", lambda: True)  # as on a GPU machine
+    monkeypatch.setattr(autotune, "_profile_bare", lambda problem: pytest.fail(f"profiled {problem}"))
+    small = _problem(64, 128, 64)
+    assert not autotune.worth_tuning(small)
+    assert autotune.configs_for(small) == [autotune.default_config(small)]
+    assert autotune.worth_tuning(_problem(512, 512, 512)) and autotune.worth_tuning(_problem(4096, 4096, 64))
+
+
 @pytest.fixture
 def tuning_cache(tmp_path, monkeypatch):
     from ember.runtime import autotune

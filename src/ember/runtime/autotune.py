@@ -14,7 +14,8 @@ prologue and epilogue in kernels of their own). Both times and the winner are ke
 on disk too, and `ember.explain` shows them.
 
 `EMBER_AUTOTUNE=0` profiles nothing: a size-based default configuration and the
-generated kernel. Under the interpreter nothing is profiled either.
+generated kernel. Under the interpreter nothing is profiled either, and neither is a
+problem too small for tuning to matter (`SMALLEST_TUNED`).
 """
 
 from __future__ import annotations
@@ -109,6 +110,16 @@ def enabled() -> bool:
     return not cuda.INTERPRET and torch.cuda.is_available() and os.environ.get("EMBER_AUTOTUNE", "1") not in ("0", "")
 
 
+# Below this many multiply-adds (512^3, rounded sizes) a GEMM runs in about a microsecond, less than a
+# launch: profiling it (seconds of compiling candidates) could win nothing that matters, so it takes the
+# size-based configuration and its fused kernel (fewer launches than cuBLAS plus separate kernels).
+SMALLEST_TUNED = 2**27
+
+
+def worth_tuning(problem: Problem) -> bool:
+    return enabled() and problem.m * problem.n * problem.k >= SMALLEST_TUNED
+
+
 # -- the disk cache ----------------------------------------------------------------------------
 
 _entries: dict[str, dict] | None = None
@@ -164,8 +175,9 @@ RANKED = 3  # the bare GEMM's fastest configurations, each tried with the fused 
 
 def configs_for(problem: Problem) -> list[Config]:
     """The problem's fastest configurations on the bare GEMM, best first: from the disk cache, or
-    profiled now (with a progress bar). Without profiling, the size-based default alone."""
-    if not enabled():
+    profiled now (with a progress bar). Without profiling, or for a small problem, the size-based
+    default alone."""
+    if not worth_tuning(problem):
         return [default_config(problem)]
     known = cached_configs(problem)
     if known:

@@ -504,7 +504,7 @@ class _GemmStep:
         choice = self.ck.choice
         if choice is None:
             choice = {"chosen": "triton", "triton_ms": None, "cublas_ms": None, "config": None}
-            if autotune.enabled() and not _capturing and not self._writes_its_inputs(buffers):
+            if autotune.worth_tuning(self.problem) and not _capturing and not self._writes_its_inputs(buffers):
                 runs = {c: functools.partial(self._run_fused, launches, buffers, sig)
                         for c, launches in self.launches.items()}
                 choice = autotune.timed_choice(self.ck.source.name, self.problem, runs,

@@ -126,8 +126,8 @@ def _kernel(fn, interpret: bool):
 
 @functools.cache
 def library(interpret: bool) -> ModuleType:
-    """A copy of the helper library whose functions run one way; interpreted, fmod has the body the
-    interpreter can run."""
+    """A copy of the helper library whose functions run one way; interpreted, a function with a second
+    body named `<name>_interpreted` (one the interpreter can run) has that body."""
     spec = importlib.util.spec_from_file_location(f"ember_triton_lib_{'interpreted' if interpret else 'compiled'}",
                                                   triton_lib.__file__)
     lib = importlib.util.module_from_spec(spec)
@@ -136,7 +136,8 @@ def library(interpret: bool) -> ModuleType:
                           if isinstance(value, (JITFunction, interpreter.InterpretedFunction))}
     vars(lib).update(runnable_functions)
     if interpret:
-        lib.fmod = lib.fmod_interpreted
+        vars(lib).update({name.removesuffix("_interpreted"): value for name, value in runnable_functions.items()
+                          if name.endswith("_interpreted")})
     return lib
 
 

@@ -455,7 +455,7 @@ class Emitter:
             Op.SIGN: f"lib.sign({x})" if in_dtype is not dtypes.bool_ else x,
             Op.EXP: f"tl.exp({x})", Op.LOG: f"tl.log({x})", Op.LOG1P: f"lib.log1p({x})",
             Op.SQRT: f"tl.sqrt({x})",
-            Op.RECIPROCAL: f"tl.fdiv(1.0, {x})" if in_dtype is dtypes.float32 else f"1.0 / {x}",
+            Op.RECIPROCAL: f"lib.div_rn(1.0, {x})" if in_dtype is dtypes.float32 else f"1.0 / {x}",
             Op.SIN: f"tl.sin({x})", Op.COS: f"tl.cos({x})", Op.TANH: f"lib.tanh({x})", Op.ERF: f"tl.math.erf({x})",
             Op.FLOOR: f"tl.floor({x})", Op.CEIL: f"tl.ceil({x})", Op.ROUND: f"lib.rint({x}, {big})",
             Op.NOT: f"{x} == 0",
@@ -463,8 +463,8 @@ class Emitter:
         if op in unary:
             return self.define(unary[op]), out
         if op is Op.DIV:
-            if floating:  # float32: the fast division (within 2 ulp), as fused kernels elsewhere use
-                text = f"tl.fdiv({x}, {y})" if in_dtype is dtypes.float32 else f"{x} / {y}"
+            if floating:  # float32 rounded correctly, as torch divides (a GPU's x / y is within 2 ulp)
+                text = f"lib.div_rn({x}, {y})" if in_dtype is dtypes.float32 else f"{x} / {y}"
             else:
                 text = f"lib.truncdiv_int({x}, {y})"
             return self.define(text), out

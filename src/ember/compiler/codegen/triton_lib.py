@@ -1,9 +1,9 @@
 """Math helpers that generated Triton kernels import.
 
 They are written with core `tl` operations, so the same kernels run on the GPU and
-under Triton's CPU interpreter, which is how CI tests generated code. fmod alone has
-two bodies: libdevice's on the GPU, and `fmod_interpreted` for the interpreter, which
-cannot run libdevice (the interpret target binds it as `fmod`, see
+under Triton's CPU interpreter, which is how CI tests generated code. fmod and div_rn
+alone have two bodies: libdevice's on the GPU, and `<name>_interpreted` for the
+interpreter, which cannot run libdevice (the interpret target binds it as `<name>`, see
 `ember.runtime.triton_interpreter`).
 """
 
@@ -22,6 +22,17 @@ def fmod(a, b):
 @triton.jit
 def fmod_interpreted(a, b):
     return a % b  # the interpreter's a % b is NumPy's fmod, exact
+
+
+@triton.jit
+def div_rn(a, b):
+    """float32 division rounded correctly, as torch and NumPy divide (a GPU's a / b is within 2 ulp)."""
+    return libdevice.div_rn(a, b)
+
+
+@triton.jit
+def div_rn_interpreted(a, b):
+    return a / b  # NumPy's division, exact
 
 
 @triton.jit

@@ -287,6 +287,17 @@ WITH_NUMBER = {  # torch computes mul and div in float32 with the number in floa
 }
 
 
+def test_a_float_alpha_with_integer_operands_is_refused_as_torch_refuses_it():
+    a = ember.tensor([1, 2])
+    for fn in (ember.add, ember.sub):
+        with pytest.raises(ember.DTypeError, match="alpha must not be a floating point number"):
+            fn(a, a, alpha=2.5)
+        with pytest.raises(ember.DTypeError, match="alpha must not be a floating point number"):
+            fn(a, 3, alpha=0.5)
+    check_against_torch(lambda m, x, y: m.add(x, y, alpha=2), np.array([1, 2, 3]), np.array([4.5, 5.5, 6.5]),
+                        grad=False)
+
+
 def _half_values(dtype: str, scalar: float) -> np.ndarray:
     """Random values of a half type, with some equal to the number as the type rounds it (for ==)."""
     values = np.random.default_rng(7).standard_normal(4096) * 3

@@ -310,18 +310,22 @@ def sub(a, b, alpha=1) -> Tensor:
 
 
 def _add_or_sub(prim: Op, name: str, a, b, alpha) -> Tensor:
-    if alpha != 1 and isinstance(b, Scalar):
-        b = b * alpha
+    if alpha != 1:
+        if isinstance(alpha, (float, np.floating)) and not dtypes.result_type(a, b).is_floating_point:
+            raise DTypeError(f"{name}: for integral input tensors, alpha must not be a floating point number "
+                             f"({operands(a, b)}, alpha={alpha})")
+        if isinstance(b, Scalar):
+            b, alpha = b * alpha, 1
     x, y = prepare(name, a, b)
     if prim is Op.SUB and x.dtype is dtypes.bool_:
         raise DTypeError(f"sub: subtraction of bool tensors is not supported ({operands(a, b)}); "
                          "use logical_xor or ^")
-    if alpha == 1 or isinstance(b, Scalar):
+    if alpha == 1:
         return apply(prim, x, y)
     if x.dtype in HALVES:  # as torch: alpha rounded to the half type, a + alpha * b in float32, rounded once
         wide = apply(prim, cast(x, dtypes.float32), cast(y, dtypes.float32) * _convert(alpha, x.dtype))
         return cast(wide, x.dtype)
-    return apply(prim, x, mul(y, alpha))
+    return apply(prim, x, cast(mul(y, alpha), x.dtype))
 
 
 def rsub(a, b) -> Tensor:

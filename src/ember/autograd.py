@@ -3,18 +3,19 @@
 Each primitive application that needs gradients records a `Function`: the op, its
 attributes, its input and output nodes, and where each input's gradient goes next
 (another Function, a leaf Tensor, or nowhere). `backward` walks these records and
-applies each primitive's vector-Jacobian product from `VJP` below. The rules build
+applies each primitive's vector-Jacobian product from the rules table (`ir.ops.RULES`: the
+pointwise primitives declare theirs in ember/ops/pointwise.py, the others in `VJP` below). The rules build
 ordinary lazy Tensor expressions, so forward, backward and the optimizer update of
 a training step form one graph that is compiled together.
 """
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Callable, Sequence
 
 from ember.ir import Node, Op
+from ember.ir.ops import NOT_DIFFERENTIABLE, RULES, vjp_rule
 
 _state = threading.local()
 
@@ -226,11 +227,19 @@ def _run(roots, retain_graph: bool, targets: dict[int, int] | None) -> dict[int,
     return found
 
 
+def differentiable(op: Op) -> bool:
+    """Whether the primitive's output carries gradients (its VJP rule is a function)."""
+    return callable(RULES[op].vjp)
+
+
 def _vjp(fn: Function, g):
     from ember.tensor import Tensor
 
+    rule = RULES[fn.op].vjp
+    if rule == NOT_DIFFERENTIABLE:
+        return (None,) * len(fn.inputs)
     xs = [Tensor(n) for n in fn.inputs]
-    return VJP[fn.op](g, xs, Tensor(fn.output), fn.attrs)
+    return rule(g, xs, Tensor(fn.output), fn.attrs)
 
 
 # -- vector-Jacobian products, one per differentiable primitive ------------------------------
@@ -245,24 +254,6 @@ def _apply(op: Op, *args, **attrs):
 
 def _zero_grad(g, xs, out, a):
     return (None,) * len(xs)
-
-
-def _pow(g, xs, out, a):
-    x, y = xs
-    from ember.ops.pointwise import where
-
-    gx = g * y * x ** (y - 1)
-    log_x = where((x == 0) & (y >= 0), 0.0, x.log())
-    return gx, g * out * log_x
-
-
-def _extremum(g, xs, out, a, greater: bool):
-    x, y = xs
-    from ember.ops.pointwise import where
-
-    wins = (x > y) if greater else (x < y)
-    share = where(x == y, 0.5, wins.to(g.dtype))
-    return g * share, g * (1 - share)
 
 
 def _reduce_extremum(g, xs, out, a):
@@ -396,33 +387,8 @@ def _inverse(order):
     return tuple(inv)
 
 
+# The pointwise primitives declare theirs beside their ops (ember/ops/pointwise.py); these are still here.
 VJP: dict[Op, Callable] = {
-    Op.NEG: lambda g, xs, out, a: (-g,),
-    Op.ABS: lambda g, xs, out, a: (g * xs[0].sign(),),
-    Op.SIGN: _zero_grad,
-    Op.FLOOR: _zero_grad,
-    Op.CEIL: _zero_grad,
-    Op.ROUND: _zero_grad,
-    Op.EXP: lambda g, xs, out, a: (g * out,),
-    Op.LOG: lambda g, xs, out, a: (g / xs[0],),
-    Op.LOG1P: lambda g, xs, out, a: (g / (xs[0] + 1),),
-    Op.SQRT: lambda g, xs, out, a: (g / (out * 2),),
-    Op.RECIPROCAL: lambda g, xs, out, a: (-g * out * out,),
-    Op.SIN: lambda g, xs, out, a: (g * xs[0].cos(),),
-    Op.COS: lambda g, xs, out, a: (-g * xs[0].sin(),),
-    Op.TANH: lambda g, xs, out, a: (g * (1 - out * out),),
-    Op.ERF: lambda g, xs, out, a: (g * (2 / math.sqrt(math.pi)) * (-(xs[0] * xs[0])).exp(),),
-    Op.CAST: lambda g, xs, out, a: (g.to(xs[0].dtype) if xs[0].dtype.is_floating_point else None,),
-    Op.ADD: lambda g, xs, out, a: (g, g),
-    Op.SUB: lambda g, xs, out, a: (g, -g),
-    Op.MUL: lambda g, xs, out, a: (g * xs[1], g * xs[0]),
-    Op.DIV: lambda g, xs, out, a: (g / xs[1], -g * out / xs[1]),
-    Op.FLOORDIV: _zero_grad,
-    Op.MOD: lambda g, xs, out, a: (g, -g * (xs[0] // xs[1])),
-    Op.POW: _pow,
-    Op.MAXIMUM: lambda g, xs, out, a: _extremum(g, xs, out, a, greater=True),
-    Op.MINIMUM: lambda g, xs, out, a: _extremum(g, xs, out, a, greater=False),
-    Op.WHERE: lambda g, xs, out, a: (None, g.masked_fill(~xs[0], 0), g.masked_fill(xs[0], 0)),
     Op.SUM: lambda g, xs, out, a: (g.expand(xs[0].shape),),
     Op.PROD: _prod,
     Op.MAX: _reduce_extremum,
@@ -439,3 +405,8 @@ VJP: dict[Op, Callable] = {
     Op.SCATTER_ADD: _scatter_add,
     Op.COPY: lambda g, xs, out, a: (g.to(xs[0].device),),
 }
+
+for _op, _rule in VJP.items():
+    vjp_rule(_op, _rule)
+vjp_rule(Op.ARGMAX, NOT_DIFFERENTIABLE)
+vjp_rule(Op.ARGMIN, NOT_DIFFERENTIABLE)

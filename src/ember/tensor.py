@@ -356,7 +356,7 @@ def _hold(node: Node, tensor: Tensor) -> None:
 def apply(op: Op, *inputs: Tensor, **attrs) -> Tensor:
     """Add primitive `op` to the graph; record it for autograd when an input needs gradients."""
     node = Node.make(op, tuple(t._node for t in inputs), **attrs)
-    if (autograd.is_grad_enabled() and node.dtype.is_floating_point and op in autograd.VJP
+    if (autograd.is_grad_enabled() and node.dtype.is_floating_point and autograd.differentiable(op)
             and any(t.requires_grad for t in inputs)):
         return Tensor(node, True, autograd.Function(op, attrs, inputs, node))
     return Tensor(node)

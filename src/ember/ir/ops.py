@@ -1,16 +1,26 @@
-"""The primitive op set and each primitive's shape and dtype rule.
+"""The primitive op set, and the table of each primitive's rules.
 
 Every user-facing op (softmax, layer norm, cross entropy, pooling, indexing...) is a
 composition of these primitives, so an autograd rule, a reference implementation and
 a code generator exist once per primitive. Frontend functions check user input and
-give the user-facing error; the rules here assert the invariants the frontend must
+give the user-facing error; the shape rules assert the invariants the frontend must
 have established (equal shapes for elementwise ops, equal dtypes for binary ops).
+
+`RULES` holds, per primitive: its shape and dtype rule, its derivative (VJP), its reference
+implementation and its lowering per code generator. The table lives here, at the bottom of the
+pipeline, so every layer reads it without importing the layers above: `infer` its shape rules,
+autograd its VJPs, the reference backend its NumPy implementations, a code generator its lowerings.
+The rules are declared side by side with the primitive's user-facing ops (the pointwise primitives
+in `ember/ops/pointwise.py`), which fill the table when ember is imported, as JAX's lax.py registers
+each primitive's rules. tests/test_primitives.py checks that every primitive declares every rule.
 """
 
 from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from ember import dtypes
 from ember.dtypes import DType
@@ -102,10 +112,6 @@ class Op(enum.Enum):
         return f"Op.{self.name}"
 
 
-COMPARISONS = frozenset({Op.EQ, Op.NE, Op.LT, Op.LE})
-LOGICAL = frozenset({Op.AND, Op.OR, Op.NOT})
-
-
 def _check(cond: bool, op: Op, msg: str) -> None:
     if not cond:
         raise ShapeError(f"{op.label}: {msg}")
@@ -115,28 +121,87 @@ def slice_length(start: int, stop: int, step: int) -> int:
     return max(0, -(-(stop - start) // step))
 
 
+# -- the rules table -------------------------------------------------------------------------------
+
+TARGETS = ("triton",)  # code generators with per-primitive lowerings
+
+NOT_DIFFERENTIABLE = "not differentiable"  # a VJP rule: the output carries no gradient (bool results)
+
+
+@dataclass
+class Rules:
+    shape: Callable | None = None  # (inputs, attrs) -> (shape, dtype); inputs are Nodes
+    vjp: Callable | str | None = None  # (g, xs, out, attrs) -> one gradient or None per input
+    reference: Callable | None = None  # NumPy arrays in (half types widened to float32) -> array
+    lowerings: dict[str, Callable] = field(default_factory=dict)  # target -> lowering
+
+
+RULES: dict[Op, Rules] = {op: Rules() for op in Op}
+
+
+def define(op: Op, *, shape: Callable, vjp: Callable | str, reference: Callable, **lowerings: Callable) -> None:
+    """Declare a primitive's rules (once; a second declaration is a mistake)."""
+    assert RULES[op].shape is None, f"{op} is declared twice"
+    unknown = set(lowerings) - set(TARGETS)
+    assert not unknown, f"{op}: lowerings for unknown targets {unknown}"
+    RULES[op] = Rules(shape, vjp, reference, dict(lowerings))
+
+
+def vjp_rule(op: Op, rule: Callable | str) -> None:
+    """Declare the VJP of a primitive whose other rules are not in the table yet."""
+    RULES[op].vjp = rule
+
+
+# -- shape and dtype rules shared by the pointwise primitives ------------------------------------
+
+def _same_shape(op: Op, inputs) -> tuple[int, ...]:
+    shape = inputs[0].shape
+    if any(i.shape != shape for i in inputs):
+        raise ShapeError(f"{op.label}: operand shapes differ: {', '.join(str(i.shape) for i in inputs)}")
+    return shape
+
+
+def elementwise(op: Op):
+    """Operands of one shape and one dtype; the result has both."""
+    def rule(inputs, attrs) -> tuple[tuple[int, ...], DType]:
+        shape = _same_shape(op, inputs)
+        assert all(i.dtype is inputs[0].dtype for i in inputs), \
+            f"{op.label}: dtypes differ: {', '.join(str(i.dtype) for i in inputs)}"
+        return shape, inputs[0].dtype
+    return rule
+
+
+def predicate(op: Op):
+    """Operands of one shape and one dtype; the result is bool."""
+    same = elementwise(op)
+
+    def rule(inputs, attrs) -> tuple[tuple[int, ...], DType]:
+        return same(inputs, attrs)[0], dtypes.bool_
+    return rule
+
+
+def cast_rule(inputs, attrs) -> tuple[tuple[int, ...], DType]:
+    return inputs[0].shape, attrs["dtype"]
+
+
+def where_rule(inputs, attrs) -> tuple[tuple[int, ...], DType]:
+    condition, a, b = inputs
+    shape = _same_shape(Op.WHERE, inputs)
+    assert condition.dtype is dtypes.bool_ and a.dtype is b.dtype
+    return shape, a.dtype
+
+
 def infer(op: Op, inputs: tuple, attrs: dict) -> tuple[tuple[int, ...], DType]:
     """Shape and dtype of `op` applied to input nodes with these attributes."""
+    rule = RULES[op].shape
+    if rule is not None:
+        return rule(inputs, attrs)
     kind = op.kind
     if kind is Kind.LEAF:
         shape = attrs["shape"] if op is not Op.IOTA else (attrs["n"],)
         dtype = {Op.IOTA: dtypes.int64, Op.RAND: dtypes.float32}.get(op) or attrs["dtype"]
         return tuple(shape), dtype
     x = inputs[0]
-    if kind is Kind.UNARY:
-        if op is Op.CAST:
-            return x.shape, attrs["dtype"]
-        return x.shape, (dtypes.bool_ if op is Op.NOT else x.dtype)
-    if kind is Kind.BINARY:
-        y = inputs[1]
-        _check(x.shape == y.shape, op, f"operand shapes differ: {x.shape} vs {y.shape}")
-        assert x.dtype is y.dtype, f"{op.label}: dtypes differ: {x.dtype} vs {y.dtype}"
-        return x.shape, (dtypes.bool_ if op in COMPARISONS or op in LOGICAL else x.dtype)
-    if kind is Kind.TERNARY:
-        c, a, b = inputs
-        _check(c.shape == a.shape == b.shape, op, f"shapes differ: {c.shape}, {a.shape}, {b.shape}")
-        assert c.dtype is dtypes.bool_ and a.dtype is b.dtype
-        return a.shape, a.dtype
     if kind is Kind.REDUCE:
         axes = attrs["axes"]
         _check(all(0 <= a < len(x.shape) for a in axes), op, f"axes {axes} out of range for {x.shape}")

@@ -8,10 +8,10 @@ PyTorch's CPU backend does; integers wrap around as they do in PyTorch.
 from __future__ import annotations
 
 import numpy as np
-import scipy.special
 
 from ember import dtypes
 from ember.ir import Node, Op
+from ember.ir.ops import RULES
 from ember.ir.philox import philox_normal, philox_uniform
 
 
@@ -20,56 +20,6 @@ def _widen(a: np.ndarray) -> np.ndarray:
     if a.dtype == dtypes.float16.np or a.dtype == dtypes.bfloat16.np:
         return a.astype(np.float32)
     return a
-
-
-def _checked(fn):
-    def run(a, b):
-        if a.dtype.kind in "iu" and np.any(b == 0):
-            raise ZeroDivisionError("integer division by zero")
-        return fn(a, b)
-    return run
-
-
-@_checked
-def _int_div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """C-style division of integers: the quotient rounds toward zero."""
-    q = np.floor_divide(a, b)
-    return q + ((q * b != a) & ((a < 0) != (b < 0)))
-
-
-def _round(a: np.ndarray) -> np.ndarray:
-    return np.round(a) if a.dtype.kind == "f" else a
-
-
-def _sign(a: np.ndarray) -> np.ndarray:
-    if a.dtype.kind == "f":
-        return np.where(np.isnan(a), 0, np.sign(a)).astype(a.dtype)  # torch: sign(NaN) is 0
-    return a if a.dtype == np.bool_ else np.sign(a)
-
-
-def _abs(a: np.ndarray) -> np.ndarray:
-    return a if a.dtype == np.bool_ else np.abs(a)
-
-
-UNARY = {
-    Op.NEG: np.negative, Op.ABS: _abs, Op.SIGN: _sign, Op.EXP: np.exp, Op.LOG: np.log,
-    Op.LOG1P: np.log1p, Op.SQRT: np.sqrt, Op.RECIPROCAL: np.reciprocal, Op.SIN: np.sin,
-    Op.COS: np.cos, Op.TANH: np.tanh, Op.ERF: scipy.special.erf, Op.FLOOR: np.floor,
-    Op.CEIL: np.ceil, Op.ROUND: _round, Op.NOT: np.logical_not,
-}
-
-BINARY = {
-    Op.ADD: np.add, Op.SUB: np.subtract, Op.MUL: np.multiply, Op.FLOORDIV: _checked(np.floor_divide),
-    Op.MOD: _checked(np.remainder), Op.POW: np.power, Op.MAXIMUM: np.maximum, Op.MINIMUM: np.minimum,
-    Op.EQ: np.equal, Op.NE: np.not_equal, Op.LT: np.less, Op.LE: np.less_equal,
-    Op.AND: np.logical_and, Op.OR: np.logical_or,
-}
-
-
-def _div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    if a.dtype.kind == "f":
-        return np.true_divide(a, b)
-    return _int_div(a, b)
 
 
 REDUCE = {Op.SUM: np.sum, Op.PROD: np.prod, Op.MAX: np.max, Op.MIN: np.min}
@@ -158,16 +108,8 @@ def evaluate(node: Node, args: list[np.ndarray]) -> np.ndarray:
         offsets = node.attrs["offset"] + np.arange(node.numel, dtype=np.int64)
         draw = philox_uniform if node.attrs["distribution"] == "uniform" else philox_normal
         return draw(node.attrs["seed"], offsets).reshape(node.shape)
-    if kind == "unary":
-        if op is Op.CAST:
-            return args[0].astype(out_np)
-        return np.asarray(UNARY[op](_widen(args[0]))).astype(out_np, copy=False)
-    if kind == "binary":
-        a, b = _widen(args[0]), _widen(args[1])
-        fn = _div if op is Op.DIV else BINARY[op]
-        return np.asarray(fn(a, b)).astype(out_np, copy=False)
-    if op is Op.WHERE:
-        return np.where(args[0], args[1], args[2])
+    if kind in ("unary", "binary", "ternary"):  # each primitive's NumPy rule (ember/ops/pointwise.py)
+        return np.asarray(RULES[op].reference(*(_widen(a) for a in args))).astype(out_np, copy=False)
     if kind == "reduce":
         return np.asarray(_reduce(node, _widen(args[0]))).astype(out_np, copy=False)
     if kind == "movement":

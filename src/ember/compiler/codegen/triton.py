@@ -33,6 +33,7 @@ from ember.compiler.fusion import (
 from ember.dtypes import DType
 from ember.errors import CompileError
 from ember.ir import Kind, Node, Op
+from ember.ir.ops import RULES
 
 TL = {
     dtypes.bool_: "tl.int1", dtypes.uint8: "tl.uint8", dtypes.int8: "tl.int8", dtypes.int16: "tl.int16",
@@ -49,6 +50,48 @@ GEMM_BLOCK = {"rm": "BLOCK_M", "rn": "BLOCK_N", "ka": "BLOCK_K", "kb": "BLOCK_K"
 
 def compute_dtype(d: DType) -> DType:
     return dtypes.float32 if d in (dtypes.float16, dtypes.bfloat16) else d
+
+
+@dataclass
+class Operands:
+    """What a primitive's Triton lowering is given: its operands' expressions (`x`, `y`, `z`), the dtype
+    they are computed in (half types in float32), the node, and a way to name a typed constant."""
+
+    names: list[str]
+    dtype: DType
+    node: Node
+    emitter: Emitter
+
+    @property
+    def x(self) -> str:
+        return self.names[0]
+
+    @property
+    def y(self) -> str:
+        return self.names[1]
+
+    @property
+    def z(self) -> str:
+        return self.names[2]
+
+    @property
+    def floating(self) -> bool:
+        return self.dtype.is_floating_point
+
+    @staticmethod
+    def tl(dtype: DType) -> str:
+        """Triton's name of a dtype."""
+        return TL[dtype]
+
+    @staticmethod
+    def computed(dtype: DType) -> DType:
+        """The dtype a value of `dtype` is computed in."""
+        return compute_dtype(dtype)
+
+    def typed(self, name: str) -> str:
+        """An operand as a value of its dtype: a bare literal is float32 or int32 in Triton, and a library
+        function computes in its arguments' dtype (libdevice takes only equal ones)."""
+        return name if name.isidentifier() else self.emitter.define(f"tl.full([], {name}, {TL[self.dtype]})")
 
 
 def next_pow2(n: int) -> int:
@@ -429,64 +472,12 @@ class Emitter:
         return self.define(f"tl.where({valid}, {value}, 0)"), dt
 
     def pointwise(self, node: Node, args: list[tuple[str, DType]]) -> tuple[str, DType]:
-        op = node.op
-        names = [a for a, _ in args]
-        in_dtype = args[0][1]
-        out = compute_dtype(node.dtype)
-        floating = in_dtype.is_floating_point
-        x = names[0]
-        y = names[1] if len(names) > 1 else None
-        if op is Op.CAST:
-            target = node.attrs["dtype"]
-            source = node.inputs[0].dtype
-            if compute_dtype(source) is not source:  # a half value kept in float32: it has its type's rounding
-                x = f"({x}).to({TL[source]}).to(tl.float32)"
-            elif target is dtypes.bfloat16 and in_dtype is not dtypes.float32:
-                x = f"({x}).to(tl.float32)"  # torch converts to bfloat16 via float32
-            if target is dtypes.bool_:
-                return self.define(f"{x} != 0"), target
-            text = f"({x}).to({TL[target]})"
-            if compute_dtype(target) is not target:  # round to the half type, then compute in float32
-                text += f".to({TL[out]})"
-            return self.define(text), out
-        big = "8388608.0" if in_dtype is not dtypes.float64 else "4503599627370496.0"
-        unary = {
-            Op.NEG: f"-{x}", Op.ABS: f"tl.abs({x})" if in_dtype is not dtypes.bool_ else x,
-            Op.SIGN: f"lib.sign({x})" if in_dtype is not dtypes.bool_ else x,
-            Op.EXP: f"tl.exp({x})", Op.LOG: f"tl.log({x})", Op.LOG1P: f"lib.log1p({x})",
-            Op.SQRT: f"tl.sqrt({x})",
-            Op.RECIPROCAL: f"lib.div_rn(1.0, {x})" if in_dtype is dtypes.float32 else f"1.0 / {x}",
-            Op.SIN: f"tl.sin({x})", Op.COS: f"tl.cos({x})", Op.TANH: f"lib.tanh({x})", Op.ERF: f"tl.math.erf({x})",
-            Op.FLOOR: f"tl.floor({x})", Op.CEIL: f"tl.ceil({x})", Op.ROUND: f"lib.rint({x}, {big})",
-            Op.NOT: f"{x} == 0",
-        }
-        if op in unary:
-            return self.define(unary[op]), out
-        if op is Op.DIV:
-            if floating:  # float32 rounded correctly, as torch divides (a GPU's x / y is within 2 ulp)
-                text = f"lib.div_rn({x}, {y})" if in_dtype is dtypes.float32 else f"{x} / {y}"
-            else:
-                text = f"lib.truncdiv_int({x}, {y})"
-            return self.define(text), out
-        if op in (Op.FLOORDIV, Op.MOD, Op.POW):
-            # literals typed: a library function computes in its arguments' dtype (libdevice takes only
-            # equal ones), and a bare literal is float32 or int32
-            x, y = (n if n.isidentifier() else self.define(f"tl.full([], {n}, {TL[in_dtype]})") for n in (x, y))
-            fn = {Op.FLOORDIV: "floordiv", Op.MOD: "remainder", Op.POW: "pow"}[op]
-            return self.define(f"lib.{fn}_{'float' if floating else 'int'}({x}, {y})"), out
-        if op in (Op.MAXIMUM, Op.MINIMUM):
-            fn = "tl.maximum" if op is Op.MAXIMUM else "tl.minimum"
-            nan = ", propagate_nan=tl.PropagateNan.ALL" if floating else ""
-            return self.define(f"{fn}({x}, {y}{nan})"), out
-        symbols = {Op.ADD: "+", Op.SUB: "-", Op.MUL: "*", Op.EQ: "==", Op.NE: "!=", Op.LT: "<", Op.LE: "<=",
-                   Op.AND: "&", Op.OR: "|"}
-        if op is Op.ADD and out is dtypes.bool_:
-            return self.define(f"{x} | {y}"), out  # True + True is True, not a 1-bit 0
-        if op in symbols:
-            return self.define(f"{x} {symbols[op]} {y}"), out
-        if op is Op.WHERE:
-            return self.define(f"tl.where({x}, {y}, {names[2]})"), out
-        raise CompileError(f"no Triton code for {op.label}")
+        """A pointwise primitive, by its Triton lowering (declared with the primitive, ember/ops/pointwise.py)."""
+        lowering = RULES[node.op].lowerings.get("triton")
+        if lowering is None:
+            raise CompileError(f"no Triton lowering for {node.op.label}")
+        text = lowering(Operands([a for a, _ in args], args[0][1], node, self))
+        return self.define(text), compute_dtype(node.dtype)
 
     # -- stores ------------------------------------------------------------------------------
     def store(self, node: Node, idx: Index, tile: str) -> None:

@@ -1,0 +1,51 @@
+"""Every primitive declares its rules in one place (the rules table, `ember.ir.ops.RULES`): a shape and
+dtype rule, a VJP (or that it has none), a reference implementation and a lowering per code generator.
+A primitive missing a rule fails here, not at run time."""
+
+from __future__ import annotations
+
+import pytest
+
+import ember  # noqa: F401  (importing ember declares the rules)
+from ember.ir import Kind, Node, Op
+from ember.ir.ops import NOT_DIFFERENTIABLE, RULES, TARGETS, infer
+
+POINTWISE = [op for op in Op if op.kind in (Kind.UNARY, Kind.BINARY, Kind.TERNARY)]
+# Not in the table yet: their reference implementations and code generation are written per kind (the
+# reference backend's `evaluate`, the reduction, GEMM, index and view emitters of codegen/triton.py).
+BY_KIND = [op for op in Op if op not in POINTWISE]
+
+
+@pytest.mark.parametrize("op", POINTWISE, ids=lambda op: op.label)
+def test_every_pointwise_primitive_declares_every_rule(op):
+    rules = RULES[op]
+    assert callable(rules.shape), f"{op}: no shape rule"
+    assert callable(rules.vjp) or rules.vjp == NOT_DIFFERENTIABLE, f"{op}: no VJP, nor a statement that it has none"
+    assert callable(rules.reference), f"{op}: no reference implementation"
+    for target in TARGETS:
+        assert callable(rules.lowerings.get(target)), f"{op}: no {target} lowering"
+
+
+@pytest.mark.parametrize("op", BY_KIND, ids=lambda op: op.label)
+def test_every_other_primitive_declares_its_vjp(op):
+    rules = RULES[op]
+    assert callable(rules.vjp) or rules.vjp == NOT_DIFFERENTIABLE or op.kind is Kind.LEAF, f"{op}: no VJP"
+
+
+def constant(shape) -> Node:
+    return Node(Op.CONST, (), {}, shape, ember.float32, ember.device("cpu").device)
+
+
+@pytest.mark.parametrize("op", [op for op in POINTWISE if RULES[op].vjp == NOT_DIFFERENTIABLE],
+                         ids=lambda op: op.label)
+def test_only_a_bool_valued_primitive_states_it_has_no_derivative(op):
+    operands = (constant((2,)),) * (1 if op.kind is Kind.UNARY else 2)
+    assert infer(op, operands, {})[1] is ember.bool
+
+
+@pytest.mark.parametrize("op", [op for op in POINTWISE if op.kind is Kind.BINARY], ids=lambda op: op.label)
+def test_binary_shape_rules_refuse_operands_of_different_shapes(op):
+    a, b = constant((2, 3)), constant((3, 2))
+    with pytest.raises(ember.ShapeError, match=op.label):
+        infer(op, (a, b), {})
+    assert infer(op, (a, a), {})[0] == (2, 3)

@@ -308,7 +308,7 @@ def test_a_convolution_takes_bias_batch_norm_residual_and_activation_in_one_neig
     data = rng.standard_normal((2, 8, 12, 12)).astype(np.float32)
     out = block("cuda")  # the module is moved lazily: explain moves it first, as the runtime does
     p = plan(out)
-    assert [k.kind for k in p.kernels] == ["conv2d", "pointwise"]
+    assert [k.kind.value for k in p.kernels] == ["conv2d", "pointwise"]
     assert_close(out, block("cpu"), rtol=1e-4, atol=1e-5)
 
 

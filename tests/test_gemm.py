@@ -87,7 +87,7 @@ def sections(lines: list[str]) -> dict[str, list[str]]:
 
 def only_gemm(p) -> tuple:
     """The one kernel of a plan, which must be a generated GEMM, and its explain sections."""
-    assert [k.kind for k in p.kernels] == ["matmul"], str(p)
+    assert [k.kind.value for k in p.kernels] == ["matmul"], str(p)
     (k,) = p.kernels
     assert k.core is not None, str(p)
     return k, sections(p.describe(k))
@@ -266,7 +266,7 @@ def test_a_prologue_that_would_read_more_than_it_saves_is_stored(rng):
     a, b, c, d, w = on("cuda", *arrays)
     out = (a + b + c + d) @ w
     p = plan(out)
-    assert [k.kind for k in p.kernels] == ["pointwise", "matmul"], str(p)
+    assert [k.kind.value for k in p.kernels] == ["pointwise", "matmul"], str(p)
     gemm = p.kernels[1]
     assert len(gemm.decisions) == 1 and "stored: recomputing it would read" in gemm.decisions[0], str(p)
     assert not sections(p.describe(gemm))["mainloop"], str(p)
@@ -290,7 +290,7 @@ def test_a_cheap_prologue_of_a_small_half_precision_gemm_is_recomputed(rng):
     x, w = on("cuda", a, b)
     out = x.exp() @ w
     p = plan(out)
-    assert [k.kind for k in p.kernels] == ["matmul"], str(p)
+    assert [k.kind.value for k in p.kernels] == ["matmul"], str(p)
     assert "recomputed in the mainloop" in p.kernels[0].decisions[0], str(p)
     assert_matches(out, torch.exp(torch.from_numpy(a.astype(np.float32))).double() @ t64(b), "float16")
 
@@ -343,7 +343,7 @@ def test_the_next_layers_gemm_reads_the_previous_epilogues_output(rng):
     x, w, u = on("cuda", a, b, v)
     out = F.relu(x @ w) @ u
     p = plan(out)
-    assert [k.kind for k in p.kernels] == ["matmul", "matmul"], str(p)
+    assert [k.kind.value for k in p.kernels] == ["matmul", "matmul"], str(p)
     assert_matches(out, torch.relu(t64(a) @ t64(b)) @ t64(v))
 
 
@@ -389,7 +389,7 @@ def test_a_reduction_the_tiles_cannot_combine_is_a_kernel_of_its_own(case, rng):
         expected, dtype = (t64(a) @ t64(b)).sum(1), "bfloat16"
     p = plan(out)
     gemm = next(k for k in p.kernels if k.core is not None)
-    assert not gemm.reductions and "reduce" in [k.kind for k in p.kernels], str(p)
+    assert not gemm.reductions and "reduce" in [k.kind.value for k in p.kernels], str(p)
     assert_matches(out, expected, dtype)
 
 
@@ -418,7 +418,7 @@ def _linear_grads(rng, activation: bool, batch=(50,)):
 
 def test_the_bias_gradient_is_summed_inside_the_weight_gradients_gemm(rng):
     p = _linear_grads(rng, activation=False)
-    assert all(k.kind == "matmul" and k.core is not None for k in p.kernels), str(p)  # no reduce, no transpose
+    assert all(k.kind.value == "matmul" and k.core is not None for k in p.kernels), str(p)  # no reduce, no transpose
     (summing,) = [k for k in p.kernels if k.reductions]
     assert summing.core.shape == (17, 24), str(p)  # dW = g^T x, with db = sum of g over the batch
     assert any(line.startswith("%") and "sum(" in line for line in sections(p.describe(summing))["mainloop"]), str(p)
@@ -427,7 +427,7 @@ def test_the_bias_gradient_is_summed_inside_the_weight_gradients_gemm(rng):
 def test_the_activation_derivative_lands_in_a_gemm_of_the_linear_backward(rng):
     p = _linear_grads(rng, activation=True)
     assert len(p.kernels) <= 4, str(p)
-    assert all(k.kind == "matmul" for k in p.kernels), str(p)
+    assert all(k.kind.value == "matmul" for k in p.kernels), str(p)
     # the derivative of gelu (its erf and exp) is computed beside a product, not in a kernel of its own
     explained = [sections(p.describe(k)) for k in p.kernels]
     assert any("exp(" in line for s in explained for line in s["epilogue"] + s["mainloop"]), str(p)
@@ -469,7 +469,7 @@ def test_a_sum_of_an_operand_along_another_axis_than_k_is_a_kernel_of_its_own(rn
     x, w = on("cuda", a, b)
     out, summed = x @ w, x.sum(0)
     p = plan(out, summed)
-    assert sorted(k.kind for k in p.kernels) == ["matmul", "reduce"], str(p)
+    assert sorted(k.kind.value for k in p.kernels) == ["matmul", "reduce"], str(p)
     ember.realize(out, summed)
     assert_matches(out, t64(a) @ t64(b))
     assert_matches(summed, t64(a).sum(0))
@@ -488,7 +488,7 @@ def test_every_gemm_backend_computes_the_same_fused_graph(backend, rng, monkeypa
     p = plan(out)
     kernel, explained = only_gemm(p)
     assert explained["mainloop"] and explained["epilogue"], str(p)
-    assert [k.kind for k in kernel.split] == ["pointwise", "matmul", "pointwise"], str(p)
+    assert [k.kind.value for k in kernel.split] == ["pointwise", "matmul", "pointwise"], str(p)
     expected_choice = "cublas" if backend == "cublas" else "triton"  # "auto" times nothing without a GPU
     assert p.gemm_choices[0]["chosen"] == expected_choice
     before = cuda.stats["launches"]
@@ -505,7 +505,7 @@ def test_the_split_weight_gradient_sums_the_bias_gradient_in_a_kernel_of_its_own
     monkeypatch.setattr(cuda, "gemm_backend", backend)
     p = _linear_grads(rng, activation=True)
     (summing,) = [k for k in p.kernels if k.reductions]
-    assert "reduce" in [k.kind for k in summing.split], str(p)
+    assert "reduce" in [k.kind.value for k in summing.split], str(p)
 
 
 # -- plan caches ------------------------------------------------------------------------------------
@@ -713,7 +713,7 @@ def test_explain_shows_why_a_producer_shared_by_two_gemms_is_recomputed(rng):
         return h @ w1, h @ w2
 
     p = plan(*layers())
-    assert [k.kind for k in p.kernels] == ["matmul", "matmul"], str(p)
+    assert [k.kind.value for k in p.kernels] == ["matmul", "matmul"], str(p)
     for kernel in p.kernels:
         assert any("read by 2 ops, recomputed by each reader" in d for d in kernel.decisions), str(p)
     first, second = layers()

@@ -47,7 +47,7 @@ class Plan:
         self.lowered = passes.lower(order, keep, self.signature)
         self.kernels, self.stored = fusion.plan(self.lowered.nodes, self.lowered.outputs)
         self.sources = {id(k): codegen.generate(k, self.stored) for k in self.kernels
-                        if k.kind not in ("matmul", "conv2d") or k.core is not None}
+                        if k.kind not in fusion.VENDOR_KINDS or k.core is not None}
         self.unfused = sum(1 for n in order if _is_work(n))
         # the runtime's default schedule: one stream (several are used only when asked for, in graphs)
         self.schedule = schedule.schedule(self.kernels, self.lowered.outputs, [False] * len(self.kernels), 1)
@@ -56,7 +56,7 @@ class Plan:
     @property
     def launches(self) -> int:
         return sum(len(s.launches) for s in self.sources.values()) + sum(
-            1 for k in self.kernels if k.kind in ("matmul", "conv2d") and k.core is None)
+            1 for k in self.kernels if k.kind in fusion.VENDOR_KINDS and k.core is None)
 
     @property
     def gemm_choices(self) -> list[dict]:

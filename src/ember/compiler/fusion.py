@@ -40,6 +40,7 @@ the runtime times against the fused kernel and runs when it is faster.
 
 from __future__ import annotations
 
+import enum
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -68,9 +69,26 @@ BANDWIDTH = 3e12  # bytes per second of device memory
 LAUNCH_SECONDS = 3e-6  # what a kernel of its own costs beyond its bytes
 
 
+class KernelKind(enum.Enum):
+    """What a fused kernel is built around."""
+
+    POINTWISE = "pointwise"  # elementwise work over one iteration space
+    REDUCE = "reduce"  # rows reduced along some axes, with their producers and consumers
+    MATMUL = "matmul"  # a GEMM: generated (with a core) or the vendor's
+    CONV2D = "conv2d"  # the vendor's convolution
+    SCATTER_ADD = "scatter_add"
+    SEGMENTED = "segmented"  # independent small kernels sharing one launch
+
+    def __str__(self) -> str:
+        return self.value
+
+
+VENDOR_KINDS = (KernelKind.MATMUL, KernelKind.CONV2D)  # kernels a vendor library can run (cuBLAS, cuDNN)
+
+
 @dataclass(eq=False)
 class FusedKernel:
-    kind: str  # "pointwise", "reduce", "matmul", "conv2d", "scatter_add", "alias"
+    kind: KernelKind
     space: tuple[int, ...]
     axes: tuple[int, ...]
     outputs: list[Node] = field(default_factory=list)
@@ -274,13 +292,13 @@ class Planner:
                 continue
             if n.op in OPAQUE:
                 core = n if self.is_gemm(n) else None
-                kernels.append(FusedKernel(n.op.label, n.shape, (), [n], {id(n): FULL}, core=core,
+                kernels.append(FusedKernel(KernelKind(n.op.label), n.shape, (), [n], {id(n): FULL}, core=core,
                                            decisions=self.decisions[id(n)]))
             elif n.op is Op.SCATTER_ADD:
-                kernels.append(FusedKernel("scatter_add", n.shape, (), [n], {id(n): FULL}))
+                kernels.append(FusedKernel(KernelKind.SCATTER_ADD, n.shape, (), [n], {id(n): FULL}))
             elif n.op.kind is Kind.REDUCE:
                 space, axes = n.inputs[0].shape, tuple(n.attrs["axes"])
-                kernels.append(FusedKernel("reduce", space, axes, [n], {id(n): ROW}, [n]))
+                kernels.append(FusedKernel(KernelKind.REDUCE, space, axes, [n], {id(n): ROW}, [n]))
             else:
                 kernels.append(self._pointwise_root(n))
         return kernels
@@ -293,10 +311,10 @@ class Planner:
                 continue
             space, axes = r.inputs[0].shape, tuple(r.attrs["axes"])
             if n.shape == space:
-                return FusedKernel("reduce", space, axes, [n], {id(n): FULL})
+                return FusedKernel(KernelKind.REDUCE, space, axes, [n], {id(n): FULL})
             if n.numel == r.numel and r.numel != math.prod(space):
-                return FusedKernel("reduce", space, axes, [n], {id(n): ROW})
-        return FusedKernel("pointwise", n.shape, (), [n], {id(n): FULL})
+                return FusedKernel(KernelKind.REDUCE, space, axes, [n], {id(n): ROW})
+        return FusedKernel(KernelKind.POINTWISE, n.shape, (), [n], {id(n): FULL})
 
     def references(self, kernel: FusedKernel) -> dict[int, set[str]]:
         """Stored nodes the kernel reads, with the levels it reads them at."""
@@ -311,7 +329,7 @@ class Planner:
                 if o is not kernel.core and o not in kernel.reductions:
                     self._walk(kernel, o, FULL, refs, seen, skip_root=True)
             return refs
-        if kernel.kind in ("matmul", "conv2d", "scatter_add"):
+        if kernel.kind in (KernelKind.MATMUL, KernelKind.CONV2D, KernelKind.SCATTER_ADD):
             for o in kernel.outputs:
                 for i in o.inputs:
                     self._walk(kernel, i, OTHER, refs, set())
@@ -351,7 +369,7 @@ class Planner:
                 continue
             (k,) = readers
             space, axes = r.inputs[0].shape, tuple(r.attrs["axes"])
-            if refs[id(k)][id(r)] != {ROW} or (k.space, k.axes) != (space, axes) or k.kind != "reduce":
+            if refs[id(k)][id(r)] != {ROW} or (k.space, k.axes) != (space, axes) or k.kind is not KernelKind.REDUCE:
                 continue
             own = by_root.get(id(r))
             k.reductions.append(r)
@@ -381,7 +399,7 @@ class Planner:
                     if not (self._mergeable if same_space else self._acyclic)(gemm, other, kernels, refs):
                         continue
                     self._absorb(gemm, other)
-                    if other.kind == "reduce":
+                    if other.kind is KernelKind.REDUCE:
                         gemm.levels.update({id(o): MAINLOOP for o in other.outputs})
                     kernels.remove(other)
                     del refs[id(other)]
@@ -398,11 +416,13 @@ class Planner:
     def _joins(self, gemm: FusedKernel, other: FusedKernel, refs: dict) -> bool:
         """Whether `other` is an epilogue of `gemm` (pointwise over its output, reading it) or the
         sum of one of its operands along K."""
-        if other.kind == "pointwise" and other.space == gemm.space:
+        if other.kind is KernelKind.POINTWISE and other.space == gemm.space:
             return any(id(o) in refs[id(other)] for o in gemm.outputs)
-        if other.kind == "pointwise" and math.prod(other.space) == math.prod(gemm.space):
+        if other.kind is KernelKind.POINTWISE and math.prod(other.space) == math.prod(gemm.space):
             return self._reads_in_order(other, gemm)
-        if other.kind != "reduce" or not all(_under_reshapes(o) in other.reductions for o in other.outputs):
+        if other.kind is not KernelKind.REDUCE:
+            return False
+        if not all(_under_reshapes(o) in other.reductions for o in other.outputs):
             return False
         if len(other.reductions) == 1 and summed_operand(gemm.core, other.reductions[0]) is not None:
             return True
@@ -463,7 +483,7 @@ class Planner:
         refs = {id(k): self.references(k) for k in kernels}
         groups: dict[tuple, list[FusedKernel]] = defaultdict(list)
         for k in self._kernel_order(kernels, refs):
-            if k.kind in ("pointwise", "reduce"):
+            if k.kind in (KernelKind.POINTWISE, KernelKind.REDUCE):
                 groups[(k.kind, k.space, k.axes)].append(k)
         for group in groups.values():
             merged: list[FusedKernel] = []
@@ -547,18 +567,18 @@ class Planner:
         open_groups: dict[int, FusedKernel] = {}
         for k in kernels:
             level = depth[id(k)]
-            if k.kind != "pointwise":
+            if k.kind is not KernelKind.POINTWISE:
                 out.append((level, k))
                 continue
             group = open_groups.get(level)
             if group is None or len(group.segments) >= MAX_SEGMENTS:
-                group = FusedKernel("segmented", (), ())
+                group = FusedKernel(KernelKind.SEGMENTED, (), ())
                 open_groups[level] = group
                 out.append((level, group))
             group.segments.append(k)
         # a group runs after everything its members need: launch by depth (stable within a depth)
         out.sort(key=lambda pair: pair[0])
-        return [g.segments[0] if g.kind == "segmented" and len(g.segments) == 1 else g for _, g in out]
+        return [g.segments[0] if g.kind is KernelKind.SEGMENTED and len(g.segments) == 1 else g for _, g in out]
 
     def describe(self, kernel: FusedKernel) -> None:
         """Fill in what a kernel covers and reads, for explain and for the runtime."""

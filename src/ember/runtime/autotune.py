@@ -253,7 +253,7 @@ def _bare_gemm(problem: Problem):
         else:
             operands.append(Node(Op.BUFFER, (), {}, shape, dtype, device))
     core = Node.make(Op.MATMUL, tuple(operands))
-    kernel = fusion.FusedKernel("matmul", core.shape, (), [core], {id(core): fusion.FULL}, core=core)
+    kernel = fusion.FusedKernel(fusion.KernelKind.MATMUL, core.shape, (), [core], {id(core): fusion.FULL}, core=core)
     stored = {id(core)}
     return kernel, stored, codegen.generate(kernel, stored)
 

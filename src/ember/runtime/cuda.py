@@ -136,7 +136,7 @@ class CompiledKernel:
 
 def compile_kernel(kernel: fusion.FusedKernel, stored: set[int]) -> CompiledKernel:
     ck = CompiledKernel(kernel)
-    if kernel.kind not in ("matmul", "conv2d") or kernel.core is not None:
+    if kernel.kind not in fusion.VENDOR_KINDS or kernel.core is not None:
         ck.source = codegen.generate(kernel, stored)
         ck.module = load_source(ck.source)
     if kernel.core is not None:
@@ -230,7 +230,7 @@ def _multiprocessors() -> int:
 
 def _is_small(ck: CompiledKernel, sms: int) -> bool:
     """Whether a kernel leaves most of the GPU idle, so another may run beside it."""
-    if ck.kernel.kind in ("matmul", "conv2d"):  # its grid comes from the tuned configuration
+    if ck.kernel.kind in fusion.VENDOR_KINDS:  # its grid comes from the tuned configuration
         return math.prod(ck.kernel.space) < 64 * 64 * sms  # fewer 64 x 64 tiles than SMs
     return max((launch.grid for launch in ck.source.launches), default=0) < sms // 2
 
@@ -415,9 +415,9 @@ def _step(ck: CompiledKernel):
     kernel = ck.kernel
     if kernel.core is not None:
         return _GemmStep(ck)
-    if kernel.kind == "matmul":
+    if kernel.kind is fusion.KernelKind.MATMUL:
         return functools.partial(_matmul, kernel.outputs[0])
-    if kernel.kind == "conv2d":
+    if kernel.kind is fusion.KernelKind.CONV2D:
         return functools.partial(_conv2d, kernel.outputs[0])
     launches = [_prepared_launch(ck, launch) for launch in ck.source.launches if launch.grid]
     return functools.partial(_run_launches, launches, ck)

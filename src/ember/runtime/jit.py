@@ -26,7 +26,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ember.compiler import passes
+from ember.compiler import fusion, passes
 from ember.ir import Kind, Node, Op
 
 _recording: list[Recorder] = []  # the capture in progress, if any
@@ -173,7 +173,7 @@ def writes_in_place(plan, input_index: int, output_index: int) -> bool | None:
         return False
     # a GEMM's epilogue (an optimizer update fused after a weight gradient) reads element for element too;
     # a value read by its mainloop is used at other positions, which _elementwise_use rejects
-    elementwise_kernel = part.kind == "pointwise" and not part.reductions or part.core is not None
+    elementwise_kernel = part.kind is fusion.KernelKind.POINTWISE and not part.reductions or part.core is not None
     return elementwise_kernel and _elementwise_use(part, source)
 
 

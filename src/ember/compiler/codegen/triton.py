@@ -25,6 +25,7 @@ from ember.compiler.fusion import (
     OTHER,
     ROW,
     FusedKernel,
+    KernelKind,
     input_level,
     operand_sums,
     summed_operand,
@@ -540,15 +541,15 @@ def generate(kernel: FusedKernel, stored: set[int]) -> KernelSource:
     ctx = Context(stored)
     body: list[str] = []
     launches: list[Launch] = []
-    if kernel.kind == "pointwise":
+    if kernel.kind is KernelKind.POINTWISE:
         launches.append(_pointwise(ctx, kernel, body, "kernel"))
-    elif kernel.kind == "segmented":
+    elif kernel.kind is KernelKind.SEGMENTED:
         launches.append(_segmented(ctx, kernel, body))
-    elif kernel.kind == "reduce":
+    elif kernel.kind is KernelKind.REDUCE:
         launches.append(_rows(ctx, kernel, body))
-    elif kernel.kind == "scatter_add":
+    elif kernel.kind is KernelKind.SCATTER_ADD:
         launches.extend(_scatter_add(ctx, kernel, body))
-    elif kernel.kind == "matmul" and kernel.core is not None:
+    elif kernel.kind is KernelKind.MATMUL and kernel.core is not None:
         launches.append(_gemm(ctx, kernel, body))
     else:
         raise CompileError(f"no Triton generator for {kernel.kind} kernels")
@@ -739,7 +740,7 @@ def _scatter_add(ctx: Context, kernel: FusedKernel, body: list[str]) -> list[Lau
     node = kernel.outputs[0]
     base, index, src = node.inputs
     axis = node.attrs["axis"]
-    init = FusedKernel("pointwise", node.shape, (), [node], {id(node): FULL}, covers=kernel.covers,
+    init = FusedKernel(KernelKind.POINTWISE, node.shape, (), [node], {id(node): FULL}, covers=kernel.covers,
                        reads=kernel.reads)
     init_ctx = Context(ctx.stored)
     # the first launch writes the base (its cone inlined) into the output

@@ -542,11 +542,11 @@ def test_a_repeated_gemm_step_hits_the_plan_cache_and_a_new_process_reads_it_fro
 
 # -- autotune, without a GPU ---------------------------------------------------------------------
 
-def _problem(m, n, k, dtype=ember.float32, layout="nn", batch=1):
+def _problem(m, n, k, dtype=ember.float32, layout="nn", batch=1, precision="ieee"):
     from ember.compiler.codegen.triton import Launch
     from ember.runtime import autotune
 
-    return autotune.Problem.of(Launch("kernel", [], {}, 0, gemm=(batch, m, n, k)), dtype, layout)
+    return autotune.Problem.of(Launch("kernel", [], {}, 0, gemm=(batch, m, n, k), precision=precision), dtype, layout)
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -584,11 +584,26 @@ def test_a_problem_key_tells_dtypes_layouts_sizes_batching_and_precision_apart()
     assert keys["prologue"] == keys["base"]  # a prologue's operand is tuned as a plain one
     distinct = [keys[k] for k in ("base", "dtype", "layout", "other layout", "size", "batched")]
     assert len(set(distinct)) == len(distinct)
+    assert _problem(100, 200, 300, precision="tf32").key != keys["base"]  # TF32 and IEEE dots are tuned apart
+
+
+def test_the_matmul_precision_reaches_the_generated_dot_through_the_compile_context():
+    a, b = (ember.randn(64, 32, device="cuda").realize(), ember.randn(32, 48, device="cuda").realize())
+
+    def gemm_source(product):
+        p = ember.explain.plan(product)
+        (source,) = [p.sources[id(k)] for k in p.kernels if k.core is not None]
+        return source
+
     precision = ember.get_matmul_precision()
     try:
-        ember.set_matmul_precision("high" if precision == "highest" else "highest")
-        assert _problem(100, 200, 300).key != keys["base"]  # TF32 and IEEE float32 dots are tuned apart
-        assert _problem(100, 200, 300, dtype=ember.float16).key == keys["dtype"]
+        dots = {}
+        for setting in ("highest", "high"):
+            ember.set_matmul_precision(setting)
+            source = gemm_source(a @ b)
+            dots[setting] = (source.launches[0].precision, 'input_precision="tf32"' in source.text)
+        assert dots == {"highest": ("ieee", False), "high": ("tf32", True)}
+        assert gemm_source(a.half() @ b.half()).launches[0].precision == "ieee"  # only float32 tiles use TF32
     finally:
         ember.set_matmul_precision(precision)
 

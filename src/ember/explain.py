@@ -10,6 +10,8 @@ import contextlib
 
 from ember.compiler import fusion, passes, schedule
 from ember.compiler.codegen import triton as codegen
+from ember.compiler.context import CompileContext
+from ember.device import get_matmul_precision
 from ember.ir import Kind, Node, Op
 
 
@@ -45,8 +47,9 @@ class Plan:
     def __init__(self, order: list[Node], keep: set[int]):
         self.signature = passes.signature(order, keep)
         self.lowered = passes.lower(order, keep, self.signature)
-        self.kernels, self.stored = fusion.plan(self.lowered.nodes, self.lowered.outputs)
-        self.sources = {id(k): codegen.generate(k, self.stored) for k in self.kernels
+        context = CompileContext(get_matmul_precision())  # as the runtime plans on its default stream
+        self.kernels, self.stored = fusion.plan(self.lowered.nodes, self.lowered.outputs, context)
+        self.sources = {id(k): codegen.generate(k, self.stored, context) for k in self.kernels
                         if k.kind not in fusion.VENDOR_KINDS or k.core is not None}
         self.unfused = sum(1 for n in order if _is_work(n))
         # the runtime's default schedule: one stream (several are used only when asked for, in graphs)

@@ -46,7 +46,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from ember import dtypes
-from ember.device import get_matmul_precision
+from ember.compiler.context import CompileContext
 from ember.ir import Kind, Node, Op
 
 FULL, ROW, OTHER = "full", "row", "other"
@@ -157,10 +157,12 @@ def input_level(node: Node, level: str, space: tuple[int, ...], axes: tuple[int,
 
 
 class Planner:
-    def __init__(self, nodes: list[Node], outputs: list[Node], fuse_gemms: bool = True, given: set[int] = frozenset()):
+    def __init__(self, nodes: list[Node], outputs: list[Node], context: CompileContext, fuse_gemms: bool = True,
+                 given: set[int] = frozenset()):
         """`given`: nodes already stored elsewhere (a split plan's inputs); `fuse_gemms`: whether
         matmuls become generated GEMM kernels or vendor calls."""
         self.nodes = nodes
+        self.context = context
         self.generate_gemms = fuse_gemms
         self.position = {id(n): i for i, n in enumerate(nodes)}
         self.outputs = outputs
@@ -220,7 +222,7 @@ class Planner:
         own = operand.numel * operand.dtype.itemsize
         read = sum(min(r.numel, operand.numel) * r.dtype.itemsize for r in reads)
         work = ops * operand.numel * passes / ALU_RATE
-        dot = 2 * mm.numel * k / DOT_RATE[_dot_kind(mm.dtype)]
+        dot = 2 * mm.numel * k / DOT_RATE[_dot_kind(mm.dtype, self.context)]
         share = work / dot if dot else 0.0
         storing = 2 * own / BANDWIDTH + LAUNCH_SECONDS  # a producer kernel's write, the GEMM's read of it
         pays = False
@@ -650,16 +652,16 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
-def _dot_kind(dtype) -> str:
+def _dot_kind(dtype, context: CompileContext) -> str:
     if dtype is not dtypes.float32:
         return "half"
-    return "float32" if get_matmul_precision() == "highest" else "tf32"
+    return "float32" if context.dot_precision(dtype) == "ieee" else "tf32"
 
 
-def plan(nodes: list[Node], outputs: list[Node], fuse_gemms: bool = True,
+def plan(nodes: list[Node], outputs: list[Node], context: CompileContext, fuse_gemms: bool = True,
          given: set[int] = frozenset()) -> tuple[list[FusedKernel], set[int]]:
     """Fused kernels in launch order, and the ids of the nodes that get buffers."""
-    planner = Planner(nodes, outputs, fuse_gemms, given)
+    planner = Planner(nodes, outputs, context, fuse_gemms, given)
     planner.choose_stored()
     kernels = planner.root_kernels()
     kernels = planner.pull_reductions(kernels)
@@ -671,14 +673,14 @@ def plan(nodes: list[Node], outputs: list[Node], fuse_gemms: bool = True,
         planner.describe(k)
     for k in kernels:
         if k.core is not None:
-            _plan_split(k, planner.position)
+            _plan_split(k, planner.position, context)
     return kernels, set(planner.stored) - set(given)
 
 
-def _plan_split(gemm: FusedKernel, position: dict[int, int]) -> None:
+def _plan_split(gemm: FusedKernel, position: dict[int, int], context: CompileContext) -> None:
     """The GEMM kernel's nodes planned with a vendor matmul: its reads are the split plan's inputs."""
     nodes = sorted(gemm.reads + gemm.covers, key=lambda n: position[id(n)])
     given = {id(n) for n in gemm.reads}
-    split, stored = plan(nodes, list(gemm.outputs), fuse_gemms=False, given=given)
+    split, stored = plan(nodes, list(gemm.outputs), context, fuse_gemms=False, given=given)
     gemm.split = split
     gemm.split_stored = stored - {id(o) for o in gemm.outputs}

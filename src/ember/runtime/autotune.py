@@ -32,6 +32,7 @@ import torch
 
 from ember import dtypes
 from ember.compiler.codegen import triton as codegen
+from ember.compiler.context import CompileContext
 
 WARMUP, REPS = 2, 10  # launches before and inside a timing
 
@@ -83,7 +84,7 @@ class Problem:
     def of(launch: codegen.Launch, dtype: dtypes.DType, layout: str) -> Problem:
         batch, m, n, k = launch.gemm
         return Problem(dtype.name, layout.replace("p", "n"), _bucket(m), _bucket(n), _bucket(k), batch > 1,
-                       codegen.dot_precision(dtype))
+                       launch.precision)
 
     @property
     def key(self) -> str:
@@ -255,7 +256,8 @@ def _bare_gemm(problem: Problem):
     core = Node.make(Op.MATMUL, tuple(operands))
     kernel = fusion.FusedKernel(fusion.KernelKind.MATMUL, core.shape, (), [core], {id(core): fusion.FULL}, core=core)
     stored = {id(core)}
-    return kernel, stored, codegen.generate(kernel, stored)
+    context = CompileContext(matmul_precision="highest" if problem.precision == "ieee" else "high")
+    return kernel, stored, codegen.generate(kernel, stored, context)
 
 
 def time_ms(run) -> float:

@@ -28,6 +28,7 @@ import torch
 from ember import dtypes
 from ember.compiler import fusion, passes, schedule
 from ember.compiler.codegen import triton as codegen
+from ember.compiler.context import CompileContext
 from ember.device import Device, get_matmul_precision
 from ember.errors import CompileError, DeviceError, OutOfMemoryError
 from ember.ir import Node, Op
@@ -134,14 +135,19 @@ class CompiledKernel:
     choice: dict | None = None  # a GEMM's: "chosen" ("triton" or "cublas"), "triton_ms", "cublas_ms", "config"
 
 
-def compile_kernel(kernel: fusion.FusedKernel, stored: set[int]) -> CompiledKernel:
+def compile_kernel(kernel: fusion.FusedKernel, stored: set[int], context: CompileContext) -> CompiledKernel:
     ck = CompiledKernel(kernel)
     if kernel.kind not in fusion.VENDOR_KINDS or kernel.core is not None:
-        ck.source = codegen.generate(kernel, stored)
+        ck.source = codegen.generate(kernel, stored, context)
         ck.module = load_source(ck.source)
     if kernel.core is not None:
-        ck.split = [compile_kernel(k, stored | kernel.split_stored) for k in kernel.split]
+        ck.split = [compile_kernel(k, stored | kernel.split_stored, context) for k in kernel.split]
     return ck
+
+
+def compile_context() -> CompileContext:
+    """What the user's settings ask of the compiler now; it keys the plan cache."""
+    return CompileContext(get_matmul_precision(), gemm_backend, max_streams)
 
 
 @dataclass
@@ -158,14 +164,14 @@ _plans: dict[tuple, Plan] = {}
 stats = {"plans_compiled": 0, "plans_loaded": 0, "plan_hits": 0, "launches": 0}
 
 
-def _plan_path(key: tuple) -> Path:
-    """A plan's file: the graph's structure plus what the plan was made with (device, versions, streams)."""
+def _plan_path(key: tuple, context: CompileContext) -> Path:
+    """A plan's file: the graph's structure plus what the plan was made with (device, versions, settings)."""
     import triton
 
     import ember
 
     gpu = "interpreter" if INTERPRET else torch.cuda.get_device_name()
-    identity = repr((key, gpu, max_streams, gemm_backend, get_matmul_precision(), ember.__version__, _code_digest(),
+    identity = repr((key, gpu, context, ember.__version__, _code_digest(),
                      torch.__version__, triton.__version__))
     return cache_dir("plans") / (hashlib.sha256(identity.encode()).hexdigest()[:32] + ".pkl")
 
@@ -180,7 +186,7 @@ def _code_digest() -> str:
     return digest.hexdigest()[:16]
 
 
-def _save_plan(key: tuple, plan: Plan) -> None:
+def _save_plan(key: tuple, context: CompileContext, plan: Plan) -> None:
     """Write a plan atomically; modules and launch recipes are not stored (sources are, and are re-imported)."""
     position = {id(n): i for i, n in enumerate(plan.lowered.nodes)}
     every = [c for ck in plan.kernels for c in (ck, *ck.split)]
@@ -198,15 +204,15 @@ def _save_plan(key: tuple, plan: Plan) -> None:
         plan.schedule.slots, plan.steps = slots, steps
         for ck, module in zip(every, modules):
             ck.module = module
-    path = _plan_path(key)
+    path = _plan_path(key, context)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_bytes(payload)
     os.replace(tmp, path)
 
 
-def _load_plan(key: tuple) -> Plan | None:
+def _load_plan(key: tuple, context: CompileContext) -> Plan | None:
     """A plan from disk, or None; an entry that does not load or is not this graph's is rebuilt."""
-    path = _plan_path(key)
+    path = _plan_path(key, context)
     if not path.exists():
         return None
     try:
@@ -235,13 +241,14 @@ def _is_small(ck: CompiledKernel, sms: int) -> bool:
     return max((launch.grid for launch in ck.source.launches), default=0) < sms // 2
 
 
-def compile_plan(order: list[Node], keep: set[int], sig: passes.Signature) -> Plan:
+def compile_plan(order: list[Node], keep: set[int], sig: passes.Signature, context: CompileContext) -> Plan:
     start = time.perf_counter()
     lowered = passes.lower(order, keep, sig)
-    kernels, stored = fusion.plan(lowered.nodes, lowered.outputs)
-    compiled = [compile_kernel(k, stored) for k in kernels]
+    kernels, stored = fusion.plan(lowered.nodes, lowered.outputs, context)
+    compiled = [compile_kernel(k, stored, context) for k in kernels]
     sms = _multiprocessors()
-    sched = schedule.schedule(kernels, lowered.outputs, [_is_small(ck, sms) for ck in compiled], max_streams)
+    sched = schedule.schedule(kernels, lowered.outputs, [_is_small(ck, sms) for ck in compiled],
+                              context.max_streams)
     compiled = [compiled[i] for i in sched.order]
     stats["plans_compiled"] += 1
     return Plan(lowered, compiled, stored, sched, time.perf_counter() - start)
@@ -249,13 +256,14 @@ def compile_plan(order: list[Node], keep: set[int], sig: passes.Signature) -> Pl
 
 def plan_for(order: list[Node], keep: set[int]) -> tuple[Plan, passes.Signature]:
     sig = passes.signature(order, keep)
-    plan = _plans.get((sig.key, max_streams, gemm_backend, get_matmul_precision()))
+    context = compile_context()
+    plan = _plans.get((sig.key, context))
     if plan is None:
-        plan = _load_plan(sig.key)
+        plan = _load_plan(sig.key, context)
         if plan is None:
-            plan = compile_plan(order, keep, sig)
-            _save_plan(sig.key, plan)
-        _plans[sig.key, max_streams, gemm_backend, get_matmul_precision()] = plan
+            plan = compile_plan(order, keep, sig, context)
+            _save_plan(sig.key, context, plan)
+        _plans[sig.key, context] = plan
     else:
         stats["plan_hits"] += 1
     return plan, sig

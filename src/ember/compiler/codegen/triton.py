@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass, field
 
 from ember import dtypes
+from ember.compiler.context import CompileContext
 from ember.compiler.fusion import (
     FULL,
     OTHER,
@@ -120,6 +121,7 @@ class Launch:
     num_warps: int = 4
     gemm: tuple[int, int, int, int] | None = None  # (batch, M, N, K): the grid and block sizes come from a tuned config
     layout: str = ""  # a GEMM's operand layouts, as autotune.Problem names them
+    precision: str = "ieee"  # a GEMM's dot: "ieee", or "tf32" for float32 tiles on TF32 tensor cores
 
 
 @dataclass
@@ -149,8 +151,9 @@ class Index:
 class Context:
     """State shared by all functions of one source file: arguments and the size table."""
 
-    def __init__(self, stored: set[int]):
+    def __init__(self, stored: set[int], settings: CompileContext):
         self.stored = stored
+        self.settings = settings
         self.args: list[Arg] = []
         self.names: dict[tuple, str] = {}
 
@@ -536,9 +539,9 @@ def _identity(op: Op, dtype: DType) -> str:
 
 # -- whole kernels ---------------------------------------------------------------------------
 
-def generate(kernel: FusedKernel, stored: set[int]) -> KernelSource:
-    """The Triton source of a pointwise, reduce, segmented or scatter_add kernel."""
-    ctx = Context(stored)
+def generate(kernel: FusedKernel, stored: set[int], context: CompileContext) -> KernelSource:
+    """The Triton source of a pointwise, reduce, segmented, scatter_add or GEMM kernel."""
+    ctx = Context(stored, context)
     body: list[str] = []
     launches: list[Launch] = []
     if kernel.kind is KernelKind.POINTWISE:
@@ -742,7 +745,7 @@ def _scatter_add(ctx: Context, kernel: FusedKernel, body: list[str]) -> list[Lau
     axis = node.attrs["axis"]
     init = FusedKernel(KernelKind.POINTWISE, node.shape, (), [node], {id(node): FULL}, covers=kernel.covers,
                        reads=kernel.reads)
-    init_ctx = Context(ctx.stored)
+    init_ctx = Context(ctx.stored, ctx.settings)
     # the first launch writes the base (its cone inlined) into the output
     copy_body: list[str] = ["    pid = tl.program_id(0)"]
     emitter = Emitter(init_ctx, init, copy_body, "    ", "")
@@ -774,13 +777,6 @@ def _scatter_add(ctx: Context, kernel: FusedKernel, body: list[str]) -> list[Lau
                      -(-index.numel // POINTWISE_BLOCK), 4)
     return [first, second]
 
-
-
-def dot_precision(dtype: DType) -> str:
-    """How tl.dot multiplies float32 tiles: TF32 tensor cores unless the precision is "highest"."""
-    from ember.device import get_matmul_precision
-
-    return "ieee" if dtype is not dtypes.float32 or get_matmul_precision() == "highest" else "tf32"
 
 
 def _gemm(ctx: Context, kernel: FusedKernel, body: list[str]) -> Launch:
@@ -835,7 +831,8 @@ def _gemm(ctx: Context, kernel: FusedKernel, body: list[str]) -> Launch:
     mainloop.line("mask_b = mask_kb & mask_n")
     tile_a, layout_a = mainloop.operand(a, Index((*batch_dims, "rm", "ka"), None, "mask_a", OTHER), core.dtype)
     tile_b, layout_b = mainloop.operand(b, Index((*batch_dims, "kb", "rn"), None, "mask_b", OTHER), core.dtype)
-    precision = f", input_precision=\"{dot_precision(core.dtype)}\"" if core.dtype is dtypes.float32 else ""
+    dot = ctx.settings.dot_precision(core.dtype)
+    precision = f", input_precision=\"{dot}\"" if core.dtype is dtypes.float32 else ""
     mainloop.line(f"acc = tl.dot({tile_a}, {tile_b}, acc{precision})")
     for key, position in summed.items():
         axis, tile = (1, tile_a) if position == 0 else (0, tile_b)
@@ -864,6 +861,7 @@ def _gemm(ctx: Context, kernel: FusedKernel, body: list[str]) -> Launch:
     launch = _finish(ctx, body, "kernel", inner, {"BLOCK_M": 0, "BLOCK_N": 0, "BLOCK_K": 0, "GROUP_M": 0}, 0, 4)
     launch.gemm = (math.prod(batch), m, n, k)
     launch.layout = layout_a + layout_b
+    launch.precision = dot
     return launch
 
 

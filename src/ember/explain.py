@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import contextlib
 
-from ember.compiler import fusion, passes, schedule
-from ember.compiler.codegen import triton as codegen
+from ember.compiler import fusion, passes, pipeline, schedule
 from ember.compiler.context import CompileContext
 from ember.device import get_matmul_precision
 from ember.ir import Kind, Node, Op
@@ -46,11 +45,10 @@ class Plan:
 
     def __init__(self, order: list[Node], keep: set[int]):
         self.signature = passes.signature(order, keep)
-        self.lowered = passes.lower(order, keep, self.signature)
         context = CompileContext(get_matmul_precision())  # as the runtime plans on its default stream
-        self.kernels, self.stored = fusion.plan(self.lowered.nodes, self.lowered.outputs, context)
-        self.sources = {id(k): codegen.generate(k, self.stored, context) for k in self.kernels
-                        if k.kind not in fusion.VENDOR_KINDS or k.core is not None}
+        compiled = pipeline.compile(order, keep, self.signature, context)
+        self.lowered, self.kernels, self.stored = compiled.lowered, compiled.kernels, compiled.stored
+        self.sources = {id(k): compiled.sources[id(k)] for k in self.kernels if id(k) in compiled.sources}
         self.unfused = sum(1 for n in order if _is_work(n))
         # the runtime's default schedule: one stream (several are used only when asked for, in graphs)
         self.schedule = schedule.schedule(self.kernels, self.lowered.outputs, [False] * len(self.kernels), 1)

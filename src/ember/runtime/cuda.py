@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from ember import dtypes
-from ember.compiler import fusion, passes, schedule
+from ember.compiler import fusion, passes, pipeline, schedule
 from ember.compiler.codegen import triton as codegen
 from ember.compiler.context import CompileContext
 from ember.device import Device, get_matmul_precision
@@ -135,13 +135,13 @@ class CompiledKernel:
     choice: dict | None = None  # a GEMM's: "chosen" ("triton" or "cublas"), "triton_ms", "cublas_ms", "config"
 
 
-def compile_kernel(kernel: fusion.FusedKernel, stored: set[int], context: CompileContext) -> CompiledKernel:
-    ck = CompiledKernel(kernel)
-    if kernel.kind not in fusion.VENDOR_KINDS or kernel.core is not None:
-        ck.source = codegen.generate(kernel, stored, context)
+def _loaded(kernel: fusion.FusedKernel, compiled: pipeline.Compiled) -> CompiledKernel:
+    """A planned kernel with its generated source imported (and its split form's)."""
+    ck = CompiledKernel(kernel, compiled.sources.get(id(kernel)))
+    if ck.source is not None:
         ck.module = load_source(ck.source)
     if kernel.core is not None:
-        ck.split = [compile_kernel(k, stored | kernel.split_stored, context) for k in kernel.split]
+        ck.split = [_loaded(part, compiled) for part in kernel.split]
     return ck
 
 
@@ -243,15 +243,14 @@ def _is_small(ck: CompiledKernel, sms: int) -> bool:
 
 def compile_plan(order: list[Node], keep: set[int], sig: passes.Signature, context: CompileContext) -> Plan:
     start = time.perf_counter()
-    lowered = passes.lower(order, keep, sig)
-    kernels, stored = fusion.plan(lowered.nodes, lowered.outputs, context)
-    compiled = [compile_kernel(k, stored, context) for k in kernels]
+    compiled = pipeline.compile(order, keep, sig, context)
+    loaded = [_loaded(k, compiled) for k in compiled.kernels]
     sms = _multiprocessors()
-    sched = schedule.schedule(kernels, lowered.outputs, [_is_small(ck, sms) for ck in compiled],
+    sched = schedule.schedule(compiled.kernels, compiled.lowered.outputs, [_is_small(ck, sms) for ck in loaded],
                               context.max_streams)
-    compiled = [compiled[i] for i in sched.order]
+    loaded = [loaded[i] for i in sched.order]
     stats["plans_compiled"] += 1
-    return Plan(lowered, compiled, stored, sched, time.perf_counter() - start)
+    return Plan(compiled.lowered, loaded, compiled.stored, sched, time.perf_counter() - start)
 
 
 def plan_for(order: list[Node], keep: set[int]) -> tuple[Plan, passes.Signature]:

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ember import dtypes
-from ember.ir import Kind, Node, Op
+from ember.ir import Kind, Node, Op, toposort
+from ember.ir.ops import RULES
 
 # Float constants with these values are part of a plan's structure (and may be simplified
 # away); every other float constant is a runtime argument, so a changing learning rate
@@ -117,7 +118,7 @@ def lower(order: list[Node], keep: set[int], sig: Signature) -> Lowered:
         mapping[id(node)] = new
         if id(node) in keep:
             outputs.append(new)
-    nodes = [n for n in _reachable(outputs)]
+    nodes = toposort(outputs)
     return Lowered(nodes, outputs, builder.inputs, replaced=len(order) - sum(1 for n in nodes if n.inputs))
 
 
@@ -142,10 +143,6 @@ def _swaps_last_two(order: tuple[int, ...]) -> bool:
     return n >= 2 and tuple(order) == tuple(range(n - 2)) + (n - 1, n - 2)
 
 
-def _reachable(outputs: list[Node]) -> list[Node]:
-    from ember.ir import toposort
-
-    return toposort(outputs)
 
 
 class _Builder:
@@ -182,13 +179,10 @@ class _Builder:
         if ins and all(i.op is Op.CONST and "arg" not in i.attrs for i in ins):
             if kind is Kind.MOVEMENT and op is not Op.PAD:
                 return self._const(ins[0].attrs["value"], original)
-            if kind in (Kind.UNARY, Kind.BINARY, Kind.TERNARY):
-                from ember.compiler.codegen.reference import evaluate
-
-                args = [np.asarray(i.attrs["value"], dtype=i.dtype.np) for i in ins]
-                probe = Node(op, (), attrs, (), original.dtype, original.device)
+            if kind in (Kind.UNARY, Kind.BINARY, Kind.TERNARY):  # by the primitive's reference rule
+                args = [np.asarray(i.attrs["value"], dtype=dtypes.compute_dtype(i.dtype).np) for i in ins]
                 with np.errstate(all="ignore"):
-                    value = evaluate(probe, args).item()
+                    value = np.asarray(RULES[op].reference(*args)).astype(original.dtype.np).item()
                 return self._const(value, original)
         if kind is Kind.BINARY:
             a, b = ins

@@ -488,3 +488,13 @@ def test_cast_gradient_matches_finite_differences(rng):
     check_finite_differences(lambda m, x: (x.float() * 3).double(), random_array(rng, (3,), "float64"),
                              eps=1e-2, rtol=1e-4, atol=1e-5)
 
+
+
+def test_constants_keep_the_sign_of_zero_and_their_dtype_whatever_was_made_before():
+    """Constants are converted once per value and dtype; -0.0 is not 0.0, and 1 as bool is not 1 as float."""
+    x = ember.ones(2)
+    assert (1 / (x * 0.0)).tolist() == [math.inf, math.inf]
+    assert (1 / (x * -0.0)).tolist() == [-math.inf, -math.inf]
+    assert ember.full((1,), 1, dtype=ember.bool).tolist() == [True]
+    assert ember.full((1,), 3.3, dtype=ember.bfloat16).item() == float(np.float32(3.296875))
+    assert ember.full((1,), 3.3, dtype=ember.float16).item() == float(np.float16(3.3))

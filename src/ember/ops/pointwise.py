@@ -45,7 +45,23 @@ def scalar(value, dtype: DType, device, shape: tuple[int, ...] = ()) -> Tensor:
 
 
 def _convert(value, dtype: DType):
-    """The value a constant of `dtype` holds: every backend reads the same one."""
+    """The value a constant of `dtype` holds: every backend reads the same one. A program's constants
+    repeat (0.5, 1, a learning rate), so Python numbers are converted once per dtype."""
+    if type(value) not in (int, float):
+        return _conversion(value, dtype)
+    key = (value, dtype, str(value)[0] == "-")  # -0.0 equals 0.0 but is another constant
+    converted = _CONVERTED.get(key)
+    if converted is None:
+        converted = _conversion(value, dtype)
+        if len(_CONVERTED) < 4096:
+            _CONVERTED[key] = converted
+    return converted
+
+
+_CONVERTED: dict[tuple, object] = {}
+
+
+def _conversion(value, dtype: DType):
     if dtype is dtypes.bool_:
         return bool(value)
     if dtype.is_integer:  # out-of-range Python ints wrap around, as torch's conversion does

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-import sys
 
 import numpy as np
 
@@ -60,12 +59,12 @@ def tensor(data, dtype=None, device=None, requires_grad: bool = False) -> Tensor
     A torch tensor on a GPU is the exception: its memory is shared (as `from_dlpack` does), with no copy
     through the host, and the result stays on its device unless `dtype` or `device` asks for another one
     (then it is converted, a copy). A torch tensor on the CPU is copied, as anything else on the host."""
-    if _is_torch_tensor(data) and data.is_cuda:
+    if dlpack.is_torch_tensor(data) and data.is_cuda:
         shared = Tensor(dlpack.node_from_torch(data))
         out = cast(shared, dtypes.as_dtype(dtype)) if dtype is not None else shared
         return _requires_grad(out.to(as_device(device)) if device is not None else out, requires_grad)
     device = as_device(device)
-    if _is_torch_tensor(data):
+    if dlpack.is_torch_tensor(data):
         data = dlpack.node_from_torch(data).buffer  # a NumPy view of its memory, copied below
     if isinstance(data, Tensor):
         out = data.detach()
@@ -110,11 +109,6 @@ def from_dlpack(x) -> Tensor:
     a write through `x` is seen by later computations that read the tensor. Memory that is not
     contiguous is copied once."""
     return Tensor(dlpack.node_from_dlpack(x))
-
-
-def _is_torch_tensor(x) -> bool:
-    torch = sys.modules.get("torch")  # a torch tensor exists only once torch is imported
-    return torch is not None and isinstance(x, torch.Tensor)
 
 
 def full(size, fill_value, dtype=None, device=None, requires_grad: bool = False) -> Tensor:

@@ -92,10 +92,10 @@ def _number_in_float32(a, b) -> tuple[Tensor, float] | None:
     return t, number
 
 
-def _in_float32(prim: Op, t: Tensor, number, number_first: bool = False) -> Tensor:
+def _in_float32(prim: Op, t: Tensor, number) -> Tensor:
     """`prim` of a half tensor and a number, computed in float32 and rounded once to the tensor's type."""
-    wide = [cast(t, dtypes.float32), scalar(number, dtypes.float32, t.device, t.shape)]
-    return cast(apply(prim, *(wide[::-1] if number_first else wide)), t.dtype)
+    wide = apply(prim, cast(t, dtypes.float32), scalar(number, dtypes.float32, t.device, t.shape))
+    return cast(wide, t.dtype)
 
 
 def as_tensor(x, like: Tensor | None = None, dtype: DType | None = None) -> Tensor:

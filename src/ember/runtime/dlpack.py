@@ -38,7 +38,8 @@ def _torch():
     return torch
 
 
-def _is_torch_tensor(x) -> bool:
+def is_torch_tensor(x) -> bool:
+    """Whether x is a torch tensor, asked without importing torch (one exists only once torch is)."""
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(x, torch.Tensor)
 
@@ -49,7 +50,7 @@ def node_from_dlpack(x) -> Node:
         raise TypeError(f"from_dlpack: expected an object with __dlpack__ and __dlpack_device__, "
                         f"got {type(x).__name__}")
     kind, _ = x.__dlpack_device__()
-    if kind == DL_CPU and not _is_torch_tensor(x):
+    if kind == DL_CPU and not is_torch_tensor(x):
         try:
             return _node_from_numpy(np.from_dlpack(x))
         except BufferError:  # a dtype NumPy cannot read (bfloat16): torch can

@@ -1,0 +1,821 @@
+"""Lowering: a FusedKernel becomes a KernelIR (compiler/kernel.py), for any target to render.
+
+The lowering walks the graph from each output of a kernel and turns every node into a statement,
+evaluated at an *index*: the position, within the node's own shape, that the element being computed
+reads. Movement ops never produce a value of their own; they rewrite the index (a permute swaps
+positions, an expand pins a dimension to 0, a slice scales and shifts, a pad adds a bound check, a
+reshape goes through the linear position). Only stored nodes are loaded.
+
+Sizes are kernel parameters, not literals, so a new batch size reuses the compiled kernel; float
+constants that change between steps (a learning rate) and random seeds are parameters too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ember import dtypes
+from ember.compiler.context import CompileContext
+from ember.compiler.fusion import (
+    FULL,
+    OTHER,
+    ROW,
+    FusedKernel,
+    KernelKind,
+    input_level,
+    operand_sums,
+    summed_operand,
+    summed_output,
+)
+from ember.compiler.kernel import (
+    Assign,
+    Bin,
+    Block,
+    Branch,
+    Effect,
+    Expr,
+    Function,
+    KernelIR,
+    Lit,
+    Loop,
+    Param,
+    Prim,
+    Range,
+    Var,
+    add,
+    call,
+    literal_int,
+    mul,
+)
+from ember.dtypes import DType, compute_dtype
+from ember.errors import CompileError
+from ember.ir import Kind, Node, Op
+
+POINTWISE_BLOCK = 1024
+ROW_TILE = 4096  # elements of a row kernel's tile; rows longer than this are reduced in a loop
+LOOP_CHUNK = 1024  # columns per step of that loop
+INT32_LIMIT = 2**31 - 1
+ZERO, ONE = Lit(0), Lit(1)
+# a GEMM tile's axes and their block sizes
+GEMM_BLOCK = {axis: Block(name, axis) for axis, name in
+              (("rm", "BLOCK_M"), ("rn", "BLOCK_N"), ("ka", "BLOCK_K"), ("kb", "BLOCK_K"))}
+BLOCK_M, BLOCK_N = Block("BLOCK_M", "m"), Block("BLOCK_N", "n")  # a row kernel's tile
+BLOCK = Block("BLOCK", "x")  # a pointwise kernel's tile
+
+# How the lowering computes each primitive that is not pointwise (a pointwise one becomes a Prim, which each
+# target renders by the primitive's own lowering, RULES[op].lowerings). tests/test_kernel_ir.py checks that
+# every primitive is one or the other.
+_MOVED = "folded into the index of its reader (Emitter.move)"
+_REDUCED = "reduced in registers: a row kernel's loop, a GEMM epilogue's atomics or a mainloop's K-sum"
+STRUCTURAL = {
+    Op.BUFFER: "loaded from its buffer", Op.CONST: "a literal, or a scalar parameter",
+    Op.IOTA: "the index itself", Op.RAND: "Philox at the element's linear position",
+    Op.RESHAPE: "the linear position, or runs of dimensions regrouped", Op.PERMUTE: _MOVED, Op.EXPAND: _MOVED,
+    Op.SLICE: _MOVED, Op.FLIP: _MOVED, Op.PAD: "a clamped load and a bound check choosing the fill value",
+    Op.SUM: _REDUCED, Op.PROD: _REDUCED, Op.MAX: _REDUCED, Op.MIN: _REDUCED,
+    Op.ARGMAX: "a (value, position) pair reduced together", Op.ARGMIN: "a (value, position) pair reduced together",
+    Op.MATMUL: "a GEMM core (tiles, a K loop, dot), or the vendor's matmul",
+    Op.CONV2D: "the vendor's convolution",
+    Op.GATHER: "a load at a clamped, checked position", Op.SCATTER_ADD: "an atomic add at a clamped position",
+    Op.COPY: "a transfer between devices, made by the runtime at a plan's edges",
+}
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def both(*conditions: Expr) -> Expr:
+    out = conditions[0]
+    for c in conditions[1:]:
+        out = Bin("&", out, c)
+    return out
+
+
+@dataclass(frozen=True)
+class Index:
+    """Where an element sits in a node's shape: per-dimension positions and/or the linear position."""
+
+    dims: tuple[Expr, ...] | None
+    linear: Expr | None
+    mask: Expr | None
+    level: str
+
+    def key(self) -> tuple:
+        return (self.dims, self.linear if self.dims is None else None, self.mask, self.level)
+
+
+class Context:
+    """State shared by all functions of one kernel: parameters and the size table."""
+
+    def __init__(self, stored: set[int], settings: CompileContext):
+        self.stored = stored
+        self.settings = settings
+        self.params: list[Param] = []
+        self.names: dict[tuple, str] = {}
+
+    def param(self, kind: str, value, prefix: str, dtype: DType | None = None) -> Var:
+        key = (kind, id(value) if isinstance(value, Node) else value)
+        if key not in self.names:
+            self.names[key] = f"{prefix}{sum(1 for p in self.params if p.kind == kind)}"
+            self.params.append(Param(kind, value, self.names[key], dtype))
+        return Var(self.names[key])
+
+    def size(self, value: int) -> Expr:
+        return ONE if value == 1 else self.param("size", value, "n")
+
+    def function(self, suffix: str, body: list, constexprs: dict[str, int], grid: int, num_warps: int) -> Function:
+        order = ("read", "write", "size", "scalar", "seed", "offset", "bound")
+        self.params.sort(key=lambda p: order.index(p.kind))
+        return Function(suffix, list(self.params), constexprs, body, grid, num_warps)
+
+
+class Emitter:
+    """Emits the statements of one kernel (or one segment of a segmented launch)."""
+
+    def __init__(self, ctx: Context, kernel: FusedKernel, block: list, tag: str = ""):
+        self.ctx = ctx
+        self.kernel = kernel
+        self.block = block
+        self.tag = tag
+        self.memo: dict[tuple, tuple[Expr, DType]] = {}
+        self.unravelled: dict[tuple, tuple[Expr, ...]] = {}
+        self.reduced: dict[int, Var] = {}
+        self.loop: Loop | None = None  # the column loop being emitted
+        self.hoisting = False
+        self.hoisted: set[tuple] = set()  # memo keys of values computed before a loop
+        self.count = 0
+        self.accumulator: Var | None = None  # a GEMM epilogue's name for the core's value
+        self.row_index: Index | None = None  # a row kernel's index of one value per row
+        # A GEMM's tiles are 2-d: a mask split by axis lets a load that varies along one axis only (a
+        # bias, a per-feature scale) load a row or a column instead of the whole tile.
+        self.mask_parts: dict[Var, dict[str, Var]] = {}  # a 2-d mask -> {axis: that axis's own mask}
+        self.big = max([n.numel for n in kernel.covers + kernel.reads + kernel.outputs] + [1]) > INT32_LIMIT
+
+    # -- small helpers -------------------------------------------------------------------
+    def emit(self, statement) -> None:
+        if self.hoisting:  # a row-level value inside a column loop: compute it once, before the loop
+            self.loop.prelude.append(statement)
+        else:
+            self.block.append(statement)
+
+    def fresh(self, stem: str) -> str:
+        self.count += 1
+        return f"{stem}{self.tag}_{self.count}"
+
+    def bind(self, name: str, value: Expr) -> Var:
+        var = Var(name, value.axes)
+        self.emit(Assign((var,), value))
+        return var
+
+    def define(self, value: Expr, stem: str = "v") -> Var:
+        return self.bind(self.fresh(stem), value)
+
+    def load_mask(self, mask: Expr | None, offset: Expr) -> Expr | None:
+        """The mask a load at `offset` needs: the parts of a split mask along the axes the offset varies."""
+        parts = self.mask_parts.get(mask)
+        if not parts:
+            return mask
+        used = [part for axis, part in parts.items() if axis in offset.axes]
+        if len(used) == len(parts):
+            return mask
+        return both(*used) if used else None
+
+    def unravel(self, linear: Expr, shape: tuple[int, ...]) -> tuple[Expr, ...]:
+        key = (linear, shape)
+        if key not in self.unravelled:
+            dims: list[Expr] = []
+            rest = linear
+            for d in range(len(shape) - 1, -1, -1):
+                s = shape[d]
+                if s == 1:
+                    dims.append(ZERO)
+                    continue
+                if all(x == 1 for x in shape[:d]):
+                    dims.append(rest)
+                    break
+                size = self.ctx.size(s)
+                dims.append(self.define(Bin("%", rest, size), "i"))
+                rest = self.define(Bin("//", rest, size), "q")
+            dims += [ZERO] * (len(shape) - len(dims))
+            self.unravelled[key] = tuple(reversed(dims))
+        return self.unravelled[key]
+
+    def dims(self, idx: Index, shape: tuple[int, ...]) -> tuple[Expr, ...]:
+        return idx.dims if idx.dims is not None else self.unravel(idx.linear, shape)
+
+    def linear(self, idx: Index, shape: tuple[int, ...]) -> Expr:
+        if idx.linear is not None:
+            return idx.linear
+        terms, stride = [], 1
+        for d in range(len(shape) - 1, -1, -1):
+            if shape[d] != 1 and idx.dims[d] != ZERO:
+                terms.append(mul(idx.dims[d], self.ctx.size(stride)))
+            stride *= shape[d]
+        out = ZERO
+        for term in reversed(terms):
+            out = add(out, term)
+        return out
+
+    def reshape_dims(self, dims: tuple[Expr, ...], shape: tuple[int, ...],
+                     source: tuple[int, ...]) -> tuple[Expr, ...]:
+        """Per-dimension positions in `source` for positions `dims` in `shape`, group by group.
+
+        A reshape splits or merges runs of dimensions; matching the runs by their products, a
+        merge becomes multiply-adds and only a split needs a division (by a run's inner sizes).
+        """
+        out: list[Expr] = []
+        i = j = 0
+        while i < len(shape) or j < len(source):
+            a, b = i + 1, j + 1
+            left = shape[i] if i < len(shape) else 1
+            right = source[j] if j < len(source) else 1
+            while left != right:
+                if left < right:
+                    left *= shape[a]
+                    a += 1
+                else:
+                    right *= source[b]
+                    b += 1
+            group_dims, group_shape = dims[i:a], shape[i:a]
+            target = source[j:b]
+            if len(target) == 1:
+                out.append(self.linear(Index(group_dims, None, None, OTHER), group_shape))
+            elif len(group_dims) == 1:
+                out.extend(self.unravel(group_dims[0], target))
+            else:
+                out.extend(self.unravel(self.linear(Index(group_dims, None, None, OTHER), group_shape), target))
+            i, j = a, b
+        return tuple(out[:len(source)]) if len(out) >= len(source) else tuple(out) + (ZERO,) * (len(source) - len(out))
+
+    # -- values ----------------------------------------------------------------------------
+    def value(self, node: Node, idx: Index) -> tuple[Expr, DType]:
+        """node's value at idx (a Var or a Lit), and the dtype it is computed in."""
+        key = (id(node), idx.key())
+        if key in self.memo:
+            return self.memo[key]
+        if idx.level == ROW and self.loop is not None and not self.hoisting:
+            # nothing below a row-level value depends on the column: hoist it out of the loop
+            self.hoisting = True
+            try:
+                result = self._value(node, idx)
+            finally:
+                self.hoisting = False
+            self.hoisted.add(key)
+        else:
+            result = self._value(node, idx)
+        self.memo[key] = result
+        return result
+
+    def _value(self, node: Node, idx: Index) -> tuple[Expr, DType]:
+        kernel = self.kernel
+        if node is kernel.core:  # the planner lets an epilogue read it only at the element computed
+            if self.accumulator is None:
+                raise CompileError(f"kernel {kernel.index}: the matmul's result is read before it is computed")
+            return self.accumulator, dtypes.float32
+        if node in kernel.reductions:
+            if id(node) not in self.reduced:
+                raise CompileError(f"kernel {kernel.index}: reduction {node} is read before it is computed")
+            return self.reduced[id(node)], compute_dtype(node.dtype)
+        if node.op is Op.BUFFER or (id(node) in self.ctx.stored and node not in kernel.outputs):
+            return self.load(node, idx)
+        op, kind = node.op, node.op.kind
+        if kind is Kind.LEAF:
+            return self.leaf(node, idx)
+        if op is Op.PAD:
+            return self.pad(node, idx)
+        if kind is Kind.MOVEMENT:
+            return self.value(node.inputs[0], self.move(node, idx))
+        if op is Op.GATHER:
+            return self.gather(node, idx)
+        if kind in (Kind.UNARY, Kind.BINARY, Kind.TERNARY):
+            args = [self.value(i, Index(idx.dims, idx.linear, idx.mask,
+                                        input_level(node, idx.level, kernel.space, kernel.axes, p)))
+                    for p, i in enumerate(node.inputs)]
+            return self.define(Prim(node.op, node, tuple(a for a, _ in args), args[0][1])), compute_dtype(node.dtype)
+        raise CompileError(f"kernel {kernel.index}: {node.op.label} cannot be computed inside a fused kernel")
+
+    def load(self, node: Node, idx: Index) -> tuple[Expr, DType]:
+        """A stored node's value, computed in float32 if it is a half type."""
+        pointer = self.ctx.param("read", node, "in")
+        offset = self.linear(idx, node.shape)
+        # an offset every lane shares is a scalar load, in bounds by construction
+        needed = self.load_mask(idx.mask, offset)
+        masked = {"mask": needed, "other": ZERO} if needed is not None and offset.is_tile else {}
+        value: Expr = call("load", add(pointer, offset), **masked)
+        out = compute_dtype(node.dtype)
+        if out is not node.dtype:
+            value = call("cast", value, dtype=out)
+        return self.define(value), out
+
+    def operand(self, node: Node, idx: Index, dtype: DType) -> tuple[Var, str]:
+        """A GEMM operand tile in `dtype` and its layout. A view of a stored value is loaded as it is (so
+        the tile goes to the tensor cores unconverted): layout "n" when the tile's column index runs
+        along rows in memory, else "t". A prologue ("p") is computed, zeroed outside the mask and cast."""
+        rows, cols = idx.dims[-2:]
+        view = node
+        while view.op.kind is Kind.MOVEMENT and view.op is not Op.PAD and id(view) not in self.ctx.stored:
+            idx = self.move(view, idx)
+            view = view.inputs[0]
+        if view.op is Op.BUFFER or id(view) in self.ctx.stored:
+            offset = self.linear(idx, view.shape)
+            if offset.axes != rows.axes | cols.axes:  # a size-1 axis: a load still needs a tile of pointers
+                tile = (GEMM_BLOCK[next(iter(rows.axes))], GEMM_BLOCK[next(iter(cols.axes))])
+                offset = Bin("+", offset, call("zeros", shape=tile, dtype=dtypes.int32))
+            value = self.define(call("load", add(self.ctx.param("read", view, "in"), offset), mask=idx.mask,
+                                     other=ZERO))
+            layout = "t" if idx.dims and idx.dims[-1] not in (cols, ZERO) else "n"
+            return (value if view.dtype is dtype else self.define(call("cast", value, dtype=dtype), "x")), layout
+        value, _ = self.value(view, idx)
+        return self.define(call("cast", call("where", idx.mask, value, ZERO), dtype=dtype), "x"), "p"
+
+    def leaf(self, node: Node, idx: Index) -> tuple[Expr, DType]:
+        if node.op is Op.CONST:
+            out = compute_dtype(node.dtype)
+            if "arg" in node.attrs:
+                # typed, so a float64 constant stays float64 (a launch passes a plain Python float)
+                scalar = self.ctx.param("scalar", node.attrs["arg"], "c", out)
+                return self.define(call("full", scalar, shape=(), dtype=out)), out
+            return Lit(node.attrs["value"], node.dtype), out
+        if node.op is Op.IOTA:
+            position = idx.linear if idx.dims is None else idx.dims[0]
+            if literal_int(position) is not None:  # a fixed position: a typed scalar of it
+                return self.define(call("full", position, shape=(), dtype=dtypes.int64)), dtypes.int64
+            return self.define(call("cast", position, dtype=dtypes.int64)), dtypes.int64
+        if node.op is Op.RAND:
+            k = node.attrs["seed_arg"]
+            seed, start = self.ctx.param("seed", k, "seed"), self.ctx.param("offset", k, "offset")
+            fn = "rand" if node.attrs["distribution"] == "uniform" else "randn"
+            return self.define(call(fn, seed, add(start, self.linear(idx, node.shape)))), dtypes.float32
+        raise CompileError(f"no code for leaf {node.op.label}")
+
+    def move(self, node: Node, idx: Index) -> Index:
+        """The index into node's input that node's index reads: the view rule of each movement op."""
+        op, a = node.op, node.attrs
+        source = node.inputs[0].shape
+        level = input_level(node, idx.level, self.kernel.space, self.kernel.axes, 0)
+        if op is Op.RESHAPE:
+            loaded = node.inputs[0].op is Op.BUFFER or id(node.inputs[0]) in self.ctx.stored
+            if idx.dims is None or 0 in source or loaded and self.kernel.core is not None:
+                # the linear position is the same on both sides of a reshape (empty: no runs to match); a
+                # GEMM loading a reshaped buffer uses it rather than regrouping its tile's indices
+                return Index(None, self.linear(idx, node.shape), idx.mask, level)
+            return Index(self.reshape_dims(idx.dims, node.shape, source), None, idx.mask, level)
+        dims = self.dims(idx, node.shape)
+        if op is Op.PERMUTE:
+            new: list[Expr] = [ZERO] * len(dims)
+            for i, o in enumerate(a["order"]):
+                new[o] = dims[i]
+            return Index(tuple(new), None, idx.mask, level)
+        if op is Op.EXPAND:
+            if level == ROW:
+                return self.row_index
+            new = tuple(ZERO if s == 1 and n != 1 else d for d, s, n in zip(dims, source, node.shape))
+            return Index(new, None, idx.mask, level)
+        if op is Op.SLICE:
+            new = [add(Lit(start), mul(d, Lit(step))) for d, (start, _, step) in zip(dims, a["slices"])]
+            return Index(tuple(new), None, idx.mask, level)
+        if op is Op.FLIP:
+            new = [Bin("-", Bin("-", self.ctx.size(source[i]), ONE), d) if i in a["axes"] else d
+                   for i, d in enumerate(dims)]
+            return Index(tuple(new), None, idx.mask, level)
+        raise CompileError(f"no index rule for {op.label}")
+
+    def clamp(self, position: Expr, size: int) -> Var:
+        """A position forced into [0, size): the load stays in bounds and a where() picks the real value."""
+        return self.define(call("minimum", call("maximum", position, ZERO), Bin("-", self.ctx.size(size), ONE)), "c")
+
+    def in_range(self, position: Expr, size: int) -> Expr:
+        return Bin("&", Bin(">=", position, ZERO), Bin("<", position, self.ctx.size(size)))
+
+    def pad(self, node: Node, idx: Index) -> tuple[Expr, DType]:
+        dims = self.dims(idx, node.shape)
+        source = node.inputs[0].shape
+        fill = Lit(node.attrs["value"], node.dtype)
+        if 0 in source:  # all padding, and no position to clamp a load to
+            return fill, compute_dtype(node.dtype)
+        inner, checks = [], []
+        for d, (lo, hi), s in zip(dims, node.attrs["pads"], source):
+            if lo == 0 and hi == 0:
+                inner.append(d)
+                continue
+            if literal_int(d) is not None:  # a fixed position: decide now whether it falls in the padding
+                if not 0 <= literal_int(d) - lo < s:
+                    return fill, compute_dtype(node.dtype)
+                inner.append(Lit(literal_int(d) - lo))
+                continue
+            shifted = self.define(Bin("-", d, Lit(lo)), "p") if lo else d
+            inner.append(self.clamp(shifted, s))
+            checks.append(self.in_range(shifted, s))
+        level = input_level(node, idx.level, self.kernel.space, self.kernel.axes, 0)
+        value, dt = self.value(node.inputs[0], Index(tuple(inner), None, idx.mask, level))
+        if not checks:
+            return value, dt
+        valid = self.define(both(*checks), "ok")
+        return self.define(call("where", valid, value, fill)), dt
+
+    def gather(self, node: Node, idx: Index) -> tuple[Expr, DType]:
+        source, index = node.inputs
+        axis = node.attrs["axis"]
+        if source.numel == 0:  # every index is out of range, and no position to clamp a load to
+            return ZERO, compute_dtype(node.dtype)
+        level = input_level(node, idx.level, self.kernel.space, self.kernel.axes, 1)
+        picked, _ = self.value(index, Index(idx.dims, idx.linear, idx.mask, level))
+        size = source.shape[axis]
+        valid = self.define(self.in_range(picked, size), "ok")
+        dims = list(self.dims(idx, node.shape))
+        dims[axis] = self.clamp(picked, size)
+        source_level = input_level(node, idx.level, self.kernel.space, self.kernel.axes, 0)
+        value, dt = self.value(source, Index(tuple(dims), None, idx.mask, source_level))
+        return self.define(call("where", valid, value, ZERO)), dt
+
+    # -- stores ------------------------------------------------------------------------------
+    def store(self, node: Node, idx: Index, tile: tuple[Block | int, ...]) -> None:
+        value, dt = self.value(node, idx)
+        pointer = self.ctx.param("write", node, "out")
+        if not value.is_tile:  # a literal or a scalar: give it the tile's shape
+            value = Bin("+", value, call("zeros", shape=tile, dtype=dt))
+        if dt is not node.dtype:
+            value = call("cast", value, dtype=node.dtype)
+        offset = self.linear(idx, node.shape)
+        # a store needs a tile of addresses: an offset that is one scalar (every axis of size 1), or a GEMM's
+        # that misses an axis of the tile, is broadcast to the tile
+        if not offset.is_tile or (self.kernel.core is not None and not {"rm", "rn"} <= offset.axes):
+            offset = Bin("+", offset, call("zeros", shape=tile, dtype=dtypes.int32))
+        masked = {"mask": idx.mask} if idx.mask is not None else {}
+        self.emit(Effect(call("store", add(pointer, offset), value, **masked)))
+
+
+def identity(op: Op, dtype: DType) -> Lit:
+    """The value a reduction starts from."""
+    if op is Op.SUM:
+        return ZERO
+    if op is Op.PROD:
+        return ONE
+    low = op in (Op.MAX, Op.ARGMAX)
+    if dtype.is_floating_point:
+        return Lit(-math.inf if low else math.inf)
+    if dtype is dtypes.bool_:
+        return ZERO if low else ONE
+    info = np.iinfo(dtype.np)
+    return Lit(int(info.min if low else info.max))
+
+
+# -- whole kernels ---------------------------------------------------------------------------
+
+def lower(kernel: FusedKernel, stored: set[int], context: CompileContext) -> KernelIR:
+    """The kernel IR of a pointwise, reduce, segmented, scatter_add or GEMM kernel."""
+    ctx = Context(stored, context)
+    if kernel.kind is KernelKind.POINTWISE:
+        functions = [_pointwise(ctx, kernel)]
+    elif kernel.kind is KernelKind.SEGMENTED:
+        functions = [_segmented(ctx, kernel)]
+    elif kernel.kind is KernelKind.REDUCE:
+        functions = [_rows(ctx, kernel)]
+    elif kernel.kind is KernelKind.SCATTER_ADD:
+        functions = _scatter_add(ctx, kernel)
+    elif kernel.kind is KernelKind.MATMUL and kernel.core is not None:
+        functions = [_gemm(ctx, kernel)]
+    else:
+        raise CompileError(f"no generated code for {kernel.kind} kernels")
+    return KernelIR(str(kernel.kind), _header(kernel), functions)
+
+
+def _header(kernel: FusedKernel) -> list[str]:
+    numbering = {id(n): i for i, n in enumerate(kernel.reads + kernel.covers)}
+    lines = [f"ember fused kernel: {kernel.kind} over {list(kernel.space)}"
+             + (f" reducing axes {list(kernel.axes)}" if kernel.axes else "")]
+    for n in kernel.reads:
+        lines.append(f"  %{numbering[id(n)]} = load {list(n.shape)} {n.dtype.name}")
+    for n in kernel.covers:
+        args = ", ".join(f"%{numbering[id(i)]}" for i in n.inputs if id(i) in numbering)
+        stored = "  -> stored" if n in kernel.outputs else ""
+        lines.append(f"  %{numbering[id(n)]} = {n.op.label}({args}) {list(n.shape)} {n.dtype.name}{stored}")
+    return lines
+
+
+def _program(emitter: Emitter, axis: int = 0, name: str = "pid") -> Var:
+    return emitter.bind(name, call("program_id", axis=axis))
+
+
+def _pointwise_body(ctx: Context, kernel: FusedKernel, block: list, tag: str, first_block: Expr) -> None:
+    emitter = Emitter(ctx, kernel, block, tag)
+    numel = math.prod(kernel.space)
+    start = call("cast", first_block, dtype=dtypes.int64) if emitter.big else first_block
+    offs = emitter.bind(f"offs{tag}", Bin("+", Bin("*", start, BLOCK), Range(BLOCK)))
+    mask = emitter.bind(f"mask{tag}", Bin("<", offs, ctx.size(numel)))
+    for out in kernel.outputs:
+        emitter.store(out, Index(None, offs, mask, FULL), (BLOCK,))
+
+
+def _pointwise(ctx: Context, kernel: FusedKernel) -> Function:
+    body: list = []
+    pid = _program(Emitter(ctx, kernel, body))
+    _pointwise_body(ctx, kernel, body, "", pid)
+    grid = -(-math.prod(kernel.space) // POINTWISE_BLOCK)
+    return ctx.function("", body, {"BLOCK": POINTWISE_BLOCK}, grid, 4)
+
+
+def _segmented(ctx: Context, kernel: FusedKernel) -> Function:
+    """Many independent pointwise kernels in one launch: program ids are split into ranges."""
+    body: list = []
+    pid = _program(Emitter(ctx, kernel, body))
+    total = 0
+    branches = body
+    for k, part in enumerate(kernel.segments):
+        blocks = -(-math.prod(part.space) // POINTWISE_BLOCK)
+        begin = total
+        total += blocks
+        bound = ctx.param("bound", total, "end")
+        branch = Branch(Bin("<", pid, bound),
+                        comment=f"segment {k}: {', '.join(o.op.label for o in part.outputs)} over {list(part.space)}")
+        branches.append(branch)
+        branches = branch.orelse
+        first = pid if begin == 0 else Bin("-", pid, ctx.param("bound", begin, "end"))
+        _pointwise_body(ctx, part, branch.body, f"_{k}", first)
+    return ctx.function("", body, {"BLOCK": POINTWISE_BLOCK}, total, 4)
+
+
+def _rows(ctx: Context, kernel: FusedKernel) -> Function:
+    """A row kernel: each program holds BLOCK_M rows; reductions over the row run in registers."""
+    space, axes = kernel.space, kernel.axes
+    m, n = kernel.rows, kernel.cols
+    kept = [i for i in range(len(space)) if i not in axes]
+    trailing = tuple(axes) == tuple(range(len(space) - len(axes), len(space)))
+    if trailing:  # rows are contiguous in memory: a program takes few, long rows
+        block_n = min(next_pow2(n), ROW_TILE)
+        if next_pow2(n) > ROW_TILE:  # a row that does not fit is walked in small chunks (registers)
+            block_n = LOOP_CHUNK
+        block_m = max(1, min(ROW_TILE // block_n, next_pow2(m), 64)) if block_n != LOOP_CHUNK else 1
+    else:  # the kept axes are the contiguous ones: wide along them, so loads coalesce
+        block_m = min(next_pow2(m), 128)
+        block_n = max(1, min(next_pow2(n), ROW_TILE // block_m))
+    persistent = next_pow2(n) <= block_n
+    body: list = []
+    emitter = Emitter(ctx, kernel, body)
+    pid = _program(emitter)
+    first_row = call("cast", pid, dtype=dtypes.int64) if emitter.big else pid
+    rows = emitter.bind("rows", Bin("+", Bin("*", first_row, BLOCK_M), Range(BLOCK_M, 0, 2)))
+    rmask = emitter.bind("rmask", Bin("<", rows, ctx.size(m)))
+    emitter.row_index = Index(None, rows, rmask, ROW)
+    emitter.unravel(rows, tuple(space[i] for i in kept))  # before any loop, so every phase can use it
+    n_size = ctx.size(n)
+    chunk: dict[str, Var] = {}
+
+    def full_index() -> Index:
+        cols = chunk["cols"]
+        row_dims = emitter.unravel(rows, tuple(space[i] for i in kept))
+        col_dims = emitter.unravel(cols, tuple(space[i] for i in axes))
+        dims: list[Expr] = [ZERO] * len(space)
+        for i, d in zip(kept, row_dims):
+            dims[i] = d
+        for i, d in zip(axes, col_dims):
+            dims[i] = d
+        linear = Bin("+", Bin("*", rows, n_size), cols) if trailing else None
+        return Index(tuple(dims), linear, chunk["mask"], FULL)
+
+    def open_chunk(start: Expr) -> None:
+        chunk["cols"] = emitter.bind("cols", add(start, Range(BLOCK_N, 1, 2)))
+        chunk["mask"] = emitter.bind("mask", Bin("&", rmask, Bin("<", chunk["cols"], n_size)))
+
+    def open_loop() -> None:
+        loop = Loop(Var("start"), ZERO, n_size, BLOCK_N)
+        emitter.emit(loop)
+        emitter.loop, emitter.block = loop, loop.body
+        open_chunk(loop.var)
+
+    def close_loop() -> None:
+        emitter.block = body
+        if persistent:
+            return
+        emitter.loop = None
+        emitter.memo = {k: v for k, v in emitter.memo.items() if k[0] in emitter.reduced or k in emitter.hoisted}
+        emitter.unravelled = {k: v for k, v in emitter.unravelled.items() if k[0] == rows}
+
+    if persistent:
+        open_chunk(ZERO)
+    for r in kernel.reductions:
+        arg_reduction = r.op in (Op.ARGMAX, Op.ARGMIN)
+        dt = compute_dtype(r.inputs[0].dtype if arg_reduction else r.dtype)
+        acc_dt = dtypes.int32 if dt is dtypes.bool_ else dt
+        start_value = identity(r.op, dt)
+        acc = Var(emitter.fresh("acc"), frozenset({"m"}))
+        arg = Var(emitter.fresh("arg"), frozenset({"m"})) if arg_reduction else None
+        emitter.emit(Assign((acc,), call("full", start_value, shape=(BLOCK_M, 1), dtype=acc_dt)))
+        if arg:
+            emitter.emit(Assign((arg,), call("zeros", shape=(BLOCK_M, 1), dtype=dtypes.int64)))
+        if not persistent:
+            open_loop()
+        value, _ = emitter.value(r.inputs[0], full_index())
+        tile = emitter.define(call("where", chunk["mask"],
+                                   Bin("+", value, call("zeros", shape=(BLOCK_M, BLOCK_N), dtype=acc_dt)),
+                                   start_value), "t")
+        combine = r.op.label
+        if r.op is Op.SUM:
+            emitter.emit(Assign((acc,), Bin("+", acc, call("reduce", tile, combine="sum", axis=1, drop="n"))))
+        elif r.op is Op.PROD:
+            emitter.emit(Assign((acc,), Bin("*", acc, call("reduce", tile, combine="prod", axis=1, drop="n"))))
+        elif r.op in (Op.MAX, Op.MIN):
+            part = call("reduce", tile, combine=combine, axis=1, drop="n", nan="propagate")
+            emitter.emit(Assign((acc,), call("combine", acc, part, combine=combine)))
+        else:  # the chunk's best (value, column), then the best of it and the rows' best so far
+            columns = emitter.define(Bin("+", chunk["cols"], call("zeros", shape=(BLOCK_M, BLOCK_N),
+                                                                  dtype=dtypes.int32)), "j")
+            best, where = Var(emitter.fresh("b"), acc.varies), Var(emitter.fresh("w"), acc.varies)
+            emitter.emit(Assign((best, where), call("reduce2", tile, columns, combine=combine, axis=1, drop="n")))
+            emitter.emit(Assign((acc, arg), call("combine", acc, arg, best, call("cast", where, dtype=dtypes.int64),
+                                                 combine=combine)))
+        emitter.block = body
+        result = arg if arg else acc
+        if acc_dt is not dt and not arg:  # a bool max or min, accumulated in int32
+            result = emitter.define(Bin("!=", acc, ZERO))
+        emitter.reduced[id(r)] = result
+        close_loop()
+    full_outputs = [o for o in kernel.outputs if kernel.levels[id(o)] == FULL]
+    row_outputs = [o for o in kernel.outputs if kernel.levels[id(o)] == ROW]
+    if full_outputs:
+        if not persistent:
+            open_loop()
+        for o in full_outputs:
+            emitter.store(o, full_index(), (BLOCK_M, BLOCK_N))
+        close_loop()
+    for o in row_outputs:
+        emitter.store(o, emitter.row_index, (BLOCK_M, 1))
+    grid = -(-m // block_m)
+    warps = 4 if block_m * block_n <= 2048 else 8
+    return ctx.function("", body, {"BLOCK_M": block_m, "BLOCK_N": block_n}, grid, warps)
+
+
+def _scatter_add(ctx: Context, kernel: FusedKernel) -> list[Function]:
+    """Copy the base into the output, then add each source element at its index atomically."""
+    node = kernel.outputs[0]
+    base, index, src = node.inputs
+    axis = node.attrs["axis"]
+    init = FusedKernel(KernelKind.POINTWISE, node.shape, (), [node], {id(node): FULL}, covers=kernel.covers,
+                       reads=kernel.reads)
+    # the first launch writes the base (its cone inlined) into the output
+    init_ctx = Context(ctx.stored, ctx.settings)
+    copy_body: list = []
+    emitter = Emitter(init_ctx, init, copy_body)
+    pid = _program(emitter)
+    offs = emitter.bind("offs", Bin("+", Bin("*", pid, BLOCK), Range(BLOCK)))
+    mask = emitter.bind("mask", Bin("<", offs, init_ctx.size(node.numel)))
+    value, dt = emitter.value(base, Index(None, offs, mask, OTHER))
+    pointer = init_ctx.param("write", node, "out")
+    copied = call("cast", Bin("+", value, call("zeros", shape=(BLOCK,), dtype=dt)), dtype=node.dtype)
+    emitter.emit(Effect(call("store", Bin("+", pointer, offs), copied, mask=mask)))
+    first = init_ctx.function("_init", copy_body, {"BLOCK": POINTWISE_BLOCK}, -(-node.numel // POINTWISE_BLOCK), 4)
+    body: list = []
+    emitter = Emitter(ctx, init, body)
+    pid = _program(emitter)
+    offs = emitter.bind("offs", Bin("+", Bin("*", pid, BLOCK), Range(BLOCK)))
+    mask = emitter.bind("mask", Bin("<", offs, ctx.size(index.numel)))
+    at = Index(None, offs, mask, OTHER)
+    picked, _ = emitter.value(index, at)
+    addend, _ = emitter.value(src, at)
+    dims = list(emitter.dims(at, index.shape))
+    valid = emitter.bind("valid", emitter.in_range(picked, node.shape[axis]))
+    dims[axis] = emitter.clamp(picked, node.shape[axis])
+    target = emitter.linear(Index(tuple(dims), None, mask, OTHER), node.shape)
+    pointer = ctx.param("write", node, "out")
+    # an index out of range adds nothing (at a clamped address, so the access stays in bounds)
+    added = call("cast", call("where", valid, addend, ZERO), dtype=node.dtype)
+    emitter.emit(Effect(call("atomic", add(pointer, target), added, mask=mask, combine="sum")))
+    second = ctx.function("_scatter", body, {"BLOCK": POINTWISE_BLOCK}, -(-index.numel // POINTWISE_BLOCK), 4)
+    return [first, second]
+
+
+def _gemm(ctx: Context, kernel: FusedKernel) -> Function:
+    """A tiled GEMM over the core's output: each program computes a BLOCK_M x BLOCK_N tile, walking K
+    in BLOCK_K steps; operand tiles come through the mainloop (prologue), the accumulator through
+    the epilogue. Tiles are visited in groups of GROUP_M rows, so neighbouring programs share the
+    operand tiles they load while those are still in L2."""
+    core = kernel.core
+    a, b = core.inputs
+    *batch, m, n = core.shape
+    k = a.shape[-1]
+    body: list = []
+    mainloop = Emitter(ctx, kernel, body)
+    M, N, K = ctx.size(m), ctx.size(n), ctx.size(k)
+    block_m, block_n, block_k = GEMM_BLOCK["rm"], GEMM_BLOCK["rn"], GEMM_BLOCK["ka"]
+    group = Block("GROUP_M", "")
+    bind = mainloop.bind
+    pid = _program(mainloop)
+    tiles_m = bind("tiles_m", call("cdiv", M, block_m))
+    tiles_n = bind("tiles_n", call("cdiv", N, block_n))
+    group_size = bind("group_size", Bin("*", group, tiles_n))
+    first_m = bind("first_m", Bin("*", Bin("//", pid, group_size), group))
+    group_rows = bind("group_rows", call("minimum", Bin("-", tiles_m, first_m), group))
+    pid_m = bind("pid_m", Bin("+", first_m, Bin("%", Bin("%", pid, group_size), group_rows)))
+    pid_n = bind("pid_n", Bin("//", Bin("%", pid, group_size), group_rows))
+
+    def wide(x: Expr) -> Expr:
+        return call("cast", x, dtype=dtypes.int64) if mainloop.big else x
+
+    rm = bind("rm", Bin("+", Bin("*", wide(pid_m), block_m), Range(block_m, 0, 2)))
+    rn = bind("rn", Bin("+", Bin("*", wide(pid_n), block_n), Range(block_n, 1, 2)))
+    batch_dims: tuple[Expr, ...] = ()
+    if batch:
+        batch_dims = mainloop.unravel(bind("batch", wide(call("program_id", axis=1))), tuple(batch))
+    mask_m = bind("mask_m", Bin("<", rm, M))
+    mask_n = bind("mask_n", Bin("<", rn, N))
+    acc = bind("acc", call("zeros", shape=(block_m, block_n), dtype=dtypes.float32))
+    summed = {id(r): summed_operand(core, r) for r in operand_sums(kernel)}  # operands summed along K on the way
+    sums = {key: mainloop.define(call("zeros", shape=(block_m, 1) if position == 0 else (1, block_n),
+                                      dtype=dtypes.float32), "sum")
+            for key, position in summed.items()}
+    before_loop = dict(mainloop.unravelled)  # names defined inside the loop are out of scope after it
+    loop = Loop(Var("start"), ZERO, K, block_k)
+    mainloop.emit(loop)
+    mainloop.block = loop.body
+    ka = bind("ka", Bin("+", loop.var, Range(GEMM_BLOCK["ka"], 1, 2)))
+    kb = bind("kb", Bin("+", loop.var, Range(GEMM_BLOCK["kb"], 0, 2)))
+    mask_ka = bind("mask_ka", Bin("<", ka, K))
+    mask_kb = bind("mask_kb", Bin("<", kb, K))
+    mask_a = bind("mask_a", Bin("&", mask_m, mask_ka))
+    mask_b = bind("mask_b", Bin("&", mask_kb, mask_n))
+    mask = Var("mask", frozenset({"rm", "rn"}))
+    masks = {mask_a: {"rm": mask_m, "ka": mask_ka}, mask_b: {"kb": mask_kb, "rn": mask_n},
+             mask: {"rm": mask_m, "rn": mask_n}}
+    mainloop.mask_parts = masks
+    tile_a, layout_a = mainloop.operand(a, Index((*batch_dims, rm, ka), None, mask_a, OTHER), core.dtype)
+    tile_b, layout_b = mainloop.operand(b, Index((*batch_dims, kb, rn), None, mask_b, OTHER), core.dtype)
+    dot = ctx.settings.dot_precision(core.dtype)
+    precision = {"precision": dot} if core.dtype is dtypes.float32 else {}
+    mainloop.emit(Assign((acc,), call("dot", tile_a, tile_b, acc, **precision)))
+    for key, position in summed.items():
+        axis, tile, drop = (1, tile_a, "ka") if position == 0 else (0, tile_b, "kb")
+        part = call("reduce", call("cast", tile, dtype=dtypes.float32), combine="sum", axis=axis, drop=drop)
+        mainloop.emit(Assign((sums[key],), Bin("+", sums[key], part)))
+    epilogue = Emitter(ctx, kernel, body)
+    epilogue.count = mainloop.count
+    epilogue.unravelled = before_loop
+    epilogue.accumulator = acc
+    epilogue.mask_parts = masks
+    for o in kernel.outputs:  # one row of programs stores what every row of them summed
+        r = summed_output(kernel, o)
+        if r is None or id(r) not in summed:
+            continue
+        first = Bin("==", pid_n if summed[id(r)] == 0 else pid_m, ZERO)
+        position, bound = (rm, M) if summed[id(r)] == 0 else (rn, N)
+        pointer = ctx.param("write", o, "out")  # a reshape of the sum: the same positions
+        epilogue.emit(Effect(call("store", Bin("+", pointer, position), call("cast", sums[id(r)], dtype=o.dtype),
+                                  mask=Bin("&", Bin("<", position, bound), first))))
+    epilogue.bind("mask", Bin("&", mask_m, mask_n))
+    for o in kernel.outputs:
+        if summed_output(kernel, o) is None:
+            epilogue.store(o, _epilogue_index(epilogue, core, o.shape, batch_dims, rm, rn, mask),
+                           (block_m, block_n))
+    at = Index((*batch_dims, rm, rn), None, mask, FULL)
+    _epilogue_reductions(ctx, kernel, epilogue, at, [r for r in kernel.reductions if id(r) not in summed],
+                         {1: (rm, mask_m), 0: (rn, mask_n)})
+    function = ctx.function("", body, {"BLOCK_M": 0, "BLOCK_N": 0, "BLOCK_K": 0, "GROUP_M": 0}, 0, 4)
+    function.gemm = (math.prod(batch), m, n, k)
+    function.layout = layout_a + layout_b
+    function.precision = dot
+    return function
+
+
+def _epilogue_index(emitter: Emitter, core: Node, shape: tuple[int, ...], batch_dims: tuple[Expr, ...],
+                    rm: Var, rn: Var, mask: Var) -> Index:
+    """Where the tile's elements sit in an output of the epilogue: the core's shape, or a reshape of it
+    (the planner checked that element i of one is element i of the other)."""
+    *batch, m, n = core.shape
+    if shape == core.shape:
+        return Index((*batch_dims, rm, rn), None, mask, FULL)
+    if not batch and shape and shape[-1] == n:  # rows regrouped: one division per row, not per element
+        return Index((*emitter.unravel(rm, shape[:-1]), rn), None, mask, FULL)
+    linear = emitter.linear(Index((*batch_dims, rm, rn), None, mask, FULL), core.shape)
+    return Index(None, linear, mask, FULL)
+
+
+def _epilogue_reductions(ctx: Context, kernel: FusedKernel, epilogue: Emitter, at: Index, reductions: list[Node],
+                         kept: dict[int, tuple[Var, Var]]) -> None:
+    """Rows or columns of an epilogue value reduced across tiles: each program reduces its tile and
+    combines the result atomically into the output, which the runtime fills with the identity first."""
+    for r in reductions:
+        (axis,) = r.attrs["axes"]
+        value, dt = epilogue.value(r.inputs[0], at)
+        tile = epilogue.define(call("where", at.mask, Bin("+", value, call("zeros", shape=GEMM_TILE, dtype=dt)),
+                                    identity(r.op, dt)), "t")
+        part = epilogue.define(call("reduce", tile, combine=r.op.label, axis=axis, drop="rn" if axis == 1 else "rm"),
+                               "part")
+        position, keep = kept[axis]
+        for o in kernel.outputs:
+            if summed_output(kernel, o) is r:
+                pointer = ctx.param("write", o, "out")
+                epilogue.emit(Effect(call("atomic", Bin("+", pointer, position), part, mask=keep,
+                                          combine=r.op.label)))
+
+
+GEMM_TILE = (GEMM_BLOCK["rm"], GEMM_BLOCK["rn"])
+
+
+def epilogue_reduction_outputs(kernel: FusedKernel) -> list[tuple[Node, Op]]:
+    """The outputs a GEMM kernel reduces into atomically, with their reductions: the runtime fills them
+    with the reduction's identity before each launch."""
+    sums = operand_sums(kernel)
+    return [(o, r.op) for o in kernel.outputs if (r := summed_output(kernel, o)) is not None and r not in sums]

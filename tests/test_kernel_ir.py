@@ -1,0 +1,143 @@
+"""The kernel IR is data: planned kernels are lowered to statements over expression trees that name no
+target's syntax, every primitive has a way into it, and the Triton renderer prints it faithfully."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+import ember
+from ember.compiler import fusion, lower, passes
+from ember.compiler.codegen import triton as renderer
+from ember.compiler.context import CompileContext
+from ember.compiler.kernel import Assign, Bin, Block, Branch, Call, Effect, Expr, KernelIR, Lit, Loop, Prim, Range, Var
+from ember.ir import Kind, Op, toposort
+from ember.ir.ops import RULES, TARGETS
+
+POINTWISE_KINDS = (Kind.UNARY, Kind.BINARY, Kind.TERNARY)
+
+
+@pytest.mark.parametrize("op", list(Op), ids=lambda op: op.label)
+def test_every_primitive_has_a_way_into_every_target(op):
+    """A pointwise primitive is a Prim each target renders by the primitive's own lowering; every other
+    primitive is lowered by the kernel IR itself (folded into an index, reduced, a core, a vendor call)."""
+    if op.kind in POINTWISE_KINDS:
+        for target in TARGETS:
+            assert callable(RULES[op].lowerings.get(target)), f"{op}: no {target} lowering"
+    else:
+        assert op in lower.STRUCTURAL, f"{op}: the kernel IR has no lowering for it"
+
+
+def _kernels(build):
+    out = build()
+    order = toposort([out._node])
+    lowered = passes.lower(order, {id(out._node)}, passes.signature(order, {id(out._node)}))
+    kernels, stored = fusion.plan(lowered.nodes, lowered.outputs, CompileContext())
+    return kernels, stored
+
+
+def _walk(block):
+    for s in block:
+        yield s
+        if isinstance(s, Loop):
+            yield from _walk(s.prelude)
+            yield from _walk(s.body)
+        if isinstance(s, Branch):
+            yield from _walk(s.body)
+            yield from _walk(s.orelse)
+
+
+def _expressions(e: Expr):
+    yield e
+    for child in e.children():
+        yield from _expressions(child)
+
+
+def _graphs():
+    rng = np.random.default_rng(0)
+
+    def t(*shape):
+        return ember.tensor(rng.standard_normal(shape).astype(np.float32), device="cuda")
+
+    x, w, b = t(33, 70), t(70, 20), t(20)
+    return {
+        "pointwise": lambda: (x * 2 + 1).exp(),
+        "softmax": lambda: x.softmax(-1),
+        "gemm + epilogue + column sum": lambda: ((x.relu() @ w) + b).sum(0),
+        "views": lambda: x.T.flip(0)[::2].contiguous() + 1,
+        "pad and gather": lambda: ember.nn.functional.pad(x, (1, 2)).gather(
+            1, ember.tensor(rng.integers(0, 70, (33, 5)), device="cuda")),
+    }
+
+
+@pytest.mark.parametrize("name", list(_graphs()))
+def test_lowered_kernels_hold_statements_and_trees_not_source_text(name):
+    kernels, stored = _kernels(_graphs()[name])
+    for kernel in kernels:
+        if kernel.kind in fusion.VENDOR_KINDS and kernel.core is None:
+            continue
+        ir = lower.lower(kernel, stored, CompileContext())
+        assert isinstance(ir, KernelIR) and ir.functions
+        for function in ir.functions:
+            for statement in _walk(function.body):
+                assert isinstance(statement, (Assign, Effect, Loop, Branch))
+                values = [statement.value] if isinstance(statement, (Assign, Effect)) else []
+                for value in values:
+                    for e in _expressions(value):
+                        assert isinstance(e, (Var, Lit, Block, Range, Bin, Call, Prim))
+                        assert not isinstance(e, Lit) or not isinstance(e.value, str), "text in the kernel IR"
+
+
+def test_whether_a_value_is_a_tile_is_read_off_the_tree():
+    m, n = Block("BLOCK_M", "m"), Block("BLOCK_N", "n")
+    rows, cols = Range(m, 0, 2), Range(n, 1, 2)
+    size = Var("n0")
+    assert not Bin("*", Var("pid"), m).is_tile
+    assert Bin("+", Bin("*", Var("pid"), m), rows).axes == {"m"}
+    assert Bin("+", Bin("*", rows, size), cols).axes == {"m", "n"}
+    reduced = Call("reduce", (Bin("+", rows, cols),), options=(("axis", 1), ("combine", "sum"), ("drop", "n")))
+    assert reduced.axes == {"m"}
+    assert Call("load", (Bin("+", Var("in0"), Lit(3)),)).axes == frozenset()
+    assert Call("zeros", (), (m, 1)).axes == {"m"}
+
+
+OPERATORS = ["+", "-", "*", "//", "%", "<", "<=", ">=", "==", "!=", "&", "|"]
+
+
+@pytest.mark.parametrize("outer,left,right", list(itertools.product(OPERATORS, ["+", "*", "<", "&"], ["-", "//", "<"])))
+def test_rendered_expressions_keep_the_trees_meaning(outer, left, right):
+    """Each tree is evaluated directly and through the text the renderer prints (Python's precedence,
+    which Triton shares): parentheses go exactly where the tree needs them."""
+    values = {"a": 7, "b": 3, "c": 5, "d": 2}
+
+    def evaluate(e):
+        if isinstance(e, Var):
+            return values[e.name]
+        if isinstance(e, Lit):
+            return e.value
+        a, b = evaluate(e.a), evaluate(e.b)
+        return {"+": a + b, "-": a - b, "*": a * b, "//": a // b if b else 0, "%": a % b if b else 0,
+                "<": a < b, "<=": a <= b, ">=": a >= b, "==": a == b, "!=": a != b,
+                "&": int(a) & int(b), "|": int(a) | int(b)}[e.op]
+
+    tree = Bin(outer, Bin(left, Var("a"), Var("b")), Bin(right, Var("c"), Var("d")))
+    text = renderer.Renderer().expr(tree)
+    expected = evaluate(tree)
+    if isinstance(expected, int) and outer in ("//", "%") and evaluate(tree.b) == 0:
+        return
+    assert eval(text, {}, dict(values)) == expected, text  # noqa: S307 - the renderer's own output
+
+
+def test_a_kernel_is_named_after_its_text_and_the_same_graph_gives_the_same_source():
+    build = _graphs()["softmax"]
+    sources = []
+    for _ in range(2):
+        kernels, stored = _kernels(build)
+        sources.append([renderer.generate(k, stored, CompileContext()) for k in kernels])
+    first, again = sources
+    assert [s.text for s in first] == [s.text for s in again]
+    for source in first:
+        assert f"def {source.name}(" in source.text
+        assert source.text.startswith("# ember fused kernel: reduce")

@@ -3,6 +3,7 @@
 It is the frontend's way to mark a GPU region inside CPU code (or the reverse): Tensor arguments
 are moved in and Tensor results moved back with lazy COPY nodes (as `Tensor.to` makes), so the
 copies happen at the region's edges only and everything inside fuses on the region's device.
+The COPY primitive's rules are declared here, at the end.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Any
 from ember import nested
 from ember.device import Device, as_device, default_device
 from ember.device import device as default_on
+from ember.ir import Op
+from ember.ir.ops import define
 from ember.tensor import Tensor
 
 
@@ -51,3 +54,8 @@ def on_device(device: str | Device, fn: Callable[..., Any], *args, **kwargs) -> 
 def _moved(value, device: Device):
     """`value` with every Tensor in it (through lists, tuples and dicts) moved to `device`."""
     return nested.map_leaves(lambda x: x.to(device) if isinstance(x, Tensor) else x, value)
+
+
+# -- the COPY primitive: a value moved to another device (attribute `device`, the target) ------------------
+define(Op.COPY, shape=lambda inputs, attrs: (inputs[0].shape, inputs[0].dtype),
+       vjp=lambda g, xs, out, a: (g.to(xs[0].device),), reference=lambda x, device: x)

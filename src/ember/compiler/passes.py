@@ -182,7 +182,7 @@ class _Builder:
             if kind in (Kind.UNARY, Kind.BINARY, Kind.TERNARY):  # by the primitive's reference rule
                 args = [np.asarray(i.attrs["value"], dtype=dtypes.compute_dtype(i.dtype).np) for i in ins]
                 with np.errstate(all="ignore"):
-                    value = np.asarray(RULES[op].reference(*args)).astype(original.dtype.np).item()
+                    value = np.asarray(RULES[op].reference(*args, **attrs)).astype(original.dtype.np).item()
                 return self._const(value, original)
         if kind is Kind.BINARY:
             a, b = ins

@@ -7,18 +7,19 @@ give the user-facing error; the shape rules assert the invariants the frontend m
 have established (equal shapes for elementwise ops, equal dtypes for binary ops).
 
 `RULES` holds, per primitive: its shape and dtype rule, its derivative (VJP), its reference
-implementation and its lowering per code generator. The table lives here, at the bottom of the
-pipeline, so every layer reads it without importing the layers above: `infer` its shape rules,
-autograd its VJPs, the reference backend its NumPy implementations, a code generator its lowerings.
-The rules are declared side by side with the primitive's user-facing ops (the pointwise primitives
-in `ember/ops/pointwise.py`), which fill the table when ember is imported, as JAX's lax.py registers
-each primitive's rules. tests/test_primitives.py checks that every primitive declares every rule.
+implementation, its lowering per code generator and, for a reduction, its identity. The table lives
+here, at the bottom of the pipeline, so every layer reads it without importing the layers above:
+`infer` its shape rules, autograd its VJPs, the reference backend its NumPy implementations, a code
+generator its lowerings. The rules are declared side by side with the primitive's user-facing ops,
+one `define` per primitive in the op-family module (`ember/ops/pointwise.py`, `reduce.py`, `movement.py`,
+`contraction.py`, `index.py`, `creation.py`, `random.py`, and `ember/placement.py` for COPY), which fill
+the table when ember is imported, as JAX's lax.py registers each primitive's rules.
+tests/test_primitives.py checks that every primitive declares every rule.
 """
 
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -112,44 +113,41 @@ class Op(enum.Enum):
         return f"Op.{self.name}"
 
 
-def _check(cond: bool, op: Op, msg: str) -> None:
+def check_shape(cond: bool, op: Op, msg: str) -> None:
+    """A shape rule's check of an invariant the frontend should have established."""
     if not cond:
         raise ShapeError(f"{op.label}: {msg}")
-
-
-def slice_length(start: int, stop: int, step: int) -> int:
-    return max(0, -(-(stop - start) // step))
 
 
 # -- the rules table -------------------------------------------------------------------------------
 
 TARGETS = ("triton",)  # code generators with per-primitive lowerings
 
-NOT_DIFFERENTIABLE = "not differentiable"  # a VJP rule: the output carries no gradient (bool results)
+# a VJP rule: no gradient flows through the primitive (bool results; leaves, which have no inputs)
+NOT_DIFFERENTIABLE = "not differentiable"
 
 
 @dataclass
 class Rules:
     shape: Callable | None = None  # (inputs, attrs) -> (shape, dtype); inputs are Nodes
     vjp: Callable | str | None = None  # (g, xs, out, attrs) -> one gradient or None per input
-    reference: Callable | None = None  # NumPy arrays in (half types widened to float32) -> array
+    # (*inputs, **attrs) -> array: the inputs are NumPy arrays (half types widened to float32 but for
+    # movement and transfers), the node's attributes come as keywords, as JAX's impl rules take params
+    reference: Callable | None = None
     lowerings: dict[str, Callable] = field(default_factory=dict)  # target -> lowering
+    identity: Callable[[DType], bool | int | float] | None = None  # a reduction's neutral element, per dtype
 
 
 RULES: dict[Op, Rules] = {op: Rules() for op in Op}
 
 
-def define(op: Op, *, shape: Callable, vjp: Callable | str, reference: Callable, **lowerings: Callable) -> None:
+def define(op: Op, *, shape: Callable, vjp: Callable | str, reference: Callable,
+           identity: Callable[[DType], bool | int | float] | None = None, **lowerings: Callable) -> None:
     """Declare a primitive's rules (once; a second declaration is a mistake)."""
     assert RULES[op].shape is None, f"{op} is declared twice"
     unknown = set(lowerings) - set(TARGETS)
     assert not unknown, f"{op}: lowerings for unknown targets {unknown}"
-    RULES[op] = Rules(shape, vjp, reference, dict(lowerings))
-
-
-def vjp_rule(op: Op, rule: Callable | str) -> None:
-    """Declare the VJP of a primitive whose other rules are not in the table yet."""
-    RULES[op].vjp = rule
+    RULES[op] = Rules(shape, vjp, reference, dict(lowerings), identity)
 
 
 # -- shape and dtype rules shared by the pointwise primitives ------------------------------------
@@ -192,72 +190,5 @@ def where_rule(inputs, attrs) -> tuple[tuple[int, ...], DType]:
 
 
 def infer(op: Op, inputs: tuple, attrs: dict) -> tuple[tuple[int, ...], DType]:
-    """Shape and dtype of `op` applied to input nodes with these attributes."""
-    rule = RULES[op].shape
-    if rule is not None:
-        return rule(inputs, attrs)
-    kind = op.kind
-    if kind is Kind.LEAF:
-        shape = attrs["shape"] if op is not Op.IOTA else (attrs["n"],)
-        dtype = {Op.IOTA: dtypes.int64, Op.RAND: dtypes.float32}.get(op) or attrs["dtype"]
-        return tuple(shape), dtype
-    x = inputs[0]
-    if kind is Kind.REDUCE:
-        axes = attrs["axes"]
-        _check(all(0 <= a < len(x.shape) for a in axes), op, f"axes {axes} out of range for {x.shape}")
-        shape = tuple(1 if i in axes else s for i, s in enumerate(x.shape))
-        return shape, (dtypes.int64 if op in (Op.ARGMAX, Op.ARGMIN) else x.dtype)
-    if kind is Kind.MOVEMENT:
-        return _movement_shape(op, x.shape, attrs), x.dtype
-    if op is Op.MATMUL:
-        a, b = x.shape, inputs[1].shape
-        _check(len(a) == len(b) >= 2 and a[:-2] == b[:-2] and a[-1] == b[-2], op,
-               f"cannot multiply {a} by {b}")
-        return a[:-1] + b[-1:], x.dtype
-    if op is Op.CONV2D:
-        return _conv2d_shape(x.shape, inputs[1].shape, attrs), x.dtype
-    if op is Op.GATHER:
-        return inputs[1].shape, x.dtype
-    if op is Op.SCATTER_ADD:
-        return x.shape, x.dtype
-    if op is Op.COPY:
-        return x.shape, x.dtype
-    raise AssertionError(f"no shape rule for {op}")
-
-
-def _movement_shape(op: Op, shape: tuple[int, ...], attrs: dict) -> tuple[int, ...]:
-    if op is Op.RESHAPE:
-        new = tuple(attrs["shape"])
-        _check(math.prod(new) == math.prod(shape), op, f"cannot reshape {shape} to {new}")
-        return new
-    if op is Op.PERMUTE:
-        order = attrs["order"]
-        _check(sorted(order) == list(range(len(shape))), op, f"bad order {order} for {shape}")
-        return tuple(shape[i] for i in order)
-    if op is Op.EXPAND:
-        new = tuple(attrs["shape"])
-        _check(len(new) == len(shape) and all(s in (1, n) for s, n in zip(shape, new)), op,
-               f"cannot expand {shape} to {new}")
-        return new
-    if op is Op.SLICE:
-        return tuple(slice_length(*s) for s in attrs["slices"])
-    if op is Op.FLIP:
-        return shape
-    if op is Op.PAD:
-        pads = attrs["pads"]
-        _check(len(pads) == len(shape) and all(lo >= 0 and hi >= 0 for lo, hi in pads), op,
-               f"bad pads {pads} for {shape}")
-        return tuple(s + lo + hi for s, (lo, hi) in zip(shape, pads))
-    raise AssertionError(op)
-
-
-def conv_out_size(size: int, kernel: int, stride: int, padding: int, dilation: int) -> int:
-    return (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
-
-
-def _conv2d_shape(x: tuple, w: tuple, attrs: dict) -> tuple[int, ...]:
-    n, c, h, wd = x
-    o, cg, kh, kw = w
-    (sh, sw), (ph, pw), (dh, dw), g = attrs["stride"], attrs["padding"], attrs["dilation"], attrs["groups"]
-    _check(c == cg * g and o % g == 0, Op.CONV2D, f"input {x} and weight {w} do not fit groups={g}")
-    return (n, o, conv_out_size(h, kh, sh, ph, dh), conv_out_size(wd, kw, sw, pw, dw))
+    """Shape and dtype of `op` applied to input nodes with these attributes, by the primitive's rule."""
+    return RULES[op].shape(inputs, attrs)

@@ -1,12 +1,15 @@
-"""Matmul and convolution: the contractions, with PyTorch's shape rules."""
+"""Matmul and convolution: the contractions, with PyTorch's shape rules; at the end, the MATMUL and
+CONV2D primitives' rules."""
 
 from __future__ import annotations
+
+import numpy as np
 
 from ember import dtypes
 from ember.errors import DTypeError, ShapeError, operands
 from ember.ir import Op
-from ember.ir.ops import conv_out_size
-from ember.ops.movement import expand, reshape, squeeze, unsqueeze
+from ember.ir.ops import check_shape, define
+from ember.ops.movement import dilate_axis, expand, pad_axis, reshape, squeeze, unsqueeze
 from ember.ops.pointwise import _check_devices, broadcast_shapes
 from ember.tensor import Tensor, apply
 
@@ -143,3 +146,83 @@ def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padd
             raise ShapeError(f"conv2d: bias must have shape ({o},), got {bias.shape}")
         out = out + reshape(bias, (1, o, 1, 1))
     return squeeze(out, 0) if unbatched else out
+
+
+# -- the contraction primitives -----------------------------------------------------------------------
+# Each primitive's rules side by side: shape (the dtype is the operands'), VJP, and reference
+# implementation (NumPy, half types computed in float32, the attributes as keywords).
+
+def conv_out_size(size: int, kernel: int, stride: int, padding: int, dilation: int) -> int:
+    return (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
+
+
+def _matmul_rule(inputs, attrs) -> tuple[tuple[int, ...], dtypes.DType]:
+    x, y = inputs
+    a, b = x.shape, y.shape
+    check_shape(len(a) == len(b) >= 2 and a[:-2] == b[:-2] and a[-1] == b[-2], Op.MATMUL,
+                f"cannot multiply {a} by {b}")
+    return a[:-1] + b[-1:], x.dtype
+
+
+def _conv2d_rule(inputs, attrs) -> tuple[tuple[int, ...], dtypes.DType]:
+    x, w = inputs[0].shape, inputs[1].shape
+    n, c, h, wd = x
+    o, cg, kh, kw = w
+    (sh, sw), (ph, pw), (dh, dw), g = attrs["stride"], attrs["padding"], attrs["dilation"], attrs["groups"]
+    check_shape(c == cg * g and o % g == 0, Op.CONV2D, f"input {x} and weight {w} do not fit groups={g}")
+    return (n, o, conv_out_size(h, kh, sh, ph, dh), conv_out_size(wd, kw, sw, pw, dw)), inputs[0].dtype
+
+
+def _matmul_vjp(g, xs, out, a):
+    x, y = xs
+    return apply(Op.MATMUL, g, y.mT), apply(Op.MATMUL, x.mT, g)
+
+
+def _conv2d_vjp(g, xs, out, a):
+    """Both gradients of a convolution are convolutions themselves."""
+    x, w = xs
+    (sh, sw), (ph, pw), (dh, dw), groups = a["stride"], a["padding"], a["dilation"], a["groups"]
+    n, c, h, wd = x.shape
+    o, cg, kh, kw = w.shape
+    og = o // groups
+    # input gradient: spread g by the stride, pad, and correlate with the flipped, transposed weight
+    gd = g
+    for axis, s in ((2, sh), (3, sw)):
+        if s > 1:
+            gd = dilate_axis(gd, axis, s)
+    gd = pad_axis(gd, 2, dh * (kh - 1) - ph, h - gd.shape[2] + ph)
+    gd = pad_axis(gd, 3, dw * (kw - 1) - pw, wd - gd.shape[3] + pw)
+    wt = w.reshape(groups, og, cg, kh, kw).permute(0, 2, 1, 3, 4).reshape(groups * cg, og, kh, kw)
+    wt = apply(Op.FLIP, wt, axes=(2, 3))
+    gx = apply(Op.CONV2D, gd, wt, stride=(1, 1), padding=(0, 0), dilation=(dh, dw), groups=groups)
+    # weight gradient: correlate the padded input with g, batch and channels swapped
+    xp = apply(Op.PAD, x, pads=((0, 0), (0, 0), (ph, ph), (pw, pw)), value=0)
+    hp, wp = xp.shape[2:]
+    xt = xp.reshape(n, groups, cg, hp, wp).permute(2, 1, 0, 3, 4).reshape(cg, groups * n, hp, wp)
+    gt = g.reshape(n, groups, og, *g.shape[2:]).permute(1, 2, 0, 3, 4).reshape(o, n, *g.shape[2:])
+    gw = apply(Op.CONV2D, xt, gt, stride=(dh, dw), padding=(0, 0), dilation=(sh, sw), groups=groups)
+    gw = apply(Op.SLICE, gw, slices=((0, cg, 1), (0, o, 1), (0, kh, 1), (0, kw, 1))).permute(1, 0, 2, 3)
+    return gx, gw
+
+
+def _np_conv2d(x: np.ndarray, w: np.ndarray, stride, padding, dilation, groups: int) -> np.ndarray:
+    """Direct 2-D convolution (cross-correlation, as in PyTorch) through an im2col view."""
+    n, c, _, _ = x.shape
+    o, cg, kh, kw = w.shape
+    (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
+    x = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+    ho = (x.shape[2] - dh * (kh - 1) - 1) // sh + 1
+    wo = (x.shape[3] - dw * (kw - 1) - 1) // sw + 1
+    s = x.strides
+    # windows[n, c, i, j, p, q] = x[n, c, i*sh + p*dh, j*sw + q*dw]
+    windows = np.lib.stride_tricks.as_strided(
+        x, (n, c, max(ho, 0), max(wo, 0), kh, kw), (s[0], s[1], s[2] * sh, s[3] * sw, s[2] * dh, s[3] * dw),
+        writeable=False)
+    windows = windows.reshape(n, groups, cg, ho, wo, kh, kw)
+    wg = w.reshape(groups, o // groups, cg, kh, kw)
+    out = np.einsum("ngchwpq,gocpq->ngohw", windows, wg, optimize=True)
+    return out.reshape(n, o, ho, wo)
+
+
+define(Op.MATMUL, shape=_matmul_rule, vjp=_matmul_vjp, reference=np.matmul)
+define(Op.CONV2D, shape=_conv2d_rule, vjp=_conv2d_vjp, reference=_np_conv2d)

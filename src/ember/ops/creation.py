@@ -1,7 +1,8 @@
 """Creation ops: tensors from data, constants, ranges and identity matrices.
 
 Constants are one CONST scalar expanded to the requested shape, so `zeros(4096, 4096)`
-costs no memory until a kernel writes something computed from it.
+costs no memory until a kernel writes something computed from it. At the end, the rules of the
+leaf primitives BUFFER, CONST and IOTA (RAND's are in ember/ops/random.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from ember.device import as_device
 from ember.dtypes import DType
 from ember.errors import DTypeError, ShapeError
 from ember.ir import Node, Op
+from ember.ir.ops import NOT_DIFFERENTIABLE, define
 from ember.ops.movement import expand, reshape
 from ember.ops.pointwise import cast, scalar, where
 from ember.runtime import dlpack
@@ -221,3 +223,26 @@ def eye(n: int, m: int | None = None, dtype=None, device=None, requires_grad: bo
     cols = reshape(arange(m, device=device), (1, m))
     out = cast(rows == cols, dtypes.as_dtype(dtype) if dtype is not None else dtypes.default_float)
     return _requires_grad(out, requires_grad)
+
+
+# -- the leaf primitives of data and constants --------------------------------------------------------
+# Each primitive's rules side by side: shape and dtype, VJP (none: a leaf has no inputs to pass a gradient
+# to), and reference implementation (the attributes as keywords).
+
+def leaf_rule(inputs, attrs) -> tuple[tuple[int, ...], DType]:
+    """A leaf of the shape and dtype its attributes name."""
+    return tuple(attrs["shape"]), attrs["dtype"]
+
+
+def _np_buffer(**attrs) -> np.ndarray:
+    raise AssertionError("a buffer is realized data: the reference backend reads it and never evaluates it")
+
+
+def _np_const(shape, dtype: DType, value) -> np.ndarray:
+    return np.broadcast_to(np.asarray(value, dtype=dtype.np), shape)
+
+
+define(Op.BUFFER, shape=leaf_rule, vjp=NOT_DIFFERENTIABLE, reference=_np_buffer)
+define(Op.CONST, shape=leaf_rule, vjp=NOT_DIFFERENTIABLE, reference=_np_const)
+define(Op.IOTA, shape=lambda inputs, attrs: ((attrs["n"],), dtypes.int64), vjp=NOT_DIFFERENTIABLE,
+       reference=lambda n: np.arange(n, dtype=np.int64))

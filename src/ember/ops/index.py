@@ -1,4 +1,5 @@
-"""Gather and scatter: embeddings, index_select, one_hot, and the core of integer indexing."""
+"""Gather and scatter: embeddings, index_select, one_hot, and the core of integer indexing; at the end,
+the GATHER and SCATTER_ADD primitives' rules."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import numpy as np
 from ember import dtypes
 from ember.errors import DTypeError, ShapeError, operands
 from ember.ir import Op
-from ember.ops.movement import expand, normalize_dim, reshape
-from ember.ops.pointwise import _check_devices, cast
+from ember.ir.ops import define
+from ember.ops.creation import arange, zeros
+from ember.ops.movement import expand, normalize_dim, reshape, slice_axis
+from ember.ops.pointwise import _check_devices, cast, where
 from ember.tensor import Tensor, apply
 
 
@@ -60,8 +63,6 @@ def scatter_add(x: Tensor, dim: int, index: Tensor, src: Tensor) -> Tensor:
     if src.dtype is not x.dtype:
         raise DTypeError(f"scatter_add: src dtype {src.dtype.name} must match input dtype {x.dtype.name}")
     if src.shape != index.shape:
-        from ember.ops.movement import slice_axis
-
         for d, n in enumerate(index.shape):
             if src.shape[d] != n:
                 src = slice_axis(src, d, 0, n)
@@ -91,8 +92,6 @@ def embedding(index: Tensor, weight: Tensor, padding_idx: int | None = None) -> 
     check_bounds("embedding", index, weight.shape[0], 0)
     rows = index_select(weight, 0, reshape(index, (-1,)))
     if padding_idx is not None:
-        from ember.ops.pointwise import where
-
         keep = reshape(reshape(index, (-1,)) != padding_idx % weight.shape[0], (-1, 1))
         rows = where(keep, rows, rows.detach())  # torch reads the padding row as is; only its gradient stops
     return reshape(rows, index.shape + (weight.shape[1],))
@@ -100,11 +99,61 @@ def embedding(index: Tensor, weight: Tensor, padding_idx: int | None = None) -> 
 
 def one_hot(index: Tensor, num_classes: int = -1) -> Tensor:
     """int64 one-hot encoding; num_classes=-1 reads the largest index (a sync point)."""
-    from ember.ops.creation import arange
-
     if not isinstance(index, Tensor) or not index.dtype.is_integer:
         raise DTypeError(f"one_hot: expects an integer tensor, got {operands(index)}")
     if num_classes == -1:
         num_classes = int(index.max().item()) + 1 if index.numel() else 0
     classes = arange(num_classes, device=index.device)
     return cast(reshape(index, index.shape + (1,)) == classes, dtypes.int64)
+
+
+# -- the index primitives -----------------------------------------------------------------------------
+# Each primitive's rules side by side: shape and dtype, VJP, and reference implementation (NumPy, half
+# types computed in float32, the `axis` attribute as a keyword).
+
+def _gather_vjp(g, xs, out, a):
+    x, index = xs
+    axis = a["axis"]
+    same_elsewhere = all(i == s for d, (i, s) in enumerate(zip(index.shape, x.shape)) if d != axis)
+    if index.shape[axis] == 1 and same_elsewhere:
+        # one pick per row (cross entropy, max with indices): a pointwise select, no scatter
+        positions = arange(x.shape[axis], device=g.device).reshape(
+            tuple(x.shape[axis] if d == axis else 1 for d in range(x.ndim)))
+        return where(positions == index.expand(x.shape), g.expand(x.shape), 0), None
+    base = zeros(x.shape, dtype=g.dtype, device=g.device)
+    return apply(Op.SCATTER_ADD, base, index, g, axis=axis), None
+
+
+def _scatter_add_vjp(g, xs, out, a):
+    _, index, _ = xs
+    return g, None, apply(Op.GATHER, g, index, axis=a["axis"])
+
+
+def _np_gather(x: np.ndarray, index: np.ndarray, axis: int) -> np.ndarray:
+    # torch.gather lets the index be smaller than the input along the other axes
+    x = x[tuple(slice(0, s) if d != axis else slice(None) for d, s in enumerate(index.shape))]
+    _np_check_bounds(index, x.shape[axis], "gather")
+    return np.take_along_axis(x, index, axis)
+
+
+def _np_scatter_add(base: np.ndarray, index: np.ndarray, src: np.ndarray, axis: int) -> np.ndarray:
+    _np_check_bounds(index, base.shape[axis], "scatter_add")
+    out = base.copy()
+    where = list(np.indices(index.shape, sparse=True))
+    where[axis] = index
+    src = src[tuple(slice(0, s) for s in index.shape)]
+    np.add.at(out, tuple(where), src)
+    return out
+
+
+def _np_check_bounds(index: np.ndarray, size: int, op: str) -> None:
+    """An index computed in the graph is checked when it is used."""
+    if index.size and (index.min() < 0 or index.max() >= size):
+        bad = index[(index < 0) | (index >= size)].flat[0]
+        raise IndexError(f"{op}: index {bad} is out of bounds for a dimension of size {size}")
+
+
+define(Op.GATHER, shape=lambda inputs, attrs: (inputs[1].shape, inputs[0].dtype), vjp=_gather_vjp,
+       reference=_np_gather)
+define(Op.SCATTER_ADD, shape=lambda inputs, attrs: (inputs[0].shape, inputs[0].dtype), vjp=_scatter_add_vjp,
+       reference=_np_scatter_add)

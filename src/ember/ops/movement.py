@@ -1,7 +1,8 @@
 """Movement ops: reshape, permute, expand, slicing, padding, concatenation, indexing.
 
 They build RESHAPE / PERMUTE / EXPAND / SLICE / FLIP / PAD primitives, which change
-how data is viewed and never copy it; integer-tensor indexing becomes a GATHER.
+how data is viewed and never copy it; integer-tensor indexing becomes a GATHER. At the end, the
+movement primitives' rules.
 """
 
 from __future__ import annotations
@@ -10,9 +11,12 @@ import math
 import operator
 from collections.abc import Sequence
 
+import numpy as np
+
 from ember import dtypes
 from ember.errors import ShapeError, operands
 from ember.ir import Op
+from ember.ir.ops import check_shape, define
 from ember.tensor import Tensor, apply
 
 
@@ -514,8 +518,6 @@ def _index_items(x: Tensor, index) -> list:
 
 def _bool_mask_indices(mask: Tensor) -> list[Tensor]:
     """A bool mask selects by value, so its positions are read now (a sync point, as in PyTorch)."""
-    import numpy as np
-
     from ember.ops.creation import tensor as make_tensor
 
     if mask.ndim == 0:
@@ -600,8 +602,6 @@ def _has_tensor_index(index) -> bool:
 def _last_writes(flat_pos: Tensor, flat_value: Tensor) -> tuple[Tensor, Tensor]:
     """Only the last write to each position, as torch's sequential CPU loop leaves it; summing
     repeated writes would be wrong. Reading the positions is a sync point, as bool masks are."""
-    import numpy as np
-
     from ember.ops.creation import tensor as make_tensor
     from ember.ops.index import index_select
 
@@ -634,3 +634,115 @@ def setitem(x: Tensor, index, value) -> None:
                          reshape(cast(value, carrier), (-1,)))
     updated = where(hit > 0, cast(placed, x.dtype), reshape(x, (-1,)))
     x.assign(reshape(updated, x.shape))
+
+
+# -- the movement primitives --------------------------------------------------------------------------
+# Each primitive's rules side by side: shape (the dtype is the input's), VJP, and reference implementation
+# (a NumPy view where there is one; the values are moved as stored, never widened). The VJPs use the
+# helpers below, which the convolution's VJP shares.
+
+def pad_axis(x: Tensor, axis: int, lo: int, hi: int) -> Tensor:
+    """Pad (or, for negative amounts, crop) one axis with zeros."""
+    if lo < 0 or hi < 0:
+        x = slice_axis(x, axis, max(-lo, 0), x.shape[axis] - max(-hi, 0))
+        lo, hi = max(lo, 0), max(hi, 0)
+    if lo or hi:
+        x = apply(Op.PAD, x, pads=tuple((lo, hi) if d == axis else (0, 0) for d in range(x.ndim)), value=0)
+    return x
+
+
+def dilate_axis(x: Tensor, axis: int, step: int) -> Tensor:
+    """Put step - 1 zeros between the elements of one axis (the gradient of a strided slice)."""
+    length = x.shape[axis]
+    spread = list(x.shape)
+    spread[axis] = length * step
+    x = apply(Op.PAD, x.unsqueeze(axis + 1),
+              pads=tuple((0, step - 1) if d == axis + 1 else (0, 0) for d in range(x.ndim + 1)), value=0)
+    return slice_axis(x.reshape(spread), axis, 0, (length - 1) * step + 1)
+
+
+def _view_rule(op: Op, shape_of):
+    """A movement primitive's rule: its result shape from the input's shape; the dtype is kept."""
+    def rule(inputs, attrs) -> tuple[tuple[int, ...], dtypes.DType]:
+        (x,) = inputs
+        return shape_of(op, x.shape, attrs), x.dtype
+    return rule
+
+
+def _reshape_shape(op: Op, shape: tuple[int, ...], attrs: dict) -> tuple[int, ...]:
+    new = tuple(attrs["shape"])
+    check_shape(math.prod(new) == math.prod(shape), op, f"cannot reshape {shape} to {new}")
+    return new
+
+
+def _permute_shape(op: Op, shape: tuple[int, ...], attrs: dict) -> tuple[int, ...]:
+    order = attrs["order"]
+    check_shape(sorted(order) == list(range(len(shape))), op, f"bad order {order} for {shape}")
+    return tuple(shape[i] for i in order)
+
+
+def _expand_shape(op: Op, shape: tuple[int, ...], attrs: dict) -> tuple[int, ...]:
+    new = tuple(attrs["shape"])
+    check_shape(len(new) == len(shape) and all(s in (1, n) for s, n in zip(shape, new)), op,
+                f"cannot expand {shape} to {new}")
+    return new
+
+
+def _slice_shape(op: Op, shape: tuple[int, ...], attrs: dict) -> tuple[int, ...]:
+    return tuple(max(0, -(-(stop - start) // step)) for start, stop, step in attrs["slices"])
+
+
+def _pad_shape(op: Op, shape: tuple[int, ...], attrs: dict) -> tuple[int, ...]:
+    pads = attrs["pads"]
+    check_shape(len(pads) == len(shape) and all(lo >= 0 and hi >= 0 for lo, hi in pads), op,
+                f"bad pads {pads} for {shape}")
+    return tuple(s + lo + hi for s, (lo, hi) in zip(shape, pads))
+
+
+def _inverse(order: Sequence[int]) -> tuple[int, ...]:
+    inv = [0] * len(order)
+    for i, o in enumerate(order):
+        inv[o] = i
+    return tuple(inv)
+
+
+def _expand_vjp(g, xs, out, a):
+    (x,) = xs
+    axes = tuple(i for i, (s, n) in enumerate(zip(x.shape, out.shape)) if s == 1 and n != 1)
+    return (apply(Op.SUM, g, axes=axes) if axes else g,)
+
+
+def _slice_vjp(g, xs, out, a):
+    """The gradient is spread back by the step and padded with zeros to the input's extent."""
+    (x,) = xs
+    for axis, ((start, _, step), n) in enumerate(zip(a["slices"], x.shape)):
+        if g.shape[axis] == 0:
+            from ember.ops.creation import zeros
+
+            return (zeros(x.shape, dtype=g.dtype, device=g.device),)
+        if step > 1:
+            g = dilate_axis(g, axis, step)
+        g = pad_axis(g, axis, start, n - start - g.shape[axis])
+    return (g,)
+
+
+def _pad_vjp(g, xs, out, a):
+    slices = tuple((lo, lo + s, 1) for (lo, _), s in zip(a["pads"], xs[0].shape))
+    return (apply(Op.SLICE, g, slices=slices),)
+
+
+def _np_pad(x, pads, value):
+    return np.pad(x, pads, constant_values=np.asarray(value).astype(x.dtype))
+
+
+define(Op.RESHAPE, shape=_view_rule(Op.RESHAPE, _reshape_shape), vjp=lambda g, xs, out, a: (g.reshape(xs[0].shape),),
+       reference=lambda x, shape: x.reshape(shape))
+define(Op.PERMUTE, shape=_view_rule(Op.PERMUTE, _permute_shape),
+       vjp=lambda g, xs, out, a: (g.permute(*_inverse(a["order"])),), reference=lambda x, order: x.transpose(order))
+define(Op.EXPAND, shape=_view_rule(Op.EXPAND, _expand_shape), vjp=_expand_vjp,
+       reference=lambda x, shape: np.broadcast_to(x, shape))
+define(Op.SLICE, shape=_view_rule(Op.SLICE, _slice_shape), vjp=_slice_vjp,
+       reference=lambda x, slices: x[tuple(slice(*s) for s in slices)])
+define(Op.FLIP, shape=_view_rule(Op.FLIP, lambda op, shape, attrs: shape),
+       vjp=lambda g, xs, out, a: (apply(Op.FLIP, g, axes=a["axes"]),), reference=lambda x, axes: np.flip(x, axes))
+define(Op.PAD, shape=_view_rule(Op.PAD, _pad_shape), vjp=_pad_vjp, reference=_np_pad)

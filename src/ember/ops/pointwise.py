@@ -563,9 +563,9 @@ def addcdiv(x: Tensor, a: Tensor, b: Tensor, value=1) -> Tensor:
 
 # -- the pointwise primitives -------------------------------------------------------------------------
 # Each primitive's rules side by side: shape and dtype, VJP (g, inputs, output, attributes -> one gradient
-# or None per input), reference implementation (NumPy, half types computed in float32), and Triton
-# lowering (an expression of its operands, see ember.compiler.codegen.triton.Operands). Adding a pointwise
-# primitive means an Op and one `define` here.
+# or None per input), reference implementation (NumPy arrays in, half types widened to float32, and the
+# attributes as keywords: only CAST has one), and Triton lowering (an expression of its operands, see
+# ember.compiler.codegen.triton.Operands). Adding a pointwise primitive means an Op and one `define` here.
 
 def _zero_grad(g, xs, out, a):
     return (None,) * len(xs)
@@ -659,7 +659,7 @@ _define_unary(Op.ROUND, _zero_grad, lambda a: np.round(a) if a.dtype.kind == "f"
               lambda t: f"lib.rint({t.x}, {'4503599627370496.0' if t.dtype is dtypes.float64 else '8388608.0'})")
 define(Op.NOT, shape=predicate(Op.NOT), vjp=NOT_DIFFERENTIABLE, reference=np.logical_not,
        triton=lambda t: f"{t.x} == 0")
-define(Op.CAST, shape=cast_rule, reference=lambda a: a, triton=_triton_cast,
+define(Op.CAST, shape=cast_rule, reference=lambda a, dtype: a, triton=_triton_cast,
        vjp=lambda g, xs, out, a: (g.to(xs[0].dtype) if xs[0].dtype.is_floating_point else None,))
 
 

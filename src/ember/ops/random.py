@@ -2,7 +2,8 @@
 
 Each draw takes the next `numel` offsets of the global stream. Because nothing is
 stateful at run time, a lazy random tensor gives the same values however often it is
-computed, and a fused kernel can recompute a dropout mask instead of storing it.
+computed, and a fused kernel can recompute a dropout mask instead of storing it. At the end, the
+RAND primitive's rules.
 """
 
 from __future__ import annotations
@@ -10,9 +11,13 @@ from __future__ import annotations
 import math
 import threading
 
+import numpy as np
+
 from ember import dtypes
 from ember.device import as_device
 from ember.ir import Op
+from ember.ir.ops import NOT_DIFFERENTIABLE, define
+from ember.ir.philox import philox_normal, philox_uniform
 from ember.ops.pointwise import cast
 from ember.runtime import jit
 from ember.tensor import Tensor, leaf
@@ -107,3 +112,16 @@ def _finish(out: Tensor, dtype, requires_grad: bool) -> Tensor:
     if requires_grad:
         out = out.detach().requires_grad_()
     return out
+
+
+# -- the RAND primitive -------------------------------------------------------------------------------
+# Its rules side by side: shape and dtype (float32), VJP (none: a leaf), and reference implementation.
+
+def _np_rand(shape, seed: int, offset: int, distribution: str) -> np.ndarray:
+    offsets = offset + np.arange(math.prod(shape), dtype=np.int64)
+    draw = philox_uniform if distribution == "uniform" else philox_normal
+    return draw(seed, offsets).reshape(shape)
+
+
+define(Op.RAND, shape=lambda inputs, attrs: (tuple(attrs["shape"]), dtypes.float32), vjp=NOT_DIFFERENTIABLE,
+       reference=_np_rand)

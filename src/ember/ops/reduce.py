@@ -2,17 +2,21 @@
 
 The SUM / PROD / MAX / MIN / ARGMAX / ARGMIN primitives keep reduced dims with size
 1; these functions drop them unless `keepdim=True`. Mean, var, std, logsumexp,
-softmax and log_softmax are compositions.
+softmax and log_softmax are compositions. At the end, the reduction primitives' rules.
 """
 
 from __future__ import annotations
 
+import builtins
 import math
 from collections import namedtuple
+
+import numpy as np
 
 from ember import dtypes
 from ember.errors import DTypeError, ShapeError, operands
 from ember.ir import Op
+from ember.ir.ops import NOT_DIFFERENTIABLE, check_shape, define
 from ember.ops.movement import normalize_dim, normalize_dims, reshape
 from ember.ops.pointwise import cast, exp, log, where
 from ember.tensor import Tensor, apply
@@ -270,3 +274,64 @@ def cumsum(x: Tensor, dim: int) -> Tensor:
     moved = transpose(x, axis, -1) if x.ndim else reshape(x, (1,))
     out = moved @ transpose(lower, 0, 1)
     return transpose(out, axis, -1) if x.ndim else reshape(out, ())
+
+
+# -- the reduction primitives -------------------------------------------------------------------------
+# Each primitive's rules side by side: shape and dtype (reduced dims kept with size 1), VJP, and reference
+# implementation (NumPy, half types computed in float32, the `axes` attribute as a keyword).
+
+def _reduce_rule(op: Op, indices: bool = False):
+    def rule(inputs, attrs) -> tuple[tuple[int, ...], dtypes.DType]:
+        (x,) = inputs
+        axes = attrs["axes"]
+        check_shape(builtins.all(0 <= a < len(x.shape) for a in axes), op, f"axes {axes} out of range for {x.shape}")
+        shape = tuple(1 if i in axes else s for i, s in enumerate(x.shape))
+        return shape, (dtypes.int64 if indices else x.dtype)
+    return rule
+
+
+def _sum_vjp(g, xs, out, a):
+    return (g.expand(xs[0].shape),)
+
+
+def _prod_vjp(g, xs, out, a):
+    """The product of the other elements, without dividing by a zero: one zero in a row gets the product of
+    the rest, the others nothing."""
+    (x,) = xs
+    axes = a["axes"]
+    nonzero = x != 0
+    prod_nonzero = apply(Op.PROD, where(nonzero, x, 1.0), axes=axes).expand(x.shape)
+    zeros = apply(Op.SUM, (~nonzero).to(g.dtype), axes=axes).expand(x.shape)
+    others = where(zeros == 0, prod_nonzero / where(nonzero, x, 1.0),
+                   where((zeros == 1) & ~nonzero, prod_nonzero, 0.0))
+    return (g.expand(x.shape) * others,)
+
+
+def _extremum_vjp(g, xs, out, a):
+    """Ties share the gradient equally."""
+    (x,) = xs
+    hit = (x == out.expand(x.shape)).to(g.dtype)
+    count = apply(Op.SUM, hit, axes=a["axes"])
+    return ((g / count).expand(x.shape) * hit,)
+
+
+def _np_accumulate(fn):
+    """Sums and products keep the input's type: small integers wrap around as they do in torch."""
+    return lambda x, axes: fn(x, axis=axes, keepdims=True, dtype=x.dtype)
+
+
+def _np_arg(fn):
+    def reference(x, axes):
+        (axis,) = axes
+        return fn(x, axis=axis, keepdims=True)
+    return reference
+
+
+define(Op.SUM, shape=_reduce_rule(Op.SUM), vjp=_sum_vjp, reference=_np_accumulate(np.sum))
+define(Op.PROD, shape=_reduce_rule(Op.PROD), vjp=_prod_vjp, reference=_np_accumulate(np.prod))
+define(Op.MAX, shape=_reduce_rule(Op.MAX), vjp=_extremum_vjp,
+       reference=lambda x, axes: np.max(x, axis=axes, keepdims=True))
+define(Op.MIN, shape=_reduce_rule(Op.MIN), vjp=_extremum_vjp,
+       reference=lambda x, axes: np.min(x, axis=axes, keepdims=True))
+define(Op.ARGMAX, shape=_reduce_rule(Op.ARGMAX, indices=True), vjp=NOT_DIFFERENTIABLE, reference=_np_arg(np.argmax))
+define(Op.ARGMIN, shape=_reduce_rule(Op.ARGMIN, indices=True), vjp=NOT_DIFFERENTIABLE, reference=_np_arg(np.argmin))

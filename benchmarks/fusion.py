@@ -239,15 +239,15 @@ def replay(build) -> Callable[[], object]:
     """Run the cached plan of one step again without building its graph: the GPU time of ember's kernels
     plus their launches, with no graph construction or plan lookup."""
     from ember.ir import toposort
-    from ember.runtime import cuda
+    from ember.runtime import launcher, plan_cache
 
     nodes = [t._node for t in build()]
     order = toposort(nodes)
     keep = {id(n) for n in nodes} | {id(n) for n in order if n.is_held()}
-    cached, signature = cuda.plan_for(order, keep)
+    cached, signature = plan_cache.plan_for(order, keep)
     device = nodes[0].device
     inputs = [leaf.buffer for leaf in signature.inputs]
-    return lambda: cuda.execute(cached, signature, device, inputs)
+    return lambda: launcher.execute(cached, signature, device, inputs)
 
 
 def table(results: list[dict], bandwidth: float, cpu: bool) -> str:

@@ -14,7 +14,7 @@ from torch.profiler import ProfilerActivity, profile
 import ember
 import ember.nn.functional as F
 from ember.ir import toposort
-from ember.runtime import cuda
+from ember.runtime import disk, launcher, plan_cache
 
 sys.path.insert(0, "benchmarks")
 from fusion import to_ember  # noqa: E402
@@ -41,14 +41,14 @@ def main() -> None:
     outputs = workload(name, rows, cols)
     nodes = [o._node for o in outputs]
     order = toposort(nodes)
-    plan, sig = cuda.plan_for(order, {id(n) for n in nodes})
+    plan, sig = plan_cache.plan_for(order, {id(n) for n in nodes})
     device = nodes[0].device
     inputs = [leaf.buffer for leaf in sig.inputs]
     for _ in range(2):
-        cuda.execute(plan, sig, device, inputs)
+        launcher.execute(plan, sig, device, inputs)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        cuda.execute(plan, sig, device, inputs)
+        launcher.execute(plan, sig, device, inputs)
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10))
     for ck in plan.kernels:
@@ -56,7 +56,7 @@ def main() -> None:
             print(f"kernel {ck.kernel.index}: {ck.kernel.kind} (vendor)")
             continue
         for launch in ck.source.launches:
-            fn = getattr(ck.module, launch.function)
+            fn = getattr(disk.load_source(ck.source), launch.function)
             compiled = [k for cache in getattr(fn, "device_caches", {}).values() for k in cache[0].values()]
             info = ", ".join(f"regs {getattr(k, 'n_regs', '?')} spills {getattr(k, 'n_spills', '?')}"
                              for k in compiled[:2])

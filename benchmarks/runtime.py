@@ -345,11 +345,11 @@ def branches_row(args) -> list[Line]:
 def parallel_kernels(outputs: tuple) -> int:
     """How many kernels of the cached plan for `outputs` run in parallel groups (on side streams)."""
     from ember.ir import toposort
-    from ember.runtime import cuda
+    from ember.runtime import plan_cache
 
     nodes = [t._node for t in outputs]
     order = toposort(nodes)
-    plan, _ = cuda.plan_for(order, {id(n) for n in nodes} | {id(n) for n in order if n.is_held()})
+    plan, _ = plan_cache.plan_for(order, {id(n) for n in nodes} | {id(n) for n in order if n.is_held()})
     return plan.schedule.parallel_kernels
 
 

@@ -269,10 +269,10 @@ def test_random_graphs_fused_equal_reference(program, shape, seed, outputs):
 
 
 def test_plans_are_stored_on_disk_and_a_corrupt_entry_is_rebuilt(rng, tmp_path, monkeypatch):
-    from ember.runtime import cuda
+    from ember.runtime import cuda, plan_cache
 
     monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cuda, "_plans", {})
+    monkeypatch.setattr(plan_cache, "_plans", {})
     x, xc = pair(rng, 9, 31)
 
     def step(t):
@@ -282,12 +282,12 @@ def test_plans_are_stored_on_disk_and_a_corrupt_entry_is_rebuilt(rng, tmp_path, 
     before = dict(cuda.stats)
     np.testing.assert_allclose(step(x).numpy(), expected, rtol=1e-5, atol=1e-6)
     assert list((tmp_path / "plans").glob("*.pkl"))
-    cuda._plans.clear()  # as a new process would start
+    plan_cache.clear()  # as a new process would start
     np.testing.assert_allclose(step(x).numpy(), expected, rtol=1e-5, atol=1e-6)
     assert cuda.stats["plans_loaded"] - before["plans_loaded"] == 1
     for path in (tmp_path / "plans").glob("*.pkl"):
         path.write_bytes(b"not a plan")
-    cuda._plans.clear()
+    plan_cache.clear()
     np.testing.assert_allclose(step(x).numpy(), expected, rtol=1e-5, atol=1e-6)
     assert cuda.stats["plans_compiled"] - before["plans_compiled"] == 2
 

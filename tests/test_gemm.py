@@ -512,10 +512,10 @@ def test_the_split_weight_gradient_sums_the_bias_gradient_in_a_kernel_of_its_own
 
 def test_a_repeated_gemm_step_hits_the_plan_cache_and_a_new_process_reads_it_from_disk(rng, tmp_path,
                                                                                          monkeypatch):
-    from ember.runtime import cuda
+    from ember.runtime import cuda, plan_cache
 
     monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cuda, "_plans", {})
+    monkeypatch.setattr(plan_cache, "_plans", {})
     a, b, bias = random(rng, 20, 24), random(rng, 24, 19), random(rng, 19)
     x, w, c = on("cuda", a, b, bias)
 
@@ -532,7 +532,7 @@ def test_a_repeated_gemm_step_hits_the_plan_cache_and_a_new_process_reads_it_fro
         assert_matches(step(), expected)
     assert (made("plans_compiled"), made("plan_hits")) == (1, 2)
     assert list((tmp_path / "plans").glob("*.pkl"))
-    cuda._plans.clear()  # as a new process would start
+    plan_cache.clear()  # as a new process would start
     assert_matches(step(), expected)
     assert (made("plans_compiled"), made("plans_loaded")) == (1, 1)
     monkeypatch.setattr(cuda, "gemm_backend", "cublas")  # another form: another plan
@@ -703,16 +703,16 @@ def test_explain_names_the_configuration_and_the_form_a_gemm_runs_with(rng, monk
 
 def test_a_generated_gemm_that_does_not_fit_the_gpu_runs_its_split_form(rng, monkeypatch):
     # an epilogue can need more shared memory than the bare GEMM whose configuration it runs with
-    from ember.runtime import cuda
+    from ember.runtime import launcher
 
-    failing = cuda._run_launches
+    failing = launcher._run_launches
 
     def out_of_resource(launches, ck, buffers, sig):
         if ck.kernel.core is not None:
             raise ember.CompileError("kernel failed: out of resource: shared memory, Required: 344064")
         return failing(launches, ck, buffers, sig)
 
-    monkeypatch.setattr(cuda, "_run_launches", out_of_resource)
+    monkeypatch.setattr(launcher, "_run_launches", out_of_resource)
     a, b, bias = random(rng, 20, 24), random(rng, 24, 19), random(rng, 19)
     x, w, c = on("cuda", a, b, bias)
     out = F.gelu(x @ w + c)

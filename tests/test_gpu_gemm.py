@@ -13,7 +13,7 @@ import torch
 
 import ember
 import ember.nn.functional as F
-from ember.runtime import autotune, cuda
+from ember.runtime import autotune, cuda, plan_cache
 
 pytestmark = [
     pytest.mark.gpu,
@@ -116,5 +116,5 @@ def test_the_autotuner_profiles_caches_on_disk_and_explains_its_choice(tmp_path,
     assert relative_error(out, want) < BOUND["bfloat16"]
     monkeypatch.setattr(autotune, "_profile_bare", lambda problem: pytest.fail("profiled again despite the cache"))
     monkeypatch.setattr(autotune, "_entries", None)  # as a new process reads the file
-    cuda._plans.clear()
+    plan_cache.clear()
     np.testing.assert_allclose(step().float().numpy(), out.float().numpy(), rtol=1e-2, atol=1e-2)

@@ -11,7 +11,7 @@ import torch
 import ember
 import ember.nn as nn
 import ember.nn.functional as F
-from ember.runtime import cuda
+from ember.runtime import cuda, plan_cache
 
 pytestmark = [
     pytest.mark.gpu,
@@ -96,7 +96,7 @@ def test_two_streams_compute_what_one_does():
         cuda.max_streams = 1
         one = branches()
         cuda.max_streams = 2
-        cuda._plans.clear()
+        plan_cache.clear()
         two = branches()
     finally:
         cuda.max_streams = previous

@@ -12,7 +12,7 @@ import pytest
 import ember
 import ember.nn as nn
 import ember.nn.functional as F
-from ember.runtime import cuda
+from ember.runtime import graphs, launcher, plan_cache
 
 pytestmark = pytest.mark.usefixtures("cuda_backend")
 
@@ -226,16 +226,16 @@ def test_an_interrupt_waits_for_the_replay_to_finish(monkeypatch):
     model, opt = make()
     step = ember.jit(step_fn(model, opt))
     train(step, BATCHES[:3])
-    run = cuda.Replay.run
+    run = graphs.Replay.run
 
     def interrupted(self, draws):
         os.kill(os.getpid(), signal.SIGINT)  # arrives as the replay starts
         return run(self, draws)
 
-    monkeypatch.setattr(cuda.Replay, "run", interrupted)
+    monkeypatch.setattr(graphs.Replay, "run", interrupted)
     with pytest.raises(KeyboardInterrupt):
         step(*(ember.tensor(v, device="cuda") for v in BATCHES[3]))
-    monkeypatch.setattr(cuda.Replay, "run", run)
+    monkeypatch.setattr(graphs.Replay, "run", run)
     assert step.stats["replays"] == 1
     reference, ref_opt = make()
     train(step_fn(reference, ref_opt), BATCHES[:4])
@@ -248,7 +248,7 @@ def test_an_interrupted_eager_step_is_never_half_applied(monkeypatch):
     leaves its graph pending, so the parameters still show the whole update, computed when read."""
     model, opt = make()
     train(step_fn(model, opt), BATCHES[:1])
-    launches = cuda._run_launches
+    launches = launcher._run_launches
     count = {"n": 0}
 
     def failing(*args, **kwargs):
@@ -257,8 +257,8 @@ def test_an_interrupted_eager_step_is_never_half_applied(monkeypatch):
             raise KeyboardInterrupt
         return launches(*args, **kwargs)
 
-    monkeypatch.setattr(cuda, "_run_launches", failing)
-    cuda._plans.clear()  # launch recipes are bound when a plan is first run
+    monkeypatch.setattr(launcher, "_run_launches", failing)
+    plan_cache.clear()  # launch recipes are bound when a plan is first run
     with pytest.raises(KeyboardInterrupt):
         train(step_fn(model, opt), BATCHES[1:2])
     assert not any(p._node.realized for p in model.parameters())

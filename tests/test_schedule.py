@@ -11,7 +11,7 @@ import torch
 import ember
 from ember.compiler import schedule
 from ember.ir import toposort
-from ember.runtime import cuda
+from ember.runtime import cuda, plan_cache
 
 pytestmark = pytest.mark.usefixtures("cuda_backend")
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("cuda_backend")
 def planned(*tensors):
     nodes = [t._node for t in tensors]
     order = toposort(nodes)
-    plan, _ = cuda.plan_for(order, {id(n) for n in nodes})
+    plan, _ = plan_cache.plan_for(order, {id(n) for n in nodes})
     return plan
 
 
@@ -102,7 +102,7 @@ def test_independent_small_kernels_form_a_parallel_group(monkeypatch):
         np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5, atol=1e-5)
 
     monkeypatch.setattr(cuda, "max_streams", 1)
-    cuda._plans.clear()
+    plan_cache.clear()
     assert not planned(*branches("cuda")).schedule.groups
 
 

@@ -11,7 +11,6 @@ from ember.device import (
     default_device,
     device,
     get_matmul_precision,
-    memory_stats,
     set_matmul_precision,
 )
 from ember.dtypes import (
@@ -33,7 +32,7 @@ from ember.errors import CompileError, DeviceError, DTypeError, EmberError, OutO
 from ember.explain import explain
 from ember.ops import *  # noqa: F403 - the op functions are the public API
 from ember.ops import __all__ as _ops_all
-from ember.placement import on_device
+from ember.placement import memory_stats, on_device
 from ember.replay import jit
 from ember.serialize import load, save
 from ember.tensor import Tensor, realize

@@ -66,19 +66,9 @@ class device:
         _state.default = self._previous
 
 
-def memory_stats(d: str | Device | None = None) -> dict:
-    """Memory of a cuda device in bytes: "allocated" now, "peak" since the start, "cached" held by
-    the allocator, and "arena": what recently run plans keep for their intermediates."""
-    target = as_device(d if d is not None else "cuda")
-    if target.type != "cuda":
-        raise DeviceError(f"memory_stats: {target} has no device memory to report; ask for a cuda device")
-    from ember.runtime import cuda
-
-    return cuda.memory_stats(target)
-
-
 _MATMUL_PRECISIONS = ("highest", "high", "medium")
 _matmul_precision = ["highest"]
+_precision_listeners: list = []  # backends that apply the precision to vendor libraries (cuBLAS, cuDNN)
 
 
 def set_matmul_precision(precision: str) -> None:
@@ -88,10 +78,14 @@ def set_matmul_precision(precision: str) -> None:
     if precision not in _MATMUL_PRECISIONS:
         raise ValueError(f"set_matmul_precision: expected one of {', '.join(_MATMUL_PRECISIONS)}, got {precision!r}")
     _matmul_precision[0] = precision
-    import sys
+    for listener in _precision_listeners:
+        listener(precision)
 
-    if "ember.runtime.cuda" in sys.modules:  # else the backend applies it when it is loaded
-        sys.modules["ember.runtime.cuda"].apply_matmul_precision(precision)
+
+def on_matmul_precision(listener) -> None:
+    """Call `listener(precision)` on every change of the matmul precision (a backend registers itself
+    when it is loaded, and applies the current one then)."""
+    _precision_listeners.append(listener)
 
 
 def get_matmul_precision() -> str:

@@ -1,15 +1,15 @@
 """`ember.explain(*tensors)`: the fused plan of the pending graph, in words.
 
-It plans exactly as the cuda backend would (passes, fusion, code generation) but
-launches nothing, so it works on any device and leaves the tensors pending.
+It compiles exactly as the cuda backend would (`ember.compiler.compile` for the triton
+target) but launches nothing, so it works on any device and leaves the tensors pending.
 """
 
 from __future__ import annotations
 
 import contextlib
 
-from ember.compiler import fusion, passes, pipeline, schedule
-from ember.compiler.context import CompileContext
+from ember.compiler import CompileContext, compile, signature
+from ember.compiler.fusion import VENDOR_KINDS, FusedKernel, operand_sums, summed_output
 from ember.device import get_matmul_precision
 from ember.ir import Kind, Node, Op
 
@@ -44,20 +44,20 @@ class Plan:
     """A planned (not launched) graph: its fused kernels and their generated sources."""
 
     def __init__(self, order: list[Node], keep: set[int]):
-        self.signature = passes.signature(order, keep)
-        context = CompileContext(get_matmul_precision())  # as the runtime plans on its default stream
-        compiled = pipeline.compile(order, keep, self.signature, context)
-        self.lowered, self.kernels, self.stored = compiled.lowered, compiled.kernels, compiled.stored
-        self.sources = {id(k): compiled.sources[id(k)] for k in self.kernels if id(k) in compiled.sources}
+        self.signature = signature(order, keep)
+        # as the runtime compiles on its default stream (several are used only when asked for, in graphs)
+        context = CompileContext(get_matmul_precision())
+        compiled = compile(order, keep, "triton", context, self.signature)
+        self.lowered, self.stored, self.schedule = compiled.lowered, compiled.stored, compiled.schedule
+        self.kernels = [ck.kernel for ck in compiled.kernels]
+        self.sources = {id(ck.kernel): ck.source for ck in compiled.kernels if ck.source is not None}
         self.unfused = sum(1 for n in order if _is_work(n))
-        # the runtime's default schedule: one stream (several are used only when asked for, in graphs)
-        self.schedule = schedule.schedule(self.kernels, self.lowered.outputs, [False] * len(self.kernels), 1)
         self.numbering = {id(n): i for i, n in enumerate(self.lowered.nodes)}
 
     @property
     def launches(self) -> int:
         return sum(len(s.launches) for s in self.sources.values()) + sum(
-            1 for k in self.kernels if k.kind in fusion.VENDOR_KINDS and k.core is None)
+            1 for k in self.kernels if k.kind in VENDOR_KINDS and k.core is None)
 
     @property
     def gemm_choices(self) -> list[dict]:
@@ -65,7 +65,7 @@ class Plan:
         times in ms where they were measured (on this GPU, found in the autotune cache)."""
         return [dict(self._gemm_choice(k), kernel=k.index) for k in self.kernels if k.core is not None]
 
-    def _gemm_choice(self, k: fusion.FusedKernel) -> dict:
+    def _gemm_choice(self, k: FusedKernel) -> dict:
         """What the runtime chose (or would choose) for a GEMM kernel, without profiling anything."""
         source = self.sources[id(k)]
         choice = {"chosen": "triton", "triton_ms": None, "cublas_ms": None, "config": None}
@@ -108,7 +108,7 @@ class Plan:
             text = f"{text:<44} -> out[{outputs.index(n)}]"
         return text
 
-    def describe(self, k: fusion.FusedKernel) -> list[str]:
+    def describe(self, k: FusedKernel) -> list[str]:
         parts = k.segments or [k]
         dtype = k.outputs[0].dtype.name if k.outputs else ""
         shape = list(k.space) if not k.segments else f"{len(k.segments)} segments"
@@ -129,9 +129,9 @@ class Plan:
             work = [n for n in part.covers if _is_work(n) or n.op is Op.RAND or n in part.outputs]
             cores = [n for n in work if n.op.kind in (Kind.REDUCE, Kind.CONTRACTION) or n.op is Op.SCATTER_ADD]
             if k.core is not None:  # a GEMM: its operands' sums along K belong to the mainloop
-                cores, sums = [k.core], fusion.operand_sums(k)
+                cores, sums = [k.core], operand_sums(k)
                 before = _upstream(cores + sums, work, part.covers)
-                before = [n for n in work if n in before or n in sums or fusion.summed_output(k, n) in sums]
+                before = [n for n in work if n in before or n in sums or summed_output(k, n) in sums]
             else:
                 before = _upstream(cores, work, part.covers)
             label = "mainloop" if cores else "ops"
@@ -147,7 +147,7 @@ class Plan:
         lines.append(f"  reads {_mib(read)}  writes {_mib(written)}  replaces {replaced} unfused kernels")
         return lines
 
-    def _gemm_how(self, k: fusion.FusedKernel) -> str:
+    def _gemm_how(self, k: FusedKernel) -> str:
         choice = self._gemm_choice(k)
         config = choice["config"] or "BLOCK sizes tuned on the GPU"
         split = f"cuBLAS + {len(k.split) - 1} kernel{'s' if len(k.split) != 2 else ''}"

@@ -1,4 +1,5 @@
-"""Device placement of a region of code: `on_device` runs a function on another device.
+"""Device placement of a region of code: `on_device` runs a function on another device; and
+`memory_stats`, what a cuda device holds.
 
 It is the frontend's way to mark a GPU region inside CPU code (or the reverse): Tensor arguments
 are moved in and Tensor results moved back with lazy COPY nodes (as `Tensor.to` makes), so the
@@ -14,6 +15,7 @@ from typing import Any
 from ember import nested
 from ember.device import Device, as_device, default_device
 from ember.device import device as default_on
+from ember.errors import DeviceError
 from ember.ir import Op
 from ember.ir.ops import define
 from ember.tensor import Tensor
@@ -28,6 +30,17 @@ def check_device(device: str | Device | None) -> Device:
 
         cuda.torch_device(device)  # raises DeviceError for a device that does not exist
     return device
+
+
+def memory_stats(d: str | Device | None = None) -> dict:
+    """Memory of a cuda device in bytes: "allocated" now, "peak" since the start, "cached" held by
+    the allocator, and "arena": what recently run plans keep for their intermediates."""
+    target = as_device(d if d is not None else "cuda")
+    if target.type != "cuda":
+        raise DeviceError(f"memory_stats: {target} has no device memory to report; ask for a cuda device")
+    from ember.runtime import cuda  # torch and triton are imported only when a GPU is asked about
+
+    return cuda.memory_stats(target)
 
 
 def on_device(device: str | Device, fn: Callable[..., Any], *args, **kwargs) -> Any:

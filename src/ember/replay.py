@@ -47,7 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ember import nested
-from ember.compiler import passes
+from ember.compiler import Signature
 from ember.ir import Node
 from ember.ops.random import take_offsets
 from ember.runtime import jit as recorder
@@ -166,7 +166,7 @@ class _Program:
     """A recorded step bound to fixed buffers, with what must hold for a replay to be valid."""
 
     def __init__(self, rec: recorder.Recorder, args: list[Tensor], result, out_leaves: list, cuda_graph: bool):
-        from ember.runtime import cuda
+        from ember.runtime import graphs  # torch is imported only once a step is replayed
 
         if not rec.plans:
             raise recorder.NotCapturable("it computes nothing on a cuda device (the cpu's reference backend runs "
@@ -181,7 +181,7 @@ class _Program:
         finals = self._find_states(rec, produced_ids, slots)
         arg_nodes = {id(t._node): i for i, t in enumerate(args)}
         self.arg_slots: dict[int, tuple[int, object]] = {  # id(argument's buffer) -> (argument, own buffer)
-            id(t._node.buffer): (i, cuda.torch.empty_like(t._node.buffer))
+            id(t._node.buffer): (i, graphs.torch.empty_like(t._node.buffer))
             for i, t in enumerate(args) if t._node.buffer is not None and t.device.type == "cuda"}
         uploaded = {b: arg_nodes[id(src)] for b, src in rec.uploads.items() if id(src) in arg_nodes}
         returned = {id(t._node) for t in out_leaves if isinstance(t, Tensor)}
@@ -192,7 +192,7 @@ class _Program:
         steps = [self._bind(r, slots, finals, uploaded, returned - gradients, draw_index) for r in rec.plans]
         self.out_slots = self._returns(rec, out_leaves, returned, arg_nodes)
         self.grads = self._gradients(rec, produced_ids)
-        self.plans = cuda.Replay(steps)
+        self.plans = graphs.Replay(steps)
         if cuda_graph:
             self.plans.capture_graph()
 
@@ -217,7 +217,7 @@ class _Program:
     def _bind(self, r: recorder.RecordedPlan, slots: _Slots, finals: set[int], uploaded: dict, returned: set[int],
               draw_index: dict):
         """One recorded plan on fixed buffers: where each input comes from, where each output goes."""
-        from ember.runtime import cuda
+        from ember.runtime import graphs  # torch is imported only once a step is replayed
 
         inputs, reads_state = [], {}
         for i, (leaf, buffer) in enumerate(zip(r.sig.inputs, r.inputs)):
@@ -244,7 +244,7 @@ class _Program:
                 source = reads_state.get(id(buffer))
                 in_place = True if source is None else recorder.writes_in_place(r.plan, source, j)
                 if in_place is False:  # through a buffer of its own, copied over the state after the plan
-                    copies.append((buffer, cuda.torch.empty_like(buffer)))
+                    copies.append((buffer, graphs.torch.empty_like(buffer)))
                     buffer = copies[-1][1]
                 slots.written.add(id(node.buffer))
             elif id(node) in returned:
@@ -252,8 +252,8 @@ class _Program:
             slots.produced[id(r.outputs[j])] = r.outputs[j]
             outputs.append(buffer)
         seed_draws = [draw_index.get(s, -1) for s in r.sig.seeds]
-        sig = passes.Signature(r.sig.key, [], r.sig.scalars, r.sig.seeds)  # not the old values' nodes
-        return cuda.ReplayStep(r.plan, sig, r.device, inputs, outputs, copies, seed_draws)
+        sig = Signature(r.sig.key, [], r.sig.scalars, r.sig.seeds)  # not the old values' nodes
+        return graphs.ReplayStep(r.plan, sig, r.device, inputs, outputs, copies, seed_draws)
 
     @staticmethod
     def _returns(rec: recorder.Recorder, out_leaves: list, returned: set[int], arg_nodes: dict) -> list[tuple]:

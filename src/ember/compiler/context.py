@@ -18,6 +18,7 @@ class CompileContext:
     matmul_precision: str = "highest"  # as torch.set_float32_matmul_precision: "highest" is IEEE float32
     gemm_backend: str = "auto"  # "auto" (timed on the first run), "triton" or "cublas"
     max_streams: int = 1  # streams a captured plan's independent small kernels may spread over
+    multiprocessors: int = 0  # the GPU's SMs, which tell a kernel too small to fill it (0: unknown)
 
     def dot_precision(self, dtype: DType) -> str:
         """How a dot multiplies tiles of `dtype`: "tf32" for float32 unless the precision is "highest"."""

@@ -1,40 +1,91 @@
-"""One way from a pending graph to generated kernels, for the runtime, `ember.explain` and the tests:
-passes, then the fusion planner, then code generation, all under one compile context."""
+"""`compile`: the one way from a pending graph to a runnable `Plan`, for the runtime, `ember.explain`
+and the tests, under one compile context.
+
+- target "triton" (device cuda): passes, then the fusion planner, then the schedule (launch order,
+  streams, arena slots), then one generated Triton source per planned kernel (a GEMM's split form
+  included); a vendor call (cuBLAS, cuDNN) has none.
+- target "reference" (device cpu): the graph as written, evaluated node by node with NumPy: the
+  oracle every other target is tested against, so no pass rewrites it.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import time
+from dataclasses import dataclass, field
 
-from ember.compiler import fusion, passes
+from ember.compiler import fusion, lower, passes, schedule
+from ember.compiler.codegen import reference
 from ember.compiler.codegen import triton as codegen
 from ember.compiler.context import CompileContext
-from ember.ir import Node
+from ember.ir import Node, Op
+
+TARGETS = ("triton", "reference")
+_IDENTITIES = {Op.SUM: 0.0, Op.MAX: -math.inf, Op.MIN: math.inf}
 
 
 @dataclass
-class Compiled:
-    """A graph compiled for the cuda device, before scheduling: the lowered graph, its fused kernels in
-    dependency order, the nodes that get buffers, and the source of every generated kernel (a GEMM's
-    split form included), by id of its FusedKernel; a vendor call (cuBLAS, cuDNN) has none."""
+class CompiledKernel:
+    """A planned kernel with its generated source (None for a vendor call) and, for a GEMM, its split
+    form and the outputs its tiles reduce into atomically (with the reduction's identity to start from)."""
 
-    lowered: passes.Lowered
-    kernels: list[fusion.FusedKernel]
-    stored: set[int]
-    sources: dict[int, codegen.KernelSource]
+    kernel: fusion.FusedKernel
+    source: codegen.KernelSource | None = None
+    split: list[CompiledKernel] = field(default_factory=list)
+    atomic_outputs: list[tuple[Node, float]] = field(default_factory=list)
 
 
-def compile(order: list[Node], keep: set[int], signature: passes.Signature,  # noqa: A001
-            context: CompileContext) -> Compiled:
-    lowered = passes.lower(order, keep, signature)
+@dataclass
+class Plan:
+    """A compiled graph. For "triton": the lowered graph, its kernels in launch order, the nodes that
+    get buffers and the schedule. For "reference": the nodes to evaluate in order and those to keep."""
+
+    target: str
+    lowered: passes.Lowered | None = None
+    kernels: list[CompiledKernel] = field(default_factory=list)
+    stored: set[int] = field(default_factory=set)
+    schedule: schedule.Schedule | None = None
+    nodes: list[Node] = field(default_factory=list, repr=False)
+    keep: set[int] = field(default_factory=set, repr=False)
+    compile_seconds: float = 0.0
+    # what the target's launcher prepares from the plan on its first run (launch recipes); never stored
+    prepared: object = field(default=None, repr=False, compare=False)
+
+    def evaluate(self) -> dict:
+        """Run a reference plan: the values of the kept nodes, by node id."""
+        return reference.run(self.nodes, self.keep)
+
+
+def compile(order: list[Node], keep: set[int], target: str, context: CompileContext,  # noqa: A001
+            signature: passes.Signature | None = None) -> Plan:
+    """Compile the pending graph `order` (the nodes whose ids are in `keep` are its results) for
+    `target`; `signature` is `passes.signature(order, keep)` where the caller already has it."""
+    if target == "reference":
+        return Plan(target, nodes=order, keep=keep)
+    if target != "triton":
+        raise ValueError(f"compile: unknown target {target!r}; expected one of {', '.join(TARGETS)}")
+    start = time.perf_counter()
+    lowered = passes.lower(order, keep, signature or passes.signature(order, keep))
     kernels, stored = fusion.plan(lowered.nodes, lowered.outputs, context)
-    sources: dict[int, codegen.KernelSource] = {}
+    compiled = [_generate(k, stored, context) for k in kernels]
+    small = [_is_small(ck, context.multiprocessors) for ck in compiled]
+    sched = schedule.schedule(kernels, lowered.outputs, small, context.max_streams)
+    compiled = [compiled[i] for i in sched.order]
+    return Plan(target, lowered, compiled, stored, sched, compile_seconds=time.perf_counter() - start)
 
-    def generate(kernel: fusion.FusedKernel, stored: set[int]) -> None:
-        if kernel.kind not in fusion.VENDOR_KINDS or kernel.core is not None:
-            sources[id(kernel)] = codegen.generate(kernel, stored, context)
-        for part in kernel.split if kernel.core is not None else ():
-            generate(part, stored | kernel.split_stored)
 
-    for kernel in kernels:
-        generate(kernel, stored)
-    return Compiled(lowered, kernels, stored, sources)
+def _generate(kernel: fusion.FusedKernel, stored: set[int], context: CompileContext) -> CompiledKernel:
+    if kernel.kind in fusion.VENDOR_KINDS and kernel.core is None:
+        return CompiledKernel(kernel)
+    ck = CompiledKernel(kernel, codegen.generate(kernel, stored, context))
+    if kernel.core is not None:
+        ck.split = [_generate(part, stored | kernel.split_stored, context) for part in kernel.split]
+        ck.atomic_outputs = [(o, _IDENTITIES[op]) for o, op in lower.epilogue_reduction_outputs(kernel)]
+    return ck
+
+
+def _is_small(ck: CompiledKernel, multiprocessors: int) -> bool:
+    """Whether a kernel leaves most of the GPU idle, so another may run beside it."""
+    if ck.kernel.kind in fusion.VENDOR_KINDS:  # its grid comes from the tuned configuration
+        return math.prod(ck.kernel.space) < 64 * 64 * multiprocessors  # fewer 64 x 64 tiles than SMs
+    return max((launch.grid for launch in ck.source.launches), default=0) < multiprocessors // 2

@@ -27,12 +27,18 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from ember import dtypes
-from ember.compiler.codegen import triton as codegen
-from ember.compiler.context import CompileContext
+from ember.compiler import CompileContext, compile
+from ember.device import as_device
+from ember.ir import Node, Op, toposort
+from ember.runtime import cuda, disk
+
+if TYPE_CHECKING:
+    from ember.compiler.codegen.triton import Launch
 
 WARMUP, REPS = 2, 10  # launches before and inside a timing
 
@@ -81,7 +87,7 @@ class Problem:
     precision: str
 
     @staticmethod
-    def of(launch: codegen.Launch, dtype: dtypes.DType, layout: str) -> Problem:
+    def of(launch: Launch, dtype: dtypes.DType, layout: str) -> Problem:
         batch, m, n, k = launch.gemm
         return Problem(dtype.name, layout.replace("p", "n"), _bucket(m), _bucket(n), _bucket(k), batch > 1,
                        launch.precision)
@@ -106,8 +112,6 @@ def default_config(problem: Problem) -> Config:
 
 
 def enabled() -> bool:
-    from ember.runtime import cuda
-
     return not cuda.INTERPRET and torch.cuda.is_available() and os.environ.get("EMBER_AUTOTUNE", "1") not in ("0", "")
 
 
@@ -127,9 +131,7 @@ _entries: dict[str, dict] | None = None
 
 
 def _path() -> Path:
-    from ember.runtime import cuda
-
-    return cuda.cache_dir("autotune") / "gemm.json"
+    return disk.cache_dir("autotune") / "gemm.json"
 
 
 def _scope() -> str:
@@ -153,10 +155,7 @@ def _load() -> dict[str, dict]:
 def _store(key: str, value: dict) -> None:
     entries = _load()
     entries[key] = value
-    path = _path()
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(entries, indent=1, sort_keys=True))
-    os.replace(tmp, path)
+    disk.write_atomically(_path(), json.dumps(entries, indent=1, sort_keys=True))
 
 
 def cached(key: str) -> dict | None:
@@ -205,19 +204,17 @@ def cached_choice(kernel_name: str, problem: Problem) -> dict | None:
 
 
 def _profile_bare(problem: Problem) -> list[tuple[Config, float]]:
-    from tqdm import tqdm
+    from tqdm import tqdm  # a progress bar only while profiling
 
-    from ember.runtime import cuda
-
-    kernel, stored, source = _bare_gemm(problem)
-    module = cuda.load_source(source)
-    launch = source.launches[0]
-    fn = getattr(module, launch.function)
     dtype = dtypes.to_torch(dtypes.as_dtype(problem.dtype))
     a_shape = (problem.m, problem.k) if problem.layout[0] != "t" else (problem.k, problem.m)
     b_shape = (problem.k, problem.n) if problem.layout[1] != "t" else (problem.n, problem.k)
     a = torch.randn(a_shape, device="cuda").to(dtype)
     b = torch.randn(b_shape, device="cuda").to(dtype)
+    source = _bare_gemm(problem, a, b)
+    module = disk.load_source(source)
+    launch = source.launches[0]
+    fn = getattr(module, launch.function)
     out = torch.empty((problem.m, problem.n), device="cuda", dtype=dtype)
     args = [a, b, out] + [arg.value for arg in launch.args if arg.kind == "size"]
     depth = 1 if problem.dtype != "float32" else 2
@@ -238,26 +235,19 @@ def _profile_bare(problem: Problem) -> list[tuple[Config, float]]:
     return timed[:RANKED] or [(default_config(problem), math.inf)]
 
 
-def _bare_gemm(problem: Problem):
-    """A generated GEMM with nothing fused: the problem's operands, in its layouts, multiplied."""
-    from ember.compiler import fusion
-    from ember.device import as_device
-    from ember.ir import Node, Op
-
+def _bare_gemm(problem: Problem, a: torch.Tensor, b: torch.Tensor):
+    """The generated source of a GEMM with nothing fused: `a @ b` in the problem's layouts (an operand
+    stored transposed is read through a permute)."""
     dtype = dtypes.as_dtype(problem.dtype)
     device = as_device("cuda")
     operands = []
-    for layout, shape in zip(problem.layout, ((problem.m, problem.k), (problem.k, problem.n))):
-        if layout == "t":
-            base = Node(Op.BUFFER, (), {}, shape[::-1], dtype, device)
-            operands.append(Node.make(Op.PERMUTE, (base,), order=(1, 0)))
-        else:
-            operands.append(Node(Op.BUFFER, (), {}, shape, dtype, device))
+    for layout, buffer in zip(problem.layout, (a, b)):
+        leaf = Node.from_buffer(buffer, dtype, device)
+        operands.append(Node.make(Op.PERMUTE, (leaf,), order=(1, 0)) if layout == "t" else leaf)
     core = Node.make(Op.MATMUL, tuple(operands))
-    kernel = fusion.FusedKernel(fusion.KernelKind.MATMUL, core.shape, (), [core], {id(core): fusion.FULL}, core=core)
-    stored = {id(core)}
     context = CompileContext(matmul_precision="highest" if problem.precision == "ieee" else "high")
-    return kernel, stored, codegen.generate(kernel, stored, context)
+    plan = compile(toposort([core]), {id(core)}, "triton", context)
+    return plan.kernels[0].source
 
 
 def time_ms(run) -> float:

@@ -13,20 +13,25 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from ember.compiler.codegen import reference
+from ember.compiler import CompileContext, compile
 from ember.device import Device
 from ember.errors import DeviceError
 from ember.ir import Node, Op, toposort
 from ember.runtime import jit
 
 
+def _evaluate_on_cpu(order: list[Node], keep: set[int]) -> dict[int, np.ndarray]:
+    """The cpu device: the reference target's plan, evaluated op by op with NumPy."""
+    return compile(order, keep, "reference", CompileContext()).evaluate()
+
+
 def _backend(device_type: str):
     if device_type == "cpu":
-        return reference.run
+        return _evaluate_on_cpu
     if device_type == "cuda":
-        from ember.runtime import cuda  # torch and triton are imported only when a GPU value is needed
+        from ember.runtime import launcher  # torch and triton are imported only when a GPU value is needed
 
-        return cuda.run
+        return launcher.run
     raise DeviceError(f"no backend for device type {device_type!r}")
 
 

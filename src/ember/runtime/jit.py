@@ -26,7 +26,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ember.compiler import fusion, passes
+from ember.compiler import KernelKind, Signature
 from ember.ir import Kind, Node, Op
 
 _recording: list[Recorder] = []  # the capture in progress, if any
@@ -38,8 +38,8 @@ class NotCapturable(Exception):
 
 @dataclass
 class RecordedPlan:
-    plan: object  # runtime.cuda.Plan
-    sig: passes.Signature
+    plan: object  # a compiled Plan
+    sig: Signature
     device: object
     inputs: list  # buffers, one per input of the lowered graph
     outputs: list  # buffers, one per kept node
@@ -131,7 +131,7 @@ def note_host_work(order: list[Node]) -> None:
         fail("it computes on the cpu, whose reference backend runs op by op and has nothing to replay")
 
 
-def record_plan(plan, sig: passes.Signature, device, inputs: list, outputs: list, kept: list[Node]) -> None:
+def record_plan(plan, sig: Signature, device, inputs: list, outputs: list, kept: list[Node]) -> None:
     _recording[-1].plans.append(RecordedPlan(plan, sig, device, inputs, outputs, kept))
 
 
@@ -173,7 +173,7 @@ def writes_in_place(plan, input_index: int, output_index: int) -> bool | None:
         return False
     # a GEMM's epilogue (an optimizer update fused after a weight gradient) reads element for element too;
     # a value read by its mainloop is used at other positions, which _elementwise_use rejects
-    elementwise_kernel = part.kind is fusion.KernelKind.POINTWISE and not part.reductions or part.core is not None
+    elementwise_kernel = part.kind is KernelKind.POINTWISE and not part.reductions or part.core is not None
     return elementwise_kernel and _elementwise_use(part, source)
 
 

@@ -33,7 +33,6 @@ from ember.compiler.kernel import (
     Range,
     Var,
 )
-from ember.compiler.lower import epilogue_reduction_outputs as epilogue_reduction_outputs  # the runtime asks
 from ember.compiler.lower import lower
 from ember.dtypes import DType, compute_dtype
 from ember.errors import CompileError

@@ -1,0 +1,271 @@
+"""The executor of compiled plans on the cuda device: launches from argument lists prepared once per
+plan, the GEMM steps (generated kernel or split form, chosen by timing), the vendor matmul and
+convolution through torch, and streams for plans captured into CUDA graphs."""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+
+from ember.compiler import CompiledKernel, KernelKind, Plan, Signature
+from ember.device import Device
+from ember.errors import CompileError, OutOfMemoryError
+from ember.ir import Node, Op
+from ember.runtime import autotune, cuda, disk, jit, plan_cache
+
+if TYPE_CHECKING:
+    from ember.compiler.codegen.triton import Launch
+
+capturing = False  # a Replay is being captured into a CUDA graph
+_stats = cuda.stats
+
+
+def run(order: list[Node], keep: set[int]) -> dict[int, torch.Tensor]:
+    """Evaluate `order` on the device; return buffers for the nodes whose ids are in `keep`."""
+    plan, sig = plan_cache.plan_for(order, keep)
+    device = order[0].device
+    inputs = [leaf.buffer for leaf in sig.inputs]
+    outputs = execute(plan, sig, device, inputs)
+    kept = [n for n in order if id(n) in keep]
+    values = {id(n): out for n, out in zip(kept, outputs)}
+    if jit.recording():
+        jit.record_plan(plan, sig, device, inputs, outputs, kept)
+    return values
+
+
+def execute(plan: Plan, sig: Signature, device: Device, inputs: list[torch.Tensor],
+            outputs: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
+    """Run a plan on `inputs` (one buffer per input of the lowered graph); return one buffer per
+    output. `outputs` may name buffers to write results into (None where the plan should allocate)."""
+    target = cuda.torch_device(device)
+    buffers: dict[int, torch.Tensor] = {id(p): b for p, b in zip(plan.lowered.inputs, inputs)}
+    buffers.update(cuda.arena_views(plan, target, device))
+    given = outputs or ()
+    result = []
+    for i, o in enumerate(plan.lowered.outputs):
+        if id(o) not in buffers:
+            out = given[i] if i < len(given) else None
+            buffers[id(o)] = out if out is not None else cuda.allocate(o.shape, o.dtype, target, device, "a result")
+        result.append(buffers[id(o)])
+    if plan.prepared is None:
+        plan.prepared = [_step(ck) for ck in plan.kernels]
+    try:
+        if plan.schedule.groups and capturing:
+            _run_streams(plan, buffers, sig, target)
+        else:
+            for step in plan.prepared:
+                step(buffers, sig)
+    except torch.cuda.OutOfMemoryError as error:
+        raise OutOfMemoryError(f"out of GPU memory running a plan of {len(plan.kernels)} kernels on {device}: "
+                               f"{cuda.free_text(target)} ({error})") from None
+    return result
+
+
+def _run_streams(plan: Plan, buffers: dict[int, torch.Tensor], sig: Signature, target) -> None:
+    """Launch in schedule order; each parallel group forks from the main stream and joins back into it."""
+    main = torch.cuda.current_stream(target)
+    streams = [main, *_side_streams(target)]
+    groups = dict(plan.schedule.groups)
+    steps = plan.prepared
+    position, count = 0, len(steps)
+    while position < count:
+        stop = groups.get(position)
+        if stop is None:
+            steps[position](buffers, sig)
+            position += 1
+            continue
+        used = {plan.schedule.streams[p] for p in range(position, stop)} - {0}
+        fork = main.record_event()
+        for s in used:
+            streams[s].wait_event(fork)
+        for p in range(position, stop):
+            with torch.cuda.stream(streams[plan.schedule.streams[p]]):
+                steps[p](buffers, sig)
+        for s in used:
+            main.wait_event(streams[s].record_event())
+        position = stop
+
+
+_side: dict = {}
+
+
+def _side_streams(target) -> list:
+    if target not in _side:
+        _side[target] = [torch.cuda.Stream(target) for _ in range(max(cuda.max_streams - 1, 1))]
+    return _side[target]
+
+
+# -- steps -------------------------------------------------------------------------------------
+
+def _step(ck: CompiledKernel):
+    """A callable running one fused kernel from the buffers of a run; its argument lists are
+    prepared once per plan, so a plan-cache hit costs little more than the launches."""
+    kernel = ck.kernel
+    if kernel.core is not None:
+        return _GemmStep(ck)
+    if kernel.kind is KernelKind.MATMUL:
+        return functools.partial(_matmul, kernel.outputs[0])
+    if kernel.kind is KernelKind.CONV2D:
+        return functools.partial(_conv2d, kernel.outputs[0])
+    module = disk.load_source(ck.source)
+    launches = [_prepared_launch(module, launch) for launch in ck.source.launches if launch.grid]
+    return functools.partial(_run_launches, launches, ck)
+
+
+_ARG_KINDS = {"read": 0, "write": 0, "size": 1, "bound": 1, "scalar": 2, "seed": 3, "offset": 4}
+
+
+def _prepared_launch(module, launch: Launch, config: autotune.Config | None = None):
+    recipe = [(_ARG_KINDS[a.kind], id(a.value) if a.kind in ("read", "write") else a.value) for a in launch.args]
+    if config is not None:  # a GEMM: grid and block sizes from its tuned configuration
+        batch, m, n, _ = launch.gemm
+        return getattr(module, launch.function), config.grid(batch, m, n), recipe, config.launch_options()
+    options = dict(launch.constexprs, num_warps=launch.num_warps)
+    return getattr(module, launch.function), (launch.grid,), recipe, options
+
+
+def gemm_problem(ck: CompiledKernel) -> autotune.Problem:
+    launch = ck.source.launches[0]
+    return autotune.Problem.of(launch, ck.kernel.core.dtype, launch.layout)
+
+
+class _GemmStep:
+    """A generated GEMM kernel, or its split form (cuBLAS plus separate kernels), whichever is chosen.
+
+    The configuration comes from profiling the bare GEMM of its problem; the choice between the two
+    forms from timing both on the first run with real buffers (both compute the same outputs from the
+    same inputs, so running either any number of times leaves the right values)."""
+
+    def __init__(self, ck: CompiledKernel):
+        self.ck = ck
+        self.module = disk.load_source(ck.source)
+        self.problem = gemm_problem(ck)
+        self.configs = autotune.configs_for(self.problem)
+        self.launches = {c: [_prepared_launch(self.module, ck.source.launches[0], c)] for c in self.configs}
+        self.fused = self.launches[self.configs[0]]
+        self.split = [_step(c) for c in ck.split]
+        self.workspace = ck.kernel.split_stored_nodes()
+        self.atomic = [(id(o), identity) for o, identity in ck.atomic_outputs]
+        self.choice: dict | None = None  # "chosen" ("triton" or "cublas"), "triton_ms", "cublas_ms", "config"
+
+    def _use(self, config: autotune.Config) -> None:
+        if config not in self.launches:
+            self.launches[config] = [_prepared_launch(self.module, self.ck.source.launches[0], config)]
+        self.fused = self.launches[config]
+
+    def __call__(self, buffers: dict[int, torch.Tensor], sig: Signature) -> None:
+        if self._chosen(buffers, sig) != "triton":
+            self._run_split(buffers, sig)
+            return
+        try:
+            self._run_fused(self.fused, buffers, sig)
+        except CompileError as error:
+            if "out of resource" not in str(error):
+                raise
+            # the epilogue needs more registers or shared memory than this GPU has with this configuration
+            self.choice = {"chosen": "cublas", "triton_ms": None, "cublas_ms": None, "config": None,
+                           "why": str(error)}
+            self._run_split(buffers, sig)
+
+    def _run_fused(self, launches: list, buffers: dict[int, torch.Tensor], sig: Signature) -> None:
+        for key, identity in self.atomic:  # the tiles' partial reductions are combined into these
+            buffers[key].fill_(identity)
+        _run_launches(launches, self.ck, buffers, sig)
+
+    def _run_split(self, buffers: dict[int, torch.Tensor], sig: Signature) -> None:
+        target = cuda.torch_device(self.ck.kernel.core.device)
+        for n in self.workspace:
+            buffers[id(n)] = cuda.allocate(n.shape, n.dtype, target, n.device, "a GEMM's split intermediate")
+        for step in self.split:
+            step(buffers, sig)
+
+    def _writes_its_inputs(self, buffers: dict[int, torch.Tensor]) -> bool:
+        """Whether an output is bound to an input's buffer (a state updated in place): running the
+        kernel more than once, as timing does, would then apply the update more than once."""
+        kernel = self.ck.kernel
+        read = {buffers[id(n)].data_ptr() for n in kernel.reads if id(n) in buffers}
+        return any(buffers[id(o)].data_ptr() in read for o in kernel.outputs)
+
+    def _chosen(self, buffers: dict[int, torch.Tensor], sig: Signature) -> str:
+        if cuda.gemm_backend != "auto":
+            return cuda.gemm_backend
+        choice = self.choice
+        if choice is None:
+            choice = {"chosen": "triton", "triton_ms": None, "cublas_ms": None, "config": None}
+            if autotune.worth_tuning(self.problem) and not capturing and not self._writes_its_inputs(buffers):
+                runs = {c: functools.partial(self._run_fused, launches, buffers, sig)
+                        for c, launches in self.launches.items()}
+                choice = autotune.timed_choice(self.ck.source.name, self.problem, runs,
+                                               lambda: self._run_split(buffers, sig))
+                if choice.get("config"):
+                    self._use(autotune.Config(**choice["config"]))
+            self.choice = choice
+        return choice["chosen"]
+
+
+def _run_launches(launches: list, ck: CompiledKernel, buffers: dict[int, torch.Tensor], sig: Signature) -> None:
+    for fn, grid, recipe, options in launches:
+        args = []
+        for kind, value in recipe:
+            if kind == 0:
+                args.append(buffers[value])
+            elif kind == 1:
+                args.append(value)
+            elif kind == 2:
+                args.append(sig.scalars[value])
+            else:
+                args.append(sig.seeds[value][kind - 3])
+        try:
+            fn.run(*args, grid=grid, warmup=False, **options)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as error:
+            raise CompileError(f"kernel {fn.__name__} failed: {error} "
+                               f"(source: {disk.source_path(ck.source)})") from error
+    _stats["launches"] += len(launches)
+
+
+# -- vendor calls ------------------------------------------------------------------------------
+
+def _matmul(node: Node, buffers: dict[int, torch.Tensor], sig: Signature) -> None:
+    a, b = (_on_vendor_device(_view(x, buffers)) for x in node.inputs)
+    out = buffers[id(node)]
+    if a.device == out.device:
+        torch.matmul(a, b, out=out)
+    else:
+        out.copy_(torch.matmul(a, b))
+
+
+def _conv2d(node: Node, buffers: dict[int, torch.Tensor], sig: Signature) -> None:
+    x, w = (_on_vendor_device(_view(i, buffers)) for i in node.inputs)
+    if x.numel() == 0 or w.numel() == 0:  # torch gets the shape wrong without input channels; a sum of nothing
+        buffers[id(node)].zero_()
+        return
+    a = node.attrs
+    out = torch.nn.functional.conv2d(x, w, None, a["stride"], a["padding"], a["dilation"], a["groups"])
+    buffers[id(node)].copy_(out)
+
+
+def _view(node: Node, buffers: dict[int, torch.Tensor]) -> torch.Tensor:
+    """A strided torch view of a stored node through the movement ops above it."""
+    if id(node) in buffers:
+        return buffers[id(node)]
+    base = _view(node.inputs[0], buffers)
+    a = node.attrs
+    if node.op is Op.RESHAPE:
+        return base.reshape(a["shape"])
+    if node.op is Op.PERMUTE:
+        return base.permute(*a["order"])
+    if node.op is Op.EXPAND:
+        return base.expand(*a["shape"])
+    if node.op is Op.SLICE:
+        return base[tuple(slice(start, stop, step) for start, stop, step in a["slices"])]
+    raise CompileError(f"{node.op.label} has no strided view; the planner should have stored its input")
+
+
+def _on_vendor_device(operand: torch.Tensor) -> torch.Tensor:
+    """Where torch can multiply or convolve the operand: cuBLAS and cuDNN take no integers, torch's CPU
+    kernels do (integer matmuls and convolutions are rare enough to pay the copies)."""
+    return operand.cpu() if operand.is_cuda and not operand.dtype.is_floating_point else operand

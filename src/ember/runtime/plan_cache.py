@@ -1,0 +1,95 @@
+"""The plan cache: compiled plans by the pending graph's structure and the compile context, in memory
+and as plan files on disk, so a repeated training step costs a key, and a second process starts from
+the plans the first one compiled."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import pickle
+from pathlib import Path
+
+import torch
+import triton
+
+from ember.compiler import CompileContext, Plan, Signature, compile, signature
+from ember.ir import Node
+from ember.runtime import cuda, disk
+
+_plans: dict[tuple, Plan] = {}
+
+
+def plan_for(order: list[Node], keep: set[int]) -> tuple[Plan, Signature]:
+    sig = signature(order, keep)
+    context = cuda.compile_context(order[0].device)
+    plan = _plans.get((sig.key, context))
+    if plan is None:
+        plan = _load_plan(sig.key, context)
+        if plan is None:
+            plan = compile(order, keep, "triton", context, sig)
+            cuda.stats["plans_compiled"] += 1
+            _save_plan(sig.key, context, plan)
+        _plans[sig.key, context] = plan
+    else:
+        cuda.stats["plan_hits"] += 1
+    return plan, sig
+
+
+def clear() -> None:
+    """Forget the plans compiled in this process (their files stay), as a new process starts."""
+    _plans.clear()
+
+
+def _plan_path(key: tuple, context: CompileContext) -> Path:
+    """A plan's file: the graph's structure plus what the plan was made with (device, versions, settings)."""
+    import ember
+
+    gpu = "interpreter" if cuda.INTERPRET else torch.cuda.get_device_name()
+    identity = repr((key, gpu, context, ember.__version__, _code_digest(),
+                     torch.__version__, triton.__version__))
+    return disk.cache_dir("plans") / (hashlib.sha256(identity.encode()).hexdigest()[:32] + ".pkl")
+
+
+@functools.cache
+def _code_digest() -> str:
+    """ember's own source: a plan stored by another build of the compiler is not this one's."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _save_plan(key: tuple, context: CompileContext, plan: Plan) -> None:
+    """Write a plan atomically; launch recipes are not stored (sources are, and are re-imported)."""
+    position = {id(n): i for i, n in enumerate(plan.lowered.nodes)}
+    slots, prepared = plan.schedule.slots, plan.prepared
+    try:
+        plan.prepared = None
+        plan.schedule.slots = {position[k]: v for k, v in slots.items()}
+        payload = pickle.dumps((key, plan), protocol=pickle.HIGHEST_PROTOCOL)
+    except (pickle.PicklingError, TypeError, AttributeError):
+        return  # a plan that cannot be stored is still used in this process
+    finally:
+        plan.schedule.slots, plan.prepared = slots, prepared
+    disk.write_atomically(_plan_path(key, context), payload)
+
+
+def _load_plan(key: tuple, context: CompileContext) -> Plan | None:
+    """A plan from disk, or None; an entry that does not load or is not this graph's is rebuilt."""
+    path = _plan_path(key, context)
+    if not path.exists():
+        return None
+    try:
+        stored_key, plan = pickle.loads(path.read_bytes())
+        if stored_key != key:
+            return None
+        plan.schedule.slots = {id(plan.lowered.nodes[i]): v for i, v in plan.schedule.slots.items()}
+        for ck in plan.kernels:
+            for c in (ck, *ck.split):
+                if c.source is not None:
+                    disk.load_source(c.source)
+    except Exception:  # corrupt, truncated or from an incompatible ember: never trusted
+        return None
+    cuda.stats["plans_loaded"] += 1
+    return plan

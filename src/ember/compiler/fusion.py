@@ -98,6 +98,13 @@ class FusedKernel:
     reads: list[Node] = field(default_factory=list)  # stored nodes and inputs it loads
     segments: list[FusedKernel] = field(default_factory=list)  # a segmented launch's parts
     core: Node | None = None  # a generated GEMM's matmul (None: a vendor matmul, or no matmul)
+    # The kernel's nodes by role, filled by `describe`: its cores (matmuls, convolutions, the reductions of
+    # a row kernel; a chain of small GEMMs would hold several), per operand of its cores the nodes computed
+    # as that operand is loaded (the mainloop, or prologue), and the nodes applied to the cores' results
+    # (the epilogue). A pointwise kernel has no core: all its nodes are epilogue.
+    cores: list[Node] = field(default_factory=list)
+    prologues: list[list[Node]] = field(default_factory=list)
+    epilogue: list[Node] = field(default_factory=list)
     split: list[FusedKernel] = field(default_factory=list)  # a GEMM's vendor form: same nodes, several kernels
     split_stored: set[int] = field(default_factory=set)  # the intermediates the split form stores
     decisions: list[str] = field(default_factory=list)  # the cost model's choices, for explain
@@ -606,10 +613,49 @@ class Planner:
             stack.extend(n.inputs)
         kernel.covers = sorted(covers, key=lambda n: self.position[id(n)])
         kernel.reads = sorted(reads, key=lambda n: self.position[id(n)])
+        self._roles(kernel)
         # a shared producer's decision where it draws a kernel boundary (stored) or is recomputed across one
         kernel.decisions = kernel.decisions + [
             self.shared[id(n)] for n in kernel.covers if id(n) in self.shared and (
                 id(n) in self.stored or any(u.op.kind in (Kind.REDUCE, Kind.CONTRACTION) for u in self.users[id(n)]))]
+
+
+    def _roles(self, kernel: FusedKernel) -> None:
+        """Cores, per-operand prologues and the epilogue of a described kernel. A GEMM's operand sums
+        along K belong to the mainloop of the operand they sum."""
+        inside = {id(n) for n in kernel.covers}
+        if kernel.core is not None:
+            kernel.cores = [kernel.core]
+            operands = list(kernel.core.inputs)
+            sums = {id(r): summed_operand(kernel.core, r) for r in operand_sums(kernel)}
+        else:
+            kernel.cores = [n for n in kernel.covers if n.op in OPAQUE or n.op is Op.SCATTER_ADD
+                            or n in kernel.reductions]
+            operands = [i for c in kernel.cores for i in c.inputs]
+            sums = {}
+        cores = {id(c) for c in kernel.cores}
+        taken: set[int] = set(cores)
+        kernel.prologues = []
+        for position, operand in enumerate(operands):
+            cone: list[Node] = []
+            stack = [operand]
+            while stack:
+                n = stack.pop()
+                if id(n) not in inside or id(n) in taken:
+                    continue
+                taken.add(id(n))
+                cone.append(n)
+                stack.extend(n.inputs)
+            cone += [r for r in kernel.reductions if sums.get(id(r)) == position]
+            taken |= {id(r) for r in cone}
+            kernel.prologues.append(sorted(cone, key=lambda n: self.position[id(n)]))
+        kernel.epilogue = [n for n in kernel.covers if id(n) not in taken
+                           and not (kernel.core is not None and summed_output(kernel, n) in kernel.reductions
+                                    and id(summed_output(kernel, n)) in sums)]
+        for n in kernel.covers:  # a reshape storing an operand sum belongs with the sum
+            r = summed_output(kernel, n) if kernel.core is not None else None
+            if r is not None and id(r) in sums and n is not r:
+                kernel.prologues[sums[id(r)]].append(n)
 
 
 def _under_reshapes(node: Node) -> Node:

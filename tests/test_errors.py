@@ -12,7 +12,7 @@ import pytest
 
 import ember
 from ember import DeviceError, DTypeError, ShapeError
-from ember.compiler.codegen import reference
+from ember.compiler.targets import reference
 
 RNG = np.random.default_rng(0)
 

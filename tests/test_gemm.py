@@ -543,7 +543,7 @@ def test_a_repeated_gemm_step_hits_the_plan_cache_and_a_new_process_reads_it_fro
 # -- autotune, without a GPU ---------------------------------------------------------------------
 
 def _problem(m, n, k, dtype=ember.float32, layout="nn", batch=1, precision="ieee"):
-    from ember.compiler.codegen.triton import Launch
+    from ember.compiler.targets.triton import Launch
     from ember.runtime import autotune
 
     return autotune.Problem.of(Launch("kernel", [], {}, 0, gemm=(batch, m, n, k), precision=precision), dtype, layout)

@@ -10,9 +10,9 @@ import pytest
 
 import ember
 from ember.compiler import fusion, lower, passes
-from ember.compiler.codegen import triton as renderer
 from ember.compiler.context import CompileContext
 from ember.compiler.kernel import Assign, Bin, Block, Branch, Call, Effect, Expr, KernelIR, Lit, Loop, Prim, Range, Var
+from ember.compiler.targets import triton as renderer
 from ember.ir import Kind, Op, toposort
 from ember.ir.ops import RULES, TARGETS
 
@@ -34,7 +34,7 @@ def _kernels(build):
     out = build()
     order = toposort([out._node])
     lowered = passes.lower(order, {id(out._node)}, passes.signature(order, {id(out._node)}))
-    kernels, stored = fusion.plan(lowered.nodes, lowered.outputs, CompileContext())
+    kernels, stored = fusion.plan(lowered.nodes, lowered.outputs, CompileContext(), fusion.NOMINAL_GPU)
     return kernels, stored
 
 

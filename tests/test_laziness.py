@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import ember
-from ember.compiler.codegen import reference
+from ember.compiler.targets import reference
 from ember.ir import Node, Op
 
 RNG = np.random.default_rng(3)

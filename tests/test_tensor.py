@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ember
-from ember.compiler.codegen import reference
+from ember.compiler.targets import reference
 
 RNG = np.random.default_rng(1)
 

@@ -58,7 +58,7 @@ def test_two_thousand_training_steps_keep_graph_and_memory_bounded():
 
 
 def test_the_loss_is_computed_with_the_optimizer_step_not_again(monkeypatch):
-    from ember.compiler.codegen import reference
+    from ember.compiler.targets import reference
 
     model = digits.make_model(16)
     optimizer = ember.optim.SGD(model.parameters(), lr=0.1)

@@ -57,16 +57,6 @@ MAX_RECOMPUTE_OPS = 48  # a shared producer with a larger cone is stored, not re
 RAND_OPS = 8  # a random number (Philox rounds), in pointwise ops
 GEMM_DTYPES = (dtypes.float16, dtypes.bfloat16, dtypes.float32)  # matmuls generated as Triton GEMMs
 
-# The prologue cost model, in seconds on a nominal Hopper GPU (only the ratios matter): a prologue
-# is applied to an operand tile once per output tile that loads it, on the CUDA cores, while the
-# tensor cores run the dot; it pays while that work fits beside the dot, and it must not read more
-# bytes than storing the operand would move (its write and its read).
-NOMINAL_TILE = 128  # output tile edge: an operand element is loaded once per tile across the other edge
-ALU_RATE = 60e12  # float32 operations per second on CUDA cores
-DOT_RATE = {"half": 700e12, "tf32": 350e12, "float32": 50e12}  # multiply-adds x 2 per second
-PROLOGUE_SHARE = 0.25  # of the dot's time, what the prologue's work may take
-BANDWIDTH = 3e12  # bytes per second of device memory
-LAUNCH_SECONDS = 3e-6  # what a kernel of its own costs beyond its bytes
 
 
 class KernelKind(enum.Enum):
@@ -84,6 +74,28 @@ class KernelKind(enum.Enum):
 
 
 VENDOR_KINDS = (KernelKind.MATMUL, KernelKind.CONV2D)  # kernels a vendor library can run (cuBLAS, cuDNN)
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What the planner's cost model assumes of the device a target runs on, in seconds and bytes (only
+    the ratios matter). A prologue is applied to an operand tile once per output tile that loads it, on
+    the vector units, while the matrix units run the dot; it pays while that work fits beside the dot,
+    and it must not read more bytes than storing the operand would move (its write and its read)."""
+
+    tile: int  # output tile edge: an operand element is loaded once per tile across the other edge
+    alu_rate: float  # float32 operations per second on the vector units
+    dot_rate: tuple[tuple[str, float], ...]  # ("half" | "tf32" | "float32", multiply-adds x 2 per second)
+    prologue_share: float  # of the dot's time, what the prologue's work may take
+    bandwidth: float  # bytes per second of device memory
+    launch_seconds: float  # what a kernel of its own costs beyond its bytes
+
+    def dot(self, kind: str) -> float:
+        return dict(self.dot_rate)[kind]
+
+
+NOMINAL_GPU = Costs(tile=128, alu_rate=60e12, dot_rate=(("half", 700e12), ("tf32", 350e12), ("float32", 50e12)),
+                    prologue_share=0.25, bandwidth=3e12, launch_seconds=3e-6)  # a Hopper GPU
 
 
 @dataclass(eq=False)
@@ -164,12 +176,13 @@ def input_level(node: Node, level: str, space: tuple[int, ...], axes: tuple[int,
 
 
 class Planner:
-    def __init__(self, nodes: list[Node], outputs: list[Node], context: CompileContext, fuse_gemms: bool = True,
-                 given: set[int] = frozenset()):
+    def __init__(self, nodes: list[Node], outputs: list[Node], context: CompileContext, costs: Costs,
+                 fuse_gemms: bool = True, given: set[int] = frozenset()):
         """`given`: nodes already stored elsewhere (a split plan's inputs); `fuse_gemms`: whether
         matmuls become generated GEMM kernels or vendor calls."""
         self.nodes = nodes
         self.context = context
+        self.costs = costs
         self.generate_gemms = fuse_gemms
         self.position = {id(n): i for i, n in enumerate(nodes)}
         self.outputs = outputs
@@ -225,20 +238,21 @@ class Planner:
             return True
         m, k = mm.inputs[0].shape[-2:]
         n = mm.shape[-1]
-        passes = -(-(n if position == 0 else m) // NOMINAL_TILE)
+        costs = self.costs
+        passes = -(-(n if position == 0 else m) // costs.tile)
         own = operand.numel * operand.dtype.itemsize
         read = sum(min(r.numel, operand.numel) * r.dtype.itemsize for r in reads)
-        work = ops * operand.numel * passes / ALU_RATE
-        dot = 2 * mm.numel * k / DOT_RATE[_dot_kind(mm.dtype, self.context)]
+        work = ops * operand.numel * passes / costs.alu_rate
+        dot = 2 * mm.numel * k / costs.dot(_dot_kind(mm.dtype, self.context))
         share = work / dot if dot else 0.0
-        storing = 2 * own / BANDWIDTH + LAUNCH_SECONDS  # a producer kernel's write, the GEMM's read of it
+        storing = 2 * own / costs.bandwidth + costs.launch_seconds  # a producer kernel's write, the GEMM's read of it
         pays = False
         if read > 2 * own:
             verdict = (f"stored: recomputing it would read {_mib(read)} to save writing and reading "
                        f"{_mib(own)}")
-        elif share > PROLOGUE_SHARE and work > storing:
+        elif share > costs.prologue_share and work > storing:
             verdict = (f"stored: {ops} ops x {passes} tile passes would take {share:.0%} of the dot's time "
-                       f"(at most {PROLOGUE_SHARE:.0%}) and more than storing it costs")
+                       f"(at most {costs.prologue_share:.0%}) and more than storing it costs")
         else:
             pays = True
             verdict = (f"recomputed in the mainloop: reads {_mib(read)} instead of writing and reading "
@@ -704,10 +718,10 @@ def _dot_kind(dtype, context: CompileContext) -> str:
     return "float32" if context.dot_precision(dtype) == "ieee" else "tf32"
 
 
-def plan(nodes: list[Node], outputs: list[Node], context: CompileContext, fuse_gemms: bool = True,
+def plan(nodes: list[Node], outputs: list[Node], context: CompileContext, costs: Costs, fuse_gemms: bool = True,
          given: set[int] = frozenset()) -> tuple[list[FusedKernel], set[int]]:
     """Fused kernels in launch order, and the ids of the nodes that get buffers."""
-    planner = Planner(nodes, outputs, context, fuse_gemms, given)
+    planner = Planner(nodes, outputs, context, costs, fuse_gemms, given)
     planner.choose_stored()
     kernels = planner.root_kernels()
     kernels = planner.pull_reductions(kernels)
@@ -719,14 +733,14 @@ def plan(nodes: list[Node], outputs: list[Node], context: CompileContext, fuse_g
         planner.describe(k)
     for k in kernels:
         if k.core is not None:
-            _plan_split(k, planner.position, context)
+            _plan_split(k, planner.position, context, costs)
     return kernels, set(planner.stored) - set(given)
 
 
-def _plan_split(gemm: FusedKernel, position: dict[int, int], context: CompileContext) -> None:
+def _plan_split(gemm: FusedKernel, position: dict[int, int], context: CompileContext, costs: Costs) -> None:
     """The GEMM kernel's nodes planned with a vendor matmul: its reads are the split plan's inputs."""
     nodes = sorted(gemm.reads + gemm.covers, key=lambda n: position[id(n)])
     given = {id(n) for n in gemm.reads}
-    split, stored = plan(nodes, list(gemm.outputs), context, fuse_gemms=False, given=given)
+    split, stored = plan(nodes, list(gemm.outputs), context, costs, fuse_gemms=False, given=given)
     gemm.split = split
     gemm.split_stored = stored - {id(o) for o in gemm.outputs}

@@ -5,7 +5,7 @@ expression trees. An expression knows the tile axes it varies along (`axes`), so
 one scalar or a tile, and along which axes of a GEMM tile a load varies, is read off the tree. Index
 arithmetic (views, broadcasts, pads, gathers folded into positions) and values are both expressions;
 a primitive's computation is a `Prim` that each target renders with the primitive's own lowering
-(`RULES[op].lowerings`). Nothing here is the syntax of any target: `compiler/codegen/triton.py` renders
+(`RULES[op].lowerings`). Nothing here is the syntax of any target: `compiler/targets/triton.py` renders
 it as Triton source.
 """
 

@@ -15,12 +15,11 @@ import time
 from dataclasses import dataclass, field
 
 from ember.compiler import fusion, lower, passes, schedule
-from ember.compiler.codegen import reference
-from ember.compiler.codegen import triton as codegen
 from ember.compiler.context import CompileContext
+from ember.compiler.targets import TARGETS, Target, reference
+from ember.compiler.targets.triton import KernelSource
 from ember.ir import Node, Op
 
-TARGETS = ("triton", "reference")
 _IDENTITIES = {Op.SUM: 0.0, Op.MAX: -math.inf, Op.MIN: math.inf}
 
 
@@ -30,7 +29,7 @@ class CompiledKernel:
     form and the outputs its tiles reduce into atomically (with the reduction's identity to start from)."""
 
     kernel: fusion.FusedKernel
-    source: codegen.KernelSource | None = None
+    source: KernelSource | None = None
     split: list[CompiledKernel] = field(default_factory=list)
     atomic_outputs: list[tuple[Node, float]] = field(default_factory=list)
 
@@ -60,26 +59,27 @@ def compile(order: list[Node], keep: set[int], target: str, context: CompileCont
             signature: passes.Signature | None = None) -> Plan:
     """Compile the pending graph `order` (the nodes whose ids are in `keep` are its results) for
     `target`; `signature` is `passes.signature(order, keep)` where the caller already has it."""
-    if target == "reference":
-        return Plan(target, nodes=order, keep=keep)
-    if target != "triton":
+    if target not in TARGETS:
         raise ValueError(f"compile: unknown target {target!r}; expected one of {', '.join(TARGETS)}")
+    chosen = TARGETS[target]
+    if chosen.costs is None:
+        return Plan(target, nodes=order, keep=keep)
     start = time.perf_counter()
     lowered = passes.lower(order, keep, signature or passes.signature(order, keep))
-    kernels, stored = fusion.plan(lowered.nodes, lowered.outputs, context)
-    compiled = [_generate(k, stored, context) for k in kernels]
+    kernels, stored = fusion.plan(lowered.nodes, lowered.outputs, context, chosen.costs)
+    compiled = [_generate(k, stored, context, chosen) for k in kernels]
     small = [_is_small(ck, context.multiprocessors) for ck in compiled]
     sched = schedule.schedule(kernels, lowered.outputs, small, context.max_streams)
     compiled = [compiled[i] for i in sched.order]
     return Plan(target, lowered, compiled, stored, sched, compile_seconds=time.perf_counter() - start)
 
 
-def _generate(kernel: fusion.FusedKernel, stored: set[int], context: CompileContext) -> CompiledKernel:
+def _generate(kernel: fusion.FusedKernel, stored: set[int], context: CompileContext, target: Target) -> CompiledKernel:
     if kernel.kind in fusion.VENDOR_KINDS and kernel.core is None:
         return CompiledKernel(kernel)
-    ck = CompiledKernel(kernel, codegen.generate(kernel, stored, context))
+    ck = CompiledKernel(kernel, target.render(kernel, stored, context))
     if kernel.core is not None:
-        ck.split = [_generate(part, stored | kernel.split_stored, context) for part in kernel.split]
+        ck.split = [_generate(part, stored | kernel.split_stored, context, target) for part in kernel.split]
         ck.atomic_outputs = [(o, _IDENTITIES[op]) for o, op in lower.epilogue_reduction_outputs(kernel)]
     return ck
 

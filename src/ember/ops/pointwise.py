@@ -565,7 +565,7 @@ def addcdiv(x: Tensor, a: Tensor, b: Tensor, value=1) -> Tensor:
 # Each primitive's rules side by side: shape and dtype, VJP (g, inputs, output, attributes -> one gradient
 # or None per input), reference implementation (NumPy arrays in, half types widened to float32, and the
 # attributes as keywords: only CAST has one), and Triton lowering (an expression of its operands, see
-# ember.compiler.codegen.triton.Operands). Adding a pointwise primitive means an Op and one `define` here.
+# ember.compiler.targets.triton.Operands). Adding a pointwise primitive means an Op and one `define` here.
 
 def _zero_grad(g, xs, out, a):
     return (None,) * len(xs)

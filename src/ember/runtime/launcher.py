@@ -16,7 +16,7 @@ from ember.ir import Node, Op
 from ember.runtime import autotune, cuda, disk, jit, plan_cache
 
 if TYPE_CHECKING:
-    from ember.compiler.codegen.triton import Launch
+    from ember.compiler.targets.triton import Launch
 
 capturing = False  # a Replay is being captured into a CUDA graph
 _stats = cuda.stats

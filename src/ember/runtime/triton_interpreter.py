@@ -25,7 +25,7 @@ import triton.language as tl
 from triton.runtime import interpreter
 from triton.runtime.jit import JITFunction
 
-from ember.compiler.codegen import triton_lib
+from ember.compiler.targets import triton_lib
 from ember.errors import CompileError
 
 # The patched internals; a Triton that renamed them is left as it is (its tests then show why).

@@ -274,7 +274,7 @@ def render_function(function: Function, name: str) -> list[str]:
 
 def render(ir: KernelIR, name: str) -> str:
     lines = [f"# {line}" for line in ir.header]
-    lines += ["import triton", "import triton.language as tl", "", "import ember.compiler.codegen.triton_lib as lib",
+    lines += ["import triton", "import triton.language as tl", "", "import ember.compiler.targets.triton_lib as lib",
               "", ""]
     for function in ir.functions:
         lines += render_function(function, name)

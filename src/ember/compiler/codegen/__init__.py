@@ -1,1 +1,0 @@
-"""Code generators, one per backend."""

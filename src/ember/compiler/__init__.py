@@ -4,9 +4,15 @@ Layers above reach it through this module: `compile` turns a pending graph into 
 `CompileContext`; the rest is what a plan holds (its signature, kernels and their kinds).
 """
 
+from pathlib import Path
+
 from ember.compiler.context import CompileContext
 from ember.compiler.fusion import KernelKind
 from ember.compiler.passes import Signature, signature
 from ember.compiler.pipeline import CompiledKernel, Plan, compile
 
-__all__ = ["CompileContext", "CompiledKernel", "KernelKind", "Plan", "Signature", "compile", "signature"]
+# the helpers generated Triton kernels import, as a file: the runtime loads one copy per way of running
+TRITON_LIBRARY = Path(__file__).parent / "targets" / "triton_lib.py"
+
+__all__ = ["CompileContext", "CompiledKernel", "KernelKind", "Plan", "Signature", "TRITON_LIBRARY", "compile",
+           "signature"]

@@ -25,7 +25,7 @@ import triton.language as tl
 from triton.runtime import interpreter
 from triton.runtime.jit import JITFunction
 
-from ember.compiler.targets import triton_lib
+from ember.compiler import TRITON_LIBRARY
 from ember.errors import CompileError
 
 # The patched internals; a Triton that renamed them is left as it is (its tests then show why).
@@ -129,7 +129,7 @@ def library(interpret: bool) -> ModuleType:
     """A copy of the helper library whose functions run one way; interpreted, a function with a second
     body named `<name>_interpreted` (one the interpreter can run) has that body."""
     spec = importlib.util.spec_from_file_location(f"ember_triton_lib_{'interpreted' if interpret else 'compiled'}",
-                                                  triton_lib.__file__)
+                                                  TRITON_LIBRARY)
     lib = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(lib)
     runnable_functions = {name: _kernel(value.fn, interpret) for name, value in vars(lib).items()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 
 from ember.compiler import CompileContext, compile, signature
-from ember.compiler.fusion import VENDOR_KINDS, FusedKernel, operand_sums, summed_output
+from ember.compiler.fusion import VENDOR_KINDS, FusedKernel
 from ember.device import get_matmul_precision
 from ember.ir import Kind, Node, Op
 
@@ -126,17 +126,11 @@ class Plan:
         for part in parts:
             if k.segments:
                 lines.append(f"  segment   {list(part.space)}")
-            work = [n for n in part.covers if _is_work(n) or n.op is Op.RAND or n in part.outputs]
-            cores = [n for n in work if n.op.kind in (Kind.REDUCE, Kind.CONTRACTION) or n.op is Op.SCATTER_ADD]
-            if k.core is not None:  # a GEMM: its operands' sums along K belong to the mainloop
-                cores, sums = [k.core], operand_sums(k)
-                before = _upstream(cores + sums, work, part.covers)
-                before = [n for n in work if n in before or n in sums or summed_output(k, n) in sums]
-            else:
-                before = _upstream(cores, work, part.covers)
-            label = "mainloop" if cores else "ops"
-            for group, title in ((before, label), (cores, "core"), ([n for n in work if n not in cores
-                                                                      and n not in before], "epilogue")):
+            shown = {id(n) for n in part.covers if _is_work(n) or n.op is Op.RAND or n in part.outputs}
+            mainloop = [n for n in part.covers if id(n) in shown and any(n in p for p in part.prologues)]
+            sections = ((mainloop, "mainloop" if part.cores else "ops"), (part.cores, "core"),
+                        ([n for n in part.epilogue if id(n) in shown], "epilogue" if part.cores else "ops"))
+            for group, title in sections:
                 for i, n in enumerate(group):
                     lines.append(f"  {title if i == 0 else '':<9} {self.line(n, part.outputs)}")
         for decision in k.decisions:
@@ -173,19 +167,6 @@ class Plan:
             lines.append(f"memory: {len(sched.slots)} intermediates of {_mib(sched.intermediate_bytes)} share an "
                          f"arena of {_mib(sched.arena_bytes)} (reused by lifetime)")
         return "\n".join(lines)
-
-
-def _upstream(cores: list[Node], work: list[Node], covers: list[Node]) -> list[Node]:
-    """Nodes of `work` that feed a core, through views: the mainloop (prologue) of the kernel."""
-    inside = {id(n) for n in covers}
-    found: dict[int, Node] = {}
-    stack = [i for c in cores for i in c.inputs]
-    while stack:
-        n = stack.pop()
-        if id(n) in inside and id(n) not in found and n not in cores:
-            found[id(n)] = n
-            stack.extend(n.inputs)
-    return [n for n in work if id(n) in found]
 
 
 def plan(*tensors) -> Plan:

@@ -4,13 +4,16 @@ A primitive missing a rule fails here, not at run time."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import ember  # noqa: F401  (importing ember declares the rules)
+from ember.compiler.codegen import reference
 from ember.ir import Kind, Node, Op
 from ember.ir.ops import NOT_DIFFERENTIABLE, RULES, TARGETS, infer
 
 POINTWISE = [op for op in Op if op.kind in (Kind.UNARY, Kind.BINARY, Kind.TERNARY)]
+REDUCTIONS = [op for op in Op if op.kind is Kind.REDUCE]
 
 
 @pytest.mark.parametrize("op", list(Op), ids=lambda op: op.label)
@@ -25,6 +28,18 @@ def test_every_primitive_declares_its_shape_vjp_and_reference_rules(op):
 def test_every_pointwise_primitive_declares_a_lowering_per_target(op):
     for target in TARGETS:
         assert callable(RULES[op].lowerings.get(target)), f"{op}: no {target} lowering"
+
+
+@pytest.mark.parametrize("dtype", [ember.float32, ember.float16, ember.int32, ember.int8, ember.bool],
+                         ids=lambda d: d.name)
+@pytest.mark.parametrize("op", REDUCTIONS, ids=lambda op: op.label)
+def test_every_reduction_declares_its_identity_and_reducing_it_with_a_value_gives_that_value(op, dtype):
+    identity = RULES[op].identity(dtype)
+    for value in [not identity] if dtype is ember.bool else [-3, 3]:
+        pair = Node.from_buffer(np.array([identity, value], dtype=dtype.np), dtype, ember.device("cpu").device)
+        reduced = Node.make(op, (pair,), axes=(0,))
+        result = reference.evaluate(reduced, [pair.buffer]).item()
+        assert result == (1 if op in (Op.ARGMAX, Op.ARGMIN) else value)  # the index of the value, or the value
 
 
 def constant(shape) -> Node:

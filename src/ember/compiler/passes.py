@@ -277,7 +277,7 @@ class _Builder:
     def _split_reduction(self, op: Op, x: Node, attrs: dict, original: Node) -> Node | None:
         """A long reduction into few outputs would run on few programs and starve the GPU: reduce
         in two stages, first P partial results per output (in parallel), then those."""
-        if op not in SPLIT_IDENTITY or len(attrs["axes"]) != 1:
+        if op not in SPLIT_REDUCTIONS or len(attrs["axes"]) != 1:
             return None
         (axis,) = attrs["axes"]
         n, outputs = x.shape[axis], original.numel
@@ -292,10 +292,9 @@ class _Builder:
         if padded != n:  # pad with the reduction's identity, so the padding changes nothing
             pads = tuple((0, padded - n) if d == axis else (0, 0) for d in range(len(x.shape)))
             shape = tuple(padded if d == axis else s for d, s in enumerate(x.shape))
-            identity = SPLIT_IDENTITY[op] if original.dtype.is_floating_point else None
-            if identity is None:
+            if not original.dtype.is_floating_point:
                 return None
-            x = self.make(Op.PAD, (x,), {"pads": pads, "value": identity}, _like(x, shape))
+            x = self.make(Op.PAD, (x,), {"pads": pads, "value": RULES[op].identity(original.dtype)}, _like(x, shape))
         split = x.shape[:axis] + (parts, padded // parts) + x.shape[axis + 1:]
         x = self.make(Op.RESHAPE, (x,), {"shape": split}, _like(x, split))
         partial_shape = split[:axis + 1] + (1,) + split[axis + 2:]
@@ -330,7 +329,7 @@ SPLIT_MIN_PROGRAMS = 1024  # split only reductions that would otherwise run on f
 SPLIT_MIN_LENGTH = 1024  # and only reductions at least this long
 SPLIT_MIN_ELEMENTS = 1 << 18  # reading at least this many elements (below, the extra launch costs more)
 SPLIT_MIN_PART = 64  # elements each partial result reduces, at least
-SPLIT_IDENTITY = {Op.SUM: 0.0, Op.MAX: -math.inf, Op.MIN: math.inf, Op.PROD: 1.0}
+SPLIT_REDUCTIONS = (Op.SUM, Op.MAX, Op.MIN, Op.PROD)  # the reductions that combine partial results
 # scatter_add dtypes without atomic addition on the GPU, and the type they accumulate in
 ATOMIC_WIDENING = {dtypes.bool_: dtypes.int32, dtypes.uint8: dtypes.int32, dtypes.int8: dtypes.int32,
                    dtypes.int16: dtypes.int32, dtypes.bfloat16: dtypes.float32}

@@ -3,13 +3,11 @@
 
 from __future__ import annotations
 
-import math
-
-import numpy as np
-
 from ember import dtypes
 from ember.autograd import is_grad_enabled
 from ember.errors import ShapeError
+from ember.ir import Op
+from ember.ir.ops import RULES
 from ember.ops.contraction import _pair
 from ember.ops.movement import cat, pad, reshape, slice_axis, unsqueeze
 from ember.ops.pointwise import div, maximum, where
@@ -55,8 +53,7 @@ def max_pool2d(x: Tensor, kernel_size, stride=None, padding=0, dilation=1, ceil_
     p, d = _pair("max_pool2d", "padding", padding), _pair("max_pool2d", "dilation", dilation)
     if p[0] > k[0] // 2 or p[1] > k[1] // 2:
         raise ValueError(f"max_pool2d: padding {p} should be at most half of the kernel size {k}")
-    fill = -math.inf if x.dtype.is_floating_point else int(np.iinfo(x.dtype.np).min)
-    windows = list(_windows(x, k, s, p, d, ceil_mode, fill))
+    windows = list(_windows(x, k, s, p, d, ceil_mode, RULES[Op.MAX].identity(x.dtype)))
     best = windows[0]
     for window in windows[1:]:
         best = maximum(best, window)

@@ -277,8 +277,27 @@ def cumsum(x: Tensor, dim: int) -> Tensor:
 
 
 # -- the reduction primitives -------------------------------------------------------------------------
-# Each primitive's rules side by side: shape and dtype (reduced dims kept with size 1), VJP, and reference
-# implementation (NumPy, half types computed in float32, the `axes` attribute as a keyword).
+# Each primitive's rules side by side: shape and dtype (reduced dims kept with size 1), VJP, reference
+# implementation (NumPy, half types computed in float32, the `axes` attribute as a keyword), and identity:
+# the neutral element, as a Python number of the dtype's kind, that padding and accumulators start from.
+
+def _number(dtype: dtypes.DType, value) -> bool | int | float:
+    return bool(value) if dtype is dtypes.bool_ else (float(value) if dtype.is_floating_point else int(value))
+
+
+def _lowest(dtype: dtypes.DType) -> bool | int | float:
+    """The identity of max and argmax: -inf, or the dtype's smallest value."""
+    if dtype.is_floating_point:
+        return -math.inf
+    return False if dtype is dtypes.bool_ else int(np.iinfo(dtype.np).min)
+
+
+def _highest(dtype: dtypes.DType) -> bool | int | float:
+    """The identity of min and argmin: +inf, or the dtype's largest value."""
+    if dtype.is_floating_point:
+        return math.inf
+    return True if dtype is dtypes.bool_ else int(np.iinfo(dtype.np).max)
+
 
 def _reduce_rule(op: Op, indices: bool = False):
     def rule(inputs, attrs) -> tuple[tuple[int, ...], dtypes.DType]:
@@ -327,11 +346,15 @@ def _np_arg(fn):
     return reference
 
 
-define(Op.SUM, shape=_reduce_rule(Op.SUM), vjp=_sum_vjp, reference=_np_accumulate(np.sum))
-define(Op.PROD, shape=_reduce_rule(Op.PROD), vjp=_prod_vjp, reference=_np_accumulate(np.prod))
+define(Op.SUM, shape=_reduce_rule(Op.SUM), vjp=_sum_vjp, reference=_np_accumulate(np.sum),
+       identity=lambda dtype: _number(dtype, 0))
+define(Op.PROD, shape=_reduce_rule(Op.PROD), vjp=_prod_vjp, reference=_np_accumulate(np.prod),
+       identity=lambda dtype: _number(dtype, 1))
 define(Op.MAX, shape=_reduce_rule(Op.MAX), vjp=_extremum_vjp,
-       reference=lambda x, axes: np.max(x, axis=axes, keepdims=True))
+       reference=lambda x, axes: np.max(x, axis=axes, keepdims=True), identity=_lowest)
 define(Op.MIN, shape=_reduce_rule(Op.MIN), vjp=_extremum_vjp,
-       reference=lambda x, axes: np.min(x, axis=axes, keepdims=True))
-define(Op.ARGMAX, shape=_reduce_rule(Op.ARGMAX, indices=True), vjp=NOT_DIFFERENTIABLE, reference=_np_arg(np.argmax))
-define(Op.ARGMIN, shape=_reduce_rule(Op.ARGMIN, indices=True), vjp=NOT_DIFFERENTIABLE, reference=_np_arg(np.argmin))
+       reference=lambda x, axes: np.min(x, axis=axes, keepdims=True), identity=_highest)
+define(Op.ARGMAX, shape=_reduce_rule(Op.ARGMAX, indices=True), vjp=NOT_DIFFERENTIABLE, reference=_np_arg(np.argmax),
+       identity=_lowest)
+define(Op.ARGMIN, shape=_reduce_rule(Op.ARGMIN, indices=True), vjp=NOT_DIFFERENTIABLE, reference=_np_arg(np.argmin),
+       identity=_highest)

@@ -15,8 +15,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
 from ember import dtypes
 from ember.compiler.context import CompileContext
 from ember.compiler.fusion import (
@@ -53,6 +51,7 @@ from ember.compiler.kernel import (
 from ember.dtypes import DType, compute_dtype
 from ember.errors import CompileError
 from ember.ir import Kind, Node, Op
+from ember.ir.ops import RULES
 
 POINTWISE_BLOCK = 1024
 ROW_TILE = 4096  # elements of a row kernel's tile; rows longer than this are reduced in a loop
@@ -450,18 +449,10 @@ class Emitter:
 
 
 def identity(op: Op, dtype: DType) -> Lit:
-    """The value a reduction starts from."""
-    if op is Op.SUM:
-        return ZERO
-    if op is Op.PROD:
-        return ONE
-    low = op in (Op.MAX, Op.ARGMAX)
-    if dtype.is_floating_point:
-        return Lit(-math.inf if low else math.inf)
-    if dtype is dtypes.bool_:
-        return ZERO if low else ONE
-    info = np.iinfo(dtype.np)
-    return Lit(int(info.min if low else info.max))
+    """The value a reduction starts from (declared with the reduction, RULES[op].identity), as a literal of
+    the kind of `dtype`: a bool accumulates as an integer."""
+    value = RULES[op].identity(dtype)
+    return Lit(float(value) if dtype.is_floating_point else int(value))
 
 
 # -- whole kernels ---------------------------------------------------------------------------

@@ -18,9 +18,8 @@ from ember.compiler import fusion, lower, passes, schedule
 from ember.compiler.context import CompileContext
 from ember.compiler.targets import TARGETS, Target, reference
 from ember.compiler.targets.triton import KernelSource
-from ember.ir import Node, Op
-
-_IDENTITIES = {Op.SUM: 0.0, Op.MAX: -math.inf, Op.MIN: math.inf}
+from ember.ir import Node
+from ember.ir.ops import RULES
 
 
 @dataclass
@@ -80,7 +79,7 @@ def _generate(kernel: fusion.FusedKernel, stored: set[int], context: CompileCont
     ck = CompiledKernel(kernel, target.render(kernel, stored, context))
     if kernel.core is not None:
         ck.split = [_generate(part, stored | kernel.split_stored, context, target) for part in kernel.split]
-        ck.atomic_outputs = [(o, _IDENTITIES[op]) for o, op in lower.epilogue_reduction_outputs(kernel)]
+        ck.atomic_outputs = [(o, RULES[op].identity(o.dtype)) for o, op in lower.epilogue_reduction_outputs(kernel)]
     return ck
 
 

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from ember import dtypes
 from ember.compiler.context import CompileContext
 from ember.ir import Kind, Node, Op
+from ember.ir.ops import STRIDED_VIEWS
 
 FULL, ROW, OTHER = "full", "row", "other"
 MAINLOOP = "mainloop"  # the level of a GEMM kernel's operand reductions: no other kernel reads them in registers
@@ -262,7 +263,7 @@ class Planner:
 
     def _view_base(self, node: Node) -> Node:
         """The node under a chain of movement ops that a strided view can express."""
-        while node.op in (Op.RESHAPE, Op.PERMUTE, Op.EXPAND, Op.SLICE) and id(node) not in self.stored:
+        while node.op in STRIDED_VIEWS and id(node) not in self.stored:
             node = node.inputs[0]
         return node
 

@@ -531,64 +531,99 @@ def _segmented(ctx: Context, kernel: FusedKernel) -> Function:
 
 
 def _rows(ctx: Context, kernel: FusedKernel) -> Function:
-    """A row kernel: each program holds BLOCK_M rows; reductions over the row run in registers."""
-    space, axes = kernel.space, kernel.axes
-    m, n = kernel.rows, kernel.cols
-    kept = [i for i in range(len(space)) if i not in axes]
-    trailing = tuple(axes) == tuple(range(len(space) - len(axes), len(space)))
-    if trailing:  # rows are contiguous in memory: a program takes few, long rows
-        block_n = min(next_pow2(n), ROW_TILE)
-        if next_pow2(n) > ROW_TILE:  # a row that does not fit is walked in small chunks (registers)
-            block_n = LOOP_CHUNK
-        block_m = max(1, min(ROW_TILE // block_n, next_pow2(m), 64)) if block_n != LOOP_CHUNK else 1
-    else:  # the kept axes are the contiguous ones: wide along them, so loads coalesce
-        block_m = min(next_pow2(m), 128)
-        block_n = max(1, min(next_pow2(n), ROW_TILE // block_m))
-    persistent = next_pow2(n) <= block_n
-    body: list = []
-    emitter = Emitter(ctx, kernel, body)
-    pid = _program(emitter)
-    first_row = call("cast", pid, dtype=dtypes.int64) if emitter.big else pid
-    rows = emitter.bind("rows", Bin("+", Bin("*", first_row, BLOCK_M), Range(BLOCK_M, 0, 2)))
-    rmask = emitter.bind("rmask", Bin("<", rows, ctx.size(m)))
-    emitter.row_index = Index(None, rows, rmask, ROW)
-    emitter.unravel(rows, tuple(space[i] for i in kept))  # before any loop, so every phase can use it
-    n_size = ctx.size(n)
-    chunk: dict[str, Var] = {}
+    return RowKernel(ctx, kernel).lower()
 
-    def full_index() -> Index:
-        cols = chunk["cols"]
-        row_dims = emitter.unravel(rows, tuple(space[i] for i in kept))
-        col_dims = emitter.unravel(cols, tuple(space[i] for i in axes))
+
+class RowKernel:
+    """A row kernel: each program holds BLOCK_M rows; reductions over the row run in registers, in one
+    tile when a row fits (persistent) or in a loop over chunks of BLOCK_N columns, one loop per phase."""
+
+    def __init__(self, ctx: Context, kernel: FusedKernel):
+        self.ctx, self.kernel = ctx, kernel
+        space, axes = kernel.space, kernel.axes
+        m, n = kernel.rows, kernel.cols
+        self.kept = [i for i in range(len(space)) if i not in axes]
+        self.trailing = tuple(axes) == tuple(range(len(space) - len(axes), len(space)))
+        if self.trailing:  # rows are contiguous in memory: a program takes few, long rows
+            block_n = min(next_pow2(n), ROW_TILE)
+            if next_pow2(n) > ROW_TILE:  # a row that does not fit is walked in small chunks (registers)
+                block_n = LOOP_CHUNK
+            block_m = max(1, min(ROW_TILE // block_n, next_pow2(m), 64)) if block_n != LOOP_CHUNK else 1
+        else:  # the kept axes are the contiguous ones: wide along them, so loads coalesce
+            block_m = min(next_pow2(m), 128)
+            block_n = max(1, min(next_pow2(n), ROW_TILE // block_m))
+        self.block_m, self.block_n = block_m, block_n
+        self.persistent = next_pow2(n) <= block_n
+        self.body: list = []
+        self.emitter = emitter = Emitter(ctx, kernel, self.body)
+        pid = _program(emitter)
+        first_row = call("cast", pid, dtype=dtypes.int64) if emitter.big else pid
+        self.rows = emitter.bind("rows", Bin("+", Bin("*", first_row, BLOCK_M), Range(BLOCK_M, 0, 2)))
+        self.rmask = emitter.bind("rmask", Bin("<", self.rows, ctx.size(m)))
+        emitter.row_index = Index(None, self.rows, self.rmask, ROW)
+        emitter.unravel(self.rows, tuple(space[i] for i in self.kept))  # before any loop: every phase uses it
+        self.n_size = ctx.size(n)
+        self.cols: Var | None = None  # the columns of the chunk being computed, and their mask
+        self.mask: Var | None = None
+
+    def lower(self) -> Function:
+        if self.persistent:
+            self.open_chunk(ZERO)
+        for r in self.kernel.reductions:
+            self.reduce(r)
+        levels = self.kernel.levels
+        full_outputs = [o for o in self.kernel.outputs if levels[id(o)] == FULL]
+        if full_outputs:
+            self.open_loop()
+            for o in full_outputs:
+                self.emitter.store(o, self.full_index(), (BLOCK_M, BLOCK_N))
+            self.close_loop()
+        for o in self.kernel.outputs:
+            if levels[id(o)] == ROW:
+                self.emitter.store(o, self.emitter.row_index, (BLOCK_M, 1))
+        grid = -(-self.kernel.rows // self.block_m)
+        warps = 4 if self.block_m * self.block_n <= 2048 else 8
+        return self.ctx.function("", self.body, {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n}, grid, warps)
+
+    def full_index(self) -> Index:
+        """The index of the chunk's elements in the kernel's space."""
+        space, emitter = self.kernel.space, self.emitter
+        row_dims = emitter.unravel(self.rows, tuple(space[i] for i in self.kept))
+        col_dims = emitter.unravel(self.cols, tuple(space[i] for i in self.kernel.axes))
         dims: list[Expr] = [ZERO] * len(space)
-        for i, d in zip(kept, row_dims):
+        for i, d in zip(self.kept, row_dims):
             dims[i] = d
-        for i, d in zip(axes, col_dims):
+        for i, d in zip(self.kernel.axes, col_dims):
             dims[i] = d
-        linear = Bin("+", Bin("*", rows, n_size), cols) if trailing else None
-        return Index(tuple(dims), linear, chunk["mask"], FULL)
+        linear = Bin("+", Bin("*", self.rows, self.n_size), self.cols) if self.trailing else None
+        return Index(tuple(dims), linear, self.mask, FULL)
 
-    def open_chunk(start: Expr) -> None:
-        chunk["cols"] = emitter.bind("cols", add(start, Range(BLOCK_N, 1, 2)))
-        chunk["mask"] = emitter.bind("mask", Bin("&", rmask, Bin("<", chunk["cols"], n_size)))
+    def open_chunk(self, start: Expr) -> None:
+        self.cols = self.emitter.bind("cols", add(start, Range(BLOCK_N, 1, 2)))
+        self.mask = self.emitter.bind("mask", Bin("&", self.rmask, Bin("<", self.cols, self.n_size)))
 
-    def open_loop() -> None:
-        loop = Loop(Var("start"), ZERO, n_size, BLOCK_N)
-        emitter.emit(loop)
-        emitter.loop, emitter.block = loop, loop.body
-        open_chunk(loop.var)
+    def open_loop(self) -> None:
+        """A loop over the row's chunks (nothing when the row is one tile)."""
+        if self.persistent:
+            return
+        loop = Loop(Var("start"), ZERO, self.n_size, BLOCK_N)
+        self.emitter.emit(loop)
+        self.emitter.loop, self.emitter.block = loop, loop.body
+        self.open_chunk(loop.var)
 
-    def close_loop() -> None:
-        emitter.block = body
-        if persistent:
+    def close_loop(self) -> None:
+        """Back at the program's level: values computed inside the loop are out of scope, except the
+        reductions' results and the row-level values hoisted before it."""
+        emitter = self.emitter
+        emitter.block = self.body
+        if self.persistent:
             return
         emitter.loop = None
         emitter.memo = {k: v for k, v in emitter.memo.items() if k[0] in emitter.reduced or k in emitter.hoisted}
-        emitter.unravelled = {k: v for k, v in emitter.unravelled.items() if k[0] == rows}
+        emitter.unravelled = {k: v for k, v in emitter.unravelled.items() if k[0] == self.rows}
 
-    if persistent:
-        open_chunk(ZERO)
-    for r in kernel.reductions:
+    def reduce(self, r: Node) -> None:
+        emitter = self.emitter
         arg_reduction = r.op in (Op.ARGMAX, Op.ARGMIN)
         dt = compute_dtype(r.inputs[0].dtype if arg_reduction else r.dtype)
         acc_dt = dtypes.int32 if dt is dtypes.bool_ else dt
@@ -598,10 +633,9 @@ def _rows(ctx: Context, kernel: FusedKernel) -> Function:
         emitter.emit(Assign((acc,), call("full", start_value, shape=(BLOCK_M, 1), dtype=acc_dt)))
         if arg:
             emitter.emit(Assign((arg,), call("zeros", shape=(BLOCK_M, 1), dtype=dtypes.int64)))
-        if not persistent:
-            open_loop()
-        value, _ = emitter.value(r.inputs[0], full_index())
-        tile = emitter.define(call("where", chunk["mask"],
+        self.open_loop()
+        value, _ = emitter.value(r.inputs[0], self.full_index())
+        tile = emitter.define(call("where", self.mask,
                                    Bin("+", value, call("zeros", shape=(BLOCK_M, BLOCK_N), dtype=acc_dt)),
                                    start_value), "t")
         combine = r.op.label
@@ -613,31 +647,18 @@ def _rows(ctx: Context, kernel: FusedKernel) -> Function:
             part = call("reduce", tile, combine=combine, axis=1, drop="n", nan="propagate")
             emitter.emit(Assign((acc,), call("combine", acc, part, combine=combine)))
         else:  # the chunk's best (value, column), then the best of it and the rows' best so far
-            columns = emitter.define(Bin("+", chunk["cols"], call("zeros", shape=(BLOCK_M, BLOCK_N),
-                                                                  dtype=dtypes.int32)), "j")
+            columns = emitter.define(Bin("+", self.cols, call("zeros", shape=(BLOCK_M, BLOCK_N),
+                                                              dtype=dtypes.int32)), "j")
             best, where = Var(emitter.fresh("b"), acc.varies), Var(emitter.fresh("w"), acc.varies)
             emitter.emit(Assign((best, where), call("reduce2", tile, columns, combine=combine, axis=1, drop="n")))
             emitter.emit(Assign((acc, arg), call("combine", acc, arg, best, call("cast", where, dtype=dtypes.int64),
                                                  combine=combine)))
-        emitter.block = body
+        emitter.block = self.body
         result = arg if arg else acc
         if acc_dt is not dt and not arg:  # a bool max or min, accumulated in int32
             result = emitter.define(Bin("!=", acc, ZERO))
         emitter.reduced[id(r)] = result
-        close_loop()
-    full_outputs = [o for o in kernel.outputs if kernel.levels[id(o)] == FULL]
-    row_outputs = [o for o in kernel.outputs if kernel.levels[id(o)] == ROW]
-    if full_outputs:
-        if not persistent:
-            open_loop()
-        for o in full_outputs:
-            emitter.store(o, full_index(), (BLOCK_M, BLOCK_N))
-        close_loop()
-    for o in row_outputs:
-        emitter.store(o, emitter.row_index, (BLOCK_M, 1))
-    grid = -(-m // block_m)
-    warps = 4 if block_m * block_n <= 2048 else 8
-    return ctx.function("", body, {"BLOCK_M": block_m, "BLOCK_N": block_n}, grid, warps)
+        self.close_loop()
 
 
 def _scatter_add(ctx: Context, kernel: FusedKernel) -> list[Function]:

@@ -119,6 +119,12 @@ def check_shape(cond: bool, op: Op, msg: str) -> None:
         raise ShapeError(f"{op.label}: {msg}")
 
 
+# Movement ops a strided view (shape, strides, offset) expresses: a vendor library (cuBLAS, cuDNN) reads an
+# operand through them without a copy. FLIP would need negative strides and PAD a mask, so their results are
+# computed into a buffer first; generated kernels fold every movement op into their index arithmetic.
+STRIDED_VIEWS = (Op.RESHAPE, Op.PERMUTE, Op.EXPAND, Op.SLICE)
+
+
 # -- the rules table -------------------------------------------------------------------------------
 
 TARGETS = ("triton",)  # code generators with per-primitive lowerings

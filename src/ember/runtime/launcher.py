@@ -13,6 +13,7 @@ from ember.compiler import CompiledKernel, KernelKind, Plan, Signature
 from ember.device import Device
 from ember.errors import CompileError, OutOfMemoryError
 from ember.ir import Node, Op
+from ember.ir.ops import STRIDED_VIEWS
 from ember.runtime import autotune, cuda, disk, jit, plan_cache
 
 if TYPE_CHECKING:
@@ -262,7 +263,8 @@ def _view(node: Node, buffers: dict[int, torch.Tensor]) -> torch.Tensor:
         return base.expand(*a["shape"])
     if node.op is Op.SLICE:
         return base[tuple(slice(start, stop, step) for start, stop, step in a["slices"])]
-    raise CompileError(f"{node.op.label} has no strided view; the planner should have stored its input")
+    raise CompileError(f"{node.op.label} is not one of {[op.label for op in STRIDED_VIEWS]}, which a strided view "
+                       "expresses; the planner should have stored its input")
 
 
 def _on_vendor_device(operand: torch.Tensor) -> torch.Tensor:

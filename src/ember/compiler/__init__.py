@@ -1,7 +1,8 @@
 """The compiler: graph passes, fusion planning, scheduling and code generation.
 
 Layers above reach it through this module: `compile` turns a pending graph into a `Plan`, under a
-`CompileContext`; the rest is what a plan holds (its signature, kernels and their kinds).
+`CompileContext`; the rest is what a plan holds (its signature, kernels and their kinds, generated sources and
+their launches).
 """
 
 from pathlib import Path
@@ -10,9 +11,10 @@ from ember.compiler.context import CompileContext
 from ember.compiler.fusion import KernelKind
 from ember.compiler.passes import Signature, signature
 from ember.compiler.pipeline import CompiledKernel, Plan, compile
+from ember.compiler.targets.triton import KernelSource, Launch
 
 # the helpers generated Triton kernels import, as a file: the runtime loads one copy per way of running
 TRITON_LIBRARY = Path(__file__).parent / "targets" / "triton_lib.py"
 
-__all__ = ["CompileContext", "CompiledKernel", "KernelKind", "Plan", "Signature", "TRITON_LIBRARY", "compile",
-           "signature"]
+__all__ = ["CompileContext", "CompiledKernel", "KernelKind", "KernelSource", "Launch", "Plan", "Signature",
+           "TRITON_LIBRARY", "compile", "signature"]

@@ -38,7 +38,7 @@ from ember.ir import Node, Op, toposort
 from ember.runtime import cuda, disk
 
 if TYPE_CHECKING:
-    from ember.compiler.targets.triton import Launch
+    from ember.compiler import Launch
 
 WARMUP, REPS = 2, 10  # launches before and inside a timing
 

@@ -14,7 +14,7 @@ from ember.runtime import triton_interpreter
 from ember.runtime.cuda import INTERPRET
 
 if TYPE_CHECKING:
-    from ember.compiler.targets.triton import KernelSource
+    from ember.compiler import KernelSource
 
 
 def cache_dir(kind: str = "kernels") -> Path:

@@ -17,7 +17,7 @@ from ember.ir.ops import STRIDED_VIEWS
 from ember.runtime import autotune, cuda, disk, jit, plan_cache
 
 if TYPE_CHECKING:
-    from ember.compiler.targets.triton import Launch
+    from ember.compiler import Launch
 
 capturing = False  # a Replay is being captured into a CUDA graph
 _stats = cuda.stats

@@ -167,7 +167,9 @@ class Renderer:
             strength = PRECEDENCE[e.op]
             left, left_strength = self._expr(e.a)
             right, right_strength = self._expr(e.b)
-            if left_strength < strength or (left_strength == strength and strength == 1):
+            # a comparison is never chained, and a // or % on the left is bracketed to read as computed
+            unclear = isinstance(e.a, Bin) and e.a.op in ("//", "%", "<", "<=", ">", ">=", "==", "!=")
+            if left_strength < strength or (left_strength == strength and unclear):
                 left = f"({left})"
             if right_strength <= strength:
                 right = f"({right})"

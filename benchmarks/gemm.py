@@ -50,7 +50,7 @@ from common import (
 import ember
 import ember.nn.functional as EF
 from ember.explain import plan
-from ember.replay import JitFunction
+from ember.jit import JitFunction
 
 # (full, --quick, --cpu-smoke) size of each workload
 SIZES = {

@@ -7,6 +7,7 @@ import ember
 import ember.nn.functional as F
 from ember import nn, optim
 from ember.ir import Op
+from ember.jit import Recorder, record
 from ember.optim import lr_scheduler
 
 torch = pytest.importorskip("torch")
@@ -263,15 +264,14 @@ def test_adam_step_over_fifty_cuda_parameters_is_two_launches(name, kwargs):
 def test_step_guards_every_hyper_parameter_but_the_parameters_and_the_rate(monkeypatch):
     """A captured step (`ember.jit`) is replayed only while the hyper-parameters it read still hold; the
     learning rate is read from a tensor instead, which a replay brings up to date."""
-    from ember.runtime import jit
-
     guards, refreshers = [], []
-    monkeypatch.setattr(jit, "guard", guards.append)
-    monkeypatch.setattr(jit, "refresh", refreshers.append)
+    monkeypatch.setattr(Recorder, "guard", lambda self, read: guards.append(read))
+    monkeypatch.setattr(Recorder, "refresh", lambda self, update: refreshers.append(update))
     model = nn.Linear(3, 2)
     opt = optim.Adam([{"params": [model.weight]}, {"params": [model.bias], "lr": 0.1}], lr=0.01)
     model(ember.randn(4, 3)).sum().backward()
-    opt.step()
+    with record():
+        opt.step()
     assert len(guards) == 1 and len(refreshers) == 1
     read = guards[0]
     before = read()

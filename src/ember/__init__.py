@@ -30,10 +30,10 @@ from ember.dtypes import (
 from ember.dtypes import bool_ as bool  # noqa: A001 - the PyTorch name
 from ember.errors import CompileError, DeviceError, DTypeError, EmberError, OutOfMemoryError, ShapeError
 from ember.explain import explain
+from ember.jit import jit
 from ember.ops import *  # noqa: F403 - the op functions are the public API
 from ember.ops import __all__ as _ops_all
 from ember.placement import memory_stats, on_device
-from ember.replay import jit
 from ember.serialize import load, save
 from ember.tensor import Tensor, realize
 

@@ -15,7 +15,7 @@ from ember import autograd, dtypes
 from ember.device import Device, as_device
 from ember.dtypes import DType
 from ember.ir import Node, Op
-from ember.runtime import jit
+from ember.runtime import executor
 from ember.runtime.executor import realize as _realize_nodes
 from ember.runtime.executor import to_host
 
@@ -38,8 +38,8 @@ class Tensor:
 
     @grad.setter
     def grad(self, value: Tensor | None) -> None:
-        if jit.recording():
-            jit.note_grad(self, self._grad, value)
+        if executor.recorder is not None:
+            executor.recorder.note_grad(self, self._grad, value)
         self._grad = value
 
     @property
@@ -204,8 +204,8 @@ class Tensor:
     @data.setter
     def data(self, value: Tensor) -> None:
         """Show `value` from now on, whatever its shape or dtype, outside autograd (torch's `p.data = v`)."""
-        if jit.recording():
-            jit.note_rebind(self, self._node)
+        if executor.recorder is not None:
+            executor.recorder.note_rebind(self, self._node)
         self._node = value._node
         _hold(value._node, self)
 
@@ -287,8 +287,8 @@ class Tensor:
         if self.is_leaf and self.requires_grad and autograd.is_grad_enabled():
             raise RuntimeError("a leaf Tensor that requires grad is being used in an in-place operation; "
                                "wrap the update in `with ember.no_grad():`")
-        if jit.recording():
-            jit.note_rebind(self, self._node)
+        if executor.recorder is not None:
+            executor.recorder.note_rebind(self, self._node)
         self._node = value._node
         _hold(value._node, self)
         if autograd.is_grad_enabled() and value.requires_grad:

@@ -19,7 +19,7 @@ from ember.autograd import no_grad
 from ember.errors import DTypeError
 from ember.ops.creation import tensor as _tensor
 from ember.ops.creation import zeros
-from ember.runtime import jit
+from ember.runtime import executor
 from ember.tensor import Tensor, to_arguments
 
 
@@ -62,9 +62,9 @@ class Module:
         raise NotImplementedError(f"{type(self).__name__} has no forward(); define one in the subclass")
 
     def __call__(self, *args, **kwargs):
-        if jit.recording():  # a recorded step depends on train/eval mode and on which parameters train
-            jit.guard(functools.partial(getattr, self, "training"))
-            jit.guard(self._trainable)
+        if executor.recorder is not None:  # a recorded step depends on train/eval mode and on which parameters train
+            executor.recorder.guard(functools.partial(getattr, self, "training"))
+            executor.recorder.guard(self._trainable)
         return self.forward(*args, **kwargs)
 
     def _trainable(self) -> tuple[bool, ...]:
@@ -223,8 +223,8 @@ class Module:
     def train(self, mode: bool = True) -> Module:
         if not isinstance(mode, bool):
             raise ValueError(f"train(): mode must be a bool, got {mode!r}")
-        if jit.recording():  # a step that sets the mode itself: its replays set it as well
-            jit.refresh(functools.partial(self.train, mode))
+        if executor.recorder is not None:  # a step that sets the mode itself: its replays set it as well
+            executor.recorder.refresh(functools.partial(self.train, mode))
         for module in self.modules():
             object.__setattr__(module, "training", mode)
         return self

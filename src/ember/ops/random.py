@@ -19,7 +19,7 @@ from ember.ir import Op
 from ember.ir.ops import NOT_DIFFERENTIABLE, define
 from ember.ir.philox import philox_normal, philox_uniform
 from ember.ops.pointwise import cast
-from ember.runtime import jit
+from ember.runtime import executor
 from ember.tensor import Tensor, leaf
 
 _state = threading.local()
@@ -41,7 +41,8 @@ def take_offsets(n: int) -> tuple[int, int]:
         manual_seed(0)
     start = _state.offset
     _state.offset += n
-    jit.note_draw(_state.seed, start, n)
+    if executor.recorder is not None:
+        executor.recorder.note_draw(_state.seed, start, n)
     return _state.seed, start
 
 

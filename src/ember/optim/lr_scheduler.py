@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 
 from ember.optim.optimizer import Optimizer
-from ember.runtime import jit
+from ember.runtime import executor
 
 
 class LRScheduler:
@@ -42,7 +42,9 @@ class LRScheduler:
 
     def step(self) -> None:
         # a replay does not run Python: the rate it would set is read before each replay instead
-        jit.fail("it steps a learning-rate scheduler inside itself; step the scheduler outside the step")
+        if executor.recorder is not None:
+            executor.recorder.fail("it steps a learning-rate scheduler inside itself; step the scheduler outside "
+                                   "the step")
         self._step_count += 1
         self.last_epoch += 1
         for group, lr in zip(self.optimizer.param_groups, self.get_lr()):

@@ -18,7 +18,7 @@ from ember import dtypes
 from ember.autograd import enable_grad, no_grad
 from ember.ops.creation import tensor as _tensor
 from ember.ops.creation import zeros_like
-from ember.runtime import jit
+from ember.runtime import executor
 from ember.tensor import Tensor, realize
 
 
@@ -80,16 +80,17 @@ class Optimizer:
         if closure is not None:
             with enable_grad():
                 loss = closure()
-        jit.guard(self._hyper_parameters)
-        jit.refresh(self._refresh_rates)
+        if executor.recorder is not None:
+            executor.recorder.guard(self._hyper_parameters)
+            executor.recorder.refresh(self._refresh_rates)
         updated = []
         with no_grad():
             for group in self.param_groups:
                 for p in group["params"]:
                     if p.grad is None:
                         continue
-                    if jit.recording():
-                        jit.note_grad_read(p)
+                    if executor.recorder is not None:
+                        executor.recorder.note_grad_read(p)
                     state = self.state.setdefault(p, {})
                     self._update(p, p.grad, state, group)
                     updated.append(p)

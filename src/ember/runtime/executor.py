@@ -4,10 +4,15 @@
 the requested nodes, every node of that graph that a live Tensor still shows to the
 user is kept, so a value is computed once even when the user reads it later (the
 loss of a step realized together with the optimizer update, for example).
+
+`recorder` is the observer `ember.jit` installs while it records a step: realization tells it
+what the host reads and computes and what it uploads; the launcher, the plans it executes.
 """
 
 from __future__ import annotations
 
+import signal
+import threading
 import weakref
 from collections.abc import Iterable
 
@@ -17,7 +22,8 @@ from ember.compiler import CompileContext, compile
 from ember.device import Device
 from ember.errors import DeviceError
 from ember.ir import Node, Op, toposort
-from ember.runtime import jit
+
+recorder = None  # the step ember.jit is recording (an ember.jit.Recorder), None when none is
 
 
 def _evaluate_on_cpu(order: list[Node], keep: set[int]) -> dict[int, np.ndarray]:
@@ -39,7 +45,8 @@ def to_host(buffer, device: Device) -> np.ndarray:
     """A device buffer as a NumPy array."""
     if device.type == "cpu":
         return buffer
-    jit.fail(f"it reads a value from {device} on the host (.item(), .numpy(), .cpu(), print)")
+    if recorder is not None:
+        recorder.fail(f"it reads a value from {device} on the host (.item(), .numpy(), .cpu(), print)")
     from ember.runtime import transfer
 
     return transfer.download(buffer)
@@ -59,7 +66,8 @@ def _transfer(node: Node) -> None:
     source = node.inputs[0]
     realize([source])
     node.set_buffer(from_host(to_host(source.buffer, source.device), node.device))
-    jit.note_upload(node.buffer, source)
+    if recorder is not None:
+        recorder.note_upload(node.buffer, source)
 
 
 _companions: list[weakref.ref] = []
@@ -107,10 +115,31 @@ def realize(nodes: Iterable[Node]) -> None:
     for observe in observers:
         observe(order, keep)
     ((device_type, _),) = by_device.items()
-    if device_type == "cpu" and jit.recording():
-        jit.note_host_work(order)
+    if device_type == "cpu" and recorder is not None:
+        recorder.note_host_work(order)
     values = _backend(device_type)(order, keep)
-    with jit.deferred_interrupt():  # every result is bound, or (interrupted before) none: never half a step
+    with deferred_interrupt():  # every result is bound, or (interrupted before) none: never half a step
         for n in order:
             if id(n) in values:
                 n.set_buffer(values[id(n)])
+
+
+class deferred_interrupt:
+    """Hold Ctrl-C until the block ends, so that results (or a replay updating state in place) are
+    never bound halfway."""
+
+    def __enter__(self):
+        self.caught = None
+        self.active = threading.current_thread() is threading.main_thread()
+        if self.active:
+            self.previous = signal.signal(signal.SIGINT, self._hold)
+        return self
+
+    def _hold(self, signum, frame) -> None:
+        self.caught = (signum, frame)
+
+    def __exit__(self, *exc) -> None:
+        if self.active:
+            signal.signal(signal.SIGINT, self.previous)
+            if self.caught is not None and callable(self.previous):
+                self.previous(*self.caught)

@@ -1,8 +1,7 @@
-"""CUDA graphs: recorded plans re-run on fixed buffers, captured as one graph where they can be.
+"""CUDA graphs: plans re-run on fixed buffers, launch by launch or captured as one graph.
 
-`ember.jit` binds the plans a step ran to fixed buffers (`ReplayStep`) and replays them through a
-`Replay`: one CUDA graph launch on a GPU, else plan by plan (under the interpreter, or for a step
-that draws random numbers, which need fresh offsets each replay).
+`ember.jit` binds the plans a step ran to fixed buffers (`ReplayStep`) and decides whether their
+`Replay` is captured; an uncaptured one runs plan by plan, each replay with fresh random offsets.
 """
 
 from __future__ import annotations
@@ -30,22 +29,16 @@ class ReplayStep:
 
 
 class Replay:
-    """Recorded plans re-run on fixed buffers: as one CUDA graph when it can be, else launch by launch."""
+    """Plans re-run on fixed buffers: as one CUDA graph once captured, else launch by launch."""
 
     def __init__(self, steps: list[ReplayStep]):
         self.steps = steps
         self.graph = None
-        self.why_no_graph = ""
         self.arenas = [cuda.arena_views(s.plan, cuda.torch_device(s.device), s.device) for s in steps]  # kept alive
 
-    def capture_graph(self) -> None:
-        """Record the replay as one CUDA graph (fixed kernel arguments: no fresh random offsets)."""
-        if cuda.INTERPRET:
-            self.why_no_graph = "no GPU: the interpreter replays launch by launch"
-            return
-        if any(d >= 0 for s in self.steps for d in s.seed_draws):
-            self.why_no_graph = "the step draws random numbers, which need fresh offsets each replay"
-            return
+    def capture(self) -> None:
+        """Capture the steps as one CUDA graph that `run` replays (with the kernel arguments of the
+        capture: no fresh random offsets); raises what the capture raises."""
         target = cuda.torch_device(self.steps[0].device)
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize(target)
@@ -53,9 +46,6 @@ class Replay:
             launcher.capturing = True
             with torch.cuda.graph(graph):
                 self._launch(None)
-        except Exception as error:  # e.g. a kernel that synchronises; replays stay correct without the graph
-            self.why_no_graph = f"capture failed: {error}"
-            return
         finally:
             launcher.capturing = False
         self.graph = graph

@@ -14,7 +14,7 @@ from ember.device import Device
 from ember.errors import CompileError, OutOfMemoryError
 from ember.ir import Node, Op
 from ember.ir.ops import STRIDED_VIEWS
-from ember.runtime import autotune, cuda, disk, jit, plan_cache
+from ember.runtime import autotune, cuda, disk, executor, plan_cache
 
 if TYPE_CHECKING:
     from ember.compiler import Launch
@@ -31,8 +31,8 @@ def run(order: list[Node], keep: set[int]) -> dict[int, torch.Tensor]:
     outputs = execute(plan, sig, device, inputs)
     kept = [n for n in order if id(n) in keep]
     values = {id(n): out for n, out in zip(kept, outputs)}
-    if jit.recording():
-        jit.record_plan(plan, sig, device, inputs, outputs, kept)
+    if executor.recorder is not None:
+        executor.recorder.record_plan(plan, sig, device, inputs, outputs, kept)
     return values
 
 

@@ -35,6 +35,19 @@ the host (`.item()`), computes on the cpu, takes unhashable arguments (NumPy arr
 a scheduler inside itself, optimizes gradients of a backward pass run outside it, or adds
 to the `.grad` of the call before cannot be replayed: it keeps running as written, and
 `why_not_replayed` says why.
+
+How: while a call records, a `Recorder` is the runtime's `executor.recorder`, noting every
+plan the cuda backend executes with its input and output buffers, and the facts needed to
+turn that into a `_Program`: which Tensors were rebound (parameters, optimizer state),
+which host values were uploaded, which random offsets were drawn, and which Python values
+the step read (guards). A program re-runs the same plans on fixed buffers:
+
+- an argument's buffer is copied into the argument's slot before each replay;
+- a state Tensor (a parameter, a moment estimate) lives in one buffer that the replay
+  reads and overwrites in place — directly from the kernel that computes the new value
+  when that is safe (`writes_in_place`), else through a copy at the end of the plan;
+- everything else the step reads is a constant, and what it computes for Tensors outside
+  the step (gradients, returned values) lands in the same buffers each time.
 """
 
 from __future__ import annotations
@@ -47,10 +60,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ember import nested
-from ember.compiler import Signature
-from ember.ir import Node
+from ember.compiler import KernelKind, Signature
+from ember.ir import Kind, Node, Op
 from ember.ops.random import take_offsets
-from ember.runtime import jit as recorder
+from ember.runtime import executor
+from ember.runtime.executor import deferred_interrupt, from_host
 from ember.tensor import Tensor, realize
 
 
@@ -94,15 +108,15 @@ class JitFunction:
     def why_not_replayed(self) -> list[str]:
         """Why a recorded shape runs as written, or replays without a CUDA graph."""
         reasons = [e.failure for e in self._entries.values() if e.failure]
-        return reasons + [e.program.plans.why_no_graph for e in self._entries.values()
-                          if e.program is not None and e.program.plans.why_no_graph]
+        return reasons + [e.program.why_no_graph for e in self._entries.values()
+                          if e.program is not None and e.program.why_no_graph]
 
     def _record(self, entry: _Entry, args, kwargs, tensors: list[Tensor]):
         """Run the step as written while recording it; once it ran the same plans twice in a row (a
         first step creates optimizer state, a second one reads it), the recording becomes the replay."""
         realize(*tensors)
         nodes_before = [t._node for t in tensors]
-        with recorder.record() as rec:
+        with record() as rec:
             rec.arguments = {id(n) for n in nodes_before}
             result = self.fn(*args, **kwargs)
             out_leaves = nested.leaves(result)
@@ -119,11 +133,11 @@ class JitFunction:
         self.stats["captures"] += 1
         try:
             if rec.failure:
-                raise recorder.NotCapturable(rec.failure)
+                raise NotCapturable(rec.failure)
             if any(t._node is not n for t, n in zip(tensors, nodes_before)):
-                raise recorder.NotCapturable("it changes an argument in place")
+                raise NotCapturable("it changes an argument in place")
             entry.program = _Program(rec, tensors, result, out_leaves, self.cuda_graph)
-        except recorder.NotCapturable as error:
+        except NotCapturable as error:
             entry.failure = f"{self.__name__} is not replayed: {error}"
             warnings.warn(f"ember.jit: {entry.failure}", stacklevel=3)
         return result
@@ -153,6 +167,109 @@ def _describe(x):
     return "value", type(x), x
 
 
+# -- recording ---------------------------------------------------------------------------------
+
+class NotCapturable(Exception):
+    """The step cannot be replayed; the message says why, and the step keeps running as written."""
+
+
+@dataclass
+class RecordedPlan:
+    plan: object  # a compiled Plan
+    sig: Signature
+    device: object
+    inputs: list  # buffers, one per input of the lowered graph
+    outputs: list  # buffers, one per kept node
+    kept: list[Node]
+
+
+@dataclass
+class Recorder:
+    """What one call of a step ran and read. While it records, it is `executor.recorder`: the runtime
+    tells it the plans it executes, the uploads and the host's reads and work; Tensors, modules,
+    optimizers and the random stream tell it what they rebind, guard, refresh and draw."""
+
+    guards: list[tuple[Callable[[], object], object]] = field(default_factory=list)
+    refreshers: list[Callable[[], None]] = field(default_factory=list)
+    plans: list[RecordedPlan] = field(default_factory=list)
+    rebound: dict[int, tuple[weakref.ref, Node]] = field(default_factory=dict)  # id(tensor) -> (tensor, old node)
+    uploads: dict[int, Node] = field(default_factory=dict)  # id(device buffer) -> the host node it came from
+    draws: list[tuple[int, int, int]] = field(default_factory=list)  # (seed, offset, count) per random draw
+    arguments: set[int] = field(default_factory=set)  # ids of the step's argument nodes
+    grads: dict[int, tuple] = field(default_factory=dict)  # id(tensor) -> (tensor, .grad before, first new)
+    failure: str | None = None
+
+    def guard(self, read: Callable[[], object]) -> None:
+        """Make the recording depend on `read()`: a replay re-reads it and records again on a change."""
+        self.guards.append((read, read()))
+
+    def refresh(self, update: Callable[[], None]) -> None:
+        """Run `update()` before each replay: it brings Tensors the step reads up to date with Python
+        state (an optimizer's learning rate), and the replay follows them."""
+        if update not in self.refreshers:
+            self.refreshers.append(update)
+
+    def fail(self, reason: str) -> None:
+        """The step cannot be replayed (it still runs normally)."""
+        if self.failure is None:
+            self.failure = reason
+
+    def note_rebind(self, tensor: Tensor, old: Node) -> None:
+        if id(tensor) not in self.rebound:
+            self.rebound[id(tensor)] = (weakref.ref(tensor), old)
+
+    def note_grad(self, tensor: Tensor, old: Tensor | None, new: Tensor | None) -> None:
+        if id(tensor) not in self.grads:
+            self.grads[id(tensor)] = (weakref.ref(tensor), old, new)
+
+    def note_grad_read(self, tensor: Tensor) -> None:
+        """The step reads `tensor.grad`. A gradient set inside the step is part of the recording; one
+        computed before it is an input: a replay must see the same one (or the step is recorded again),
+        and one still pending would be computed inside the recording from inputs the replay cannot know."""
+        if id(tensor) in self.grads:
+            return
+        if not tensor.grad._node.realized:
+            self.fail("it reads gradients of a backward pass run outside it (run the backward pass inside the step)")
+        else:  # the buffer stays alive while the recording reads it, so its id names it
+            self.guard(functools.partial(_grad_buffer, tensor))
+
+    def note_upload(self, buffer, source: Node) -> None:
+        self.uploads[id(buffer)] = source
+
+    def note_draw(self, seed: int, offset: int, count: int) -> None:
+        self.draws.append((seed, offset, count))
+
+    def note_host_work(self, order: list[Node]) -> None:
+        """The cpu computed `order` during the step. Work that waited from before the step (a model built
+        on the cpu, moved to the GPU) is computed once, as it would be anyway; work on the step's arguments
+        or on random numbers would be computed anew by each call, and the replay cannot."""
+        drawn = {(seed, offset) for seed, offset, _ in self.draws}
+        if any((n.op is Op.RAND and (n.attrs["seed"], n.attrs["offset"]) in drawn)
+               or any(id(i) in self.arguments for i in n.inputs) for n in order):
+            self.fail("it computes on the cpu, whose reference backend runs op by op and has nothing to replay")
+
+    def record_plan(self, plan, sig: Signature, device, inputs: list, outputs: list, kept: list[Node]) -> None:
+        self.plans.append(RecordedPlan(plan, sig, device, inputs, outputs, kept))
+
+
+def _grad_buffer(tensor: Tensor) -> int | None:
+    return id(tensor.grad._node.buffer) if tensor.grad is not None else None
+
+
+class record:
+    """`with record() as recorder:` notes what runs in the block (a recording inside it notes its own)."""
+
+    def __enter__(self) -> Recorder:
+        self.recorder, self.outer = Recorder(), executor.recorder
+        executor.recorder = self.recorder
+        return self.recorder
+
+    def __exit__(self, *exc) -> None:
+        executor.recorder = self.outer
+
+
+# -- replay ------------------------------------------------------------------------------------
+
 @dataclass
 class _Slots:
     """Where each buffer a recorded plan reads comes from, found by the buffer's identity."""
@@ -165,12 +282,12 @@ class _Slots:
 class _Program:
     """A recorded step bound to fixed buffers, with what must hold for a replay to be valid."""
 
-    def __init__(self, rec: recorder.Recorder, args: list[Tensor], result, out_leaves: list, cuda_graph: bool):
+    def __init__(self, rec: Recorder, args: list[Tensor], result, out_leaves: list, cuda_graph: bool):
         from ember.runtime import graphs  # torch is imported only once a step is replayed
 
         if not rec.plans:
-            raise recorder.NotCapturable("it computes nothing on a cuda device (the cpu's reference backend runs "
-                                          "op by op and has nothing to replay)")
+            raise NotCapturable("it computes nothing on a cuda device (the cpu's reference backend runs "
+                                "op by op and has nothing to replay)")
         self.result_structure = nested.structure(result)
         self.guards, self.refreshers = rec.guards, rec.refreshers
         self.draw_counts = [count for _, _, count in rec.draws]
@@ -193,10 +310,23 @@ class _Program:
         self.out_slots = self._returns(rec, out_leaves, returned, arg_nodes)
         self.grads = self._gradients(rec, produced_ids)
         self.plans = graphs.Replay(steps)
-        if cuda_graph:
-            self.plans.capture_graph()
+        self.why_no_graph = self._capture_graph() if cuda_graph else ""
 
-    def _find_states(self, rec: recorder.Recorder, produced_ids: set[int], slots: _Slots) -> set[int]:
+    def _capture_graph(self) -> str:
+        """Capture the replay as one CUDA graph where it can be; why not, or "" once captured."""
+        from ember.runtime import cuda  # torch is imported only once a step is replayed
+
+        if cuda.INTERPRET:
+            return "no GPU: the interpreter replays launch by launch"
+        if any(d >= 0 for s in self.plans.steps for d in s.seed_draws):  # a graph's kernel arguments are fixed
+            return "the step draws random numbers, which need fresh offsets each replay"
+        try:
+            self.plans.capture()
+        except Exception as error:  # e.g. a kernel that synchronises; replays stay correct without the graph
+            return f"capture failed: {error}"
+        return ""
+
+    def _find_states(self, rec: Recorder, produced_ids: set[int], slots: _Slots) -> set[int]:
         """Tensors rebound during the step from a value that existed before it to one it computed; the
         ids of their final nodes. Replays read and update the state's new buffer; the old value's
         buffer is never written, so a Tensor still showing it (a detached copy) keeps it."""
@@ -214,7 +344,7 @@ class _Program:
             self.states.append((ref, final))
         return finals
 
-    def _bind(self, r: recorder.RecordedPlan, slots: _Slots, finals: set[int], uploaded: dict, returned: set[int],
+    def _bind(self, r: RecordedPlan, slots: _Slots, finals: set[int], uploaded: dict, returned: set[int],
               draw_index: dict):
         """One recorded plan on fixed buffers: where each input comes from, where each output goes."""
         from ember.runtime import graphs  # torch is imported only once a step is replayed
@@ -226,7 +356,7 @@ class _Program:
                 buffer = slots.produced[key]
             elif key in slots.state_in:
                 if id(slots.state_in[key]) in slots.written:
-                    raise recorder.NotCapturable("it reads a value's old version after updating it")
+                    raise NotCapturable("it reads a value's old version after updating it")
                 buffer = slots.state_in[key]
                 reads_state[id(buffer)] = i
             elif key in self.arg_slots:
@@ -242,7 +372,7 @@ class _Program:
         for j, (node, buffer) in enumerate(zip(r.kept, r.outputs)):
             if id(node) in finals:
                 source = reads_state.get(id(buffer))
-                in_place = True if source is None else recorder.writes_in_place(r.plan, source, j)
+                in_place = True if source is None else writes_in_place(r.plan, source, j)
                 if in_place is False:  # through a buffer of its own, copied over the state after the plan
                     copies.append((buffer, graphs.torch.empty_like(buffer)))
                     buffer = copies[-1][1]
@@ -256,7 +386,7 @@ class _Program:
         return graphs.ReplayStep(r.plan, sig, r.device, inputs, outputs, copies, seed_draws)
 
     @staticmethod
-    def _returns(rec: recorder.Recorder, out_leaves: list, returned: set[int], arg_nodes: dict) -> list[tuple]:
+    def _returns(rec: Recorder, out_leaves: list, returned: set[int], arg_nodes: dict) -> list[tuple]:
         """How to make each returned leaf: ("computed", buffer, (dtype, device)), ("argument", index, None)
         or ("value", value, None) for a constant or a Python value."""
         computed = {id(node): out for r in rec.plans for node, out in zip(r.kept, r.outputs) if id(node) in returned}
@@ -271,7 +401,7 @@ class _Program:
         return slots
 
     @staticmethod
-    def _gradients(rec: recorder.Recorder, produced_ids: set[int]) -> list[tuple]:
+    def _gradients(rec: Recorder, produced_ids: set[int]) -> list[tuple]:
         """(parameter, gradient Tensor the replay writes, whether .grad must be None before a replay) for
         every `.grad` the step set; None in the last place when the step sets .grad before reading it."""
         read = {id(b) for r in rec.plans for b in r.inputs}
@@ -284,11 +414,11 @@ class _Program:
                 grads.append((ref, None, False))
                 continue
             if p.grad._node.buffer is None or id(p.grad._node.buffer) not in produced_ids:
-                raise recorder.NotCapturable("a .grad is set to a value the step did not compute")
+                raise NotCapturable("a .grad is set to a value the step did not compute")
             if before is not None and id(before._node.buffer) in read:
-                raise recorder.NotCapturable("it adds to the .grad left by the call before (gradient "
-                                              "accumulation): clear gradients inside the step, or accumulate "
-                                              "without ember.jit")
+                raise NotCapturable("it adds to the .grad left by the call before (gradient "
+                                    "accumulation): clear gradients inside the step, or accumulate "
+                                    "without ember.jit")
             # a step that sets .grad from nothing (backward into a None .grad) depends on it being None
             grads.append((ref, p.grad, before is None and first is not None))
         return grads
@@ -357,15 +487,13 @@ class _Program:
                 p._grad = grad
 
     def replay(self, args: list[Tensor]):
-        from ember.runtime.executor import from_host
-
         realize(*args)
         for i, buffer in self.arg_slots.values():
             buffer.copy_(args[i]._node.buffer)
         for i, buffer, device in self.uploads:
             buffer.copy_(from_host(args[i]._node.buffer, device))
         draws = [take_offsets(n) for n in self.draw_counts] if self.draw_counts else None
-        with recorder.deferred_interrupt():
+        with deferred_interrupt():
             self.plans.run(draws)
             self._rebind_gradients()
         leaves = iter([_returned(value, args) for value in self.out_slots])
@@ -378,3 +506,45 @@ def _returned(value: tuple, args: list[Tensor]):
     if kind == "computed":
         return Tensor(Node.from_buffer(what.clone(), *placed))
     return args[what] if kind == "argument" else what
+
+
+# -- in-place writes ---------------------------------------------------------------------------
+
+def writes_in_place(plan, input_index: int, output_index: int) -> bool | None:
+    """Whether the plan can write output `output_index` into the buffer of input `input_index`:
+    None when the output is that input itself (nothing to write), True when the kernel computing it
+    is the last to read the input and reads it element for element where it writes."""
+    source = plan.lowered.inputs[input_index]
+    result = plan.lowered.outputs[output_index]
+    if result is source:
+        return None
+    kernels = [ck.kernel for ck in plan.kernels]
+    writer = next((i for i, k in enumerate(kernels) if result in k.outputs), None)
+    if writer is None or result.shape != source.shape or result.dtype is not source.dtype:
+        return False
+    group_start = next((a for a, b in plan.schedule.groups if a <= writer < b), writer)
+    for i, k in enumerate(kernels):
+        if i != writer and source in k.reads and i >= group_start:
+            return False
+    kernel = kernels[writer]
+    if source not in kernel.reads:
+        return True
+    part = next((s for s in kernel.segments if result in s.outputs), kernel)
+    if any(source in s.reads for s in kernel.segments if s is not part):
+        return False
+    # a GEMM's epilogue (an optimizer update fused after a weight gradient) reads element for element too;
+    # a value read by its mainloop is used at other positions, which _elementwise_use rejects
+    elementwise_kernel = part.kind is KernelKind.POINTWISE and not part.reductions or part.core is not None
+    return elementwise_kernel and _elementwise_use(part, source)
+
+
+def _elementwise_use(kernel, source: Node) -> bool:
+    """Every value of the kernel derived from `source` is computed element for element (no view,
+    broadcast or gather moves an element of `source` to another position)."""
+    derived = {id(source)}
+    for n in kernel.covers:
+        if any(id(i) in derived for i in n.inputs):
+            if n.op.kind not in (Kind.UNARY, Kind.BINARY, Kind.TERNARY) or n.shape != source.shape:
+                return False
+            derived.add(id(n))
+    return True

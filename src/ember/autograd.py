@@ -15,8 +15,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 
+from ember.errors import ShapeError
 from ember.ir import Node, Op
 from ember.ir.ops import NOT_DIFFERENTIABLE, RULES
+from ember.runtime.executor import realize_with_next
 
 _state = threading.local()
 
@@ -108,8 +110,6 @@ def backward(tensor, gradient=None, retain_graph: bool = False) -> None:
         raise RuntimeError("backward(): the tensor does not require grad and has no grad_fn "
                            "(did you compute it under no_grad, or from tensors without requires_grad=True?)")
     _run([(tensor, _root_gradient(tensor, gradient))], retain_graph, targets=None)
-    from ember.runtime.executor import realize_with_next
-
     realize_with_next(tensor._node)
 
 
@@ -141,6 +141,7 @@ def grad(outputs, inputs, grad_outputs=None, retain_graph: bool = False, allow_u
 
 
 def _root_gradient(tensor, gradient):
+    # the op modules import ember.tensor, which imports this module: they load only after it
     from ember.ops.creation import ones_like
     from ember.ops.pointwise import as_tensor
 
@@ -151,14 +152,12 @@ def _root_gradient(tensor, gradient):
         return ones_like(tensor).detach()
     gradient = as_tensor(gradient, like=tensor)
     if gradient.shape != tensor.shape:
-        from ember.errors import ShapeError
-
         raise ShapeError(f"backward(): gradient shape {gradient.shape} does not match output shape {tensor.shape}")
     return gradient.detach().to(tensor.dtype)
 
 
 def _run(roots, retain_graph: bool, targets: dict[int, int] | None) -> dict[int, object]:
-    from ember.tensor import Tensor
+    from ember.tensor import Tensor  # ember.tensor imports this module before it defines Tensor
 
     found: dict[int, object] = {}
 
@@ -234,7 +233,7 @@ def differentiable(op: Op) -> bool:
 
 
 def _vjp(fn: Function, g):
-    from ember.tensor import Tensor
+    from ember.tensor import Tensor  # ember.tensor imports this module before it defines Tensor
 
     rule = RULES[fn.op].vjp
     if rule == NOT_DIFFERENTIABLE:

@@ -6,6 +6,10 @@ import argparse
 import platform
 import sys
 
+import numpy
+
+import ember
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ember", description="ember: a lazy deep-learning framework")
@@ -13,10 +17,6 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("info", help="versions and available devices")
     args = parser.parse_args(argv)
     if args.command == "info":
-        import numpy
-
-        import ember
-
         print(f"ember {ember.__version__}  python {platform.python_version()}  numpy {numpy.__version__}")
         print("devices: cpu (reference backend)")
     return 0

@@ -102,7 +102,7 @@ def from_numpy(npd: np.dtype) -> DType:
 
 
 def to_torch(d: DType):
-    import torch
+    import torch  # only when asked: the cpu path never loads torch
 
     return getattr(torch, "bool" if d is bool_ else d.name)
 

@@ -12,6 +12,7 @@ from ember.compiler import CompileContext, compile, signature
 from ember.compiler.fusion import VENDOR_KINDS, FusedKernel
 from ember.device import get_matmul_precision
 from ember.ir import Kind, Node, Op
+from ember.runtime import executor
 
 
 def _mib(n: int) -> str:
@@ -71,7 +72,7 @@ class Plan:
         choice = {"chosen": "triton", "triton_ms": None, "cublas_ms": None, "config": None}
         if k.core.device.type != "cuda":
             return choice
-        from ember.runtime import autotune, cuda
+        from ember.runtime import autotune, cuda  # torch and triton: only for a cuda graph's GEMM
 
         problem = autotune.Problem.of(source.launches[0], k.core.dtype, source.launches[0].layout)
         ranked = autotune.cached_configs(problem)
@@ -172,8 +173,6 @@ class Plan:
 def plan(*tensors) -> Plan:
     """The fused plan that computing these tensors (and what they need) would run. Values the graph
     copies from another device are moved first, as the runtime moves them before it plans."""
-    from ember.runtime import executor
-
     nodes = [t._node for t in tensors if not t._node.realized]
     order = executor.pending_on_one_device(nodes)
     return Plan(order, {id(n) for n in nodes} | {id(n) for n in order if n.is_held()})
@@ -194,8 +193,6 @@ def capture():
             optimizer.step()
         print(plans[0])
     """
-    from ember.runtime import executor
-
     plans: list[Plan] = []
 
     def observe(order, keep):

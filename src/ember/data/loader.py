@@ -109,8 +109,8 @@ class DataLoader:
     def _ready(self, batch: tuple[tuple[Tensor, object], ...]) -> tuple[Tensor, ...]:
         """The batch's tensors, ordered after their uploads on the stream of the thread using them."""
         events = [event for _, event in batch if event is not None]
-        if events:  # only a cuda batch has uploads; the cpu path never loads the runtime's torch side
-            from ember.runtime import transfer
+        if events:  # only a cuda batch has uploads
+            from ember.runtime import transfer  # torch is loaded only for a cuda batch
 
             for event in events:
                 transfer.wait(event, self.device)
@@ -133,7 +133,7 @@ class DataLoader:
         dtype = tensor(array[:0]).dtype  # what `tensor(array[indices])` would make
         if dtype.np != array.dtype:
             return tensor(array[indices], device=self.device), None
-        from ember.runtime import transfer
+        from ember.runtime import transfer  # torch is loaded only for a cuda batch
 
         buffer, event = transfer.upload_rows(array, indices, self.device)
         return Tensor(Node.from_buffer(buffer, dtype, self.device)), event

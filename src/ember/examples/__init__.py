@@ -16,7 +16,7 @@ def default_device() -> str:
     try:
         if importlib.util.find_spec("torch") is None or importlib.util.find_spec("triton") is None:
             return "cpu"
-        import torch
+        import torch  # optional, and imported only once it is known to be installed
     except ImportError:
         return "cpu"
     return "cuda" if torch.cuda.is_available() else "cpu"

@@ -21,7 +21,7 @@ from ember.examples import default_device
 
 def load_digits_split(seed: int = 0, test_fraction: float = 0.2):
     """Standardised features and labels, split into train and test sets."""
-    from sklearn.datasets import load_digits
+    from sklearn.datasets import load_digits  # an optional package, loaded only for this example's data
 
     digits = load_digits()
     x = (digits.data / 16.0).astype(np.float32)

@@ -17,9 +17,6 @@ from ember.ops.creation import (
     logspace,
     ones,
     ones_like,
-    rand_like,
-    randint_like,
-    randn_like,
     tensor,
     zeros,
     zeros_like,
@@ -133,7 +130,19 @@ from ember.ops.pointwise import (
     where,
 )
 from ember.ops.pooling import adaptive_avg_pool2d, adaptive_max_pool2d, avg_pool2d, max_pool2d
-from ember.ops.random import bernoulli, dropout, initial_seed, manual_seed, rand, randint, randn, randperm
+from ember.ops.random import (
+    bernoulli,
+    dropout,
+    initial_seed,
+    manual_seed,
+    rand,
+    rand_like,
+    randint,
+    randint_like,
+    randn,
+    randn_like,
+    randperm,
+)
 from ember.ops.reduce import (
     all,
     amax,
@@ -211,8 +220,8 @@ def _bind() -> None:
     Tensor.reshape_as = movement.reshape_as
     Tensor.T = property(movement.T)
     Tensor.mT = property(movement.mT)
-    Tensor.__getitem__ = movement.getitem
-    Tensor.__setitem__ = movement.setitem
+    Tensor.__getitem__ = index.getitem
+    Tensor.__setitem__ = index.setitem
     operators = {
         "add": add, "sub": sub, "mul": mul, "truediv": div, "floordiv": floor_divide, "mod": remainder,
         "pow": pow, "matmul": matmul, "and": bitwise_and, "or": bitwise_or, "xor": bitwise_xor,

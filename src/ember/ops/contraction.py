@@ -9,7 +9,7 @@ from ember import dtypes
 from ember.errors import DTypeError, ShapeError, operands
 from ember.ir import Op
 from ember.ir.ops import check_shape, define
-from ember.ops.movement import dilate_axis, expand, pad_axis, reshape, squeeze, unsqueeze
+from ember.ops.movement import dilate_axis, expand, pad, pad_axis, reshape, squeeze, unsqueeze
 from ember.ops.pointwise import _check_devices, broadcast_shapes
 from ember.tensor import Tensor, apply
 
@@ -115,8 +115,6 @@ def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padd
                 raise ValueError("conv2d: padding='same' is not supported for strided convolutions")
             total = (dilation[0] * (kh - 1), dilation[1] * (kw - 1))
             if total[0] % 2 or total[1] % 2:
-                from ember.ops.movement import pad
-
                 x = pad(x, (total[1] // 2, total[1] - total[1] // 2, total[0] // 2, total[0] - total[0] // 2))
                 padding = (0, 0)
             else:

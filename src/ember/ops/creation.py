@@ -19,8 +19,7 @@ from ember.dtypes import DType
 from ember.errors import DTypeError, ShapeError
 from ember.ir import Node, Op
 from ember.ir.ops import NOT_DIFFERENTIABLE, define
-from ember.ops.movement import expand, reshape
-from ember.ops.pointwise import cast, scalar, where
+from ember.ops import movement, pointwise  # modules, not names: both import this one in turn
 from ember.runtime import dlpack
 from ember.runtime.executor import from_host
 from ember.tensor import Tensor, leaf
@@ -63,14 +62,14 @@ def tensor(data, dtype=None, device=None, requires_grad: bool = False) -> Tensor
     (then it is converted, a copy). A torch tensor on the CPU is copied, as anything else on the host."""
     if dlpack.is_torch_tensor(data) and data.is_cuda:
         shared = Tensor(dlpack.node_from_torch(data))
-        out = cast(shared, dtypes.as_dtype(dtype)) if dtype is not None else shared
+        out = pointwise.cast(shared, dtypes.as_dtype(dtype)) if dtype is not None else shared
         return _requires_grad(out.to(as_device(device)) if device is not None else out, requires_grad)
     device = as_device(device)
     if dlpack.is_torch_tensor(data):
         data = dlpack.node_from_torch(data).buffer  # a NumPy view of its memory, copied below
     if isinstance(data, Tensor):
         out = data.detach()
-        out = cast(out, dtypes.as_dtype(dtype)) if dtype is not None else out
+        out = pointwise.cast(out, dtypes.as_dtype(dtype)) if dtype is not None else out
         return _requires_grad(out.to(device), requires_grad)
     if isinstance(data, (list, tuple)) and any(isinstance(v, Tensor) for v in _flatten(data)):
         data = _to_nested(data)
@@ -118,7 +117,7 @@ def full(size, fill_value, dtype=None, device=None, requires_grad: bool = False)
     if isinstance(fill_value, Tensor):
         fill_value = fill_value.item()
     dtype = dtypes.as_dtype(dtype) if dtype is not None else dtypes.scalar_dtype(fill_value)
-    out = expand(scalar(fill_value, dtype, as_device(device)), shape)
+    out = movement.expand(pointwise.scalar(fill_value, dtype, as_device(device)), shape)
     return _requires_grad(out, requires_grad)
 
 
@@ -157,24 +156,6 @@ def full_like(x: Tensor, fill_value, dtype=None, device=None, requires_grad: boo
     return full(x.shape, fill_value, **_like(x, dtype, device), requires_grad=requires_grad)
 
 
-def rand_like(x: Tensor, dtype=None, device=None) -> Tensor:
-    from ember.ops.random import rand
-
-    return rand(x.shape, **_like(x, dtype, device))
-
-
-def randn_like(x: Tensor, dtype=None, device=None) -> Tensor:
-    from ember.ops.random import randn
-
-    return randn(x.shape, **_like(x, dtype, device))
-
-
-def randint_like(x: Tensor, low, high=None, dtype=None, device=None) -> Tensor:
-    from ember.ops.random import randint
-
-    return randint(low, high, x.shape, **_like(x, dtype, device))
-
-
 def arange(start, end=None, step=1, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
     """Values start, start+step, ... below end; integer arguments give int64, floats the default float."""
     if end is None:
@@ -195,8 +176,8 @@ def arange(start, end=None, step=1, dtype=None, device=None, requires_grad: bool
     if dtype.is_integer and isinstance(start, int) and isinstance(step, int):
         out = iota * step + start if (start, step) != (0, 1) else iota
     else:
-        out = cast(iota, dtypes.float64) * step + start
-    return _requires_grad(cast(out, dtype), requires_grad)
+        out = pointwise.cast(iota, dtypes.float64) * step + start
+    return _requires_grad(pointwise.cast(out, dtype), requires_grad)
 
 
 def linspace(start, end, steps: int, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
@@ -207,21 +188,21 @@ def linspace(start, end, steps: int, dtype=None, device=None, requires_grad: boo
     if steps <= 1:
         return _requires_grad(full((steps,), start, dtype=dtype, device=device), requires_grad)
     step = (end - start) / (steps - 1)
-    i = cast(leaf(Op.IOTA, as_device(device), n=steps), dtypes.float64)
-    out = where(i < steps // 2, i * step + start, end - (steps - 1 - i) * step)
-    return _requires_grad(cast(out, dtype), requires_grad)
+    i = pointwise.cast(leaf(Op.IOTA, as_device(device), n=steps), dtypes.float64)
+    out = pointwise.where(i < steps // 2, i * step + start, end - (steps - 1 - i) * step)
+    return _requires_grad(pointwise.cast(out, dtype), requires_grad)
 
 
 def logspace(start, end, steps: int, base: float = 10.0, dtype=None, device=None) -> Tensor:
     exponents = linspace(start, end, steps, dtype=dtypes.float64, device=device)
-    return cast((exponents * math.log(base)).exp(), dtypes.as_dtype(dtype) if dtype else dtypes.default_float)
+    return pointwise.cast((exponents * math.log(base)).exp(), dtypes.as_dtype(dtype) if dtype else dtypes.default_float)
 
 
 def eye(n: int, m: int | None = None, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
     m = n if m is None else m
-    rows = reshape(arange(n, device=device), (n, 1))
-    cols = reshape(arange(m, device=device), (1, m))
-    out = cast(rows == cols, dtypes.as_dtype(dtype) if dtype is not None else dtypes.default_float)
+    rows = movement.reshape(arange(n, device=device), (n, 1))
+    cols = movement.reshape(arange(m, device=device), (1, m))
+    out = pointwise.cast(rows == cols, dtypes.as_dtype(dtype) if dtype is not None else dtypes.default_float)
     return _requires_grad(out, requires_grad)
 
 

@@ -3,15 +3,18 @@ the GATHER and SCATTER_ADD primitives' rules."""
 
 from __future__ import annotations
 
+import math
+import operator
+
 import numpy as np
 
 from ember import dtypes
-from ember.errors import DTypeError, ShapeError, operands
+from ember.errors import DTypeError, ShapeError, device_mismatch, operands
 from ember.ir import Op
 from ember.ir.ops import define
-from ember.ops.creation import arange, zeros
-from ember.ops.movement import expand, normalize_dim, reshape, slice_axis
-from ember.ops.pointwise import _check_devices, cast, where
+from ember.ops.creation import arange, tensor, zeros
+from ember.ops.movement import broadcast_to, expand, normalize_dim, permute, reshape, slice_axis
+from ember.ops.pointwise import _check_devices, as_tensor, broadcast_shapes, cast, expand_to, where
 from ember.tensor import Tensor, apply
 
 
@@ -105,6 +108,193 @@ def one_hot(index: Tensor, num_classes: int = -1) -> Tensor:
         num_classes = int(index.max().item()) + 1 if index.numel() else 0
     classes = arange(num_classes, device=index.device)
     return cast(reshape(index, index.shape + (1,)) == classes, dtypes.int64)
+
+
+# -- indexing -------------------------------------------------------------------------
+
+def getitem(x: Tensor, index) -> Tensor:
+    """NumPy/PyTorch indexing: ints, slices (any step), None, Ellipsis, bool and integer tensors."""
+    if isinstance(index, Tensor) and index.dtype is dtypes.bool_ and index.ndim == 0:
+        # a 0-d mask selects along a new dim of size 1: x[True] has shape (1, ...), x[False] (0, ...)
+        return getitem(reshape(x, (1,) + x.shape), reshape(index, (1,)))
+    items = _index_items(x, index)
+    basic, advanced = [], []  # advanced: (position in the basic result, index tensor)
+    dim = 0
+    out_shape_pos = 0
+    for item in items:
+        if item is None:
+            basic.append(None)
+            out_shape_pos += 1
+        elif isinstance(item, slice):
+            basic.append(item)
+            dim += 1
+            out_shape_pos += 1
+        elif isinstance(item, int):
+            size = x.shape[dim]
+            if not -size <= item < size:
+                raise IndexError(f"index {item} is out of bounds for dimension {dim} with size {size} "
+                                 f"(tensor shape {x.shape})")
+            basic.append(item % size)
+            dim += 1
+        else:  # an integer tensor
+            basic.append(slice(None))
+            advanced.append((out_shape_pos, item, x.shape[dim], dim))
+            dim += 1
+            out_shape_pos += 1
+    x = _basic_index(x, basic)
+    if advanced:
+        x = _advanced_index(x, advanced)
+    return x
+
+
+def _index_items(x: Tensor, index) -> list:
+    if not isinstance(index, tuple):
+        index = (index,)
+    items: list = []
+    for item in index:
+        if isinstance(item, bool):
+            raise IndexError("indexing with a Python bool is not supported; use a bool tensor")
+        if isinstance(item, (list,)) or (hasattr(item, "__array__") and not isinstance(item, Tensor)):
+            item = tensor(item, device=x.device)
+        if isinstance(item, Tensor):
+            if item.dtype is dtypes.bool_:
+                dim = sum(1 for i in items if i is not None)
+                if Ellipsis not in items and item.shape != x.shape[dim:dim + item.ndim]:
+                    raise IndexError(f"index: the shape {item.shape} of the bool mask at dim {dim} does not match "
+                                     f"the indexed tensor's shape {x.shape}")
+                items.extend(_bool_mask_indices(item))
+                continue
+            if not item.dtype.is_integer:
+                raise IndexError(f"index: tensors used as indices must be integer or bool, got {operands(item)} "
+                                 f"to index a tensor of shape {x.shape}")
+            if item.device != x.device:
+                raise device_mismatch("index", x, item)
+        elif item is not None and item is not Ellipsis and not isinstance(item, slice):
+            try:
+                item = operator.index(item)
+            except TypeError:
+                raise IndexError(f"unsupported index {item!r} of type {type(item).__name__}") from None
+        items.append(item)
+    ellipses = sum(1 for i in items if i is Ellipsis)
+    if ellipses > 1:
+        raise IndexError("an index can only have a single ellipsis ('...')")
+    used = sum(1 for i in items if i is not None and i is not Ellipsis)
+    if used > x.ndim:
+        raise IndexError(f"too many indices for a tensor of shape {x.shape}: {used} indices given")
+    if ellipses:
+        at = items.index(Ellipsis)
+        items[at:at + 1] = [slice(None)] * (x.ndim - used)
+    else:
+        items += [slice(None)] * (x.ndim - used)
+    return items
+
+
+def _bool_mask_indices(mask: Tensor) -> list[Tensor]:
+    """A bool mask selects by value, so its positions are read now (a sync point, as in PyTorch)."""
+    if mask.ndim == 0:
+        raise IndexError("a 0-d bool tensor is supported only as the whole index, as in x[mask]")
+    positions = np.nonzero(mask.numpy())
+    return [tensor(p.astype(np.int64), device=mask.device) for p in positions]
+
+
+def _basic_index(x: Tensor, basic: list) -> Tensor:
+    slices, shape_after, dim = [], [], 0
+    flips = []
+    for item in basic:
+        if item is None:
+            shape_after.append(1)
+            continue
+        size = x.shape[dim]
+        if isinstance(item, int):
+            slices.append((item, item + 1, 1))
+        else:
+            start, stop, step = item.indices(size)
+            if step < 0:
+                # walk backwards: flip the axis and slice it forwards
+                length = len(range(start, stop, step))
+                first = size - 1 - start
+                slices.append((first, first + (length - 1) * -step + 1 if length else first, -step))
+                flips.append(dim)
+            else:
+                slices.append((start, max(stop, start), step))
+            n = len(range(*item.indices(size)))
+            shape_after.append(n)
+        dim += 1
+    if flips:
+        x = apply(Op.FLIP, x, axes=tuple(flips))
+    if any(s != (0, n, 1) for s, n in zip(slices, x.shape)):
+        x = apply(Op.SLICE, x, slices=tuple(slices))
+    return reshape(x, tuple(shape_after))
+
+
+def _advanced_index(x: Tensor, advanced: list) -> Tensor:
+    """Integer-tensor indices (broadcast together) become one gather over their dims."""
+    positions = [p for p, _, _, _ in advanced]
+    index_shape = broadcast_shapes(*(t.shape for _, t, _, _ in advanced), op="index")
+    # bring the indexed dims to the front, in order, and flatten them into one
+    rest = [d for d in range(x.ndim) if d not in positions]
+    x = permute(x, positions + rest)
+    sizes = [x.shape[i] for i in range(len(positions))]
+    flat = reshape(x, (math.prod(sizes),) + x.shape[len(positions):])
+    linear = None
+    for (_, idx, size, dim), stride in zip(advanced, _strides(sizes)):
+        check_bounds("index", idx, size, dim, negative=True)
+        idx = where(idx < 0, idx + size, idx).to(dtypes.int64)
+        idx = expand_to(idx, index_shape)
+        linear = idx * stride if linear is None else linear + idx * stride
+    n = math.prod(index_shape)
+    tail = flat.shape[1:]
+    gather_index = expand(reshape(linear, (n,) + (1,) * len(tail)), (n,) + tail)
+    out = reshape(gather(flat, 0, gather_index), index_shape + tail)
+    adjacent = positions == list(range(positions[0], positions[0] + len(positions)))
+    if adjacent and positions[0] > 0:
+        k = len(index_shape)
+        order = list(range(k, k + positions[0])) + list(range(k)) + list(range(k + positions[0], out.ndim))
+        out = permute(out, order)
+    return out
+
+
+def _strides(sizes: list[int]) -> list[int]:
+    out, acc = [], 1
+    for s in reversed(sizes):
+        out.append(acc)
+        acc *= s
+    return out[::-1]
+
+
+def _has_tensor_index(index) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, (Tensor, list)) or hasattr(i, "__array__") for i in items)
+
+
+def _last_writes(flat_pos: Tensor, flat_value: Tensor) -> tuple[Tensor, Tensor]:
+    """Only the last write to each position, as torch's sequential CPU loop leaves it; summing
+    repeated writes would be wrong. Reading the positions is a sync point, as bool masks are."""
+    pos = flat_pos.numpy()
+    _, first_from_end = np.unique(pos[::-1], return_index=True)
+    if len(first_from_end) == len(pos):
+        return flat_pos, flat_value
+    keep = tensor(np.sort(len(pos) - 1 - first_from_end), device=flat_pos.device)
+    return index_select(flat_pos, 0, keep), index_select(flat_value, 0, keep)
+
+
+def setitem(x: Tensor, index, value) -> None:
+    """`x[index] = value`: the positions the index selects are scattered back into x, lazily."""
+    positions = getitem(reshape(arange(x.numel(), device=x.device), x.shape), index)
+    value = as_tensor(value, like=x)
+    if value.shape != positions.shape:
+        value = broadcast_to(value, positions.shape, op="setitem")
+    carrier = x.dtype if x.dtype is not dtypes.bool_ else dtypes.uint8
+    flat_pos = reshape(positions, (-1,))
+    if _has_tensor_index(index):
+        flat_pos, value = _last_writes(flat_pos, reshape(value, (-1,)))
+    n = x.numel()
+    hit = scatter_add(zeros(n, dtype=dtypes.int32, device=x.device), 0, flat_pos,
+                      zeros(flat_pos.shape, dtype=dtypes.int32, device=x.device) + 1)
+    placed = scatter_add(zeros(n, dtype=carrier, device=x.device), 0, flat_pos,
+                         reshape(cast(value, carrier), (-1,)))
+    updated = where(hit > 0, cast(placed, x.dtype), reshape(x, (-1,)))
+    x.assign(reshape(updated, x.shape))
 
 
 # -- the index primitives -----------------------------------------------------------------------------

@@ -1,8 +1,8 @@
-"""Movement ops: reshape, permute, expand, slicing, padding, concatenation, indexing.
+"""Movement ops: reshape, permute, expand, slicing, padding, concatenation.
 
 They build RESHAPE / PERMUTE / EXPAND / SLICE / FLIP / PAD primitives, which change
-how data is viewed and never copy it; integer-tensor indexing becomes a GATHER. At the end, the
-movement primitives' rules.
+how data is viewed and never copy it (Python indexing, `x[...]`, lives in ember/ops/index.py). At the
+end, the movement primitives' rules.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from ember import dtypes
-from ember.errors import ShapeError, operands
+from ember.errors import ShapeError
 from ember.ir import Op
 from ember.ir.ops import check_shape, define
+from ember.ops import creation, pointwise  # modules, not names: both import this one in turn
 from ember.tensor import Tensor, apply
 
 
@@ -275,8 +276,6 @@ def cat(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
     tensors = list(tensors)
     if not tensors:
         raise ValueError("cat: expects a non-empty sequence of tensors")
-    from ember.ops.pointwise import _check_devices, cast
-
     # PyTorch skips 1-d empty tensors in cat, a legacy convenience
     pieces = [t for t in tensors if not (t.ndim == 1 and t.shape[0] == 0)] or tensors[:1]
     ndim = pieces[0].ndim
@@ -287,9 +286,9 @@ def cat(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
         if p.ndim != ndim or any(a != b for i, (a, b) in enumerate(zip(p.shape, pieces[0].shape)) if i != axis):
             raise ShapeError(f"cat: shapes {', '.join(str(q.shape) for q in pieces)} must match except in "
                              f"dimension {axis}")
-    _check_devices("cat", pieces)
+    pointwise._check_devices("cat", pieces)
     common = dtypes.promote_types(*(p.dtype for p in pieces))
-    pieces = [cast(p, common) for p in pieces]
+    pieces = [pointwise.cast(p, common) for p in pieces]
     if len(pieces) == 1:
         return pieces[0]
     total = sum(p.shape[axis] for p in pieces)
@@ -299,9 +298,7 @@ def cat(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
         placed = apply(Op.PAD, p, pads=tuple((start, total - start - n) if d == axis else (0, 0)
                                              for d in range(ndim)), value=_pad_value(0, common))
         if common is dtypes.bool_:
-            from ember.ops.pointwise import logical_or
-
-            out = placed if out is None else logical_or(out, placed)
+            out = placed if out is None else pointwise.logical_or(out, placed)
         else:
             out = placed if out is None else out + placed
         start += n
@@ -422,218 +419,12 @@ def triu(x: Tensor, diagonal: int = 0) -> Tensor:
 
 
 def _triangle(x: Tensor, diagonal: int, lower: bool) -> Tensor:
-    from ember.ops.creation import arange
-    from ember.ops.pointwise import where
-
     if x.ndim < 2:
         raise ShapeError(f"{'tril' if lower else 'triu'}: expects at least 2 dims, got shape {x.shape}")
-    rows = reshape(arange(x.shape[-2], device=x.device), (-1, 1))
-    cols = reshape(arange(x.shape[-1], device=x.device), (1, -1))
+    rows = reshape(creation.arange(x.shape[-2], device=x.device), (-1, 1))
+    cols = reshape(creation.arange(x.shape[-1], device=x.device), (1, -1))
     keep = (cols - rows <= diagonal) if lower else (cols - rows >= diagonal)
-    return where(keep, x, 0)
-
-
-# -- indexing -------------------------------------------------------------------------
-
-def getitem(x: Tensor, index) -> Tensor:
-    """NumPy/PyTorch indexing: ints, slices (any step), None, Ellipsis, bool and integer tensors."""
-    if isinstance(index, Tensor) and index.dtype is dtypes.bool_ and index.ndim == 0:
-        # a 0-d mask selects along a new dim of size 1: x[True] has shape (1, ...), x[False] (0, ...)
-        return getitem(reshape(x, (1,) + x.shape), reshape(index, (1,)))
-    items = _index_items(x, index)
-    basic, advanced = [], []  # advanced: (position in the basic result, index tensor)
-    dim = 0
-    out_shape_pos = 0
-    for item in items:
-        if item is None:
-            basic.append(None)
-            out_shape_pos += 1
-        elif isinstance(item, slice):
-            basic.append(item)
-            dim += 1
-            out_shape_pos += 1
-        elif isinstance(item, int):
-            size = x.shape[dim]
-            if not -size <= item < size:
-                raise IndexError(f"index {item} is out of bounds for dimension {dim} with size {size} "
-                                 f"(tensor shape {x.shape})")
-            basic.append(item % size)
-            dim += 1
-        else:  # an integer tensor
-            basic.append(slice(None))
-            advanced.append((out_shape_pos, item, x.shape[dim], dim))
-            dim += 1
-            out_shape_pos += 1
-    x = _basic_index(x, basic)
-    if advanced:
-        x = _advanced_index(x, advanced)
-    return x
-
-
-def _index_items(x: Tensor, index) -> list:
-    from ember.ops.creation import tensor as make_tensor
-
-    if not isinstance(index, tuple):
-        index = (index,)
-    items: list = []
-    for item in index:
-        if isinstance(item, bool):
-            raise IndexError("indexing with a Python bool is not supported; use a bool tensor")
-        if isinstance(item, (list,)) or (hasattr(item, "__array__") and not isinstance(item, Tensor)):
-            item = make_tensor(item, device=x.device)
-        if isinstance(item, Tensor):
-            if item.dtype is dtypes.bool_:
-                dim = sum(1 for i in items if i is not None)
-                if Ellipsis not in items and item.shape != x.shape[dim:dim + item.ndim]:
-                    raise IndexError(f"index: the shape {item.shape} of the bool mask at dim {dim} does not match "
-                                     f"the indexed tensor's shape {x.shape}")
-                items.extend(_bool_mask_indices(item))
-                continue
-            if not item.dtype.is_integer:
-                raise IndexError(f"index: tensors used as indices must be integer or bool, got {operands(item)} "
-                                 f"to index a tensor of shape {x.shape}")
-            if item.device != x.device:
-                from ember.errors import device_mismatch
-
-                raise device_mismatch("index", x, item)
-        elif item is not None and item is not Ellipsis and not isinstance(item, slice):
-            try:
-                item = operator.index(item)
-            except TypeError:
-                raise IndexError(f"unsupported index {item!r} of type {type(item).__name__}") from None
-        items.append(item)
-    ellipses = sum(1 for i in items if i is Ellipsis)
-    if ellipses > 1:
-        raise IndexError("an index can only have a single ellipsis ('...')")
-    used = sum(1 for i in items if i is not None and i is not Ellipsis)
-    if used > x.ndim:
-        raise IndexError(f"too many indices for a tensor of shape {x.shape}: {used} indices given")
-    if ellipses:
-        at = items.index(Ellipsis)
-        items[at:at + 1] = [slice(None)] * (x.ndim - used)
-    else:
-        items += [slice(None)] * (x.ndim - used)
-    return items
-
-
-def _bool_mask_indices(mask: Tensor) -> list[Tensor]:
-    """A bool mask selects by value, so its positions are read now (a sync point, as in PyTorch)."""
-    from ember.ops.creation import tensor as make_tensor
-
-    if mask.ndim == 0:
-        raise IndexError("a 0-d bool tensor is supported only as the whole index, as in x[mask]")
-    positions = np.nonzero(mask.numpy())
-    return [make_tensor(p.astype(np.int64), device=mask.device) for p in positions]
-
-
-def _basic_index(x: Tensor, basic: list) -> Tensor:
-    slices, shape_after, dim = [], [], 0
-    flips = []
-    for item in basic:
-        if item is None:
-            shape_after.append(1)
-            continue
-        size = x.shape[dim]
-        if isinstance(item, int):
-            slices.append((item, item + 1, 1))
-        else:
-            start, stop, step = item.indices(size)
-            if step < 0:
-                # walk backwards: flip the axis and slice it forwards
-                length = len(range(start, stop, step))
-                first = size - 1 - start
-                slices.append((first, first + (length - 1) * -step + 1 if length else first, -step))
-                flips.append(dim)
-            else:
-                slices.append((start, max(stop, start), step))
-            n = len(range(*item.indices(size)))
-            shape_after.append(n)
-        dim += 1
-    if flips:
-        x = apply(Op.FLIP, x, axes=tuple(flips))
-    if any(s != (0, n, 1) for s, n in zip(slices, x.shape)):
-        x = apply(Op.SLICE, x, slices=tuple(slices))
-    return reshape(x, tuple(shape_after))
-
-
-def _advanced_index(x: Tensor, advanced: list) -> Tensor:
-    """Integer-tensor indices (broadcast together) become one gather over their dims."""
-    from ember.ops.index import check_bounds, gather
-    from ember.ops.pointwise import broadcast_shapes, expand_to, where
-
-    positions = [p for p, _, _, _ in advanced]
-    index_shape = broadcast_shapes(*(t.shape for _, t, _, _ in advanced), op="index")
-    # bring the indexed dims to the front, in order, and flatten them into one
-    rest = [d for d in range(x.ndim) if d not in positions]
-    x = permute(x, positions + rest)
-    sizes = [x.shape[i] for i in range(len(positions))]
-    flat = reshape(x, (math.prod(sizes),) + x.shape[len(positions):])
-    linear = None
-    for (_, idx, size, dim), stride in zip(advanced, _strides(sizes)):
-        check_bounds("index", idx, size, dim, negative=True)
-        idx = where(idx < 0, idx + size, idx).to(dtypes.int64)
-        idx = expand_to(idx, index_shape)
-        linear = idx * stride if linear is None else linear + idx * stride
-    n = math.prod(index_shape)
-    tail = flat.shape[1:]
-    gather_index = expand(reshape(linear, (n,) + (1,) * len(tail)), (n,) + tail)
-    out = reshape(gather(flat, 0, gather_index), index_shape + tail)
-    adjacent = positions == list(range(positions[0], positions[0] + len(positions)))
-    if adjacent and positions[0] > 0:
-        k = len(index_shape)
-        order = list(range(k, k + positions[0])) + list(range(k)) + list(range(k + positions[0], out.ndim))
-        out = permute(out, order)
-    return out
-
-
-def _strides(sizes: list[int]) -> list[int]:
-    out, acc = [], 1
-    for s in reversed(sizes):
-        out.append(acc)
-        acc *= s
-    return out[::-1]
-
-
-def _has_tensor_index(index) -> bool:
-    items = index if isinstance(index, tuple) else (index,)
-    return any(isinstance(i, (Tensor, list)) or hasattr(i, "__array__") for i in items)
-
-
-def _last_writes(flat_pos: Tensor, flat_value: Tensor) -> tuple[Tensor, Tensor]:
-    """Only the last write to each position, as torch's sequential CPU loop leaves it; summing
-    repeated writes would be wrong. Reading the positions is a sync point, as bool masks are."""
-    from ember.ops.creation import tensor as make_tensor
-    from ember.ops.index import index_select
-
-    pos = flat_pos.numpy()
-    _, first_from_end = np.unique(pos[::-1], return_index=True)
-    if len(first_from_end) == len(pos):
-        return flat_pos, flat_value
-    keep = make_tensor(np.sort(len(pos) - 1 - first_from_end), device=flat_pos.device)
-    return index_select(flat_pos, 0, keep), index_select(flat_value, 0, keep)
-
-
-def setitem(x: Tensor, index, value) -> None:
-    """`x[index] = value`: the positions the index selects are scattered back into x, lazily."""
-    from ember.ops.creation import arange, zeros
-    from ember.ops.index import scatter_add
-    from ember.ops.pointwise import as_tensor, cast, where
-
-    positions = getitem(reshape(arange(x.numel(), device=x.device), x.shape), index)
-    value = as_tensor(value, like=x)
-    if value.shape != positions.shape:
-        value = broadcast_to(value, positions.shape, op="setitem")
-    carrier = x.dtype if x.dtype is not dtypes.bool_ else dtypes.uint8
-    flat_pos = reshape(positions, (-1,))
-    if _has_tensor_index(index):
-        flat_pos, value = _last_writes(flat_pos, reshape(value, (-1,)))
-    n = x.numel()
-    hit = scatter_add(zeros(n, dtype=dtypes.int32, device=x.device), 0, flat_pos,
-                      zeros(flat_pos.shape, dtype=dtypes.int32, device=x.device) + 1)
-    placed = scatter_add(zeros(n, dtype=carrier, device=x.device), 0, flat_pos,
-                         reshape(cast(value, carrier), (-1,)))
-    updated = where(hit > 0, cast(placed, x.dtype), reshape(x, (-1,)))
-    x.assign(reshape(updated, x.shape))
+    return pointwise.where(keep, x, 0)
 
 
 # -- the movement primitives --------------------------------------------------------------------------
@@ -717,9 +508,7 @@ def _slice_vjp(g, xs, out, a):
     (x,) = xs
     for axis, ((start, _, step), n) in enumerate(zip(a["slices"], x.shape)):
         if g.shape[axis] == 0:
-            from ember.ops.creation import zeros
-
-            return (zeros(x.shape, dtype=g.dtype, device=g.device),)
+            return (creation.zeros(x.shape, dtype=g.dtype, device=g.device),)
         if step > 1:
             g = dilate_axis(g, axis, step)
         g = pad_axis(g, axis, start, n - start - g.shape[axis])

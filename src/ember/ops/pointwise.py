@@ -15,10 +15,12 @@ import numpy as np
 import scipy.special
 
 from ember import dtypes
+from ember.device import as_device
 from ember.dtypes import DType
 from ember.errors import DTypeError, ShapeError, device_mismatch, operands
 from ember.ir import Op
 from ember.ir.ops import NOT_DIFFERENTIABLE, cast_rule, define, elementwise, predicate, where_rule
+from ember.ops import creation  # a module, not a name: creation imports this one in turn
 from ember.tensor import Tensor, apply, leaf
 
 Scalar = (numbers.Number, np.bool_, np.number)
@@ -106,12 +108,8 @@ def as_tensor(x, like: Tensor | None = None, dtype: DType | None = None) -> Tens
     if isinstance(x, Scalar):
         if dtype is None:
             dtype = dtypes.result_type(like, x) if like is not None else dtypes.scalar_dtype(x)
-        from ember.device import as_device
-
         return scalar(x, dtype, as_device(device))
-    from ember.ops.creation import tensor
-
-    return tensor(x, dtype=dtype, device=device)
+    return creation.tensor(x, dtype=dtype, device=device)
 
 
 def cast(x: Tensor, dtype: DType) -> Tensor:

@@ -9,6 +9,7 @@ from ember.errors import ShapeError
 from ember.ir import Op
 from ember.ir.ops import RULES
 from ember.ops.contraction import _pair
+from ember.ops.creation import ones
 from ember.ops.movement import cat, pad, reshape, slice_axis, unsqueeze
 from ember.ops.pointwise import div, maximum, where
 from ember.tensor import Tensor
@@ -86,8 +87,6 @@ def avg_pool2d(x: Tensor, kernel_size, stride=None, padding=0, ceil_mode: bool =
     if not ceil_mode and (count_include_pad or p == (0, 0)):
         return _average(total, k[0] * k[1])
     # the divisor varies per window: count the positions each window covers
-    from ember.ops.creation import ones
-
     h, w = x.shape[-2:]
     counted = ones((1, h, w), dtype=dtypes.float32, device=x.device)
     if count_include_pad:

@@ -18,7 +18,8 @@ from ember.device import as_device
 from ember.ir import Op
 from ember.ir.ops import NOT_DIFFERENTIABLE, define
 from ember.ir.philox import philox_normal, philox_uniform
-from ember.ops.pointwise import cast
+from ember.ops.creation import _like, _shape, tensor
+from ember.ops.pointwise import cast, floor, minimum, where
 from ember.runtime import executor
 from ember.tensor import Tensor, leaf
 
@@ -47,8 +48,6 @@ def take_offsets(n: int) -> tuple[int, int]:
 
 
 def _draw(op: str, size, distribution: str, device) -> Tensor:
-    from ember.ops.creation import _shape
-
     shape = _shape(op, size)
     seed, offset = take_offsets(math.prod(shape))
     return leaf(Op.RAND, as_device(device), shape=shape, seed=seed, offset=offset, distribution=distribution)
@@ -75,8 +74,6 @@ def randint(low, high=None, size=None, dtype=None, device=None) -> Tensor:
     if high <= low:
         raise ValueError(f"randint: high ({high}) must be larger than low ({low})")
     u = rand(size, device=device, dtype=dtypes.float64 if high - low > 2**24 else None)
-    from ember.ops.pointwise import floor, minimum
-
     values = minimum(floor(u * (high - low)), high - low - 1) + low
     return cast(values, dtypes.as_dtype(dtype) if dtype is not None else dtypes.int64)
 
@@ -84,9 +81,19 @@ def randint(low, high=None, size=None, dtype=None, device=None) -> Tensor:
 def randperm(n: int, device=None, dtype=None) -> Tensor:
     """A random permutation: the ranks of n uniform draws."""
     keys = rand(n, device=device).numpy()
-    from ember.ops.creation import tensor
-
     return tensor(keys.argsort(kind="stable"), dtype=dtype or dtypes.int64, device=device)
+
+
+def rand_like(x: Tensor, dtype=None, device=None) -> Tensor:
+    return rand(x.shape, **_like(x, dtype, device))
+
+
+def randn_like(x: Tensor, dtype=None, device=None) -> Tensor:
+    return randn(x.shape, **_like(x, dtype, device))
+
+
+def randint_like(x: Tensor, low, high=None, dtype=None, device=None) -> Tensor:
+    return randint(low, high, x.shape, **_like(x, dtype, device))
 
 
 def bernoulli(p: Tensor) -> Tensor:
@@ -101,8 +108,6 @@ def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:
         return x
     if p == 1:
         return x * 0
-    from ember.ops.pointwise import where
-
     keep = rand(x.shape, device=x.device) >= p
     return where(keep, x * (1 / (1 - p)), 0)
 

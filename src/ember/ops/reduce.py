@@ -17,8 +17,10 @@ from ember import dtypes
 from ember.errors import DTypeError, ShapeError, operands
 from ember.ir import Op
 from ember.ir.ops import NOT_DIFFERENTIABLE, check_shape, define
-from ember.ops.movement import normalize_dim, normalize_dims, reshape
-from ember.ops.pointwise import cast, exp, log, where
+from ember.ops.creation import full, ones
+from ember.ops.index import gather
+from ember.ops.movement import normalize_dim, normalize_dims, reshape, transpose, tril
+from ember.ops.pointwise import cast, exp, log, maximum, minimum, where
 from ember.tensor import Tensor, apply
 
 MaxMin = namedtuple("MaxMin", ["values", "indices"])
@@ -113,8 +115,6 @@ def argmin(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
 def max(x: Tensor, dim=None, keepdim: bool = False):  # noqa: A001
     """`max(x)` is the largest value; `max(x, dim)` gives (values, indices); `max(x, y)` is maximum."""
     if isinstance(dim, Tensor):
-        from ember.ops.pointwise import maximum
-
         return maximum(x, dim)
     if dim is None:
         return amax(x)
@@ -123,8 +123,6 @@ def max(x: Tensor, dim=None, keepdim: bool = False):  # noqa: A001
 
 def min(x: Tensor, dim=None, keepdim: bool = False):  # noqa: A001
     if isinstance(dim, Tensor):
-        from ember.ops.pointwise import minimum
-
         return minimum(x, dim)
     if dim is None:
         return amin(x)
@@ -134,8 +132,6 @@ def min(x: Tensor, dim=None, keepdim: bool = False):  # noqa: A001
 def _selected(x: Tensor, dim, keepdim: bool, arg) -> MaxMin:
     """Values read at the chosen indices, so that (as in torch) only the chosen element of a tie
     receives the gradient; amax/amin share it among the ties instead."""
-    from ember.ops.index import gather
-
     indices = arg(x, dim, keepdim=True)
     if x.ndim == 0:
         return MaxMin(x, indices)
@@ -159,8 +155,6 @@ def any(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:  # noqa: A001
 
 
 def _empty_logical(x: Tensor, axes, keepdim: bool, value: bool) -> Tensor:
-    from ember.ops.creation import full
-
     shape = tuple(1 if i in axes else s for i, s in enumerate(x.shape))
     return _finish(full(shape, value, dtype=dtypes.bool_, device=x.device), axes, keepdim)
 
@@ -263,9 +257,6 @@ def norm(x: Tensor, p=2, dim=None, keepdim: bool = False) -> Tensor:
 
 def cumsum(x: Tensor, dim: int) -> Tensor:
     """Cumulative sum as a product with a triangular matrix of ones (fine for modest lengths)."""
-    from ember.ops.creation import ones
-    from ember.ops.movement import transpose, tril
-
     axis = normalize_dim("cumsum", dim, x.ndim)
     n = x.shape[axis] if x.ndim else 1
     if not x.dtype.is_floating_point:

@@ -75,7 +75,7 @@ class Tensor:
     def size(self, dim: int | None = None):
         if dim is None:
             return self.shape
-        from ember.ops.movement import normalize_dim
+        from ember.ops.movement import normalize_dim  # the op modules import this one: they load after it
 
         return self.shape[normalize_dim("size", dim, self.ndim)]
 
@@ -114,13 +114,13 @@ class Tensor:
 
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
         """The DLPack capsule of this tensor's memory, shared, not copied (computed first if pending)."""
-        from ember.runtime import dlpack
+        from ember.runtime import dlpack  # torch: only when a tensor is shared
 
         self.realize()
         return dlpack.export(self._node, stream=stream, max_version=max_version, dl_device=dl_device, copy=copy)
 
     def __dlpack_device__(self) -> tuple[int, int]:
-        from ember.runtime import dlpack
+        from ember.runtime import dlpack  # torch: only when a tensor is shared
 
         return dlpack.dlpack_device(self.device)
 
@@ -220,7 +220,7 @@ class Tensor:
         dtype, device = to_arguments(args, kwargs)
         out = self
         if dtype is not None:
-            from ember.ops.pointwise import cast
+            from ember.ops.pointwise import cast  # the op modules load after this one
 
             out = cast(out, dtypes.as_dtype(dtype))
         if device is not None and as_device(device) != out.device:
@@ -274,6 +274,7 @@ class Tensor:
     # -- in-place updates --------------------------------------------------------------
     def assign(self, value) -> Tensor:
         """Make this Tensor show `value` from now on (same shape); the core of every `x.op_()`."""
+        # the op modules import this one: they load after it
         from ember.ops.movement import broadcast_to
         from ember.ops.pointwise import as_tensor, cast
 

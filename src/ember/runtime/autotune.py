@@ -136,7 +136,7 @@ def _path() -> Path:
 
 def _scope() -> str:
     """Entries hold for one GPU model and one set of library versions."""
-    import triton
+    import triton  # loaded with the plan cache already; here only for its version
 
     return f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__}"
 

@@ -31,7 +31,7 @@ DL_CPU, DL_CUDA, DL_CUDA_HOST, DL_CUDA_MANAGED = 1, 2, 3, 13
 def _torch():
     """torch, imported only for a producer or consumer that needs it (the cpu path needs none)."""
     try:
-        import torch
+        import torch  # optional: DLPack with NumPy needs none
     except ImportError:
         raise DeviceError("DLPack: this producer (cuda memory, or bfloat16) needs torch, which is not installed "
                           "(pip install torch)") from None
@@ -76,7 +76,7 @@ def node_from_torch(t) -> Node:
     if t.device.type != "cuda":
         raise DeviceError(f"from_dlpack: a torch tensor on {t.device} cannot be shared; ember runs on cpu and cuda")
     device = as_device(f"cuda:{t.device.index}")
-    from ember.runtime import cuda
+    from ember.runtime import cuda  # torch: only for a cuda tensor
 
     if cuda.torch_device(device).type != "cuda":
         raise DeviceError(f"from_dlpack: a tensor on {t.device} cannot be used while the cuda device runs "
@@ -101,7 +101,7 @@ def dlpack_device(device: Device) -> tuple[int, int]:
     """Where a tensor on `device` lives, as DLPack names it (the interpreter's cuda device is the CPU)."""
     if device.type == "cpu":
         return (DL_CPU, 0)
-    from ember.runtime import cuda
+    from ember.runtime import cuda  # torch: only for a cuda tensor
 
     return (DL_CUDA, device.index) if cuda.torch_device(device).type == "cuda" else (DL_CPU, 0)
 

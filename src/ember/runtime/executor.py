@@ -47,7 +47,7 @@ def to_host(buffer, device: Device) -> np.ndarray:
         return buffer
     if recorder is not None:
         recorder.fail(f"it reads a value from {device} on the host (.item(), .numpy(), .cpu(), print)")
-    from ember.runtime import transfer
+    from ember.runtime import transfer  # torch: only for a cuda value
 
     return transfer.download(buffer)
 
@@ -56,7 +56,7 @@ def from_host(array: np.ndarray, device: Device):
     """A NumPy array as a buffer on `device`."""
     if device.type == "cpu":
         return array
-    from ember.runtime import transfer
+    from ember.runtime import transfer  # torch: only for a cuda value
 
     return transfer.upload(array, device)
 

@@ -42,7 +42,7 @@ def clear() -> None:
 
 def _plan_path(key: tuple, context: CompileContext) -> Path:
     """A plan's file: the graph's structure plus what the plan was made with (device, versions, settings)."""
-    import ember
+    import ember  # its version; the package has finished loading before any plan is stored
 
     gpu = "interpreter" if cuda.INTERPRET else torch.cuda.get_device_name()
     identity = repr((key, gpu, context, ember.__version__, _code_digest(),

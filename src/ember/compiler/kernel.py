@@ -117,9 +117,6 @@ class Call(Expr):
             return self.args[0].axes
         return Expr.axes.fget(self)
 
-    def option(self, name: str, default=None):
-        return dict(self.options).get(name, default)
-
 
 # The functions a kernel calls, each a target must render. Reductions name a combine ("sum", "prod", "max",
 # "min", "argmax", "argmin") and the axis (position and name) they drop.
@@ -138,7 +135,6 @@ FUNCTIONS = {
     "reduce2": "two tiles (value, position) reduced together along one axis by an arg combine",
     "combine": "two partial results merged by a combine (max, min; argmax, argmin take four values)",
     "dot": "acc + a @ b on the matrix units (option `precision`)",
-    "wide": "an index widened to 64 bits",
 }
 
 
@@ -239,7 +235,7 @@ class Param:
 class Function:
     """One kernel function: parameters, compile-time block sizes, its statements, and its launch."""
 
-    name: str
+    name: str  # what follows the kernel's name: "" for its one function, "_init" and "_scatter" for a scatter's two
     params: list[Param]
     constexprs: dict[str, int]
     body: list

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from conftest import FLOATS, INTS, TORCH, check_against_torch, check_finite_differences, random_array
 
 import ember
+from ember.ir import Op
+from ember.ir.ops import RULES
+from ember.tensor import apply
 
 pytestmark = pytest.mark.usefixtures("device")
 
@@ -158,6 +162,66 @@ def test_conv2d_misuse_raises_like_torch(name, x, w, kwargs):
         TORCH.conv2d(TORCH.ones(x), TORCH.ones(w), **kwargs)
     with pytest.raises((ember.ShapeError, ValueError)):
         ember.conv2d(ember.ones(x), ember.ones(w), **kwargs)
+
+
+# A convolution's gradients are primitives of their own (cuDNN's backward-data and backward-filter on a GPU);
+# their own gradients (a double backward) are convolutions and each other, checked against torch's.
+SECOND_ORDER_CASES = [c for c in CONV_CASES if c not in ("unbatched", "empty-batch", "padding-same",
+                                                         "padding-same-even-kernel", "padding-same-dilated")]
+
+
+def _conv_attrs(kwargs: dict) -> dict:
+    pair = lambda v: tuple(v) if isinstance(v, tuple) else (v, v)  # noqa: E731
+    padding = kwargs.get("padding", 0)
+    padding = (0, 0) if padding == "valid" else pair(padding)
+    return {"stride": pair(kwargs.get("stride", 1)), "padding": padding,
+            "dilation": pair(kwargs.get("dilation", 1)), "groups": kwargs.get("groups", 1)}
+
+
+@pytest.mark.parametrize("case", SECOND_ORDER_CASES)
+def test_conv2d_gradient_primitives_differentiate_like_torch_double_backward(case, rng):
+    xs, ws, kwargs, _ = CONV_CASES[case]
+    attrs = _conv_attrs(kwargs)
+    x, w = (random_array(rng, shape, "float64") for shape in (xs, ws))
+    y_shape = torch.nn.functional.conv2d(torch.tensor(x), torch.tensor(w), **attrs).shape
+    g, hx, hw = (random_array(rng, shape, "float64") for shape in (tuple(y_shape), xs, ws))
+    tx, tw, tg = (torch.tensor(a, requires_grad=True) for a in (x, w, g))
+    conv = (attrs["stride"], attrs["padding"], attrs["dilation"], attrs["groups"])
+    gx = torch.nn.grad.conv2d_input(xs, tw, tg, *conv)
+    gw = torch.nn.grad.conv2d_weight(tx, ws, tg, *conv)
+    expected_dgrad = torch.autograd.grad(gx, (tg, tw), torch.tensor(hx))
+    expected_wgrad = torch.autograd.grad(gw, (tx, tg), torch.tensor(hw))
+    ex, ew, eg = (ember.tensor(a) for a in (x, w, g))
+    dgrad = RULES[Op.CONV2D_INPUT_GRAD].vjp(ember.tensor(hx), (eg, ew), None, {**attrs, "input_size": xs[2:]})
+    wgrad = RULES[Op.CONV2D_WEIGHT_GRAD].vjp(ember.tensor(hw), (ex, eg), None, {**attrs, "kernel_size": ws[2:]})
+    for got, want in zip((*dgrad, *wgrad), (*expected_dgrad, *expected_wgrad)):
+        assert got.shape == tuple(want.shape)
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("case", ["everything", "depthwise", "stride", "empty-batch"])
+def test_conv2d_gradient_primitives_match_torch_backward_kernels(case, rng):
+    """The reference implementations (cpu) and the vendor calls (cuda) of both gradients, on their own."""
+    xs, ws, kwargs, _ = CONV_CASES[case]
+    attrs = _conv_attrs(kwargs)
+    x, w = (random_array(rng, shape, "float32") for shape in (xs, ws))
+    g = random_array(rng, tuple(torch.nn.functional.conv2d(torch.tensor(x), torch.tensor(w), **attrs).shape),
+                     "float32")
+    conv = (attrs["stride"], attrs["padding"], attrs["dilation"], attrs["groups"])
+    want_x = torch.nn.grad.conv2d_input(xs, torch.tensor(w), torch.tensor(g), *conv).numpy()
+    want_w = torch.nn.grad.conv2d_weight(torch.tensor(x), ws, torch.tensor(g), *conv).numpy()
+    got_x = apply(Op.CONV2D_INPUT_GRAD, ember.tensor(g), ember.tensor(w), input_size=xs[2:], **attrs)
+    got_w = apply(Op.CONV2D_WEIGHT_GRAD, ember.tensor(x), ember.tensor(g), kernel_size=ws[2:], **attrs)
+    np.testing.assert_allclose(got_x.numpy(), want_x, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got_w.numpy(), want_w, rtol=1e-4, atol=1e-4)
+
+
+def test_a_conv2d_gradient_of_the_wrong_shape_is_refused():
+    attrs = {"stride": (1, 1), "padding": (0, 0), "dilation": (1, 1), "groups": 1}
+    with pytest.raises(ember.ShapeError, match="conv2d_input_grad"):
+        apply(Op.CONV2D_INPUT_GRAD, ember.ones((1, 3, 4, 4)), ember.ones((3, 2, 3, 3)), input_size=(5, 5), **attrs)
+    with pytest.raises(ember.ShapeError, match="conv2d_weight_grad"):
+        apply(Op.CONV2D_WEIGHT_GRAD, ember.ones((1, 2, 5, 5)), ember.ones((1, 3, 4, 4)), kernel_size=(3, 3), **attrs)
 
 
 # -- pooling --------------------------------------------------------------------------------------

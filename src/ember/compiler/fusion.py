@@ -52,7 +52,7 @@ from ember.ir.ops import STRIDED_VIEWS
 
 FULL, ROW, OTHER = "full", "row", "other"
 MAINLOOP = "mainloop"  # the level of a GEMM kernel's operand reductions: no other kernel reads them in registers
-OPAQUE = (Op.MATMUL, Op.CONV2D)
+OPAQUE = (Op.MATMUL, Op.CONV2D, Op.CONV2D_INPUT_GRAD, Op.CONV2D_WEIGHT_GRAD)  # the vendor's, or a GEMM core
 MAX_SEGMENTS = 64  # pointwise kernels fused into one launch at most
 MAX_RECOMPUTE_OPS = 48  # a shared producer with a larger cone is stored, not recomputed
 RAND_OPS = 8  # a random number (Philox rounds), in pointwise ops
@@ -66,7 +66,7 @@ class KernelKind(enum.Enum):
     POINTWISE = "pointwise"  # elementwise work over one iteration space
     REDUCE = "reduce"  # rows reduced along some axes, with their producers and consumers
     MATMUL = "matmul"  # a GEMM: generated (with a core) or the vendor's
-    CONV2D = "conv2d"  # the vendor's convolution
+    CONV2D = "conv2d"  # the vendor's convolution, or one of its gradients
     SCATTER_ADD = "scatter_add"
     SEGMENTED = "segmented"  # independent small kernels sharing one launch
 
@@ -316,7 +316,8 @@ class Planner:
                 continue
             if n.op in OPAQUE:
                 core = n if self.is_gemm(n) else None
-                kernels.append(FusedKernel(KernelKind(n.op.label), n.shape, (), [n], {id(n): FULL}, core=core,
+                kind = KernelKind.MATMUL if n.op is Op.MATMUL else KernelKind.CONV2D
+                kernels.append(FusedKernel(kind, n.shape, (), [n], {id(n): FULL}, core=core,
                                            decisions=self.decisions[id(n)]))
             elif n.op is Op.SCATTER_ADD:
                 kernels.append(FusedKernel(KernelKind.SCATTER_ADD, n.shape, (), [n], {id(n): FULL}))

@@ -78,6 +78,8 @@ STRUCTURAL = {
     Op.ARGMAX: "a (value, position) pair reduced together", Op.ARGMIN: "a (value, position) pair reduced together",
     Op.MATMUL: "a GEMM core (tiles, a K loop, dot), or the vendor's matmul",
     Op.CONV2D: "the vendor's convolution",
+    Op.CONV2D_INPUT_GRAD: "the vendor's convolution backward to the input (cuDNN's backward-data)",
+    Op.CONV2D_WEIGHT_GRAD: "the vendor's convolution backward to the weight (cuDNN's backward-filter)",
     Op.GATHER: "a load at a clamped, checked position", Op.SCATTER_ADD: "an atomic add at a clamped position",
     Op.COPY: "a transfer between devices, made by the runtime at a plan's edges",
 }

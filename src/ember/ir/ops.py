@@ -99,6 +99,8 @@ class Op(enum.Enum):
     # contraction: the anchors of fused kernels
     MATMUL = ("matmul", Kind.CONTRACTION)
     CONV2D = ("conv2d", Kind.CONTRACTION)
+    CONV2D_INPUT_GRAD = ("conv2d_input_grad", Kind.CONTRACTION)  # a convolution's gradient to its input
+    CONV2D_WEIGHT_GRAD = ("conv2d_weight_grad", Kind.CONTRACTION)  # a convolution's gradient to its weight
     # index
     GATHER = ("gather", Kind.INDEX)
     SCATTER_ADD = ("scatter_add", Kind.INDEX)

@@ -9,7 +9,7 @@ from ember import dtypes
 from ember.errors import DTypeError, ShapeError, operands
 from ember.ir import Op
 from ember.ir.ops import check_shape, define
-from ember.ops.movement import dilate_axis, expand, pad, pad_axis, reshape, squeeze, unsqueeze
+from ember.ops.movement import expand, pad, reshape, squeeze, unsqueeze
 from ember.ops.pointwise import _check_devices, broadcast_shapes
 from ember.tensor import Tensor, apply
 
@@ -162,13 +162,17 @@ def _matmul_rule(inputs, attrs) -> tuple[tuple[int, ...], dtypes.DType]:
     return a[:-1] + b[-1:], x.dtype
 
 
-def _conv2d_rule(inputs, attrs) -> tuple[tuple[int, ...], dtypes.DType]:
-    x, w = inputs[0].shape, inputs[1].shape
+def _conv_output(op: Op, x: tuple[int, ...], w: tuple[int, ...], attrs: dict) -> tuple[int, ...]:
+    """The output shape of input shape x convolved with weight shape w."""
     n, c, h, wd = x
     o, cg, kh, kw = w
     (sh, sw), (ph, pw), (dh, dw), g = attrs["stride"], attrs["padding"], attrs["dilation"], attrs["groups"]
-    check_shape(c == cg * g and o % g == 0, Op.CONV2D, f"input {x} and weight {w} do not fit groups={g}")
-    return (n, o, conv_out_size(h, kh, sh, ph, dh), conv_out_size(wd, kw, sw, pw, dw)), inputs[0].dtype
+    check_shape(c == cg * g and o % g == 0, op, f"input {x} and weight {w} do not fit groups={g}")
+    return (n, o, conv_out_size(h, kh, sh, ph, dh), conv_out_size(wd, kw, sw, pw, dw))
+
+
+def _conv2d_rule(inputs, attrs) -> tuple[tuple[int, ...], dtypes.DType]:
+    return _conv_output(Op.CONV2D, inputs[0].shape, inputs[1].shape, attrs), inputs[0].dtype
 
 
 def _matmul_vjp(g, xs, out, a):
@@ -176,51 +180,103 @@ def _matmul_vjp(g, xs, out, a):
     return apply(Op.MATMUL, g, y.mT), apply(Op.MATMUL, x.mT, g)
 
 
+def _conv_attrs(a: dict) -> dict:
+    return {key: a[key] for key in ("stride", "padding", "dilation", "groups")}
+
+
 def _conv2d_vjp(g, xs, out, a):
-    """Both gradients of a convolution are convolutions themselves."""
+    """A convolution's gradients are primitives of their own, so each runs as the vendor's backward kernels
+    (cuDNN's backward-data and backward-filter) instead of as forward convolutions of reshaped operands."""
     x, w = xs
-    (sh, sw), (ph, pw), (dh, dw), groups = a["stride"], a["padding"], a["dilation"], a["groups"]
-    n, c, h, wd = x.shape
-    o, cg, kh, kw = w.shape
-    og = o // groups
-    # input gradient: spread g by the stride, pad, and correlate with the flipped, transposed weight
-    gd = g
-    for axis, s in ((2, sh), (3, sw)):
-        if s > 1:
-            gd = dilate_axis(gd, axis, s)
-    gd = pad_axis(gd, 2, dh * (kh - 1) - ph, h - gd.shape[2] + ph)
-    gd = pad_axis(gd, 3, dw * (kw - 1) - pw, wd - gd.shape[3] + pw)
-    wt = w.reshape(groups, og, cg, kh, kw).permute(0, 2, 1, 3, 4).reshape(groups * cg, og, kh, kw)
-    wt = apply(Op.FLIP, wt, axes=(2, 3))
-    gx = apply(Op.CONV2D, gd, wt, stride=(1, 1), padding=(0, 0), dilation=(dh, dw), groups=groups)
-    # weight gradient: correlate the padded input with g, batch and channels swapped
-    xp = apply(Op.PAD, x, pads=((0, 0), (0, 0), (ph, ph), (pw, pw)), value=0)
-    hp, wp = xp.shape[2:]
-    xt = xp.reshape(n, groups, cg, hp, wp).permute(2, 1, 0, 3, 4).reshape(cg, groups * n, hp, wp)
-    gt = g.reshape(n, groups, og, *g.shape[2:]).permute(1, 2, 0, 3, 4).reshape(o, n, *g.shape[2:])
-    gw = apply(Op.CONV2D, xt, gt, stride=(dh, dw), padding=(0, 0), dilation=(sh, sw), groups=groups)
-    gw = apply(Op.SLICE, gw, slices=((0, cg, 1), (0, o, 1), (0, kh, 1), (0, kw, 1))).permute(1, 0, 2, 3)
+    gx = apply(Op.CONV2D_INPUT_GRAD, g, w, input_size=x.shape[2:], **_conv_attrs(a))
+    gw = apply(Op.CONV2D_WEIGHT_GRAD, x, g, kernel_size=w.shape[2:], **_conv_attrs(a))
     return gx, gw
 
 
-def _np_conv2d(x: np.ndarray, w: np.ndarray, stride, padding, dilation, groups: int) -> np.ndarray:
-    """Direct 2-D convolution (cross-correlation, as in PyTorch) through an im2col view."""
-    n, c, _, _ = x.shape
-    o, cg, kh, kw = w.shape
-    (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
+def _conv2d_input_grad_rule(inputs, attrs) -> tuple[tuple[int, ...], dtypes.DType]:
+    g, w = inputs[0].shape, inputs[1].shape
+    x = (g[0], w[1] * attrs["groups"], *attrs["input_size"])
+    check_shape(_conv_output(Op.CONV2D_INPUT_GRAD, x, w, attrs) == g, Op.CONV2D_INPUT_GRAD,
+                f"gradient {g} is not the output of an input {x} convolved with weight {w}")
+    return x, inputs[0].dtype
+
+
+def _conv2d_weight_grad_rule(inputs, attrs) -> tuple[tuple[int, ...], dtypes.DType]:
+    x, g = inputs[0].shape, inputs[1].shape
+    w = (g[1], x[1] // attrs["groups"], *attrs["kernel_size"])
+    check_shape(_conv_output(Op.CONV2D_WEIGHT_GRAD, x, w, attrs) == g, Op.CONV2D_WEIGHT_GRAD,
+                f"gradient {g} is not the output of input {x} convolved with a weight {w}")
+    return w, inputs[0].dtype
+
+
+def _conv2d_input_grad_vjp(h, xs, out, a):
+    """x's gradient is linear in the output gradient g and in the weight w: <h, dx(g, w)> = <conv2d(h, w), g>."""
+    g, w = xs
+    attrs = _conv_attrs(a)
+    return (apply(Op.CONV2D, h, w, **attrs),
+            apply(Op.CONV2D_WEIGHT_GRAD, h, g, kernel_size=w.shape[2:], **attrs))
+
+
+def _conv2d_weight_grad_vjp(h, xs, out, a):
+    """w's gradient is linear in the input x and in g: <h, dw(x, g)> = <conv2d(x, h), g>."""
+    x, g = xs
+    attrs = _conv_attrs(a)
+    return (apply(Op.CONV2D_INPUT_GRAD, g, h, input_size=x.shape[2:], **attrs),
+            apply(Op.CONV2D, x, h, **attrs))
+
+
+def _windows(x: np.ndarray, kernel: tuple[int, int], stride, padding, dilation) -> np.ndarray:
+    """windows[n, c, i, j, p, q] = x_padded[n, c, i*sh + p*dh, j*sw + q*dw], a view (im2col without a copy)."""
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = kernel, stride, padding, dilation
     x = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
     ho = (x.shape[2] - dh * (kh - 1) - 1) // sh + 1
     wo = (x.shape[3] - dw * (kw - 1) - 1) // sw + 1
     s = x.strides
-    # windows[n, c, i, j, p, q] = x[n, c, i*sh + p*dh, j*sw + q*dw]
-    windows = np.lib.stride_tricks.as_strided(
-        x, (n, c, max(ho, 0), max(wo, 0), kh, kw), (s[0], s[1], s[2] * sh, s[3] * sw, s[2] * dh, s[3] * dw),
-        writeable=False)
+    return np.lib.stride_tricks.as_strided(
+        x, (x.shape[0], x.shape[1], max(ho, 0), max(wo, 0), kh, kw),
+        (s[0], s[1], s[2] * sh, s[3] * sw, s[2] * dh, s[3] * dw), writeable=False)
+
+
+def _np_conv2d(x: np.ndarray, w: np.ndarray, stride, padding, dilation, groups: int) -> np.ndarray:
+    """Direct 2-D convolution (cross-correlation, as in PyTorch) through the input's windows."""
+    n = x.shape[0]
+    o, cg, kh, kw = w.shape
+    windows = _windows(x, (kh, kw), stride, padding, dilation)
+    ho, wo = windows.shape[2:4]
     windows = windows.reshape(n, groups, cg, ho, wo, kh, kw)
-    wg = w.reshape(groups, o // groups, cg, kh, kw)
-    out = np.einsum("ngchwpq,gocpq->ngohw", windows, wg, optimize=True)
+    out = np.einsum("ngchwpq,gocpq->ngohw", windows, w.reshape(groups, o // groups, cg, kh, kw), optimize=True)
     return out.reshape(n, o, ho, wo)
+
+
+def _np_conv2d_input_grad(g: np.ndarray, w: np.ndarray, input_size, stride, padding, dilation,
+                          groups: int) -> np.ndarray:
+    """Each output gradient spread back over the input positions its window read, weighted by w."""
+    n, o, ho, wo = g.shape
+    _, cg, kh, kw = w.shape
+    (h, wd), (sh, sw), (ph, pw), (dh, dw) = input_size, stride, padding, dilation
+    parts = np.einsum("ngohw,gocpq->ngchwpq", g.reshape(n, groups, o // groups, ho, wo),
+                      w.reshape(groups, o // groups, cg, kh, kw), optimize=True).reshape(n, groups * cg, ho, wo, kh, kw)
+    padded = np.zeros((n, groups * cg, h + 2 * ph, wd + 2 * pw), dtype=parts.dtype)
+    for p in range(kh):
+        for q in range(kw):
+            padded[:, :, p * dh:p * dh + sh * (ho - 1) + 1:sh, q * dw:q * dw + sw * (wo - 1) + 1:sw] += parts[..., p, q]
+    return padded[:, :, ph:ph + h, pw:pw + wd]
+
+
+def _np_conv2d_weight_grad(x: np.ndarray, g: np.ndarray, kernel_size, stride, padding, dilation,
+                           groups: int) -> np.ndarray:
+    """Each weight's gradient: the output gradients times the inputs its windows read, summed."""
+    n, o, ho, wo = g.shape
+    cg = x.shape[1] // groups
+    kh, kw = kernel_size
+    windows = _windows(x, (kh, kw), stride, padding, dilation).reshape(n, groups, cg, ho, wo, kh, kw)
+    out = np.einsum("ngchwpq,ngohw->gocpq", windows, g.reshape(n, groups, o // groups, ho, wo), optimize=True)
+    return out.reshape(o, cg, kh, kw)
 
 
 define(Op.MATMUL, shape=_matmul_rule, vjp=_matmul_vjp, reference=np.matmul)
 define(Op.CONV2D, shape=_conv2d_rule, vjp=_conv2d_vjp, reference=_np_conv2d)
+define(Op.CONV2D_INPUT_GRAD, shape=_conv2d_input_grad_rule, vjp=_conv2d_input_grad_vjp,
+       reference=_np_conv2d_input_grad)
+define(Op.CONV2D_WEIGHT_GRAD, shape=_conv2d_weight_grad_rule, vjp=_conv2d_weight_grad_vjp,
+       reference=_np_conv2d_weight_grad)

@@ -240,12 +240,20 @@ def _matmul(node: Node, buffers: dict[int, torch.Tensor], sig: Signature) -> Non
 
 
 def _conv2d(node: Node, buffers: dict[int, torch.Tensor], sig: Signature) -> None:
-    x, w = (_on_vendor_device(_view(i, buffers)) for i in node.inputs)
-    if x.numel() == 0 or w.numel() == 0:  # torch gets the shape wrong without input channels; a sum of nothing
+    """A convolution or one of its gradients, as the vendor computes them (cuDNN's forward, backward-data and
+    backward-filter kernels through torch)."""
+    first, second = (_on_vendor_device(_view(i, buffers)) for i in node.inputs)
+    if first.numel() == 0 or second.numel() == 0:  # torch gets shapes wrong without channels; a sum of nothing
         buffers[id(node)].zero_()
         return
     a = node.attrs
-    out = torch.nn.functional.conv2d(x, w, None, a["stride"], a["padding"], a["dilation"], a["groups"])
+    conv = (a["stride"], a["padding"], a["dilation"], a["groups"])
+    if node.op is Op.CONV2D:
+        out = torch.nn.functional.conv2d(first, second, None, *conv)
+    elif node.op is Op.CONV2D_INPUT_GRAD:  # from the output gradient and the weight
+        out = torch.nn.grad.conv2d_input(node.shape, second, first, *conv)
+    else:  # from the input and the output gradient
+        out = torch.nn.grad.conv2d_weight(first, node.shape, second, *conv)
     buffers[id(node)].copy_(out)
 
 

@@ -164,6 +164,59 @@ def test_conv2d_misuse_raises_like_torch(name, x, w, kwargs):
         ember.conv2d(ember.ones(x), ember.ones(w), **kwargs)
 
 
+TRANSPOSE_CASES = {  # name: (input shape, weight shape (C, O/groups, kH, kW), keyword arguments)
+    "basic": ((2, 3, 5, 4), (3, 4, 3, 3), {}),
+    "bias": ((1, 2, 4, 4), (2, 3, 3, 3), {"bias": True}),
+    "stride-output-padding": ((1, 2, 4, 5), (2, 3, 3, 2), {"stride": (2, 3), "output_padding": (1, 2)}),
+    "padding-dilation": ((1, 2, 5, 5), (2, 2, 3, 3), {"padding": 1, "dilation": 2}),
+    "groups": ((2, 4, 3, 3), (4, 3, 2, 2), {"groups": 2, "bias": True, "stride": 2}),
+    "depthwise": ((1, 3, 4, 4), (3, 1, 3, 3), {"groups": 3}),
+    "one-by-one": ((2, 3, 4, 4), (3, 5, 1, 1), {}),
+    "unbatched": ((3, 4, 4), (3, 2, 3, 3), {"stride": 2}),
+    "empty-batch": ((0, 2, 3, 3), (2, 3, 3, 3), {}),
+}
+
+
+def _conv_transpose(m, x, w, *rest, kwargs):
+    kwargs = dict(kwargs)
+    bias = rest[0] if kwargs.pop("bias", False) else None
+    return m.conv_transpose2d(x, w, bias, **kwargs)
+
+
+def _transpose_inputs(rng, case, dtype):
+    xs, ws, kwargs = TRANSPOSE_CASES[case]
+    shapes = [xs, ws] + ([(ws[1] * kwargs.get("groups", 1),)] if kwargs.get("bias") else [])
+    return _inputs(rng, shapes, dtype)
+
+
+@pytest.mark.parametrize("case", TRANSPOSE_CASES)
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_conv_transpose2d_matches_torch(dtype, case, rng):
+    kwargs = TRANSPOSE_CASES[case][2]
+    check_against_torch(lambda m, *xs: _conv_transpose(m, *xs, kwargs=kwargs), *_transpose_inputs(rng, case, dtype),
+                        **_tolerance(dtype))
+
+
+@pytest.mark.parametrize("case", [c for c in TRANSPOSE_CASES if c != "empty-batch"])
+def test_conv_transpose2d_gradient_matches_finite_differences(case, rng):
+    kwargs = TRANSPOSE_CASES[case][2]
+    check_finite_differences(lambda m, *xs: _conv_transpose(m, *xs, kwargs=kwargs),
+                             *_transpose_inputs(rng, case, "float64"))
+
+
+@pytest.mark.parametrize("x, w, kwargs, error", [
+    ((1, 3, 4, 4), (2, 3, 3, 3), {}, ember.ShapeError),  # input channels are the weight's first axis
+    ((1, 4, 4, 4), (4, 3, 3, 3), {"groups": 3}, ember.ShapeError),
+    ((1, 2, 4, 4), (2, 3, 3, 3), {"stride": 2, "output_padding": 2}, ValueError),
+    ((1, 2, 1, 1), (2, 3, 1, 1), {"padding": 1}, ember.ShapeError),
+], ids=["channels", "groups", "output-padding", "empty-output"])
+def test_conv_transpose2d_misuse_raises_like_torch(x, w, kwargs, error):
+    with pytest.raises((RuntimeError, ValueError)):
+        TORCH.conv_transpose2d(TORCH.ones(x), TORCH.ones(w), **kwargs)
+    with pytest.raises(error, match="conv_transpose2d"):
+        ember.conv_transpose2d(ember.ones(x), ember.ones(w), **kwargs)
+
+
 # A convolution's gradients are primitives of their own (cuDNN's backward-data and backward-filter on a GPU);
 # their own gradients (a double backward) are convolutions and each other, checked against torch's.
 SECOND_ORDER_CASES = [c for c in CONV_CASES if c not in ("unbatched", "empty-batch", "padding-same",

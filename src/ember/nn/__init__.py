@@ -7,6 +7,7 @@ from ember.nn.layers import (
     AdaptiveAvgPool2d,
     AvgPool2d,
     Conv2d,
+    ConvTranspose2d,
     Dropout,
     Embedding,
     Flatten,
@@ -27,7 +28,8 @@ from ember.nn.normalization import BatchNorm1d, BatchNorm2d, LayerNorm
 
 __all__ = [
     "AdaptiveAvgPool2d", "AvgPool2d", "BCELoss", "BCEWithLogitsLoss", "BatchNorm1d", "BatchNorm2d", "Conv2d",
-    "CrossEntropyLoss", "Dropout", "Embedding", "Flatten", "GELU", "Identity", "L1Loss", "LayerNorm", "LeakyReLU",
+    "ConvTranspose2d", "CrossEntropyLoss", "Dropout", "Embedding", "Flatten", "GELU", "Identity", "L1Loss",
+    "LayerNorm", "LeakyReLU",
     "Linear", "LogSoftmax", "MSELoss", "MaxPool2d", "Module", "ModuleDict", "ModuleList", "NLLLoss", "Parameter",
     "ReLU", "SiLU", "Sequential", "Sigmoid", "SmoothL1Loss", "Softmax", "Tanh", "functional", "init",
 ]

@@ -21,6 +21,7 @@ from ember.ops import (
     adaptive_max_pool2d,
     avg_pool2d,
     conv2d,
+    conv_transpose2d,
     gelu,
     linear,
     max_pool2d,
@@ -46,7 +47,8 @@ from ember.tensor import Tensor, realize
 
 __all__ = [
     "adaptive_avg_pool2d", "adaptive_max_pool2d", "avg_pool2d", "batch_norm", "binary_cross_entropy",
-    "binary_cross_entropy_with_logits", "conv2d", "cross_entropy", "dropout", "elu", "embedding", "gelu",
+    "binary_cross_entropy_with_logits", "conv2d", "conv_transpose2d",
+    "cross_entropy", "dropout", "elu", "embedding", "gelu",
     "hardtanh", "l1_loss", "layer_norm", "leaky_relu", "linear", "log_softmax", "logsigmoid",
     "max_pool2d", "mish", "mse_loss", "nll_loss", "one_hot", "pad", "relu", "relu6", "sigmoid", "silu",
     "smooth_l1_loss", "softmax", "softplus", "tanh",

@@ -124,6 +124,46 @@ class Conv2d(Module):
         return text
 
 
+class ConvTranspose2d(Module):
+    """2-d transposed convolution over (N, C, H, W) input, as torch.nn.ConvTranspose2d: the gradient of a
+    Conv2d with respect to its input. The weight is (in_channels, out_channels / groups, kH, kW)."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, output_padding=0,
+                 groups: int = 1, bias: bool = True, dilation=1, padding_mode: str = "zeros", device=None,
+                 dtype=None) -> None:
+        super().__init__()
+        if in_channels % groups or out_channels % groups:
+            raise ValueError(f"ConvTranspose2d: in_channels ({in_channels}) and out_channels ({out_channels}) must "
+                             f"be divisible by groups ({groups})")
+        if padding_mode != "zeros":
+            raise ValueError(f"ConvTranspose2d: only padding_mode='zeros' is supported (as torch), "
+                             f"not {padding_mode!r}")
+        self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
+        self.kernel_size, self.stride, self.dilation = _pair(kernel_size), _pair(stride), _pair(dilation)
+        self.padding, self.output_padding = _pair(padding), _pair(output_padding)
+        self.weight = Parameter(empty((in_channels, out_channels // groups, *self.kernel_size),
+                                      **_factory(device, dtype)))
+        if bias:
+            self.bias = Parameter(empty(out_channels, **_factory(device, dtype)))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            _uniform_fan_in_bias(self.bias, self.weight)
+
+    def forward(self, input: Tensor) -> Tensor:
+        return F.conv_transpose2d(input, self.weight, self.bias, self.stride, self.padding, self.output_padding,
+                                  self.groups, self.dilation)
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
+                f"padding={self.padding}, output_padding={self.output_padding}, groups={self.groups}, "
+                f"bias={self.bias is not None}")
+
+
 class Embedding(Module):
     """A lookup table of `num_embeddings` vectors; the row at `padding_idx` starts at zero and gets no gradient."""
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ember.ops import contraction, index, movement, pointwise, reduce
-from ember.ops.contraction import bmm, conv2d, dot, linear, matmul, mm, outer
+from ember.ops.contraction import bmm, conv2d, conv_transpose2d, dot, linear, matmul, mm, outer
 from ember.ops.creation import (
     arange,
     empty,
@@ -246,7 +246,8 @@ __all__ = [
     "abs", "adaptive_avg_pool2d", "adaptive_max_pool2d", "add", "addcdiv", "addcmul", "all", "amax", "amin", "any",
     "arange", "argmax", "argmin", "avg_pool2d", "bernoulli", "bitwise_and", "bitwise_not", "bitwise_or",
     "bitwise_xor", "bmm", "broadcast_shapes", "broadcast_to", "cat", "ceil", "chunk", "clamp", "clip", "clone",
-    "concat", "concatenate", "contiguous", "conv2d", "cos", "count_nonzero", "cumsum", "div", "divide", "dot",
+    "concat", "concatenate", "contiguous", "conv2d", "conv_transpose2d",
+    "cos", "count_nonzero", "cumsum", "div", "divide", "dot",
     "dropout", "elu", "embedding", "empty", "empty_like", "eq", "erf", "exp", "exp2", "expand", "expm1", "eye",
     "flatten", "flip", "fliplr", "flipud", "floor", "floor_divide", "fmod", "from_dlpack", "from_numpy", "full",
     "full_like", "gather", "ge", "gelu", "gt", "hardtanh", "hstack", "index_select", "initial_seed", "isfinite",

@@ -146,6 +146,47 @@ def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padd
     return squeeze(out, 0) if unbatched else out
 
 
+def conv_transpose2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padding=0,
+                     output_padding=0, groups: int = 1, dilation=1) -> Tensor:
+    """2-d transposed convolution over NCHW input (or CHW), as torch.nn.functional.conv_transpose2d: the
+    gradient of a conv2d with respect to its input, so it is that primitive (cuDNN's backward-data on a GPU).
+    The weight is (in_channels, out_channels / groups, kH, kW)."""
+    _check_operands("conv_transpose2d", x, weight)
+    unbatched = x.ndim == 3
+    if unbatched:
+        x = unsqueeze(x, 0)
+    if x.ndim != 4 or weight.ndim != 4:
+        raise ShapeError(f"conv_transpose2d: expects input (N, C, H, W) or (C, H, W) and weight "
+                         f"(C, O/groups, kH, kW), got {operands(x, weight)}")
+    stride, dilation = _pair("conv_transpose2d", "stride", stride), _pair("conv_transpose2d", "dilation", dilation)
+    padding = _pair("conv_transpose2d", "padding", padding)
+    output_padding = _pair("conv_transpose2d", "output_padding", output_padding)
+    if min(stride) < 1 or min(dilation) < 1 or min(padding) < 0 or min(output_padding) < 0 or groups < 1:
+        raise ValueError(f"conv_transpose2d: invalid stride {stride}, padding {padding}, output_padding "
+                         f"{output_padding}, dilation {dilation} or groups {groups}")
+    if any(op >= s for op, s in zip(output_padding, stride)):
+        raise ValueError(f"conv_transpose2d: output_padding {output_padding} must be smaller than the stride "
+                         f"{stride} (ember does not take the larger output_padding torch allows below the dilation)")
+    n, c, h, w = x.shape
+    cin, og, kh, kw = weight.shape
+    if c != cin or cin % groups:
+        raise ShapeError(f"conv_transpose2d: input of shape {x.shape} ({c} channels) does not fit weight of shape "
+                         f"{weight.shape} with groups={groups} (expected {cin} input channels, divisible by "
+                         f"{groups})")
+    size = tuple((i - 1) * s - 2 * p + d * (k - 1) + op + 1
+                 for i, s, p, d, k, op in zip((h, w), stride, padding, dilation, (kh, kw), output_padding))
+    if min(size) <= 0:
+        raise ShapeError(f"conv_transpose2d: input of shape {x.shape} with padding {padding} gives an output of "
+                         f"size {size}")
+    out = apply(Op.CONV2D_INPUT_GRAD, x, weight, input_size=size, stride=stride, padding=padding,
+                dilation=dilation, groups=groups)
+    if bias is not None:
+        if bias.shape != (og * groups,):
+            raise ShapeError(f"conv_transpose2d: bias must have shape ({og * groups},), got {bias.shape}")
+        out = out + reshape(bias, (1, og * groups, 1, 1))
+    return squeeze(out, 0) if unbatched else out
+
+
 # -- the contraction primitives -----------------------------------------------------------------------
 # Each primitive's rules side by side: shape (the dtype is the operands'), VJP, and reference
 # implementation (NumPy, half types computed in float32, the attributes as keywords).

@@ -65,26 +65,19 @@ def _pair(v) -> tuple[int, int]:
     return (v, v) if isinstance(v, int) else tuple(v)
 
 
-class Conv2d(Module):
-    """2-d cross-correlation over (N, C, H, W) input, as torch.nn.Conv2d."""
+class _Conv(Module):
+    """What a convolution layer and a transposed one share: channels, geometry, the weight and bias, and
+    torch's default initialisation."""
 
-    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
-                 groups: int = 1, bias: bool = True, padding_mode: str = "zeros", device=None, dtype=None) -> None:
+    def __init__(self, name: str, in_channels: int, out_channels: int, kernel_size, stride, dilation, groups: int,
+                 bias: bool, weight_channels: tuple[int, int], device, dtype) -> None:
         super().__init__()
         if in_channels % groups or out_channels % groups:
-            raise ValueError(f"Conv2d: in_channels ({in_channels}) and out_channels ({out_channels}) must be "
+            raise ValueError(f"{name}: in_channels ({in_channels}) and out_channels ({out_channels}) must be "
                              f"divisible by groups ({groups})")
-        if padding_mode not in ("zeros", "reflect", "replicate", "circular"):
-            raise ValueError(f"Conv2d: padding_mode must be 'zeros', 'reflect', 'replicate' or 'circular', "
-                             f"not {padding_mode!r}")
-        if isinstance(padding, str) and padding not in ("valid", "same"):
-            raise ValueError(f"Conv2d: padding must be an int, a pair, 'valid' or 'same', not {padding!r}")
         self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
         self.kernel_size, self.stride, self.dilation = _pair(kernel_size), _pair(stride), _pair(dilation)
-        self.padding = padding if isinstance(padding, str) else _pair(padding)
-        self.padding_mode = padding_mode
-        self.weight = Parameter(empty((out_channels, in_channels // groups, *self.kernel_size),
-                                      **_factory(device, dtype)))
+        self.weight = Parameter(empty((*weight_channels, *self.kernel_size), **_factory(device, dtype)))
         if bias:
             self.bias = Parameter(empty(out_channels, **_factory(device, dtype)))
         else:
@@ -95,6 +88,22 @@ class Conv2d(Module):
         init.kaiming_uniform_(self.weight, a=math.sqrt(5))
         if self.bias is not None:
             _uniform_fan_in_bias(self.bias, self.weight)
+
+
+class Conv2d(_Conv):
+    """2-d cross-correlation over (N, C, H, W) input, as torch.nn.Conv2d."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
+                 groups: int = 1, bias: bool = True, padding_mode: str = "zeros", device=None, dtype=None) -> None:
+        if padding_mode not in ("zeros", "reflect", "replicate", "circular"):
+            raise ValueError(f"Conv2d: padding_mode must be 'zeros', 'reflect', 'replicate' or 'circular', "
+                             f"not {padding_mode!r}")
+        if isinstance(padding, str) and padding not in ("valid", "same"):
+            raise ValueError(f"Conv2d: padding must be an int, a pair, 'valid' or 'same', not {padding!r}")
+        super().__init__("Conv2d", in_channels, out_channels, kernel_size, stride, dilation, groups, bias,
+                         (out_channels, in_channels // groups), device, dtype)
+        self.padding = padding if isinstance(padding, str) else _pair(padding)
+        self.padding_mode = padding_mode
 
     def forward(self, input: Tensor) -> Tensor:
         if self.padding_mode == "zeros" or self.padding == "valid":
@@ -124,35 +133,19 @@ class Conv2d(Module):
         return text
 
 
-class ConvTranspose2d(Module):
+class ConvTranspose2d(_Conv):
     """2-d transposed convolution over (N, C, H, W) input, as torch.nn.ConvTranspose2d: the gradient of a
     Conv2d with respect to its input. The weight is (in_channels, out_channels / groups, kH, kW)."""
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, output_padding=0,
                  groups: int = 1, bias: bool = True, dilation=1, padding_mode: str = "zeros", device=None,
                  dtype=None) -> None:
-        super().__init__()
-        if in_channels % groups or out_channels % groups:
-            raise ValueError(f"ConvTranspose2d: in_channels ({in_channels}) and out_channels ({out_channels}) must "
-                             f"be divisible by groups ({groups})")
         if padding_mode != "zeros":
             raise ValueError(f"ConvTranspose2d: only padding_mode='zeros' is supported (as torch), "
                              f"not {padding_mode!r}")
-        self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
-        self.kernel_size, self.stride, self.dilation = _pair(kernel_size), _pair(stride), _pair(dilation)
+        super().__init__("ConvTranspose2d", in_channels, out_channels, kernel_size, stride, dilation, groups, bias,
+                         (in_channels, out_channels // groups), device, dtype)
         self.padding, self.output_padding = _pair(padding), _pair(output_padding)
-        self.weight = Parameter(empty((in_channels, out_channels // groups, *self.kernel_size),
-                                      **_factory(device, dtype)))
-        if bias:
-            self.bias = Parameter(empty(out_channels, **_factory(device, dtype)))
-        else:
-            self.register_parameter("bias", None)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-        if self.bias is not None:
-            _uniform_fan_in_bias(self.bias, self.weight)
 
     def forward(self, input: Tensor) -> Tensor:
         return F.conv_transpose2d(input, self.weight, self.bias, self.stride, self.padding, self.output_padding,

@@ -4,7 +4,8 @@ Write tensor code with PyTorch's names; nothing runs until a value is needed, an
 then the whole pending graph is computed at once.
 """
 
-from ember import data, dtypes, nn, optim
+from ember import amp, data, dtypes, nn, optim
+from ember.amp import autocast
 from ember.autograd import enable_grad, grad, inference_mode, is_grad_enabled, no_grad, set_grad_enabled
 from ember.device import (
     Device,
@@ -14,18 +15,18 @@ from ember.device import (
     set_matmul_precision,
 )
 from ember.dtypes import (
-                          DType,
-                          bfloat16,
-                          float16,
-                          float32,
-                          float64,
-                          int8,
-                          int16,
-                          int32,
-                          int64,
-                          promote_types,
-                          result_type,
-                          uint8,
+    DType,
+    bfloat16,
+    float16,
+    float32,
+    float64,
+    int8,
+    int16,
+    int32,
+    int64,
+    promote_types,
+    result_type,
+    uint8,
 )
 from ember.dtypes import bool_ as bool  # noqa: A001 - the PyTorch name
 from ember.errors import CompileError, DeviceError, DTypeError, EmberError, OutOfMemoryError, ShapeError
@@ -51,6 +52,6 @@ __all__ = [
     "ShapeError", "bfloat16", "bool", "default_device", "device", "double", "dtypes", "enable_grad", "float",
     "float16", "float32", "float64", "grad", "half", "inference_mode", "int", "int8", "int16", "int32", "int64",
     "is_grad_enabled", "long", "no_grad", "on_device", "promote_types", "realize", "result_type", "set_grad_enabled",
-    "short", "uint8", "data", "nn", "optim", "explain", "load", "save", "jit", "memory_stats",
+    "short", "uint8", "data", "nn", "optim", "explain", "load", "save", "jit", "memory_stats", "amp", "autocast",
     "set_matmul_precision", "get_matmul_precision", *_ops_all,
 ]

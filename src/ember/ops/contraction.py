@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ember import dtypes
+from ember import amp, dtypes
 from ember.errors import DTypeError, ShapeError, operands
 from ember.ir import Op
 from ember.ir.ops import check_shape, define
@@ -25,6 +25,7 @@ def _check_operands(op: str, a: Tensor, b: Tensor) -> None:
         raise DTypeError(f"{op}: bool operands are not supported ({operands(a, b)})")
 
 
+@amp.lower_precision
 def matmul(a: Tensor, b: Tensor) -> Tensor:
     """torch.matmul: 1-d operands are promoted and squeezed, batch dims broadcast."""
     _check_operands("matmul", a, b)
@@ -55,12 +56,14 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     return out
 
 
+@amp.lower_precision
 def mm(a: Tensor, b: Tensor) -> Tensor:
     if a.ndim != 2 or b.ndim != 2:
         raise ShapeError(f"mm: expects 2-d operands, got {operands(a, b)}")
     return matmul(a, b)
 
 
+@amp.lower_precision
 def bmm(a: Tensor, b: Tensor) -> Tensor:
     if a.ndim != 3 or b.ndim != 3 or a.shape[0] != b.shape[0]:
         raise ShapeError(f"bmm: expects 3-d operands with equal batch, got {operands(a, b)}")
@@ -77,6 +80,7 @@ def outer(a: Tensor, b: Tensor) -> Tensor:
     return reshape(a, (-1, 1)) * reshape(b, (1, -1))
 
 
+@amp.lower_precision
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x @ weight.T + bias, as torch.nn.functional.linear."""
     if weight.ndim not in (1, 2):
@@ -95,6 +99,7 @@ def _pair(op: str, name: str, v) -> tuple[int, int]:
     return pair
 
 
+@amp.lower_precision
 def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padding=0, dilation=1,
            groups: int = 1) -> Tensor:
     """2-d cross-correlation over NCHW input (or CHW, unbatched), as torch.nn.functional.conv2d."""
@@ -146,6 +151,7 @@ def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padd
     return squeeze(out, 0) if unbatched else out
 
 
+@amp.lower_precision
 def conv_transpose2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padding=0,
                      output_padding=0, groups: int = 1, dilation=1) -> Tensor:
     """2-d transposed convolution over NCHW input (or CHW), as torch.nn.functional.conv_transpose2d: the

@@ -125,7 +125,7 @@ class GradScaler:
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                if p.grad.dtype.name == "float16":
+                if p.grad.dtype is dtypes.float16:
                     raise ValueError("GradScaler: attempting to unscale float16 gradients; keep the parameters "
                                      "in float32 (autocast casts them for the ops that run in float16)")
                 p.grad = p.grad * inverse

@@ -662,16 +662,12 @@ class Planner:
                 taken.add(id(n))
                 cone.append(n)
                 stack.extend(n.inputs)
-            cone += [r for r in kernel.reductions if sums.get(id(r)) == position]
-            taken |= {id(r) for r in cone}
+            # an operand's sum along K, and the reshape that stores it, belong with the operand
+            cone += [n for n in kernel.covers
+                     if id(n) not in taken and sums.get(id(summed_output(kernel, n))) == position]
+            taken |= {id(n) for n in cone}
             kernel.prologues.append(sorted(cone, key=lambda n: self.position[id(n)]))
-        kernel.epilogue = [n for n in kernel.covers if id(n) not in taken
-                           and not (kernel.core is not None and summed_output(kernel, n) in kernel.reductions
-                                    and id(summed_output(kernel, n)) in sums)]
-        for n in kernel.covers:  # a reshape storing an operand sum belongs with the sum
-            r = summed_output(kernel, n) if kernel.core is not None else None
-            if r is not None and id(r) in sums and n is not r:
-                kernel.prologues[sums[id(r)]].append(n)
+        kernel.epilogue = [n for n in kernel.covers if id(n) not in taken]
 
 
 def _under_reshapes(node: Node) -> Node:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+import triton
 
 from ember import dtypes
 from ember.compiler import CompileContext, compile
@@ -136,7 +137,6 @@ def _path() -> Path:
 
 def _scope() -> str:
     """Entries hold for one GPU model and one set of library versions."""
-    import triton  # loaded with the plan cache already; here only for its version
 
     return f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__}"
 

@@ -41,11 +41,10 @@ def clear() -> None:
 
 
 def _plan_path(key: tuple, context: CompileContext) -> Path:
-    """A plan's file: the graph's structure plus what the plan was made with (device, versions, settings)."""
-    import ember  # its version; the package has finished loading before any plan is stored
-
+    """A plan's file: the graph's structure plus what the plan was made with (device, ember's own source,
+    library versions, settings)."""
     gpu = "interpreter" if cuda.INTERPRET else torch.cuda.get_device_name()
-    identity = repr((key, gpu, context, ember.__version__, _code_digest(),
+    identity = repr((key, gpu, context, _code_digest(),
                      torch.__version__, triton.__version__))
     return disk.cache_dir("plans") / (hashlib.sha256(identity.encode()).hexdigest()[:32] + ".pkl")
 

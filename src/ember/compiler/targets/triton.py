@@ -246,22 +246,20 @@ class Renderer:
 
     def branch(self, b: Branch, keyword: str) -> None:
         self.line(f"{keyword} {self.expr(b.condition)}:")
-        self.nested(([f"# {b.comment}"] if b.comment else []) + b.body)
+        self.nested(b.body, b.comment)
         if len(b.orelse) == 1 and isinstance(b.orelse[0], Branch):
             self.branch(b.orelse[0], "elif")
         elif b.orelse:
             self.line("else:")
             self.nested(b.orelse)
 
-    def nested(self, block: list) -> None:
+    def nested(self, block: list, comment: str = "") -> None:
         outer = self.indent
         self.indent += "    "
-        for s in block:
-            if isinstance(s, str):  # a comment
-                self.line(s)
-            else:
-                self.statement(s)
-        if not any(not isinstance(s, str) for s in block):
+        if comment:
+            self.line(f"# {comment}")
+        self.statements(block)
+        if not block:
             self.line("pass")
         self.indent = outer
 

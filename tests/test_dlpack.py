@@ -92,6 +92,14 @@ def test_ember_tensor_of_a_torch_cpu_tensor_is_a_copy():
     np.testing.assert_array_equal(e.numpy(), before)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
+def test_zero_dimensional_torch_cpu_tensors_keep_their_shape(dtype):
+    t = torch.tensor(2.5).to(dtype)
+    for e in (ember.tensor(t), ember.from_dlpack(t)):
+        assert e.shape == () and e.dtype.name == str(dtype).removeprefix("torch.")
+        assert e.numpy().astype(np.float64) == t.double().item()
+
+
 def test_bad_dlpack_arguments_raise_clear_errors():
     with pytest.raises(TypeError, match="__dlpack__"):
         ember.from_dlpack([1, 2, 3])

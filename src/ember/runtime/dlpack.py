@@ -94,7 +94,7 @@ def _dtype_of(torch_dtype) -> DType:
 
 def _node_from_numpy(array: np.ndarray) -> Node:
     dtype = dtypes.from_numpy(array.dtype)
-    return Node.from_buffer(np.ascontiguousarray(array), dtype, CPU)
+    return Node.from_buffer(np.require(array, requirements="C"), dtype, CPU)
 
 
 def dlpack_device(device: Device) -> tuple[int, int]:

@@ -21,14 +21,24 @@ against torch eager's (same initial weights, same batch).
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as TF
-from common import cell, environment, guarded, markdown_table, parse_options, publish, release_memory, to_ember
+from common import (
+    cell,
+    environment,
+    guarded,
+    kernels_gpu_ms,
+    loop_ms,
+    markdown_table,
+    parse_options,
+    publish,
+    release_memory,
+    to_ember,
+)
 
 import ember
 import ember.nn.functional as EF
@@ -158,38 +168,6 @@ def _assign(model, name: str, value: ember.Tensor) -> None:
     if target.shape != value.shape:
         raise ValueError(f"{name}: ember's {target.shape} against torch's {value.shape}")
     target.data = value
-
-
-def loop_ms(step: Callable[[], object], warmup: int, reps: int, cpu: bool) -> float:
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(3):
-        _sync(cpu)
-        start = time.perf_counter()
-        for _ in range(reps):
-            step()
-        _sync(cpu)
-        times.append((time.perf_counter() - start) * 1e3 / reps)
-    return statistics.median(times)
-
-
-def kernels_gpu_ms(step: Callable[[], object], reps: int) -> float:
-    """Sum of the durations of the GPU work one step launches, from the profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            step()
-        torch.cuda.synchronize()
-    return sum(event.self_device_time_total for event in prof.key_averages()) / 1e3 / reps
-
-
-def _sync(cpu: bool) -> None:
-    if not cpu:
-        torch.cuda.synchronize()
 
 
 def run_row(row: str, args) -> list[Line]:

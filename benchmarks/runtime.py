@@ -22,7 +22,6 @@ torch eager in the same dtype, the outputs of rows 3 and 4 against torch in floa
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,11 +35,14 @@ from common import (
     environment,
     graph_gpu_ms,
     guarded,
+    kernels_gpu_ms,
+    loop_ms,
     markdown_table,
     median_ms,
     parse_options,
     publish,
     release_memory,
+    sync,
     to_ember,
     to_torch,
 )
@@ -73,40 +75,6 @@ class Line:
     ms: float | None  # per step; None: the variant failed
     detail: str = ""
     check: str = "-"
-
-
-def sync(cpu: bool) -> None:
-    if not cpu:
-        torch.cuda.synchronize()
-
-
-def loop_ms(step: Callable[[], object], warmup: int, reps: int, cpu: bool, bursts: int = 3) -> float:
-    """Time per step of `reps` steps run back to back (median of `bursts` bursts), from the first call
-    until the device is done."""
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(bursts):
-        sync(cpu)
-        start = time.perf_counter()
-        for _ in range(max(reps, 1)):
-            step()
-        sync(cpu)
-        times.append((time.perf_counter() - start) * 1e3 / max(reps, 1))
-    return statistics.median(times)
-
-
-def kernels_gpu_ms(step: Callable[[], object], reps: int) -> float:
-    """Sum of the durations of the GPU work (kernels, copies) one step launches, from the profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            step()
-        torch.cuda.synchronize()
-    return sum(event.self_device_time_total for event in prof.key_averages()) / 1e3 / reps
 
 
 def matmul_tflops(n: int, dtype: torch.dtype, dev: str, cpu: bool) -> float:

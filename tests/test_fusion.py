@@ -93,6 +93,23 @@ def test_few_long_reductions_are_split_across_programs(rng):
     assert_close(x.softmax(-1), xc.softmax(-1), atol=1e-7)
 
 
+@pytest.mark.parametrize("shape", [(6, 5, 4, 3), (1, 5, 4, 3), (6, 1, 4, 3), (6, 5, 1, 1), (6, 5, 1, 3), (6, 5, 0, 3)])
+def test_reductions_over_axes_that_kept_axes_interleave_run_in_two_stages(rng, shape):
+    x, xc = pair(rng, *shape)
+    n, c, h, w = shape
+    if n > 1 and c > 1 and h * w > 1:  # batch norm's statistics: N, H, W reduced, C kept
+        first, second = plan(x.sum((0, 2, 3))).kernels  # contiguous rows first, then across them
+        assert set(first.axes) == {a for a in (2, 3) if shape[a] > 1} and second.axes == (0,)
+    for dims in ((0, 2, 3), (0, 3), (0, 2)):
+        assert_close(x.sum(dims), xc.sum(dims), rtol=1e-5, atol=1e-5)
+        assert_close(x.mean(dims, keepdim=True), xc.mean(dims, keepdim=True), rtol=1e-5, atol=1e-6)
+        if 0 not in shape:
+            assert_close(x.amax(dims), xc.amax(dims))
+            assert_close(x.amin(dims, keepdim=True), xc.amin(dims, keepdim=True))
+    half, half_c = x.to(ember.bfloat16) * 1.1, xc.to(ember.bfloat16) * 1.1  # partial sums in float32, rounded once
+    np.testing.assert_array_equal(half.sum((0, 2, 3)).numpy(), half_c.sum((0, 2, 3)).numpy())
+
+
 def test_reductions_over_leading_and_middle_axes(rng):
     x, xc = pair(rng, 6, 7, 8)
     for dims in ((0,), (1,), (0, 2), (0, 1, 2)):

@@ -223,6 +223,9 @@ class _Builder:
                 picked = self._one_hot_sum(ins[0], attrs["axes"][0], original)
                 if picked is not None:
                     return picked
+            nested = self._nested_reduction(op, ins[0], attrs, original)
+            if nested is not None:
+                return nested
             return self._split_reduction(op, ins[0], attrs, original)
         return None
 
@@ -273,6 +276,29 @@ class _Builder:
         src = self.make(Op.CAST, (src,), {"dtype": wide}, _like(src, src.shape, wide))
         total = self.make(Op.SCATTER_ADD, (base, index, src), attrs, _like(original, original.shape, wide))
         return self.make(Op.CAST, (total,), {"dtype": original.dtype}, original)
+
+    def _nested_reduction(self, op: Op, x: Node, attrs: dict, original: Node) -> Node | None:
+        """A reduction over axes that kept axes interleave (batch norm's (0, 2, 3) of N, C, H, W) would give
+        each program one output to gather from all over memory: reduce the innermost run of axes first
+        (contiguous rows, many of them), then the others over those partial results. Half-precision sums
+        keep their partial results in float32 and round once, as a single reduction does."""
+        axes = {a for a in attrs["axes"] if x.shape[a] != 1}
+        if op not in SPLIT_REDUCTIONS or len(axes) < 2:
+            return None
+        kept_after = [a for a in range(len(x.shape)) if a not in axes and x.shape[a] != 1]
+        inner = {a for a in axes if not any(k > a for k in kept_after)}
+        if not inner or inner == axes:
+            return None
+        wide = dtypes.float32 if original.dtype in (dtypes.float16, dtypes.bfloat16) else original.dtype
+        if wide is not original.dtype:
+            x = self.make(Op.CAST, (x,), {"dtype": wide}, _like(x, x.shape, wide))
+        partial_shape = tuple(1 if a in inner else s for a, s in enumerate(x.shape))
+        partial = self.make(op, (x,), {"axes": tuple(sorted(inner))}, _like(x, partial_shape, wide))
+        total = self.make(op, (partial,), {"axes": tuple(sorted(axes - inner))},
+                          _like(original, original.shape, wide))
+        if wide is not original.dtype:
+            total = self.make(Op.CAST, (total,), {"dtype": original.dtype}, original)
+        return total
 
     def _split_reduction(self, op: Op, x: Node, attrs: dict, original: Node) -> Node | None:
         """A long reduction into few outputs would run on few programs and starve the GPU: reduce

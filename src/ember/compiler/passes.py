@@ -184,6 +184,9 @@ class _Builder:
                 with np.errstate(all="ignore"):
                     value = np.asarray(RULES[op].reference(*args, **attrs)).astype(original.dtype.np).item()
                 return self._const(value, original)
+        laid_out = self._channels_last(op, ins, attrs, original)
+        if laid_out is not None:
+            return laid_out
         if kind is Kind.BINARY:
             a, b = ins
             if op in (Op.MUL,) and _is_value(b, 1):
@@ -223,11 +226,86 @@ class _Builder:
                 picked = self._one_hot_sum(ins[0], attrs["axes"][0], original)
                 if picked is not None:
                     return picked
-            nested = self._nested_reduction(op, ins[0], attrs, original)
-            if nested is not None:
-                return nested
+            staged = self._nested_reduction(op, ins[0], attrs, original)
+            if staged is None:
+                staged = self._merged_reduction(op, ins[0], attrs, original)
+            if staged is not None:
+                return staged
             return self._split_reduction(op, ins[0], attrs, original)
         return None
+
+    # -- channels-last -----------------------------------------------------------------------------
+    # cuDNN's half-precision convolutions run on (N, H, W, C) memory; given (N, C, H, W) they transpose
+    # their operands and results around every call. So a convolution in float16 or bfloat16 runs
+    # channels-last (the primitive's channels_last attribute) between two permutes, and the permute back to
+    # (N, C, H, W) sinks through what follows (pointwise ops, broadcasts, reductions) until the next
+    # convolution's permute to (N, H, W, C) cancels it: batch norms, activations and residual adds between
+    # convolutions run on channels-last memory, and nothing is transposed between them.
+
+    def _channels_last(self, op: Op, ins: tuple[Node, ...], attrs: dict, original: Node) -> Node | None:
+        if op in CONVOLUTIONS:
+            if attrs.get("channels_last") or original.dtype not in (dtypes.float16, dtypes.bfloat16):
+                return None
+            laid_out = {**attrs, "channels_last": True}
+            if op is Op.CONV2D_WEIGHT_GRAD:  # both operands are activations; the result is a weight
+                return self.make(op, tuple(self._permuted(i, TO_NHWC) for i in ins), laid_out, original)
+            out = self.make(op, (self._permuted(ins[0], TO_NHWC), ins[1]), laid_out,
+                            _like(original, _nhwc(original.shape)))
+            return self._permuted(out, TO_NCHW, original)
+        if op is Op.PERMUTE and attrs["order"] in (TO_NCHW, TO_NHWC) and _keeps_order(ins[0].shape, attrs["order"]):
+            return self.make(Op.RESHAPE, ins, {"shape": original.shape}, original)  # moves only axes of size 1
+        if len(original.shape) != 4 or not any(_is_to_nchw(i) for i in ins):
+            return None
+        inner_like = _like(original, _nhwc(original.shape))
+        if op.kind in (Kind.UNARY, Kind.BINARY, Kind.TERNARY):
+            inner = [self._to_nhwc(i) for i in ins]
+            if any(i is None for i in inner):
+                return None  # an operand would be read transposed: leave the permute where it is
+            return self._permuted(self.make(op, tuple(inner), attrs, inner_like), TO_NCHW, original)
+        if op is Op.EXPAND:
+            spread = self.make(op, (ins[0].inputs[0],), {"shape": _nhwc(attrs["shape"])}, inner_like)
+            return self._permuted(spread, TO_NCHW, original)
+        if op in SPLIT_REDUCTIONS:
+            axes = tuple(sorted(TO_NCHW[a] for a in attrs["axes"]))
+            return self._permuted(self.make(op, (ins[0].inputs[0],), {**attrs, "axes": axes}, inner_like),
+                                  TO_NCHW, original)
+        return None
+
+    def _permuted(self, x: Node, order: tuple[int, ...], original: Node | None = None) -> Node:
+        shape = tuple(x.shape[i] for i in order)
+        return self.make(Op.PERMUTE, (x,), {"order": order}, original or _like(x, shape))
+
+    def _to_nhwc(self, x: Node) -> Node | None:
+        """x (N, C, H, W) as an (N, H, W, C) node, if that costs no transposition: x is a permute from
+        (N, H, W, C), a constant, or a broadcast of values whose axes longer than 1 stay in order."""
+        shape = _nhwc(x.shape)
+        if _is_to_nchw(x):
+            return x.inputs[0]
+        if x.op is Op.CONST:
+            return self.make(Op.CONST, (), {**x.attrs, "shape": shape}, _like(x, shape))
+        if _keeps_order(x.shape, TO_NHWC):
+            return self.make(Op.RESHAPE, (x,), {"shape": shape}, _like(x, shape))
+        if x.op is Op.EXPAND:
+            source = self._to_nhwc(x.inputs[0])
+            return None if source is None else self.make(Op.EXPAND, (source,), {"shape": shape}, _like(x, shape))
+        return None
+
+    def _merged_reduction(self, op: Op, x: Node, attrs: dict, original: Node) -> Node | None:
+        """A reduction over a run of adjacent axes with kept axes after it (channels-last batch norm's N, H, W
+        of N, H, W, C) is a reduction over one axis of their product, which `_split_reduction` can spread
+        over many programs."""
+        axes = [a for a in attrs["axes"] if x.shape[a] != 1]
+        if op not in SPLIT_REDUCTIONS or len(axes) < 2:
+            return None
+        lo, hi = min(axes), max(axes)
+        if any(x.shape[a] != 1 and a not in axes for a in range(lo, hi + 1)) or all(
+                s == 1 for s in x.shape[hi + 1:]):
+            return None  # not one run, or a trailing one (rows: a row kernel's own case)
+        merged = x.shape[:lo] + (math.prod(x.shape[lo:hi + 1]),) + x.shape[hi + 1:]
+        x = self.make(Op.RESHAPE, (x,), {"shape": merged}, _like(x, merged))
+        kept = merged[:lo] + (1,) + merged[lo + 1:]
+        total = self.make(op, (x,), {"axes": (lo,)}, _like(original, kept))
+        return self.make(Op.RESHAPE, (total,), {"shape": original.shape}, original)
 
     def _one_hot_sum(self, x: Node, axis: int, original: Node) -> Node | None:
         """sum over an axis of where(position == k, y, 0), with k and y constant along the axis, is
@@ -313,7 +391,9 @@ class _Builder:
         programs = outputs if trailing else -(-outputs // 128)
         if programs >= SPLIT_MIN_PROGRAMS or n < SPLIT_MIN_LENGTH or n * outputs < SPLIT_MIN_ELEMENTS:
             return None
-        parts = min(SPLIT_PARTS, n // SPLIT_MIN_PART)
+        # a column reduction splits until its partial results fill SPLIT_MIN_PROGRAMS blocks of outputs
+        wanted = SPLIT_PARTS if trailing else max(SPLIT_PARTS, -(-SPLIT_MIN_PROGRAMS // programs))
+        parts = min(wanted, n // SPLIT_MIN_PART)
         padded = -(-n // parts) * parts
         if padded != n:  # pad with the reduction's identity, so the padding changes nothing
             pads = tuple((0, padded - n) if d == axis else (0, 0) for d in range(len(x.shape)))
@@ -356,6 +436,8 @@ SPLIT_MIN_LENGTH = 1024  # and only reductions at least this long
 SPLIT_MIN_ELEMENTS = 1 << 18  # reading at least this many elements (below, the extra launch costs more)
 SPLIT_MIN_PART = 64  # elements each partial result reduces, at least
 SPLIT_REDUCTIONS = (Op.SUM, Op.MAX, Op.MIN, Op.PROD)  # the reductions that combine partial results
+CONVOLUTIONS = (Op.CONV2D, Op.CONV2D_INPUT_GRAD, Op.CONV2D_WEIGHT_GRAD)
+TO_NHWC, TO_NCHW = (0, 2, 3, 1), (0, 3, 1, 2)  # the permutes into and out of channels-last
 # scatter_add dtypes without atomic addition on the GPU, and the type they accumulate in
 ATOMIC_WIDENING = {dtypes.bool_: dtypes.int32, dtypes.uint8: dtypes.int32, dtypes.int8: dtypes.int32,
                    dtypes.int16: dtypes.int32, dtypes.bfloat16: dtypes.float32}
@@ -368,6 +450,21 @@ def _transposed(shape: tuple[int, ...]) -> tuple[int, ...]:
 def _like(node: Node, shape: tuple[int, ...], dtype: dtypes.DType | None = None) -> Node:
     """A template for `make`: node's device (and dtype, unless given) with another shape."""
     return Node(Op.BUFFER, (), {}, shape, dtype or node.dtype, node.device)
+
+
+def _nhwc(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The (N, H, W, C) shape of an (N, C, H, W) one."""
+    return (shape[0], shape[2], shape[3], shape[1])
+
+
+def _is_to_nchw(node: Node) -> bool:
+    return node.op is Op.PERMUTE and node.attrs["order"] == TO_NCHW
+
+
+def _keeps_order(shape: tuple[int, ...], order: tuple[int, ...]) -> bool:
+    """Whether permuting `shape` by `order` keeps its axes longer than 1 in order (a reshape, then)."""
+    moved = [a for a in order if shape[a] != 1]
+    return moved == sorted(moved)
 
 
 def _along(node: Node, axis: int) -> Node | None:

@@ -218,8 +218,21 @@ def _conv_output(op: Op, x: tuple[int, ...], w: tuple[int, ...], attrs: dict) ->
     return (n, o, conv_out_size(h, kh, sh, ph, dh), conv_out_size(wd, kw, sw, pw, dw))
 
 
+# The compiler may hold a convolution's activations channels-last: with the attribute channels_last=True,
+# its input, output gradient and output are (N, H, W, C) (the weight stays (O, C/groups, kh, kw)).
+def _nchw(shape: tuple[int, ...], attrs: dict) -> tuple[int, ...]:
+    """An activation's shape in (N, C, H, W) order."""
+    return (shape[0], shape[3], shape[1], shape[2]) if attrs.get("channels_last") else shape
+
+
+def _in_layout(shape: tuple[int, ...], attrs: dict) -> tuple[int, ...]:
+    """An (N, C, H, W) shape in the convolution's layout."""
+    return (shape[0], shape[2], shape[3], shape[1]) if attrs.get("channels_last") else shape
+
+
 def _conv2d_rule(inputs, attrs) -> tuple[tuple[int, ...], dtypes.DType]:
-    return _conv_output(Op.CONV2D, inputs[0].shape, inputs[1].shape, attrs), inputs[0].dtype
+    out = _conv_output(Op.CONV2D, _nchw(inputs[0].shape, attrs), inputs[1].shape, attrs)
+    return _in_layout(out, attrs), inputs[0].dtype
 
 
 def _matmul_vjp(g, xs, out, a):
@@ -228,28 +241,28 @@ def _matmul_vjp(g, xs, out, a):
 
 
 def _conv_attrs(a: dict) -> dict:
-    return {key: a[key] for key in ("stride", "padding", "dilation", "groups")}
+    return {key: a[key] for key in ("stride", "padding", "dilation", "groups", "channels_last") if key in a}
 
 
 def _conv2d_vjp(g, xs, out, a):
     """A convolution's gradients are primitives of their own, so each runs as the vendor's backward kernels
     (cuDNN's backward-data and backward-filter) instead of as forward convolutions of reshaped operands."""
     x, w = xs
-    gx = apply(Op.CONV2D_INPUT_GRAD, g, w, input_size=x.shape[2:], **_conv_attrs(a))
+    gx = apply(Op.CONV2D_INPUT_GRAD, g, w, input_size=_nchw(x.shape, a)[2:], **_conv_attrs(a))
     gw = apply(Op.CONV2D_WEIGHT_GRAD, x, g, kernel_size=w.shape[2:], **_conv_attrs(a))
     return gx, gw
 
 
 def _conv2d_input_grad_rule(inputs, attrs) -> tuple[tuple[int, ...], dtypes.DType]:
-    g, w = inputs[0].shape, inputs[1].shape
+    g, w = _nchw(inputs[0].shape, attrs), inputs[1].shape
     x = (g[0], w[1] * attrs["groups"], *attrs["input_size"])
     check_shape(_conv_output(Op.CONV2D_INPUT_GRAD, x, w, attrs) == g, Op.CONV2D_INPUT_GRAD,
                 f"gradient {g} is not the output of an input {x} convolved with weight {w}")
-    return x, inputs[0].dtype
+    return _in_layout(x, attrs), inputs[0].dtype
 
 
 def _conv2d_weight_grad_rule(inputs, attrs) -> tuple[tuple[int, ...], dtypes.DType]:
-    x, g = inputs[0].shape, inputs[1].shape
+    x, g = _nchw(inputs[0].shape, attrs), _nchw(inputs[1].shape, attrs)
     w = (g[1], x[1] // attrs["groups"], *attrs["kernel_size"])
     check_shape(_conv_output(Op.CONV2D_WEIGHT_GRAD, x, w, attrs) == g, Op.CONV2D_WEIGHT_GRAD,
                 f"gradient {g} is not the output of input {x} convolved with a weight {w}")
@@ -268,7 +281,7 @@ def _conv2d_weight_grad_vjp(h, xs, out, a):
     """w's gradient is linear in the input x and in g: <h, dw(x, g)> = <conv2d(x, h), g>."""
     x, g = xs
     attrs = _conv_attrs(a)
-    return (apply(Op.CONV2D_INPUT_GRAD, g, h, input_size=x.shape[2:], **attrs),
+    return (apply(Op.CONV2D_INPUT_GRAD, g, h, input_size=_nchw(x.shape, a)[2:], **attrs),
             apply(Op.CONV2D, x, h, **attrs))
 
 
@@ -321,9 +334,21 @@ def _np_conv2d_weight_grad(x: np.ndarray, g: np.ndarray, kernel_size, stride, pa
     return out.reshape(o, cg, kh, kw)
 
 
+def _laid_out(fn, activations: tuple[bool, bool], activation_out: bool):
+    """A reference that also takes channels-last operands: `activations` says which inputs are activations
+    (transposed to (N, C, H, W) for `fn`), `activation_out` whether the result is one (transposed back)."""
+    def reference(a, b, *, channels_last: bool = False, **attrs):
+        if not channels_last:
+            return fn(a, b, **attrs)
+        a, b = (x.transpose(0, 3, 1, 2) if is_activation else x for x, is_activation in zip((a, b), activations))
+        out = fn(a, b, **attrs)
+        return np.ascontiguousarray(out.transpose(0, 2, 3, 1)) if activation_out else out
+    return reference
+
+
 define(Op.MATMUL, shape=_matmul_rule, vjp=_matmul_vjp, reference=np.matmul)
-define(Op.CONV2D, shape=_conv2d_rule, vjp=_conv2d_vjp, reference=_np_conv2d)
+define(Op.CONV2D, shape=_conv2d_rule, vjp=_conv2d_vjp, reference=_laid_out(_np_conv2d, (True, False), True))
 define(Op.CONV2D_INPUT_GRAD, shape=_conv2d_input_grad_rule, vjp=_conv2d_input_grad_vjp,
-       reference=_np_conv2d_input_grad)
+       reference=_laid_out(_np_conv2d_input_grad, (True, False), True))
 define(Op.CONV2D_WEIGHT_GRAD, shape=_conv2d_weight_grad_rule, vjp=_conv2d_weight_grad_vjp,
-       reference=_np_conv2d_weight_grad)
+       reference=_laid_out(_np_conv2d_weight_grad, (True, True), False))

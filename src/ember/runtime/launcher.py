@@ -248,13 +248,20 @@ def _conv2d(node: Node, buffers: dict[int, torch.Tensor], sig: Signature) -> Non
         return
     a = node.attrs
     conv = (a["stride"], a["padding"], a["dilation"], a["groups"])
+    out_buffer = buffers[id(node)]
+    if a.get("channels_last"):  # (N, H, W, C) memory seen as (N, C, H, W): torch's channels_last tensors
+        first = first.permute(0, 3, 1, 2)
+        if node.op is Op.CONV2D_WEIGHT_GRAD:
+            second = second.permute(0, 3, 1, 2)
+        else:
+            out_buffer = out_buffer.permute(0, 3, 1, 2)
     if node.op is Op.CONV2D:
         out = torch.nn.functional.conv2d(first, second, None, *conv)
     elif node.op is Op.CONV2D_INPUT_GRAD:  # from the output gradient and the weight
-        out = torch.nn.grad.conv2d_input(node.shape, second, first, *conv)
+        out = torch.nn.grad.conv2d_input(out_buffer.shape, second, first, *conv)
     else:  # from the input and the output gradient
-        out = torch.nn.grad.conv2d_weight(first, node.shape, second, *conv)
-    buffers[id(node)].copy_(out)
+        out = torch.nn.grad.conv2d_weight(first, out_buffer.shape, second, *conv)
+    out_buffer.copy_(out)
 
 
 def _view(node: Node, buffers: dict[int, torch.Tensor]) -> torch.Tensor:

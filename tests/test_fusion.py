@@ -110,6 +110,51 @@ def test_reductions_over_axes_that_kept_axes_interleave_run_in_two_stages(rng, s
     np.testing.assert_array_equal(half.sum((0, 2, 3)).numpy(), half_c.sum((0, 2, 3)).numpy())
 
 
+class _ResidualBlock(ember.nn.Module):
+    """A strided convolution, batch norm, ReLU, a grouped convolution and a 1x1-convolution shortcut."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        nn, kw = ember.nn, dict(dtype=dtype)
+        self.conv1, self.bn1 = nn.Conv2d(3, 8, 3, 2, 1, bias=False, **kw), nn.BatchNorm2d(8, **kw)
+        self.conv2, self.bn2 = nn.Conv2d(8, 8, 3, 1, 1, groups=2, **kw), nn.BatchNorm2d(8, **kw)
+        self.shortcut, self.head = nn.Conv2d(3, 8, 1, 2, bias=False, **kw), nn.Linear(8, 5, **kw)
+
+    def forward(self, x):
+        F = ember.nn.functional
+        h = F.relu(self.bn1(self.conv1(x)))
+        h = F.relu(self.bn2(self.conv2(h)) + self.shortcut(x))
+        return self.head(F.adaptive_avg_pool2d(h, 1).flatten(1))
+
+
+@pytest.mark.parametrize("memory_format", ["contiguous", "channels_last"])
+def test_convolutions_in_either_memory_format_train_as_the_reference(rng, memory_format):
+    before = ember.get_conv_memory_format()
+    ember.set_conv_memory_format(memory_format)
+    try:
+        ember.manual_seed(0)
+        net = _ResidualBlock(ember.bfloat16)
+        images, labels = rng.standard_normal((4, 3, 9, 9)).astype(np.float32), np.array([0, 1, 2, 4])
+        results = {}
+        for device in ("cuda", "cpu"):
+            net.to(device)
+            x = ember.tensor(images, device=device).to(ember.bfloat16)
+            loss = ember.nn.functional.cross_entropy(net(x).float(), ember.tensor(labels, device=device))
+            results[device] = (loss, *ember.grad(loss, list(net.parameters())))
+        p = plan(*results["cuda"])
+    finally:
+        ember.set_conv_memory_format(before)
+    convolutions = [k.cores[0] for k in p.kernels if k.kind.value == "conv2d"]
+    assert len(convolutions) == 7  # conv1, conv2, the shortcut; two input gradients; three weight gradients
+    assert all(bool(c.attrs.get("channels_last")) == (memory_format == "channels_last") for c in convolutions)
+    if memory_format == "channels_last":  # nothing is read transposed but the input, by the convolutions
+        permutes = {id(n) for n in p.lowered.nodes if n.op is ember.ir.Op.PERMUTE and len(n.shape) == 4}
+        readers = [n for n in p.lowered.nodes if any(id(i) in permutes for i in n.inputs)]
+        assert readers and all(n.op.name.startswith("CONV2D") for n in readers), [n.op for n in readers]
+    for fused, reference in zip(*results.values()):
+        np.testing.assert_allclose(fused.float().numpy(), reference.float().numpy(), rtol=2e-2, atol=1e-3)
+
+
 def test_reductions_over_leading_and_middle_axes(rng):
     x, xc = pair(rng, 6, 7, 8)
     for dims in ((0,), (1,), (0, 2), (0, 1, 2)):

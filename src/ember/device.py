@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from dataclasses import dataclass
 
@@ -90,3 +91,23 @@ def on_matmul_precision(listener) -> None:
 
 def get_matmul_precision() -> str:
     return _matmul_precision[0]
+
+
+_CONV_MEMORY_FORMATS = ("contiguous", "channels_last")
+_conv_memory_format = [os.environ.get("EMBER_CONV_MEMORY_FORMAT", "contiguous")]
+
+
+def set_conv_memory_format(memory_format: str) -> None:
+    """Where cuda keeps the activations of float16 and bfloat16 convolutions, named as torch.memory_format:
+    "contiguous" ((N, C, H, W) memory, the default) or "channels_last" ((N, H, W, C): the convolutions run
+    on cuDNN's channels-last kernels, and batch norms, activations and residual adds between them run on
+    the same memory, with no transposition between them). Values are the same either way; the environment
+    variable EMBER_CONV_MEMORY_FORMAT sets the default."""
+    if memory_format not in _CONV_MEMORY_FORMATS:
+        raise ValueError(f"set_conv_memory_format: expected one of {', '.join(_CONV_MEMORY_FORMATS)}, "
+                         f"got {memory_format!r}")
+    _conv_memory_format[0] = memory_format
+
+
+def get_conv_memory_format() -> str:
+    return _conv_memory_format[0]

@@ -10,7 +10,7 @@ import contextlib
 
 from ember.compiler import CompileContext, compile, signature
 from ember.compiler.fusion import VENDOR_KINDS, FusedKernel
-from ember.device import get_matmul_precision
+from ember.device import get_conv_memory_format, get_matmul_precision
 from ember.ir import Kind, Node, Op
 from ember.runtime import executor
 
@@ -47,7 +47,7 @@ class Plan:
     def __init__(self, order: list[Node], keep: set[int]):
         self.signature = signature(order, keep)
         # as the runtime compiles on its default stream (several are used only when asked for, in graphs)
-        context = CompileContext(get_matmul_precision())
+        context = CompileContext(get_matmul_precision(), conv_memory_format=get_conv_memory_format())
         compiled = compile(order, keep, "triton", context, self.signature)
         self.lowered, self.stored, self.schedule = compiled.lowered, compiled.stored, compiled.schedule
         self.kernels = [ck.kernel for ck in compiled.kernels]

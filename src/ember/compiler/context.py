@@ -19,6 +19,8 @@ class CompileContext:
     gemm_backend: str = "auto"  # "auto" (timed on the first run), "triton" or "cublas"
     max_streams: int = 1  # streams a captured plan's independent small kernels may spread over
     multiprocessors: int = 0  # the GPU's SMs, which tell a kernel too small to fill it (0: unknown)
+    # "channels_last": half-precision convolutions, and the ops between them, on (N, H, W, C) memory
+    conv_memory_format: str = "contiguous"
 
     def dot_precision(self, dtype: DType) -> str:
         """How a dot multiplies tiles of `dtype`: "tf32" for float32 unless the precision is "highest"."""

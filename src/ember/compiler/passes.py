@@ -96,8 +96,9 @@ class Lowered:
     replaced: int = 0  # nodes removed by the passes
 
 
-def lower(order: list[Node], keep: set[int], sig: Signature) -> Lowered:
+def lower(order: list[Node], keep: set[int], sig: Signature, channels_last: bool = False) -> Lowered:
     builder = _Builder()
+    builder.channels_last = channels_last
     builder.transposed_products = _transposed_products(order, keep)
     mapping: dict[int, Node] = {}
     for k, leaf in enumerate(sig.inputs):
@@ -152,6 +153,8 @@ class _Builder:
         self.seen: dict[tuple, Node] = {}
         self.inputs: list[Node] = []
         self.transposed_products: set[int] = set()  # (ids of original matmuls) lowered transposed
+        self.channels_last = False  # half-precision convolutions on (N, H, W, C) memory
+        self.in_nhwc: dict[int, Node | None] = {}  # id(node) -> the node made on (N, H, W, C) memory, if any
 
     def input(self, k: int, leaf: Node) -> Node:
         node = Node(Op.BUFFER, (), {"input": k}, leaf.shape, leaf.dtype, leaf.device)
@@ -243,6 +246,8 @@ class _Builder:
     # convolutions run on channels-last memory, and nothing is transposed between them.
 
     def _channels_last(self, op: Op, ins: tuple[Node, ...], attrs: dict, original: Node) -> Node | None:
+        if not self.channels_last:
+            return None
         if op in CONVOLUTIONS:
             if attrs.get("channels_last") or original.dtype not in (dtypes.float16, dtypes.bfloat16):
                 return None
@@ -277,7 +282,13 @@ class _Builder:
 
     def _to_nhwc(self, x: Node) -> Node | None:
         """x (N, C, H, W) as an (N, H, W, C) node, if that costs no transposition: x is a permute from
-        (N, H, W, C), a constant, or a broadcast of values whose axes longer than 1 stay in order."""
+        (N, H, W, C), a constant, a broadcast of values whose axes longer than 1 stay in order, or a
+        pointwise op of such nodes (made again on the permuted ones)."""
+        if id(x) not in self.in_nhwc:
+            self.in_nhwc[id(x)] = self._relayout(x)
+        return self.in_nhwc[id(x)]
+
+    def _relayout(self, x: Node) -> Node | None:
         shape = _nhwc(x.shape)
         if _is_to_nchw(x):
             return x.inputs[0]
@@ -285,9 +296,12 @@ class _Builder:
             return self.make(Op.CONST, (), {**x.attrs, "shape": shape}, _like(x, shape))
         if _keeps_order(x.shape, TO_NHWC):
             return self.make(Op.RESHAPE, (x,), {"shape": shape}, _like(x, shape))
-        if x.op is Op.EXPAND:
-            source = self._to_nhwc(x.inputs[0])
-            return None if source is None else self.make(Op.EXPAND, (source,), {"shape": shape}, _like(x, shape))
+        if x.op is Op.EXPAND or x.op.kind in (Kind.UNARY, Kind.BINARY, Kind.TERNARY):
+            inputs = [self._to_nhwc(i) for i in x.inputs]
+            if any(i is None for i in inputs):
+                return None
+            attrs = {"shape": shape} if x.op is Op.EXPAND else x.attrs
+            return self.make(x.op, tuple(inputs), attrs, _like(x, shape))
         return None
 
     def _merged_reduction(self, op: Op, x: Node, attrs: dict, original: Node) -> Node | None:

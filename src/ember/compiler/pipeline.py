@@ -64,7 +64,8 @@ def compile(order: list[Node], keep: set[int], target: str, context: CompileCont
     if chosen.costs is None:
         return Plan(target, nodes=order, keep=keep)
     start = time.perf_counter()
-    lowered = passes.lower(order, keep, signature or passes.signature(order, keep))
+    lowered = passes.lower(order, keep, signature or passes.signature(order, keep),
+                           channels_last=context.conv_memory_format == "channels_last")
     kernels, stored = fusion.plan(lowered.nodes, lowered.outputs, context, chosen.costs)
     compiled = [_generate(k, stored, context, chosen) for k in kernels]
     small = [_is_small(ck, context.multiprocessors) for ck in compiled]

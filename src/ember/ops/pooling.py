@@ -138,6 +138,8 @@ def adaptive_avg_pool2d(x: Tensor, output_size) -> Tensor:
     oh, ow = _output_size("adaptive_avg_pool2d", output_size, x)
     oh = x.shape[-2] if oh is None else oh
     ow = x.shape[-1] if ow is None else ow
+    if (oh, ow) == (1, 1) and x.shape[-2] and x.shape[-1]:  # global pooling: one reduction, keepdim
+        return x.mean((-2, -1), keepdim=True)
     out = _adaptive_axis(x, x.ndim - 2, oh, lambda t, a: t.mean(a))
     return _adaptive_axis(out, x.ndim - 1, ow, lambda t, a: t.mean(a))
 

@@ -21,7 +21,7 @@ import torch
 
 from ember import dtypes
 from ember.compiler import CompileContext, Plan
-from ember.device import Device, get_matmul_precision, on_matmul_precision
+from ember.device import Device, get_conv_memory_format, get_matmul_precision, on_matmul_precision
 from ember.errors import DeviceError, OutOfMemoryError
 
 # ember's choice, read once: generated kernels are interpreted (see triton_interpreter), whatever
@@ -88,7 +88,8 @@ def multiprocessors(device: Device) -> int:
 
 def compile_context(device: Device) -> CompileContext:
     """What the user's settings ask of the compiler now, for plans run on `device`; it keys the plan cache."""
-    return CompileContext(get_matmul_precision(), gemm_backend, max_streams, multiprocessors(device))
+    return CompileContext(get_matmul_precision(), gemm_backend, max_streams, multiprocessors(device),
+                          get_conv_memory_format())
 
 
 # -- memory ------------------------------------------------------------------------------------

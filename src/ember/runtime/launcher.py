@@ -258,10 +258,22 @@ def _conv2d(node: Node, buffers: dict[int, torch.Tensor], sig: Signature) -> Non
     if node.op is Op.CONV2D:
         out = torch.nn.functional.conv2d(first, second, None, *conv)
     elif node.op is Op.CONV2D_INPUT_GRAD:  # from the output gradient and the weight
-        out = torch.nn.grad.conv2d_input(out_buffer.shape, second, first, *conv)
+        weight = second.contiguous(memory_format=torch.channels_last) if a.get("channels_last") else second
+        out = _convolution_backward(first, out_buffer, weight, conv, 0)
     else:  # from the input and the output gradient
-        out = torch.nn.grad.conv2d_weight(first, out_buffer.shape, second, *conv)
+        out = _convolution_backward(second, first, out_buffer, conv, 1)
     out_buffer.copy_(out)
+
+
+def _convolution_backward(grad: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, conv: tuple,
+                          which: int) -> torch.Tensor:
+    """One gradient of a convolution (0: the input's, 1: the weight's) by cuDNN's backward kernels, which run
+    on the memory format of the input and weight. The operand the gradient is of lends only its shape and
+    strides (the destination stands in for it)."""
+    stride, padding, dilation, groups = conv
+    mask = (which == 0, which == 1, False)
+    return torch.ops.aten.convolution_backward(grad, input, weight, None, stride, padding, dilation, False, (0, 0),
+                                               groups, mask)[which]
 
 
 def _view(node: Node, buffers: dict[int, torch.Tensor]) -> torch.Tensor:

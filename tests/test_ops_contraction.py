@@ -338,3 +338,11 @@ def test_pooling_gradient_matches_finite_differences(case, rng):
 def test_max_pool2d_gradient_on_ties_goes_to_one_element_like_torch():
     x = np.zeros((1, 1, 4, 4), dtype=np.float32)  # every window is a tie, as after a relu
     check_against_torch(lambda m, t: m.max_pool2d(t, 2), x)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_max_pool2d_with_nans_and_overlapping_ties_matches_torch(dtype, rng):
+    x = np.maximum(random_array(rng, (2, 3, 7, 6), "float32", -3, 3), 0)  # many ties at zero, as after a relu
+    x[0, 0, 1, 1] = x[1, 2, 4, 3] = np.nan  # a NaN is the maximum of every window that holds it
+    x = x.astype(random_array(rng, (1,), dtype).dtype)
+    check_against_torch(lambda m, t: m.max_pool2d(t, 3, stride=2, padding=1), x)

@@ -4,15 +4,14 @@
 from __future__ import annotations
 
 from ember import dtypes
-from ember.autograd import is_grad_enabled, no_grad
+from ember.autograd import is_grad_enabled
 from ember.errors import ShapeError
 from ember.ir import Op
 from ember.ir.ops import RULES
 from ember.ops.contraction import _pair
 from ember.ops.creation import ones
-from ember.ops.movement import cat, pad, reshape, slice_axis, stack, unsqueeze
+from ember.ops.movement import cat, pad, reshape, slice_axis, unsqueeze
 from ember.ops.pointwise import div, maximum, where
-from ember.ops.reduce import argmax
 from ember.tensor import Tensor
 
 
@@ -61,15 +60,13 @@ def max_pool2d(x: Tensor, kernel_size, stride=None, padding=0, dilation=1, ceil_
         best = maximum(best, window)
     if not (x.requires_grad and is_grad_enabled()):
         return best
-    # As in torch, a window's gradient goes to its first maximal element (a NaN is the maximum), not shared
-    # among ties. Which kernel offset that is is computed once per output, as one small stored tensor; the
-    # output is the window at that offset, so the backward pass reads the offsets instead of comparing
-    # every window of every output that covers an input element again.
-    with no_grad():
-        first = argmax(stack(windows, -1), -1)
-    out = None
-    for k, window in enumerate(windows):
-        picked = where(first == k, window, 0)
+    # as in torch, a window's gradient goes to its first maximal element, not shared among ties
+    target, taken, out = best.detach(), None, None
+    for window in windows:
+        hit = (window == target) | (window != window)  # a NaN is the maximum of its window
+        first = hit if taken is None else hit & ~taken
+        taken = hit if taken is None else taken | hit
+        picked = where(first, window, 0)
         out = picked if out is None else out + picked
     return out
 

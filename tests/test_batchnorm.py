@@ -139,3 +139,30 @@ def test_batchnorm_refuses_parameters_of_a_dtype_torch_refuses(dtype, param_dtyp
     bn.eval()
     with pytest.raises(ember.DTypeError, match=f"batch_norm: .*{param_dtype}.*{dtype}"):
         bn(x)
+
+
+def test_a_training_step_with_batch_norms_is_one_realization(rng):
+    """The running statistics of every batch norm are updated in the plan of the step that computes their
+    batch statistics (the optimizer's), not each in a realization of its own, and the graph does not grow."""
+    from ember.runtime import executor
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4))
+    optimizer = ember.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    realized = []
+    observe = lambda order, keep: realized.append(len(order))  # noqa: E731
+    batches = [ember.tensor(random_array(rng, (2, 3, 7, 7), "float32")) for _ in range(4)]
+    ember.realize(*model.parameters(), *model.buffers(), *batches)  # initialisation and inputs
+    executor.observers.append(observe)
+    try:
+        for x in batches:
+            loss = model(x).square().mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    finally:
+        executor.observers.remove(observe)
+    assert len(realized) == len(batches), realized  # one plan a step, batch norms' buffers included
+    assert len(set(realized[1:])) == 1  # steps after the first (which creates the momentum) are alike
+    for bn in (model[1], model[4]):
+        assert bn.running_mean._node.realized and bn.running_var._node.realized
+        assert int(bn.num_batches_tracked.item()) == len(batches)

@@ -43,6 +43,7 @@ from ember.ops import silu as _silu
 from ember.ops import softmax as _softmax
 from ember.ops.index import index_select
 from ember.ops.pointwise import abs, broadcast_shapes, cast, exp, log, log1p, maximum, where
+from ember.runtime.executor import realize_with_next
 from ember.tensor import Tensor, realize
 
 __all__ = [
@@ -183,6 +184,14 @@ def _settle_running_stats(running_mean: Tensor, *others: Tensor) -> None:
         realize(running_mean, *others)
 
 
+def _with_the_step(*buffers: Tensor | None) -> None:
+    """Compute these pending buffer updates with the next realization (the optimizer step's, usually),
+    in its one plan, rather than each in a realization of its own when the next forward pass settles it."""
+    for t in buffers:
+        if t is not None:
+            realize_with_next(t._node)
+
+
 def _update_running_stats(running_mean: Tensor | None, running_var: Tensor | None, mean: Tensor, var: Tensor,
                           count: int, momentum) -> None:
     """Fold a batch's statistics into the running estimates, outside autograd (unbiased variance).
@@ -203,6 +212,7 @@ def _update_running_stats(running_mean: Tensor | None, running_var: Tensor | Non
         if running_var is not None:
             unbiased = var.reshape(running_var.shape) * (count / (count - 1))
             running_var.assign(cast(running_var, var.dtype) * (1 - momentum) + unbiased * momentum)
+    _with_the_step(running_mean, running_var)
     still_pending = [s for s in _pending_stats(key) if not s._node.realized]
     for stale in [k for k, (ref, _) in _pending_batch_stats.items() if ref() is None]:
         del _pending_batch_stats[stale]

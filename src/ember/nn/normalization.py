@@ -69,6 +69,7 @@ class _BatchNorm(Module):
             F._settle_running_stats(self.running_mean, self.running_var, self.num_batches_tracked)
             with no_grad():
                 self.num_batches_tracked.add_(1)
+            F._with_the_step(self.num_batches_tracked)
             if self.momentum is None:  # a cumulative moving average, its factor in double precision as PyTorch's
                 momentum = 1.0 / self.num_batches_tracked.to(dtypes.float64)
         use_batch_stats = self.training or self.running_mean is None

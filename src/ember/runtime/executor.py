@@ -89,7 +89,8 @@ def pending_on_one_device(nodes: list[Node]) -> list[Node]:
     order = toposort(nodes)
     transfers = [n for n in order if n.op is Op.COPY and n.inputs[0].device != n.device]
     for n in transfers:
-        _transfer(n)
+        if not n.realized:  # computing an earlier transfer's source (with its companions) may have moved it
+            _transfer(n)
     return toposort(nodes) if transfers else order
 
 

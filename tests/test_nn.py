@@ -547,6 +547,25 @@ def test_functional_layer_norm_and_batch_norm_match_torch():
           TF.batch_norm(torch.tensor(x), torch.tensor(rm), torch.tensor(rv)), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_layer_norm_of_half_input_with_float32_parameters_matches_torch(device, dtype, request):
+    if device == "cuda":
+        request.getfixturevalue("cuda_backend")
+    x = torch.tensor(randn(4, 3, 6)).to(getattr(torch, dtype)).requires_grad_()
+    w, b = (torch.tensor(randn(6, seed=s)).requires_grad_() for s in (1, 2))
+    expected = TF.layer_norm(x, (6,), w, b)
+    expected.backward(torch.ones_like(expected))
+    ex, ew, eb = (ember.tensor(t.detach(), device=device).requires_grad_() for t in (x, w, b))
+    out = F.layer_norm(ex, (6,), ew, eb)
+    assert out.dtype.name == dtype and out.device == ember.device(device).device
+    grads = ember.grad(out.sum(), [ex, ew, eb])
+    close(out.float(), expected.float(), rtol=1e-2, atol=1e-2)
+    for mine, theirs in zip(grads, (x.grad, w.grad, b.grad)):
+        assert mine.dtype.name == str(theirs.dtype).removeprefix("torch.")
+        close(mine.float(), theirs.float(), rtol=2e-2, atol=2e-2)
+
+
 def test_functional_reexports_take_torchs_arguments():
     x = randn(2, 3, 4, 4)
     pairs = [

@@ -154,6 +154,13 @@ def layer_norm(input: Tensor, normalized_shape, weight: Tensor | None = None, bi
     axes = tuple(range(input.ndim - k, input.ndim))
     centred = x - x.mean(axes, keepdim=True)
     var = (centred * centred).mean(axes, keepdim=True)
+    if any(t is not None and t.dtype is x.dtype is not input.dtype for t in (weight, bias)):
+        # half-precision input with float32 parameters (mixed precision), as PyTorch: scaled and shifted in
+        # float32, the output rounded once to the input's dtype
+        out = centred * (var + eps).rsqrt()
+        out = out * cast(weight, x.dtype) if weight is not None else out
+        out = out + cast(bias, x.dtype) if bias is not None else out
+        return cast(out, input.dtype)
     out = cast(centred * (var + eps).rsqrt(), input.dtype)
     if weight is not None:
         out = out * weight

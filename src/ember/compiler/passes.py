@@ -8,7 +8,11 @@ compiled plan, so step 2 of a training loop costs a key and the launches.
 `lower` copies the graph into placeholder nodes that hold no user data and
 simplifies it: common-subexpression elimination, constant folding, algebraic
 identities (x*1, x+0, --x, cast chains) and folding of chained movement ops.
-Dead code never enters, because only nodes the outputs need are copied.
+Dead code never enters, because only nodes the outputs need are copied. It also
+stages reductions the GPU would run on too few programs or with gathered reads
+(split, nested and merged reductions), and, under the compile context's
+channels_last memory format, lays half-precision convolutions and the ops between
+them out on (N, H, W, C) memory.
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ from common import (
     publish,
     release_memory,
     to_ember,
+    training_step,
 )
 
 import ember
@@ -88,20 +89,6 @@ def resnet18(nn, image_size: int, widths: tuple[int, ...], device: str, dtype):
         blocks += [Block(cin, cout, 1 if i == 0 else 2), Block(cout, cout, 1)]
         cin = cout
     return nn.Sequential(*stem, *blocks, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, CLASSES, **kw))
-
-
-def training_step(F, model, optimizer, autocast: Callable | None) -> Callable:
-    def step(x, y):
-        if autocast is None:
-            loss = F.cross_entropy(model(x), y)
-        else:
-            with autocast():
-                loss = F.cross_entropy(model(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        return loss
-    return step
 
 
 @dataclass

@@ -9,6 +9,7 @@ through Triton's interpreter so that every code path of a script runs without a 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import os
@@ -122,6 +123,19 @@ def to_ember(t: torch.Tensor, requires_grad: bool = False) -> ember.Tensor:
 
 def to_torch(t: ember.Tensor) -> torch.Tensor:
     return t._node.buffer.reshape(t.shape)
+
+
+def training_step(F, model, optimizer, autocast: Callable[[], object] | None = None) -> Callable:
+    """One step (forward, cross entropy, backward, update), for torch and ember alike (F: their functional
+    module); `autocast` makes the context the forward pass runs in (None: none)."""
+    def step(x, y):
+        with autocast() if autocast is not None else contextlib.nullcontext():
+            loss = F.cross_entropy(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        return loss
+    return step
 
 
 def chain_of_reductions(F, h, count: int = 50):

@@ -45,6 +45,7 @@ from common import (
     sync,
     to_ember,
     to_torch,
+    training_step,
 )
 
 import ember
@@ -112,16 +113,6 @@ def make_mlp(nn, widths: tuple[int, ...], device: str, dtype):
         if i < len(widths) - 2:
             layers.append(nn.ReLU())
     return nn.Sequential(*layers)
-
-
-def training_step(F, model, optimizer) -> Callable:
-    def step(x, y):
-        loss = F.cross_entropy(model(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        return loss
-    return step
 
 
 class MLPWorkload:

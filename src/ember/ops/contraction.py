@@ -99,17 +99,23 @@ def _pair(op: str, name: str, v) -> tuple[int, int]:
     return pair
 
 
-@amp.lower_precision
-def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padding=0, dilation=1,
-           groups: int = 1) -> Tensor:
-    """2-d cross-correlation over NCHW input (or CHW, unbatched), as torch.nn.functional.conv2d."""
-    _check_operands("conv2d", x, weight)
+def _batched(op: str, x: Tensor, weight: Tensor, weight_layout: str) -> tuple[Tensor, bool]:
+    """A convolution's checked operands: x with a batch axis (added if x is unbatched), and whether it was."""
+    _check_operands(op, x, weight)
     unbatched = x.ndim == 3
     if unbatched:
         x = unsqueeze(x, 0)
     if x.ndim != 4 or weight.ndim != 4:
-        raise ShapeError(f"conv2d: expects input (N, C, H, W) or (C, H, W) and weight (O, C/groups, kH, kW), "
+        raise ShapeError(f"{op}: expects input (N, C, H, W) or (C, H, W) and weight {weight_layout}, "
                          f"got {operands(x, weight)}")
+    return x, unbatched
+
+
+@amp.lower_precision
+def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padding=0, dilation=1,
+           groups: int = 1) -> Tensor:
+    """2-d cross-correlation over NCHW input (or CHW, unbatched), as torch.nn.functional.conv2d."""
+    x, unbatched = _batched("conv2d", x, weight, "(O, C/groups, kH, kW)")
     stride, dilation = _pair("conv2d", "stride", stride), _pair("conv2d", "dilation", dilation)
     kh, kw = weight.shape[2:]
     if isinstance(padding, str):
@@ -157,13 +163,7 @@ def conv_transpose2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stri
     """2-d transposed convolution over NCHW input (or CHW), as torch.nn.functional.conv_transpose2d: the
     gradient of a conv2d with respect to its input, so it is that primitive (cuDNN's backward-data on a GPU).
     The weight is (in_channels, out_channels / groups, kH, kW)."""
-    _check_operands("conv_transpose2d", x, weight)
-    unbatched = x.ndim == 3
-    if unbatched:
-        x = unsqueeze(x, 0)
-    if x.ndim != 4 or weight.ndim != 4:
-        raise ShapeError(f"conv_transpose2d: expects input (N, C, H, W) or (C, H, W) and weight "
-                         f"(C, O/groups, kH, kW), got {operands(x, weight)}")
+    x, unbatched = _batched("conv_transpose2d", x, weight, "(C, O/groups, kH, kW)")
     stride, dilation = _pair("conv_transpose2d", "stride", stride), _pair("conv_transpose2d", "dilation", dilation)
     padding = _pair("conv_transpose2d", "padding", padding)
     output_padding = _pair("conv_transpose2d", "output_padding", output_padding)

@@ -127,3 +127,37 @@ def test_a_kernel_is_named_after_its_text_and_the_same_graph_gives_the_same_sour
     for source in first:
         assert f"def {source.name}(" in source.text
         assert source.text.startswith("# ember fused kernel: reduce")
+
+
+def _row_loops(build) -> list[int]:
+    """Per row kernel of the graph, how many loops over the row it runs."""
+    kernels, stored = _kernels(build)
+    counts = []
+    for kernel in kernels:
+        if kernel.kind is fusion.KernelKind.REDUCE:
+            ir = lower.lower(kernel, stored, CompileContext())
+            counts.append(sum(isinstance(s, Loop) for f in ir.functions for s in _walk(f.body)))
+    return counts
+
+
+def test_independent_reductions_of_a_row_share_one_pass_and_dependent_ones_take_another():
+    rng = np.random.default_rng(1)
+    x = ember.tensor(rng.standard_normal((3, 20000)).astype(np.float32), device="cuda")
+    # sum, sum of squares and max read no reduction's result: one loop; the stored outputs need no other
+    assert _row_loops(lambda: x.sum(-1) + (x * x).sum(-1) + x.amax(-1)) == [1]
+    # softmax's normaliser reads the max: two loops, and the output's loop after them
+    assert _row_loops(lambda: x.softmax(-1)) == [3]
+    # the variance reads the mean, the sum of |x| does not: two loops
+    centred = lambda: x - x.mean(-1, keepdim=True)  # noqa: E731
+    assert _row_loops(lambda: (centred() * centred()).sum(-1) + x.abs().sum(-1) + x.mean(-1)) == [2]
+
+
+def test_reductions_sharing_a_pass_compute_what_separate_passes_do():
+    rng = np.random.default_rng(2)
+    a = rng.standard_normal((5, 9000)).astype(np.float32)
+    x = ember.tensor(a, device="cuda")
+    mean = x.mean(-1, keepdim=True)
+    got = ((x - mean).square().sum(-1) + x.abs().sum(-1) * 0.5 + x.amax(-1) - x.amin(-1) + x.argmax(-1)).numpy()
+    m = a.mean(-1, keepdims=True, dtype=np.float64)
+    want = ((a - m) ** 2).sum(-1) + np.abs(a).sum(-1) * 0.5 + a.max(-1) - a.min(-1) + a.argmax(-1)
+    np.testing.assert_allclose(got, want, rtol=1e-4)

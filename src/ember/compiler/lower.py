@@ -198,7 +198,7 @@ class Emitter:
                 if all(x == 1 for x in shape[:d]):
                     dims.append(rest)
                     break
-                size = self.ctx.size(s)
+                size = Lit(s)  # a literal divisor: the division compiles to a multiply and shifts
                 dims.append(self.define(Bin("%", rest, size), "i"))
                 rest = self.define(Bin("//", rest, size), "q")
             dims += [ZERO] * (len(shape) - len(dims))
@@ -412,10 +412,13 @@ class Emitter:
             inner.append(self.clamp(shifted, s))
             checks.append(self.in_range(shifted, s))
         level = input_level(node, idx.level, self.kernel.space, self.kernel.axes, 0)
-        value, dt = self.value(node.inputs[0], Index(tuple(inner), None, idx.mask, level))
         if not checks:
-            return value, dt
+            return self.value(node.inputs[0], Index(tuple(inner), None, idx.mask, level))
+        # the loads beneath skip the padding: a sparse view (a strided scatter's gradient) reads only its
+        # real elements
         valid = self.define(both(*checks), "ok")
+        inside = self.define(both(idx.mask, valid), "m") if idx.mask is not None else valid
+        value, dt = self.value(node.inputs[0], Index(tuple(inner), None, inside, level))
         return self.define(call("where", valid, value, fill)), dt
 
     def gather(self, node: Node, idx: Index) -> tuple[Expr, DType]:
@@ -571,8 +574,8 @@ class RowKernel:
     def lower(self) -> Function:
         if self.persistent:
             self.open_chunk(ZERO)
-        for r in self.kernel.reductions:
-            self.reduce(r)
+        for phase in self.phases():
+            self.reduce(phase)
         levels = self.kernel.levels
         full_outputs = [o for o in self.kernel.outputs if levels[id(o)] == FULL]
         if full_outputs:
@@ -624,18 +627,68 @@ class RowKernel:
         emitter.memo = {k: v for k, v in emitter.memo.items() if k[0] in emitter.reduced or k in emitter.hoisted}
         emitter.unravelled = {k: v for k, v in emitter.unravelled.items() if k[0] == self.rows}
 
-    def reduce(self, r: Node) -> None:
+    def phases(self) -> list[list[Node]]:
+        """The reductions grouped into loops over the row: one that reads no result of the reductions
+        before it in the current loop joins that loop, so independent sums (batch norm's backward)
+        share one pass over their inputs; one that reads such a result starts the next loop."""
+        inside = {id(n) for n in self.kernel.covers}
+        reducing = {id(r) for r in self.kernel.reductions}
+
+        def reduced_below(node: Node) -> frozenset[int]:
+            """The kernel's reductions that `node`'s value reads, directly or through nodes inside."""
+            stack, found, seen = [node], set(), set()
+            while stack:
+                n = stack.pop()
+                for x in n.inputs:
+                    if id(x) in seen or id(x) not in inside:
+                        continue
+                    seen.add(id(x))
+                    if id(x) in reducing:
+                        found.add(id(x))
+                    else:
+                        stack.append(x)
+            return frozenset(found)
+
+        phases: list[list[Node]] = []
+        current: set[int] = set()
+        for r in self.kernel.reductions:
+            if phases and not (reduced_below(r) & current):
+                phases[-1].append(r)
+            else:
+                phases.append([r])
+                current = set()
+            current.add(id(r))
+        return phases
+
+    def reduce(self, phase: list[Node]) -> None:
+        """One loop over the row that accumulates every reduction of `phase`."""
         emitter = self.emitter
-        arg_reduction = r.op in (Op.ARGMAX, Op.ARGMIN)
-        dt = compute_dtype(r.inputs[0].dtype if arg_reduction else r.dtype)
-        acc_dt = dtypes.int32 if dt is dtypes.bool_ else dt
-        start_value = identity(r.op, dt)
-        acc = Var(emitter.fresh("acc"), frozenset({"m"}))
-        arg = Var(emitter.fresh("arg"), frozenset({"m"})) if arg_reduction else None
-        emitter.emit(Assign((acc,), call("full", start_value, shape=(BLOCK_M, 1), dtype=acc_dt)))
-        if arg:
-            emitter.emit(Assign((arg,), call("zeros", shape=(BLOCK_M, 1), dtype=dtypes.int64)))
+        accs = []
+        for r in phase:
+            arg_reduction = r.op in (Op.ARGMAX, Op.ARGMIN)
+            dt = compute_dtype(r.inputs[0].dtype if arg_reduction else r.dtype)
+            acc_dt = dtypes.int32 if dt is dtypes.bool_ else dt
+            acc = Var(emitter.fresh("acc"), frozenset({"m"}))
+            arg = Var(emitter.fresh("arg"), frozenset({"m"})) if arg_reduction else None
+            emitter.emit(Assign((acc,), call("full", identity(r.op, dt), shape=(BLOCK_M, 1), dtype=acc_dt)))
+            if arg:
+                emitter.emit(Assign((arg,), call("zeros", shape=(BLOCK_M, 1), dtype=dtypes.int64)))
+            accs.append((r, dt, acc_dt, acc, arg))
         self.open_loop()
+        for r, dt, acc_dt, acc, arg in accs:
+            self.accumulate(r, identity(r.op, dt), acc_dt, acc, arg)
+        emitter.block = self.body
+        for r, dt, acc_dt, acc, arg in accs:
+            result = arg if arg else acc
+            if acc_dt is not dt and not arg:  # a bool max or min, accumulated in int32
+                result = emitter.define(Bin("!=", acc, ZERO))
+            emitter.reduced[id(r)] = result
+        self.close_loop()
+
+    def accumulate(self, r: Node, start_value, acc_dt, acc: Var, arg: Var | None) -> None:
+        """Fold the chunk's values of `r`'s input into its accumulator (and, for an arg reduction, the
+        column of the best)."""
+        emitter = self.emitter
         value, _ = emitter.value(r.inputs[0], self.full_index())
         tile = emitter.define(call("where", self.mask,
                                    Bin("+", value, call("zeros", shape=(BLOCK_M, BLOCK_N), dtype=acc_dt)),
@@ -655,12 +708,6 @@ class RowKernel:
             emitter.emit(Assign((best, where), call("reduce2", tile, columns, combine=combine, axis=1, drop="n")))
             emitter.emit(Assign((acc, arg), call("combine", acc, arg, best, call("cast", where, dtype=dtypes.int64),
                                                  combine=combine)))
-        emitter.block = self.body
-        result = arg if arg else acc
-        if acc_dt is not dt and not arg:  # a bool max or min, accumulated in int32
-            result = emitter.define(Bin("!=", acc, ZERO))
-        emitter.reduced[id(r)] = result
-        self.close_loop()
 
 
 def _scatter_add(ctx: Context, kernel: FusedKernel) -> list[Function]:

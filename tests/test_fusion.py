@@ -429,3 +429,22 @@ def test_reductions_over_size_0_and_1_axes_compile_and_match_the_reference(shape
     else:
         assert not isinstance(fused, type), f"{where}: cuda raised {fused.__name__}"
         np.testing.assert_allclose(fused, reference, rtol=2e-5, atol=2e-5, err_msg=where)
+
+
+def test_a_shared_widening_cast_is_stored_as_its_half_precision_input(rng):
+    """A bfloat16 value read in float32 by several kernels is stored in bfloat16 (half the bytes; the
+    widening is exact) and the results match the unfused reference."""
+    def program(a):
+        for _ in range(30):  # more work than the planner recomputes in each reader
+            a = (a * 1.01 + 0.1).tanh()
+        wide = a.float()  # not held after the program: the planner chooses how to store it
+        return [wide.sum(-1), wide.amax(0), wide * 3]
+
+    a, a_c = pair(rng, 40, 300)
+    outs, refs = program(a.to(ember.bfloat16)), program(a_c.to(ember.bfloat16))
+    p = plan(*outs)
+    outputs = {id(n) for n in p.lowered.outputs}
+    intermediates = [n for n in p.lowered.nodes if id(n) in p.stored and id(n) not in outputs]
+    assert [(n.op.label, n.dtype) for n in intermediates] == [("tanh", ember.bfloat16)]
+    for out, ref in zip(outs, refs):  # the fused chain rounds to bfloat16 once, the reference after each op
+        assert_close(out, ref, rtol=2e-2, atol=2e-2)

@@ -218,12 +218,22 @@ class Planner:
             if id(n) in stored or is_leaf(n) or len(self.users[id(n)]) < 2:
                 continue
             if self._store_is_cheaper(n):
-                stored.add(id(n))
+                stored.add(id(self._narrowest_exact_source(n)))
         for n in self.nodes:
             if self.is_gemm(n):
                 for position, operand in enumerate(n.inputs):
                     if not self._prologue_pays(n, position, operand):
                         stored.add(id(self._view_base(operand)))
+
+    def _narrowest_exact_source(self, node: Node) -> Node:
+        """What to store for a shared value: a widening float cast (half to float32, exact) is stored as
+        its input, in half the bytes, and cast again by each reader for free."""
+        source = node.inputs[0] if node.op is Op.CAST else None
+        if (source is None or is_leaf(source) or not (source.dtype.is_floating_point and node.dtype.is_floating_point)
+                or source.dtype.itemsize >= node.dtype.itemsize):
+            return node
+        self.shared[id(node)] += f"; stored as its {source.dtype.name} input, cast by each reader"
+        return source
 
     def is_gemm(self, node: Node) -> bool:
         return self.generate_gemms and node.op is Op.MATMUL and node.dtype in GEMM_DTYPES

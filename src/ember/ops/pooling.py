@@ -9,7 +9,7 @@ from ember.errors import ShapeError
 from ember.ir import Op
 from ember.ir.ops import RULES
 from ember.ops.contraction import _pair
-from ember.ops.creation import ones
+from ember.ops.creation import full_like, ones
 from ember.ops.movement import cat, pad, reshape, slice_axis, unsqueeze
 from ember.ops.pointwise import div, maximum, where
 from ember.tensor import Tensor
@@ -60,13 +60,17 @@ def max_pool2d(x: Tensor, kernel_size, stride=None, padding=0, dilation=1, ceil_
         best = maximum(best, window)
     if not (x.requires_grad and is_grad_enabled()):
         return best
-    # as in torch, a window's gradient goes to its first maximal element, not shared among ties
-    target, taken, out = best.detach(), None, None
-    for window in windows:
-        hit = (window == target) | (window != window)  # a NaN is the maximum of its window
-        first = hit if taken is None else hit & ~taken
-        taken = hit if taken is None else taken | hit
-        picked = where(first, window, 0)
+    # as in torch, a window's gradient goes to its first maximal element, not shared among ties. Which
+    # kernel offset that is, per output, is one byte (stored once, read by the forward sum and its
+    # gradient), rather than a mask per offset
+    target = best.detach()
+    which = full_like(target, len(windows), dtype=dtypes.uint8)
+    for k in reversed(range(len(windows))):
+        hit = (windows[k] == target) | (windows[k] != windows[k])  # a NaN is the maximum of its window
+        which = where(hit, k, which)
+    out = None
+    for k, window in enumerate(windows):
+        picked = where(which == k, window, 0)
         out = picked if out is None else out + picked
     return out
 

@@ -166,3 +166,24 @@ def test_a_training_step_with_batch_norms_is_one_realization(rng):
     for bn in (model[1], model[4]):
         assert bn.running_mean._node.realized and bn.running_var._node.realized
         assert int(bn.num_batches_tracked.item()) == len(batches)
+
+
+def test_eval_batch_norm_is_one_pass_after_its_convolution(device, rng):
+    """In eval mode the statistics are constants: normalisation, scale, shift and activation are one
+    pointwise pass over the convolution's output (the convolution's epilogue), with no reduction, and the
+    values are torch's."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 2, 1)).to(device)
+    for bn_stat in (model[1].running_mean, model[1].running_var):
+        bn_stat.data = ember.tensor(random_array(rng, (4,), "float32"), device=device).abs() + 0.5
+    model.eval()
+    x = random_array(rng, (2, 3, 7, 6), "float32")
+    ember.realize(*model.parameters(), *model.buffers())
+    out = model(ember.tensor(x, device=device))
+    if device == "cuda":  # the first convolution's bias, batch norm and ReLU in one pass; the last's bias
+        kinds = [k.kind.value for k in ember.explain.plan(out).kernels]
+        assert kinds == ["conv2d", "pointwise", "conv2d", "pointwise"], kinds
+    reference = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                                    torch.nn.Conv2d(4, 2, 1))
+    reference.load_state_dict({k: to_torch(v) for k, v in model.state_dict().items()})
+    reference.eval()
+    assert_same(out, reference(torch.tensor(x)), *TOLERANCES["float32"])

@@ -127,13 +127,16 @@ class _ResidualBlock(ember.nn.Module):
         return self.head(F.adaptive_avg_pool2d(h, 1).flatten(1))
 
 
-@pytest.mark.parametrize("memory_format", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("memory_format", ["contiguous", "channels_last", "the module's channels_last"])
 def test_convolutions_in_either_memory_format_train_as_the_reference(rng, memory_format):
     before = ember.get_conv_memory_format()
-    ember.set_conv_memory_format(memory_format)
+    ember.set_conv_memory_format(memory_format if memory_format == "channels_last" else "contiguous")
     try:
         ember.manual_seed(0)
         net = _ResidualBlock(ember.bfloat16)
+        if memory_format.startswith("the module's"):  # as PyTorch users write it; the process setting stays
+            net.to(memory_format=ember.channels_last)
+            memory_format = "channels_last"
         images, labels = rng.standard_normal((4, 3, 9, 9)).astype(np.float32), np.array([0, 1, 2, 4])
         results = {}
         for device in ("cuda", "cpu"):

@@ -346,3 +346,22 @@ def test_max_pool2d_with_nans_and_overlapping_ties_matches_torch(dtype, rng):
     x[0, 0, 1, 1] = x[1, 2, 4, 3] = np.nan  # a NaN is the maximum of every window that holds it
     x = x.astype(random_array(rng, (1,), dtype).dtype)
     check_against_torch(lambda m, t: m.max_pool2d(t, 3, stride=2, padding=1), x)
+
+
+def test_memory_format_is_accepted_as_pytorch_spells_it():
+    x = ember.randn(2, 3, 5, 5)
+    for fmt in (ember.channels_last, ember.contiguous_format, ember.preserve_format, torch.channels_last,
+                torch.contiguous_format):
+        np.testing.assert_array_equal(x.contiguous(memory_format=fmt).numpy(), x.numpy())
+        np.testing.assert_array_equal(x.to(memory_format=fmt).numpy(), x.numpy())
+    with pytest.raises(ValueError, match="contiguous: memory_format"):
+        x.contiguous(memory_format="nhwc")
+    with pytest.raises(ValueError, match="conv2d: memory_format"):
+        ember.nn.functional.conv2d(x, ember.randn(4, 3, 3, 3), memory_format="nhwc")
+    net = ember.nn.Sequential(ember.nn.Conv2d(3, 4, 3), ember.nn.ReLU(), ember.nn.ConvTranspose2d(4, 2, 3))
+    assert net.to(memory_format=torch.channels_last) is net
+    assert [getattr(m, "memory_format", None) for m in net] == ["channels_last", None, "channels_last"]
+    net.to(memory_format=ember.preserve_format)
+    assert net[0].memory_format == "channels_last"
+    net.to(memory_format=ember.contiguous_format)
+    assert net[2].memory_format == "contiguous"

@@ -9,10 +9,13 @@ from ember.amp import autocast
 from ember.autograd import enable_grad, grad, inference_mode, is_grad_enabled, no_grad, set_grad_enabled
 from ember.device import (
     Device,
+    channels_last,
+    contiguous_format,
     default_device,
     device,
     get_conv_memory_format,
     get_matmul_precision,
+    preserve_format,
     set_conv_memory_format,
     set_matmul_precision,
 )
@@ -55,5 +58,6 @@ __all__ = [
     "float16", "float32", "float64", "grad", "half", "inference_mode", "int", "int8", "int16", "int32", "int64",
     "is_grad_enabled", "long", "no_grad", "on_device", "promote_types", "realize", "result_type", "set_grad_enabled",
     "short", "uint8", "data", "nn", "optim", "explain", "load", "save", "jit", "memory_stats", "amp", "autocast",
-    "set_matmul_precision", "get_matmul_precision", "set_conv_memory_format", "get_conv_memory_format", *_ops_all,
+    "set_matmul_precision", "get_matmul_precision", "set_conv_memory_format", "get_conv_memory_format",
+    "channels_last", "contiguous_format", "preserve_format", *_ops_all,
 ]

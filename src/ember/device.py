@@ -93,7 +93,22 @@ def get_matmul_precision() -> str:
     return _matmul_precision[0]
 
 
-_CONV_MEMORY_FORMATS = ("contiguous", "channels_last")
+# torch.memory_format's names: ember's tensors are values whose layout the compiler chooses, so a memory
+# format is a request about the layout of convolutions' activations (see set_conv_memory_format)
+contiguous_format = "contiguous"
+channels_last = "channels_last"
+preserve_format = "preserve"
+_CONV_MEMORY_FORMATS = (contiguous_format, channels_last)
+
+
+def check_memory_format(fn: str, memory_format, allowed=(contiguous_format, channels_last, preserve_format)) -> str:
+    """A memory format as ember names it (its own names, or torch's memory_format objects)."""
+    name = memory_format if isinstance(memory_format, str) else str(memory_format).removeprefix("torch.")
+    name = {"contiguous_format": contiguous_format, "preserve_format": preserve_format}.get(name, name)
+    if name not in allowed:
+        raise ValueError(f"{fn}: memory_format must be one of {', '.join(allowed)} (ember.channels_last, ...), "
+                         f"got {memory_format!r}")
+    return name
 _conv_memory_format = [os.environ.get("EMBER_CONV_MEMORY_FORMAT", "contiguous")]
 
 
@@ -103,10 +118,7 @@ def set_conv_memory_format(memory_format: str) -> None:
     on cuDNN's channels-last kernels, and batch norms, activations and residual adds between them run on
     the same memory, with no transposition between them). Values are the same either way; the environment
     variable EMBER_CONV_MEMORY_FORMAT sets the default."""
-    if memory_format not in _CONV_MEMORY_FORMATS:
-        raise ValueError(f"set_conv_memory_format: expected one of {', '.join(_CONV_MEMORY_FORMATS)}, "
-                         f"got {memory_format!r}")
-    _conv_memory_format[0] = memory_format
+    _conv_memory_format[0] = check_memory_format("set_conv_memory_format", memory_format, _CONV_MEMORY_FORMATS)
 
 
 def get_conv_memory_format() -> str:

@@ -12,7 +12,7 @@ import weakref
 import numpy as np
 
 from ember import autograd, dtypes
-from ember.device import Device, as_device
+from ember.device import Device, as_device, check_memory_format
 from ember.dtypes import DType
 from ember.ir import Node, Op
 from ember.runtime import executor
@@ -315,6 +315,8 @@ def to_arguments(args: tuple, kwargs: dict) -> tuple:
     device = kwargs.pop("device", None)
     kwargs.pop("non_blocking", None)
     kwargs.pop("copy", None)
+    if "memory_format" in kwargs:  # the layout of activations is the compiler's (see ember.set_conv_memory_format)
+        check_memory_format("to", kwargs.pop("memory_format"))
     if kwargs:
         raise TypeError(f"to(): unexpected arguments {sorted(kwargs)}")
     for a in args:

@@ -103,6 +103,9 @@ class Lowered:
 def lower(order: list[Node], keep: set[int], sig: Signature, channels_last: bool = False) -> Lowered:
     builder = _Builder()
     builder.channels_last = channels_last
+    # convolutions that ask for channels-last themselves (conv2d's memory_format) turn the layout on
+    builder.laying_out = channels_last or any(n.attrs.get("memory_format") == "channels_last" for n in order
+                                              if n.op in CONVOLUTIONS)
     builder.transposed_products = _transposed_products(order, keep)
     mapping: dict[int, Node] = {}
     for k, leaf in enumerate(sig.inputs):
@@ -157,7 +160,8 @@ class _Builder:
         self.seen: dict[tuple, Node] = {}
         self.inputs: list[Node] = []
         self.transposed_products: set[int] = set()  # (ids of original matmuls) lowered transposed
-        self.channels_last = False  # half-precision convolutions on (N, H, W, C) memory
+        self.channels_last = False  # every half-precision convolution on (N, H, W, C) memory
+        self.laying_out = False  # some convolution is (those asking for it), so permutes sink
         self.in_nhwc: dict[int, Node | None] = {}  # id(node) -> the node made on (N, H, W, C) memory, if any
 
     def input(self, k: int, leaf: Node) -> Node:
@@ -250,12 +254,13 @@ class _Builder:
     # convolutions run on channels-last memory, and nothing is transposed between them.
 
     def _channels_last(self, op: Op, ins: tuple[Node, ...], attrs: dict, original: Node) -> Node | None:
-        if not self.channels_last:
+        if not self.laying_out:
             return None
         if op in CONVOLUTIONS:
-            if attrs.get("channels_last") or original.dtype not in (dtypes.float16, dtypes.bfloat16):
+            asked = self.channels_last or attrs.get("memory_format") == "channels_last"
+            if not asked or attrs.get("channels_last") or original.dtype not in (dtypes.float16, dtypes.bfloat16):
                 return None
-            laid_out = {**attrs, "channels_last": True}
+            laid_out = {key: v for key, v in attrs.items() if key != "memory_format"} | {"channels_last": True}
             if op is Op.CONV2D_WEIGHT_GRAD:  # both operands are activations; the result is a weight
                 return self.make(op, tuple(self._permuted(i, TO_NHWC) for i in ins), laid_out, original)
             out = self.make(op, (self._permuted(ins[0], TO_NHWC), ins[1]), laid_out,

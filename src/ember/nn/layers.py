@@ -76,6 +76,7 @@ class _Conv(Module):
             raise ValueError(f"{name}: in_channels ({in_channels}) and out_channels ({out_channels}) must be "
                              f"divisible by groups ({groups})")
         self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
+        self.memory_format = None  # the layout its activations ask for (Module.to(memory_format=...))
         self.kernel_size, self.stride, self.dilation = _pair(kernel_size), _pair(stride), _pair(dilation)
         self.weight = Parameter(empty((*weight_channels, *self.kernel_size), **_factory(device, dtype)))
         if bias:
@@ -107,7 +108,8 @@ class Conv2d(_Conv):
 
     def forward(self, input: Tensor) -> Tensor:
         if self.padding_mode == "zeros" or self.padding == "valid":
-            return F.conv2d(input, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
+            return F.conv2d(input, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups,
+                            memory_format=self.memory_format)
         if self.padding == "same":
             total = [d * (k - 1) for d, k in zip(self.dilation, self.kernel_size)]
             amounts = (total[1] // 2, total[1] - total[1] // 2, total[0] // 2, total[0] - total[0] // 2)
@@ -115,7 +117,8 @@ class Conv2d(_Conv):
             ph, pw = self.padding
             amounts = (pw, pw, ph, ph)
         padded = F.pad(input, amounts, mode=self.padding_mode)
-        return F.conv2d(padded, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
+        return F.conv2d(padded, self.weight, self.bias, self.stride, 0, self.dilation, self.groups,
+                        memory_format=self.memory_format)
 
     def extra_repr(self) -> str:
         text = (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
@@ -149,7 +152,7 @@ class ConvTranspose2d(_Conv):
 
     def forward(self, input: Tensor) -> Tensor:
         return F.conv_transpose2d(input, self.weight, self.bias, self.stride, self.padding, self.output_padding,
-                                  self.groups, self.dilation)
+                                  self.groups, self.dilation, memory_format=self.memory_format)
 
     def extra_repr(self) -> str:
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "

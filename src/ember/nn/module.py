@@ -16,6 +16,7 @@ import numpy as np
 
 from ember import dtypes
 from ember.autograd import no_grad
+from ember.device import check_memory_format, preserve_format
 from ember.errors import DTypeError
 from ember.ops.creation import tensor as _tensor
 from ember.ops.creation import zeros
@@ -299,7 +300,16 @@ class Module:
         """Move (`to("cuda")`) and/or cast (`to(ember.bfloat16)`) parameters and buffers in place.
 
         Only floating-point tensors change dtype, as in PyTorch; gradients follow their parameter.
+        `memory_format=ember.channels_last` (or torch's) makes the module's convolutions ask for channels-last
+        activations (see conv2d's memory_format); ember.contiguous_format takes that back.
         """
+        if "memory_format" in kwargs:
+            kwargs = dict(kwargs)
+            layout = check_memory_format("Module.to", kwargs.pop("memory_format"))
+            if layout != preserve_format:
+                for m in self.modules():
+                    if hasattr(m, "memory_format"):
+                        m.memory_format = layout
         dtype, device = to_arguments(args, kwargs)
         dtype = dtypes.as_dtype(dtype) if dtype is not None else None
         return self._convert(lambda t: t.to(device=device, dtype=dtype if t.dtype.is_floating_point else None))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ember import amp, dtypes
+from ember.device import channels_last, check_memory_format
 from ember.errors import DTypeError, ShapeError, operands
 from ember.ir import Op
 from ember.ir.ops import check_shape, define
@@ -113,8 +114,12 @@ def _batched(op: str, x: Tensor, weight: Tensor, weight_layout: str) -> tuple[Te
 
 @amp.lower_precision
 def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padding=0, dilation=1,
-           groups: int = 1) -> Tensor:
-    """2-d cross-correlation over NCHW input (or CHW, unbatched), as torch.nn.functional.conv2d."""
+           groups: int = 1, *, memory_format=None) -> Tensor:
+    """2-d cross-correlation over NCHW input (or CHW, unbatched), as torch.nn.functional.conv2d.
+
+    `memory_format` (ember's): ember.channels_last asks cuda to run this convolution, and its gradients,
+    on (N, H, W, C) memory (float16 and bfloat16), as `ember.set_conv_memory_format` does for all of
+    them; None or ember.contiguous_format follows that setting. Values are the same either way."""
     x, unbatched = _batched("conv2d", x, weight, "(O, C/groups, kH, kW)")
     stride, dilation = _pair("conv2d", "stride", stride), _pair("conv2d", "dilation", dilation)
     kh, kw = weight.shape[2:]
@@ -149,7 +154,8 @@ def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padd
         raise ShapeError(f"conv2d: input of shape {x.shape} (spatial size {(h, w)}, padded by {padding}) is "
                          f"smaller than the dilated kernel {(dilation[0] * (kh - 1) + 1, dilation[1] * (kw - 1) + 1)} "
                          f"of weight {weight.shape}")
-    out = apply(Op.CONV2D, x, weight, stride=stride, padding=padding, dilation=dilation, groups=groups)
+    out = apply(Op.CONV2D, x, weight, stride=stride, padding=padding, dilation=dilation, groups=groups,
+                **_layout_request("conv2d", memory_format))
     if bias is not None:
         if bias.shape != (o,):
             raise ShapeError(f"conv2d: bias must have shape ({o},), got {bias.shape}")
@@ -159,10 +165,10 @@ def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padd
 
 @amp.lower_precision
 def conv_transpose2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padding=0,
-                     output_padding=0, groups: int = 1, dilation=1) -> Tensor:
+                     output_padding=0, groups: int = 1, dilation=1, *, memory_format=None) -> Tensor:
     """2-d transposed convolution over NCHW input (or CHW), as torch.nn.functional.conv_transpose2d: the
     gradient of a conv2d with respect to its input, so it is that primitive (cuDNN's backward-data on a GPU).
-    The weight is (in_channels, out_channels / groups, kH, kW)."""
+    The weight is (in_channels, out_channels / groups, kH, kW); `memory_format` as conv2d's."""
     x, unbatched = _batched("conv_transpose2d", x, weight, "(C, O/groups, kH, kW)")
     stride, dilation = _pair("conv_transpose2d", "stride", stride), _pair("conv_transpose2d", "dilation", dilation)
     padding = _pair("conv_transpose2d", "padding", padding)
@@ -185,7 +191,7 @@ def conv_transpose2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stri
         raise ShapeError(f"conv_transpose2d: input of shape {x.shape} with padding {padding} gives an output of "
                          f"size {size}")
     out = apply(Op.CONV2D_INPUT_GRAD, x, weight, input_size=size, stride=stride, padding=padding,
-                dilation=dilation, groups=groups)
+                dilation=dilation, groups=groups, **_layout_request("conv_transpose2d", memory_format))
     if bias is not None:
         if bias.shape != (og * groups,):
             raise ShapeError(f"conv_transpose2d: bias must have shape ({og * groups},), got {bias.shape}")
@@ -240,8 +246,16 @@ def _matmul_vjp(g, xs, out, a):
     return apply(Op.MATMUL, g, y.mT), apply(Op.MATMUL, x.mT, g)
 
 
+def _layout_request(op: str, memory_format) -> dict:
+    """The attribute by which a convolution asks for channels-last activations (none: the global setting)."""
+    if memory_format is None or check_memory_format(op, memory_format) != channels_last:
+        return {}
+    return {"memory_format": channels_last}
+
+
 def _conv_attrs(a: dict) -> dict:
-    return {key: a[key] for key in ("stride", "padding", "dilation", "groups", "channels_last") if key in a}
+    keys = ("stride", "padding", "dilation", "groups", "channels_last", "memory_format")
+    return {key: a[key] for key in keys if key in a}
 
 
 def _conv2d_vjp(g, xs, out, a):
@@ -337,7 +351,7 @@ def _np_conv2d_weight_grad(x: np.ndarray, g: np.ndarray, kernel_size, stride, pa
 def _laid_out(fn, activations: tuple[bool, bool], activation_out: bool):
     """A reference that also takes channels-last operands: `activations` says which inputs are activations
     (transposed to (N, C, H, W) for `fn`), `activation_out` whether the result is one (transposed back)."""
-    def reference(a, b, *, channels_last: bool = False, **attrs):
+    def reference(a, b, *, channels_last: bool = False, memory_format=None, **attrs):
         if not channels_last:
             return fn(a, b, **attrs)
         a, b = (x.transpose(0, 3, 1, 2) if is_activation else x for x, is_activation in zip((a, b), activations))

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ember import dtypes
+from ember.device import check_memory_format, contiguous_format
 from ember.errors import ShapeError
 from ember.ir import Op
 from ember.ir.ops import check_shape, define
@@ -185,8 +186,11 @@ def unflatten(x: Tensor, dim: int, sizes) -> Tensor:
     return reshape(x, x.shape[:d] + tuple(sizes) + x.shape[d + 1:])
 
 
-def contiguous(x: Tensor) -> Tensor:
-    """Views are folded into index arithmetic, so there is nothing to copy."""
+def contiguous(x: Tensor, memory_format=contiguous_format) -> Tensor:
+    """Views are folded into index arithmetic, so there is nothing to copy. A `memory_format` (torch's
+    names) is accepted: where activations are laid out is the compiler's choice (ember.set_conv_memory_format,
+    conv2d's memory_format)."""
+    check_memory_format("contiguous", memory_format)
     return x
 
 

@@ -198,7 +198,9 @@ class Emitter:
                 if all(x == 1 for x in shape[:d]):
                     dims.append(rest)
                     break
-                size = Lit(s)  # a literal divisor: the division compiles to a multiply and shifts
+                # a literal divisor: the division compiles to a multiply and shifts (a size 0, in a kernel
+                # with nothing to compute, stays an argument: a literal would fold into a division by zero)
+                size = Lit(s) if s else self.ctx.size(s)
                 dims.append(self.define(Bin("%", rest, size), "i"))
                 rest = self.define(Bin("//", rest, size), "q")
             dims += [ZERO] * (len(shape) - len(dims))

@@ -365,3 +365,15 @@ def test_memory_format_is_accepted_as_pytorch_spells_it():
     assert net[0].memory_format == "channels_last"
     net.to(memory_format=ember.contiguous_format)
     assert net[2].memory_format == "contiguous"
+
+
+def test_max_pool_with_more_window_offsets_than_a_byte_counts(device):
+    """A 17x17 window has 289 offsets; increasing values put each window's maximum at the last one."""
+    x = np.arange(18 * 18, dtype=np.float32).reshape(1, 1, 18, 18)
+    e = ember.tensor(x, device=device, requires_grad=True)
+    t = torch.tensor(x, requires_grad=True)
+    out, expected = ember.nn.functional.max_pool2d(e, 17, stride=1), torch.nn.functional.max_pool2d(t, 17, stride=1)
+    out.sum().backward()
+    expected.sum().backward()
+    np.testing.assert_array_equal(out.numpy(), expected.detach().numpy())
+    np.testing.assert_array_equal(e.grad.numpy(), t.grad.numpy())

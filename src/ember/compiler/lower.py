@@ -672,15 +672,16 @@ class RowKernel:
             acc_dt = dtypes.int32 if dt is dtypes.bool_ else dt
             acc = Var(emitter.fresh("acc"), frozenset({"m"}))
             arg = Var(emitter.fresh("arg"), frozenset({"m"})) if arg_reduction else None
-            emitter.emit(Assign((acc,), call("full", identity(r.op, dt), shape=(BLOCK_M, 1), dtype=acc_dt)))
+            start_value = identity(r.op, dt)
+            emitter.emit(Assign((acc,), call("full", start_value, shape=(BLOCK_M, 1), dtype=acc_dt)))
             if arg:
                 emitter.emit(Assign((arg,), call("zeros", shape=(BLOCK_M, 1), dtype=dtypes.int64)))
-            accs.append((r, dt, acc_dt, acc, arg))
+            accs.append((r, dt, acc_dt, start_value, acc, arg))
         self.open_loop()
-        for r, dt, acc_dt, acc, arg in accs:
-            self.accumulate(r, identity(r.op, dt), acc_dt, acc, arg)
+        for r, _, acc_dt, start_value, acc, arg in accs:
+            self.accumulate(r, start_value, acc_dt, acc, arg)
         emitter.block = self.body
-        for r, dt, acc_dt, acc, arg in accs:
+        for r, dt, acc_dt, _, acc, arg in accs:
             result = arg if arg else acc
             if acc_dt is not dt and not arg:  # a bool max or min, accumulated in int32
                 result = emitter.define(Bin("!=", acc, ZERO))

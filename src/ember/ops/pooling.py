@@ -63,9 +63,10 @@ def max_pool2d(x: Tensor, kernel_size, stride=None, padding=0, dilation=1, ceil_
     # as in torch, a window's gradient goes to its first maximal element, not shared among ties. Which
     # kernel offset that is, per output, is one byte (stored once, read by the forward sum and its
     # gradient), rather than a mask per offset
-    target = best.detach()
-    which = full_like(target, len(windows), dtype=dtypes.uint8)
-    for k in reversed(range(len(windows))):
+    target, last = best.detach(), len(windows) - 1
+    # the last offset wins where no earlier one holds the maximum (one of them always does)
+    which = full_like(target, last, dtype=dtypes.uint8 if last <= 255 else dtypes.int32)
+    for k in reversed(range(last)):
         hit = (windows[k] == target) | (windows[k] != windows[k])  # a NaN is the maximum of its window
         which = where(hit, k, which)
     out = None

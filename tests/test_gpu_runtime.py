@@ -56,6 +56,35 @@ def test_cuda_graph_replay_equals_running_the_python(dtype):
         np.testing.assert_allclose(a.astype(np.float32), b.astype(np.float32), rtol=1e-6, atol=1e-7)
 
 
+def test_a_graph_per_argument_buffer_then_copies():
+    """Staging buffers that come back replay their own CUDA graphs without a copy; past GRAPHS_KEPT buffers
+    alive at once, arguments are copied into the program's own."""
+    from ember import jit as jit_module
+
+    model, step = make()
+    data = list(batches(jit_module.GRAPHS_KEPT + 3))
+    expected = [step(x, y).item() for x, y in data * 2]
+    model, step = make()
+    jitted = ember.jit(step)
+    got = [jitted(x, y).item() for x, y in data * 2]
+    (entry,) = jitted._entries.values()
+    assert jitted.why_not_replayed == [] and len(entry.program.graphs) == jit_module.GRAPHS_KEPT
+    assert entry.program.own_arguments is not None
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+def test_two_staging_buffers_replay_two_graphs():
+    model, step = make()
+    data = list(batches(2))
+    expected = [step(x, y).item() for x, y in data * 5]
+    model, step = make()
+    jitted = ember.jit(step)
+    losses = [jitted(x, y) for x, y in data * 5]  # every loss kept: result buffers alternate, then copy
+    (entry,) = jitted._entries.values()
+    assert len(entry.program.graphs) <= 4 and entry.program.own_arguments is None
+    np.testing.assert_allclose([loss.item() for loss in losses], expected, rtol=1e-6)
+
+
 def test_dropout_steps_replay_launch_by_launch_with_fresh_masks():
     model, step = make(dropout=0.3)
     expected = [step(x, y).item() for x, y in batches(6)]

@@ -95,6 +95,57 @@ def test_returned_tensors_are_new_each_call():
     assert len(set(values)) == 4  # training moves the loss, and no call's result was overwritten
 
 
+def test_arguments_are_read_where_they_are(monkeypatch):
+    import torch
+
+    step = ember.jit(lambda x, w: (x * 1.5 + w).relu())
+    xs = [RNG.standard_normal((5, 7)).astype(np.float32) for _ in range(8)]
+    w = RNG.standard_normal(7).astype(np.float32)
+    wt = ember.tensor(w, device="cuda")
+    for x in xs[:3]:
+        step(ember.tensor(x, device="cuda"), wt)
+    copies = []
+    original = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, *a, **k: copies.append(self) or original(self, *a, **k))
+    before = step.stats["replays"]
+    kept = [(x, step(ember.tensor(x, device="cuda"), wt)) for x in xs[3:]]
+    monkeypatch.undo()
+    assert step.stats["replays"] - before == 5 and copies == []
+    for x, got in kept:  # every call's result kept its value through the replays after it
+        np.testing.assert_allclose(got.numpy(), np.maximum(x * np.float32(1.5) + w, 0), rtol=1e-6)
+
+
+def test_a_result_fed_back_as_the_argument_alternates_buffers():
+    step = ember.jit(lambda h, w: (h @ w).tanh() + h)
+    h0 = RNG.standard_normal((4, 6)).astype(np.float32)
+    w = (RNG.standard_normal((6, 6)) * 0.3).astype(np.float32)
+    h, wt = ember.tensor(h0, device="cuda"), ember.tensor(w, device="cuda")
+    history, expected = [], [h0]
+    for _ in range(7):
+        h = step(h, wt)
+        history.append(h)
+        expected.append(np.tanh(expected[-1] @ w) + expected[-1])
+    assert step.stats["replays"] >= 5
+    (entry,) = step._entries.values()
+    assert len(entry.program.results) == 2  # the argument shows one set while the replay writes the other
+    for got, want in zip(history, expected[1:]):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_result_shared_through_dlpack_keeps_its_value():
+    import torch
+
+    step = ember.jit(lambda x: x.exp() - 1)
+    data = [RNG.standard_normal(9).astype(np.float32) for _ in range(6)]
+    results = [step(ember.tensor(x, device="cuda")) for x in data[:3]]
+    shared = torch.from_dlpack(results[-1])
+    later = [step(ember.tensor(x, device="cuda")) for x in data[3:]]
+    assert step.stats["replays"] >= 3
+    np.testing.assert_allclose(shared.cpu().numpy(), np.expm1(data[2]), rtol=1e-5, atol=1e-6)
+    for x, got in zip(data[3:], later):
+        np.testing.assert_allclose(got.numpy(), np.expm1(x), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])
 def test_a_scheduler_changing_the_learning_rate_every_step_is_replayed(optimizer):
     def schedule(opt):

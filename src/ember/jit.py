@@ -11,8 +11,8 @@
 Calls run the function as written (warm-up: kernels compile, optimizer state appears)
 until two in a row ran the same plans; the next one also records every plan it
 executes, and later calls with arguments of the same shapes, dtypes and devices skip
-the Python: they copy the arguments into the recorded step's buffers and replay its
-plans — on a GPU as one CUDA graph, so a step costs one launch of host work.
+the Python: they replay its plans on the arguments where they are — on a GPU as one
+CUDA graph, so a step costs one launch of host work, and no argument is copied.
 
 What may change between replays, and how it is handled:
 - argument shapes, dtypes, devices and aliasing, and non-Tensor argument values: each
@@ -30,7 +30,10 @@ counter, the time) are fixed at the recording, as in `jax.jit` (pass changing va
 Tensor arguments), and values created from host data inside the function are constants.
 Random numbers drawn inside the step are fresh at every replay (such steps replay launch
 by launch instead of as a CUDA graph). Gradients the step leaves in `.grad` are rewritten
-in place by each replay; returned Tensors are new each call. A step that reads a value on
+in place by each replay. Returned Tensors are new each call and keep their values: a replay
+writes its results into buffers no returned Tensor still shows (two sets of them alternate,
+so `h = step(h)` or a loss kept until the next call costs no copy), and a result shared
+outside ember (DLPack) gets a buffer of its own first. A step that reads a value on
 the host (`.item()`), computes on the cpu, takes unhashable arguments (NumPy arrays), steps
 a scheduler inside itself, optimizes gradients of a backward pass run outside it, or adds
 to the `.grad` of the call before cannot be replayed: it keeps running as written, and
@@ -42,12 +45,15 @@ turn that into a `_Program`: which Tensors were rebound (parameters, optimizer s
 which host values were uploaded, which random offsets were drawn, and which Python values
 the step read (guards). A program re-runs the same plans on fixed buffers:
 
-- an argument's buffer is copied into the argument's slot before each replay;
+- an argument is read from its buffer: a replay binds the buffers of its call; a CUDA graph is
+  captured per binding (the usual loop over a few staging buffers, parameters and optimizer
+  state replays graphs it has), up to `GRAPHS_KEPT` of them, beyond which arguments are
+  copied into buffers of the program's own;
 - a state Tensor (a parameter, a moment estimate) lives in one buffer that the replay
   reads and overwrites in place — directly from the kernel that computes the new value
   when that is safe (`writes_in_place`), else through a copy at the end of the plan;
-- everything else the step reads is a constant, and what it computes for Tensors outside
-  the step (gradients, returned values) lands in the same buffers each time.
+- everything else the step reads is a constant; gradients land in the same buffers each
+  time, returned values in one of two sets of buffers (the one no returned Tensor shows).
 """
 
 from __future__ import annotations
@@ -64,7 +70,7 @@ from ember.compiler import KernelKind, Signature
 from ember.ir import Kind, Node, Op
 from ember.ops.random import take_offsets
 from ember.runtime import executor
-from ember.runtime.executor import deferred_interrupt, from_host
+from ember.runtime.executor import deferred_interrupt, from_host, transient
 from ember.tensor import Tensor, realize
 
 
@@ -150,6 +156,8 @@ class _Entry:
     program: _Program | None = None
     failure: str | None = None
 
+
+GRAPHS_KEPT = 4  # CUDA graphs a program captures for different argument buffers, before it copies arguments
 
 # references to a state's node held by a program and by the check itself (`states` entry, loop variable,
 # getrefcount's argument); more means something outside refers to the node
@@ -297,9 +305,10 @@ class _Program:
         slots = _Slots()
         finals = self._find_states(rec, produced_ids, slots)
         arg_nodes = {id(t._node): i for i, t in enumerate(args)}
-        self.arg_slots: dict[int, tuple[int, object]] = {  # id(argument's buffer) -> (argument, own buffer)
-            id(t._node.buffer): (i, graphs.torch.empty_like(t._node.buffer))
-            for i, t in enumerate(args) if t._node.buffer is not None and t.device.type == "cuda"}
+        self.arguments = [i for i, t in enumerate(args) if t._node.buffer is not None and t.device.type == "cuda"]
+        self.arg_slot = {id(args[i]._node.buffer): k for k, i in enumerate(self.arguments)}
+        self.results: list[list] = [[]]  # sets of buffers the returned values are written into, by slot
+        self.result_slot: dict[int, int] = {}  # id(recorded buffer of a returned value) -> its slot
         uploaded = {b: arg_nodes[id(src)] for b, src in rec.uploads.items() if id(src) in arg_nodes}
         returned = {id(t._node) for t in out_leaves if isinstance(t, Tensor)}
         draw_index = {(seed, offset): k for k, (seed, offset, _) in enumerate(rec.draws)}
@@ -307,13 +316,21 @@ class _Program:
         gradients = {id(p.grad._node) for ref, _, _ in rec.grads.values() if (p := ref()) is not None
                      and p.grad is not None}
         steps = [self._bind(r, slots, finals, uploaded, returned - gradients, draw_index) for r in rec.plans]
-        self.out_slots = self._returns(rec, out_leaves, returned, arg_nodes)
+        self.out_slots = self._returns(rec, out_leaves, arg_nodes)
         self.grads = self._gradients(rec, produced_ids)
         self.plans = graphs.Replay(steps)
-        self.why_no_graph = self._capture_graph() if cuda_graph else ""
+        self.handed: list[list[tuple]] = [[]]  # per set of result buffers: (node, replay) last showing them
+        self.calls = 0
+        self.graphs: dict[tuple, object] = {}  # (argument buffers' addresses, result set) -> CUDA graph
+        self.own_arguments: list | None = None  # where arguments are copied once GRAPHS_KEPT graphs exist
+        self.why_no_graph = self._capture_graph([args[i]._node.buffer for i in self.arguments]) if cuda_graph \
+            else "cuda_graph=False"
+        self.graphed = not self.why_no_graph
+        self.plans.bind([None] * len(self.arguments), self.results[0])  # the call's arguments are not held
 
-    def _capture_graph(self) -> str:
-        """Capture the replay as one CUDA graph where it can be; why not, or "" once captured."""
+    def _capture_graph(self, arguments: list) -> str:
+        """Capture the replay, bound to the recorded call's buffers, as a CUDA graph where it can be; why
+        not, or "" once captured."""
         from ember.runtime import cuda  # torch is imported only once a step is replayed
 
         if cuda.INTERPRET:
@@ -321,7 +338,8 @@ class _Program:
         if any(d >= 0 for s in self.plans.steps for d in s.seed_draws):  # a graph's kernel arguments are fixed
             return "the step draws random numbers, which need fresh offsets each replay"
         try:
-            self.plans.capture()
+            self.plans.bind(arguments, self.results[0])
+            self.graphs[_addresses(arguments), 0] = self.plans.capture()
         except Exception as error:  # e.g. a kernel that synchronises; replays stay correct without the graph
             return f"capture failed: {error}"
         return ""
@@ -350,17 +368,21 @@ class _Program:
         from ember.runtime import graphs  # torch is imported only once a step is replayed
 
         inputs, reads_state = [], {}
+        arguments, results_in, results_out = [], [], []
         for i, (leaf, buffer) in enumerate(zip(r.sig.inputs, r.inputs)):
             key = id(buffer)
-            if key in slots.produced:
+            if key in self.result_slot:
+                results_in.append((i, self.result_slot[key]))
+            elif key in slots.produced:
                 buffer = slots.produced[key]
             elif key in slots.state_in:
                 if id(slots.state_in[key]) in slots.written:
                     raise NotCapturable("it reads a value's old version after updating it")
                 buffer = slots.state_in[key]
                 reads_state[id(buffer)] = i
-            elif key in self.arg_slots:
-                buffer = self.arg_slots[key][1]
+            elif key in self.arg_slot:
+                arguments.append((i, self.arg_slot[key]))
+                buffer = None  # bound before each replay
             elif key in uploaded:
                 if all(b is not buffer for _, b, _ in self.uploads):
                     self.uploads.append((uploaded[key], buffer, r.device))
@@ -379,21 +401,28 @@ class _Program:
                 slots.written.add(id(node.buffer))
             elif id(node) in returned:
                 node.set_buffer(buffer.clone())  # this call's result stays; replays write the slot
+                self.result_slot[id(buffer)] = len(self.results[0])
+                results_out.append((j, len(self.results[0])))
+                self.results[0].append(buffer)
             slots.produced[id(r.outputs[j])] = r.outputs[j]
             outputs.append(buffer)
         seed_draws = [draw_index.get(s, -1) for s in r.sig.seeds]
         sig = Signature(r.sig.key, [], r.sig.scalars, r.sig.seeds)  # not the old values' nodes
-        return graphs.ReplayStep(r.plan, sig, r.device, inputs, outputs, copies, seed_draws)
+        return graphs.ReplayStep(r.plan, sig, r.device, inputs, outputs, copies, seed_draws, arguments, results_in,
+                                 results_out)
 
-    @staticmethod
-    def _returns(rec: Recorder, out_leaves: list, returned: set[int], arg_nodes: dict) -> list[tuple]:
-        """How to make each returned leaf: ("computed", buffer, (dtype, device)), ("argument", index, None)
-        or ("value", value, None) for a constant or a Python value."""
-        computed = {id(node): out for r in rec.plans for node, out in zip(r.kept, r.outputs) if id(node) in returned}
+    def _returns(self, rec: Recorder, out_leaves: list, arg_nodes: dict) -> list[tuple]:
+        """How to make each returned leaf: ("result", slot, (dtype, device)) for a value written into the
+        result buffers, ("computed", buffer, (dtype, device)) for one the step keeps (a gradient, a state),
+        ("argument", index, None) or ("value", value, None) for a constant or a Python value."""
+        computed = {id(node): out for r in rec.plans for node, out in zip(r.kept, r.outputs)}
         slots = []
         for t in out_leaves:
-            if isinstance(t, Tensor) and id(t._node) in computed:
-                slots.append(("computed", computed[id(t._node)], (t.dtype, t.device)))
+            placed = (t.dtype, t.device) if isinstance(t, Tensor) else None
+            if isinstance(t, Tensor) and id(computed.get(id(t._node))) in self.result_slot:
+                slots.append(("result", self.result_slot[id(computed[id(t._node)])], placed))
+            elif isinstance(t, Tensor) and id(t._node) in computed:
+                slots.append(("computed", computed[id(t._node)], placed))
             elif isinstance(t, Tensor) and id(t._node) in arg_nodes:
                 slots.append(("argument", arg_nodes[id(t._node)], None))
             else:
@@ -488,24 +517,83 @@ class _Program:
 
     def replay(self, args: list[Tensor]):
         realize(*args)
-        for i, buffer in self.arg_slots.values():
-            buffer.copy_(args[i]._node.buffer)
+        self.calls += 1
         for i, buffer, device in self.uploads:
             buffer.copy_(from_host(args[i]._node.buffer, device))
+        arguments = [args[i]._node.buffer for i in self.arguments]
+        s = self._free_results()
         draws = [take_offsets(n) for n in self.draw_counts] if self.draw_counts else None
         with deferred_interrupt():
-            self.plans.run(draws)
+            self._run(arguments, s, draws)
             self._rebind_gradients()
-        leaves = iter([_returned(value, args) for value in self.out_slots])
+        leaves = iter([self._returned(value, args, s) for value in self.out_slots])
         return nested.rebuild(self.result_structure, leaves)
 
+    def _run(self, arguments: list, s: int, draws: list | None) -> None:
+        """Run the plans on `arguments`, writing the returned values into result set `s`: a CUDA graph
+        captured for these buffers, or one captured now (after running the plans once, which compiles
+        whatever a new binding needs), or launch by launch."""
+        results = self.results[s]
+        if self.graphed:
+            key = (_addresses(arguments), s)
+            if key not in self.graphs and len(self.graphs) >= GRAPHS_KEPT:
+                if self.own_arguments is None:
+                    self.own_arguments = [b.clone() for b in arguments]
+                else:
+                    for own, b in zip(self.own_arguments, arguments):
+                        own.copy_(b)
+                arguments = self.own_arguments
+                key = (_addresses(arguments), s)
+            graph = self.graphs.get(key)
+            if graph is not None:
+                graph.replay()
+                return
+        self.plans.bind(arguments, results)
+        self.plans.run(draws)
+        if self.graphed:
+            try:
+                self.graphs[key] = self.plans.capture()
+            except Exception as error:  # replays stay correct launch by launch
+                self.graphed, self.why_no_graph = False, f"capture failed: {error}"
+        self.plans.bind([None] * len(arguments), results)  # the call's arguments are not held
 
-def _returned(value: tuple, args: list[Tensor]):
-    """One returned leaf: a fresh Tensor of a computed value, an argument, or a value as recorded."""
-    kind, what, placed = value
-    if kind == "computed":
-        return Tensor(Node.from_buffer(what.clone(), *placed))
-    return args[what] if kind == "argument" else what
+    def _free_results(self) -> int:
+        from ember.runtime import graphs  # torch is imported only once a step is replayed
+
+        """A set of result buffers no returned Tensor shows any more: the first such, a second set the first
+        time both would be needed, else the oldest, whose Tensors then get buffers of their own."""
+        for s, handed in enumerate(self.handed):
+            if all(ref() is None for ref, _ in handed):
+                handed.clear()
+                return s
+        if len(self.results) < 2:
+            self.results.append([graphs.torch.empty_like(b) for b in self.results[0]])
+            self.handed.append([])
+            return 1
+        s = min(range(len(self.handed)), key=lambda k: self.handed[k][0][1] if self.handed[k] else 0)
+        for ref, _ in self.handed[s]:
+            node = ref()
+            if node is not None and node.buffer is not None and any(node.buffer is b for b in self.results[s]):
+                node.buffer = node.buffer.clone()
+        self.handed[s] = []
+        return s
+
+    def _returned(self, value: tuple, args: list[Tensor], s: int):
+        """One returned leaf: a Tensor showing result set `s`, a fresh Tensor of a value the step keeps, an
+        argument, or a value as recorded."""
+        kind, what, placed = value
+        if kind == "result":
+            node = Node.from_buffer(self.results[s][what], *placed)
+            self.handed[s].append((weakref.ref(node), self.calls))
+            transient.add(node)
+            return Tensor(node)
+        if kind == "computed":
+            return Tensor(Node.from_buffer(what.clone(), *placed))
+        return args[what] if kind == "argument" else what
+
+
+def _addresses(buffers: list) -> tuple[int, ...]:
+    return tuple(b.data_ptr() for b in buffers)
 
 
 # -- in-place writes ---------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from ember.device import CPU, Device, as_device
 from ember.dtypes import DType
 from ember.errors import DeviceError, DTypeError
 from ember.ir import Node
+from ember.runtime import executor
 
 DL_CPU, DL_CUDA, DL_CUDA_HOST, DL_CUDA_MANAGED = 1, 2, 3, 13
 
@@ -120,7 +121,11 @@ def export(node: Node, **protocol):
 
 
 def _shareable(node: Node):
-    """The node's buffer, made contiguous and writable once (a constant is a read-only broadcast view)."""
+    """The node's buffer, made contiguous and writable once (a constant is a read-only broadcast view), and
+    its own (a result of an ember.jit replay shows a buffer the next replay may write)."""
+    if node in executor.transient:
+        node.buffer = node.buffer.clone()
+        executor.transient.discard(node)
     buffer = node.buffer
     if isinstance(buffer, np.ndarray):
         if not (buffer.flags.c_contiguous and buffer.flags.writeable):

@@ -24,6 +24,9 @@ from ember.errors import DeviceError
 from ember.ir import Node, Op, toposort
 
 recorder = None  # the step ember.jit is recording (an ember.jit.Recorder), None when none is
+# nodes showing a buffer that a later replay of an ember.jit step overwrites (once no returned Tensor shows it):
+# one whose memory is shared outside ember gets a buffer of its own first
+transient: weakref.WeakSet = weakref.WeakSet()
 
 
 def _evaluate_on_cpu(order: list[Node], keep: set[int]) -> dict[int, np.ndarray]:

@@ -1,7 +1,9 @@
 """CUDA graphs: plans re-run on fixed buffers, launch by launch or captured as one graph.
 
-`ember.jit` binds the plans a step ran to fixed buffers (`ReplayStep`) and decides whether their
-`Replay` is captured; an uncaptured one runs plan by plan, each replay with fresh random offsets.
+`ember.jit` binds the plans a step ran to buffers (`ReplayStep`): fixed ones for what the step keeps (its
+intermediates, state, gradients), and, bound anew before a replay (`Replay.bind`), the buffers of the step's
+arguments and of the values it returns. A bound `Replay` runs plan by plan, each time with fresh random offsets,
+or is captured as a CUDA graph (`Replay.capture`), which replays the launches of its binding.
 """
 
 from __future__ import annotations
@@ -26,35 +28,46 @@ class ReplayStep:
     outputs: list[torch.Tensor]
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (destination, source)
     seed_draws: list[int] = field(default_factory=list)  # per entry of sig.seeds: its draw, or -1 if fixed
+    arguments: list[tuple[int, int]] = field(default_factory=list)  # (input position, argument slot)
+    results_in: list[tuple[int, int]] = field(default_factory=list)  # (input position, result slot)
+    results_out: list[tuple[int, int]] = field(default_factory=list)  # (output position, result slot)
 
 
 class Replay:
-    """Plans re-run on fixed buffers: as one CUDA graph once captured, else launch by launch."""
+    """Plans re-run on their buffers, launch by launch or captured as a CUDA graph."""
 
     def __init__(self, steps: list[ReplayStep]):
         self.steps = steps
-        self.graph = None
         self.arenas = [cuda.arena_views(s.plan, cuda.torch_device(s.device), s.device) for s in steps]  # kept alive
 
-    def capture(self) -> None:
-        """Capture the steps as one CUDA graph that `run` replays (with the kernel arguments of the
-        capture: no fresh random offsets); raises what the capture raises."""
+    def bind(self, arguments: list[torch.Tensor], results: list[torch.Tensor]) -> None:
+        """Read the step's arguments from `arguments` and write the values it returns into `results` (by
+        slot), from the next run or capture on."""
+        for step in self.steps:
+            for position, slot in step.arguments:
+                step.inputs[position] = arguments[slot]
+            for position, slot in step.results_in:
+                step.inputs[position] = results[slot]
+            for position, slot in step.results_out:
+                step.outputs[position] = results[slot]
+
+    def capture(self) -> torch.cuda.CUDAGraph:
+        """The steps, as bound, captured as one CUDA graph (with the kernel arguments of the capture: no
+        fresh random offsets); raises what the capture raises."""
         target = cuda.torch_device(self.steps[0].device)
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize(target)
         try:
             launcher.capturing = True
             with torch.cuda.graph(graph):
-                self._launch(None)
+                self.run(None)
         finally:
             launcher.capturing = False
-        self.graph = graph
+        return graph
 
     def run(self, draws: list[tuple[int, int]] | None) -> None:
-        if self.graph is not None:
-            self.graph.replay()
-        else:
-            self._launch(draws)
+        """The steps, as bound, plan by plan; `draws` gives the random offsets of this run."""
+        self._launch(draws)
 
     def _launch(self, draws: list[tuple[int, int]] | None) -> None:
         for step in self.steps:

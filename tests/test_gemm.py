@@ -628,6 +628,23 @@ def test_autotuning_is_off_under_the_interpreter_and_with_ember_autotune_0(monke
     assert autotune.configs_for(problem) == [autotune.default_config(problem)]  # nothing profiled
 
 
+@pytest.mark.parametrize("mnk", [(512, 512, 512), (4096, 4096, 4096), (8192, 64, 4096), (64, 8192, 1024)])
+@pytest.mark.parametrize("dtype", [ember.float16, ember.float32])
+def test_the_short_list_is_bounded_fits_the_problem_and_holds_the_default(monkeypatch, mnk, dtype):
+    from ember.runtime import autotune
+
+    problem = _problem(*mnk, dtype=dtype)
+    monkeypatch.setenv("EMBER_AUTOTUNE", "1")
+    short = autotune.candidates(problem)
+    assert autotune.mode() == "1" and short[0] == autotune.default_config(problem)
+    assert 1 <= len(short) <= autotune.SHORT_LIST and len(set(short)) == len(short)
+    assert all(c.block_m <= problem.m and c.block_n <= problem.n for c in short)
+    monkeypatch.setenv("EMBER_AUTOTUNE", "max")
+    assert autotune.mode() == "max" and len(autotune.candidates(problem)) == len(autotune.CANDIDATES)
+    monkeypatch.setenv("EMBER_AUTOTUNE", "0")
+    assert autotune.mode() == "0"
+
+
 def test_gemms_too_small_to_matter_are_not_profiled(monkeypatch):
     """A GEMM of a microsecond takes the size-based configuration and its fused kernel: profiling it would
     spend seconds of compiling on the first step for nothing."""

@@ -13,13 +13,20 @@ generated kernel (under each of those configurations) against its split form (cu
 prologue and epilogue in kernels of their own). Both times and the winner are kept
 on disk too, and `ember.explain` shows them.
 
-`EMBER_AUTOTUNE=0` profiles nothing: a size-based default configuration and the
-generated kernel. Under the interpreter nothing is profiled either, and neither is a
-problem too small for tuning to matter (`SMALLEST_TUNED`).
+How much is searched is bounded by `EMBER_AUTOTUNE`:
+- `1` (the default): a short list (`SHORT_LIST` candidates whose tiles fit the problem, the
+  size-based default among them), compiled in parallel before any is timed, and the fused kernel
+  tried under the best `RANKED_SHORT` of them: seconds for a first training step;
+- `max`: every candidate, the fused kernel under the best `RANKED` (minutes for a first step);
+- `0`: nothing profiled: a size-based default configuration and the generated kernel.
+Under the interpreter nothing is profiled either, and neither is a problem too small for
+tuning to matter (`SMALLEST_TUNED`). A tuned problem is tuned once: the disk cache answers
+every later process, whatever the mode.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -112,8 +119,35 @@ def default_config(problem: Problem) -> Config:
     return Config(block_m, block_n, min(depth, problem.k), 8, warps, 3)
 
 
+def mode() -> str:
+    """EMBER_AUTOTUNE: "0" (nothing profiled), "1" (a short list, the default) or "max" (every candidate)."""
+    value = os.environ.get("EMBER_AUTOTUNE", "1").strip().lower()
+    if value in ("0", "", "off", "false"):
+        return "0"
+    return "max" if value == "max" else "1"
+
+
 def enabled() -> bool:
-    return not cuda.INTERPRET and torch.cuda.is_available() and os.environ.get("EMBER_AUTOTUNE", "1") not in ("0", "")
+    return not cuda.INTERPRET and torch.cuda.is_available() and mode() != "0"
+
+
+SHORT_LIST = 4  # candidates timed under EMBER_AUTOTUNE=1
+RANKED_SHORT = 2  # of which the fused kernel tries the best
+
+
+def candidates(problem: Problem) -> list[Config]:
+    """The configurations timed on the bare GEMM: every candidate under EMBER_AUTOTUNE=max; else the
+    size-based default and the first candidates whose tiles the problem fills."""
+    depth = 1 if problem.dtype != "float32" else 2  # float32 tiles take half the K depth
+    every = [Config(c.block_m, c.block_n, c.block_k // depth, c.group_m, c.num_warps, c.num_stages)
+             for c in CANDIDATES]
+    if mode() == "max":
+        return every
+    short = [default_config(problem)]
+    for c in every:
+        if len(short) < SHORT_LIST and c not in short and c.block_m <= problem.m and c.block_n <= problem.n:
+            short.append(c)
+    return short
 
 
 # Below this many multiply-adds (512^3, rounded sizes) a GEMM runs in about a microsecond, less than a
@@ -170,7 +204,7 @@ def _remember(key: str, value: dict) -> None:
 
 # -- profiling ---------------------------------------------------------------------------------
 
-RANKED = 3  # the bare GEMM's fastest configurations, each tried with the fused kernel's epilogue
+RANKED = 3  # the bare GEMM's fastest configurations, each tried with the fused kernel's epilogue (max)
 
 
 def configs_for(problem: Problem) -> list[Config]:
@@ -185,6 +219,18 @@ def configs_for(problem: Problem) -> list[Config]:
     ranked = _profile_bare(problem)
     _remember(f"config {problem.key}", {"ranked": [asdict(c) for c, _ in ranked], "ms": [ms for _, ms in ranked]})
     return [c for c, _ in ranked]
+
+
+def needs_profiling(problem: Problem) -> bool:
+    return worth_tuning(problem) and not cached_configs(problem)
+
+
+def compile_jobs(problem: Problem) -> list:
+    """Calls that compile the problem's bare GEMM under each candidate (without running it), for a
+    pool to run before `configs_for` times them."""
+    bare = _bare(problem)
+    return [functools.partial(bare.fn.warmup, *bare.args, grid=config.grid(1, problem.m, problem.n),
+                              **config.launch_options()) for config in candidates(problem)]
 
 
 def cached_configs(problem: Problem) -> list[Config]:
@@ -203,36 +249,51 @@ def cached_choice(kernel_name: str, problem: Problem) -> dict | None:
         else None
 
 
+@dataclass
+class _Bare:
+    """A problem's bare GEMM: its kernel and arguments (random operands), for compiling and timing."""
+
+    fn: object
+    args: list
+
+
+_bares: dict[Problem, _Bare] = {}
+
+
+def _bare(problem: Problem) -> _Bare:
+    if problem not in _bares:
+        dtype = dtypes.to_torch(dtypes.as_dtype(problem.dtype))
+        a_shape = (problem.m, problem.k) if problem.layout[0] != "t" else (problem.k, problem.m)
+        b_shape = (problem.k, problem.n) if problem.layout[1] != "t" else (problem.n, problem.k)
+        a = torch.randn(a_shape, device="cuda").to(dtype)
+        b = torch.randn(b_shape, device="cuda").to(dtype)
+        source = _bare_gemm(problem, a, b)
+        launch = source.launches[0]
+        out = torch.empty((problem.m, problem.n), device="cuda", dtype=dtype)
+        args = [a, b, out] + [arg.value for arg in launch.args if arg.kind == "size"]
+        _bares[problem] = _Bare(getattr(disk.load_source(source), launch.function), args)
+    return _bares[problem]
+
+
 def _profile_bare(problem: Problem) -> list[tuple[Config, float]]:
     from tqdm import tqdm  # a progress bar only while profiling
 
-    dtype = dtypes.to_torch(dtypes.as_dtype(problem.dtype))
-    a_shape = (problem.m, problem.k) if problem.layout[0] != "t" else (problem.k, problem.m)
-    b_shape = (problem.k, problem.n) if problem.layout[1] != "t" else (problem.n, problem.k)
-    a = torch.randn(a_shape, device="cuda").to(dtype)
-    b = torch.randn(b_shape, device="cuda").to(dtype)
-    source = _bare_gemm(problem, a, b)
-    module = disk.load_source(source)
-    launch = source.launches[0]
-    fn = getattr(module, launch.function)
-    out = torch.empty((problem.m, problem.n), device="cuda", dtype=dtype)
-    args = [a, b, out] + [arg.value for arg in launch.args if arg.kind == "size"]
-    depth = 1 if problem.dtype != "float32" else 2
-    candidates = [Config(c.block_m, c.block_n, c.block_k // depth, c.group_m, c.num_warps, c.num_stages)
-                  for c in CANDIDATES]
+    bare = _bare(problem)
     timed = []
-    bar = tqdm(candidates, desc=f"ember: tuning GEMM {problem.key}", leave=False, file=sys.stderr,
+    bar = tqdm(candidates(problem), desc=f"ember: tuning GEMM {problem.key}", leave=False, file=sys.stderr,
                disable=None)
     for config in bar:
         grid, options = config.grid(1, problem.m, problem.n), config.launch_options()
         try:
-            ms = time_ms(lambda grid=grid, options=options: fn.run(*args, grid=grid, warmup=False, **options))
+            ms = time_ms(lambda grid=grid, options=options: bare.fn.run(*bare.args, grid=grid, warmup=False,
+                                                                         **options))
         except Exception:  # e.g. more shared memory than this GPU has: not a candidate here
             continue
         timed.append((config, ms))
     bar.close()
+    del _bares[problem]  # its operands are not needed again
     timed.sort(key=lambda pair: pair[1])
-    return timed[:RANKED] or [(default_config(problem), math.inf)]
+    return timed[:RANKED if mode() == "max" else RANKED_SHORT] or [(default_config(problem), math.inf)]
 
 
 def _bare_gemm(problem: Problem, a: torch.Tensor, b: torch.Tensor):

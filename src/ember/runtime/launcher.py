@@ -14,7 +14,7 @@ from ember.device import Device
 from ember.errors import CompileError, OutOfMemoryError
 from ember.ir import Node, Op
 from ember.ir.ops import STRIDED_VIEWS
-from ember.runtime import autotune, cuda, disk, executor, plan_cache
+from ember.runtime import autotune, compiling, cuda, disk, executor, plan_cache
 
 if TYPE_CHECKING:
     from ember.compiler import Launch
@@ -52,6 +52,8 @@ def execute(plan: Plan, sig: Signature, device: Device, inputs: list[torch.Tenso
         result.append(buffers[id(o)])
     if plan.prepared is None:
         plan.prepared = [_step(ck) for ck in plan.kernels]
+        if not cuda.INTERPRET:
+            _compile_all(plan.prepared, buffers, sig, target)
     try:
         if plan.schedule.groups and capturing:
             _run_streams(plan, buffers, sig, target)
@@ -110,9 +112,51 @@ def _step(ck: CompiledKernel):
         return functools.partial(_matmul, kernel.outputs[0])
     if kernel.kind is KernelKind.CONV2D:
         return functools.partial(_conv2d, kernel.outputs[0])
-    module = disk.load_source(ck.source)
-    launches = [_prepared_launch(module, launch) for launch in ck.source.launches if launch.grid]
-    return functools.partial(_run_launches, launches, ck)
+    return _KernelStep(ck)
+
+
+class _KernelStep:
+    """A generated kernel (one launch, or a few for a staged reduction)."""
+
+    def __init__(self, ck: CompiledKernel):
+        self.ck = ck
+        module = disk.load_source(ck.source)
+        self.launches = [_prepared_launch(module, launch) for launch in ck.source.launches if launch.grid]
+
+    def __call__(self, buffers: dict[int, torch.Tensor], sig: Signature) -> None:
+        _run_launches(self.launches, self.ck, buffers, sig)
+
+    def compile_jobs(self, buffers: dict[int, torch.Tensor], sig: Signature) -> list:
+        return _compile_jobs(self.launches, buffers, sig)
+
+
+def _compile_jobs(launches: list, buffers: dict[int, torch.Tensor], sig: Signature) -> list:
+    """Calls compiling these launches for the arguments of a run, without running them."""
+    jobs = []
+    for fn, grid, recipe, options in launches:
+        try:
+            args = _arguments(recipe, buffers, sig)
+        except KeyError:  # a buffer made during the run (a split GEMM's intermediate): compiled when it runs
+            continue
+        jobs.append(functools.partial(fn.warmup, *args, grid=grid, **options))
+    return jobs
+
+
+def _compile_all(steps: list, buffers: dict[int, torch.Tensor], sig: Signature, target) -> None:
+    """Compile every kernel a plan's first run needs, in parallel: its kernels, the candidates of GEMM
+    problems not yet tuned, then (once those are timed) its GEMM kernels under the winning configurations."""
+    def on_device(jobs: list) -> list:
+        return [functools.partial(_on, target, job) for job in jobs]
+
+    compiling.run(on_device([job for step in steps if hasattr(step, "compile_jobs")
+                             for job in step.compile_jobs(buffers, sig)]))
+    compiling.run(on_device([job for step in steps if isinstance(step, _GemmStep)
+                             for job in step.tuned_compile_jobs(buffers, sig)]))
+
+
+def _on(target, job) -> None:
+    with torch.cuda.device(target):  # a pool's thread starts on the first GPU
+        job()
 
 
 _ARG_KINDS = {"read": 0, "write": 0, "size": 1, "bound": 1, "scalar": 2, "seed": 3, "offset": 4}
@@ -143,13 +187,43 @@ class _GemmStep:
         self.ck = ck
         self.module = disk.load_source(ck.source)
         self.problem = gemm_problem(ck)
-        self.configs = autotune.configs_for(self.problem)
-        self.launches = {c: [_prepared_launch(self.module, ck.source.launches[0], c)] for c in self.configs}
-        self.fused = self.launches[self.configs[0]]
+        self.configs: list[autotune.Config] = []  # best first, known once the problem is tuned
+        self.launches: dict[autotune.Config, list] = {}
+        self.fused: list = []
         self.split = [_step(c) for c in ck.split]
         self.workspace = ck.kernel.split_stored_nodes()
         self.atomic = [(id(o), identity) for o, identity in ck.atomic_outputs]
         self.choice: dict | None = None  # "chosen" ("triton" or "cublas"), "triton_ms", "cublas_ms", "config"
+
+    def _tuned(self) -> None:
+        if not self.configs:
+            self.configs = autotune.configs_for(self.problem)
+            for c in self.configs:
+                self.launches[c] = [_prepared_launch(self.module, self.ck.source.launches[0], c)]
+            self.fused = self.launches[self.configs[0]]
+
+    def compile_jobs(self, buffers: dict[int, torch.Tensor], sig: Signature) -> list:
+        """The first wave: the bare GEMM's candidates if its problem is not tuned yet, and the split form
+        where it may run."""
+        jobs = autotune.compile_jobs(self.problem) if autotune.needs_profiling(self.problem) else []
+        choice = self._cached_choice()
+        if cuda.gemm_backend == "cublas" or (choice or {}).get("chosen") != "triton":
+            jobs += [job for step in self.split if hasattr(step, "compile_jobs")
+                     for job in step.compile_jobs(buffers, sig)]
+        return jobs
+
+    def tuned_compile_jobs(self, buffers: dict[int, torch.Tensor], sig: Signature) -> list:
+        """The second wave (tuning the bare GEMM now if needed): the fused kernel under the configurations
+        it may run with."""
+        if cuda.gemm_backend == "cublas" or (self._cached_choice() or {}).get("chosen") == "cublas":
+            return []
+        self._tuned()
+        return [job for launches in self.launches.values() for job in _compile_jobs(launches, buffers, sig)]
+
+    def _cached_choice(self) -> dict | None:
+        if self.choice is None and autotune.worth_tuning(self.problem):
+            return autotune.cached_choice(self.ck.source.name, self.problem)
+        return self.choice
 
     def _use(self, config: autotune.Config) -> None:
         if config not in self.launches:
@@ -157,6 +231,7 @@ class _GemmStep:
         self.fused = self.launches[config]
 
     def __call__(self, buffers: dict[int, torch.Tensor], sig: Signature) -> None:
+        self._tuned()
         if self._chosen(buffers, sig) != "triton":
             self._run_split(buffers, sig)
             return
@@ -206,18 +281,23 @@ class _GemmStep:
         return choice["chosen"]
 
 
+def _arguments(recipe: list, buffers: dict[int, torch.Tensor], sig: Signature) -> list:
+    args = []
+    for kind, value in recipe:
+        if kind == 0:
+            args.append(buffers[value])
+        elif kind == 1:
+            args.append(value)
+        elif kind == 2:
+            args.append(sig.scalars[value])
+        else:
+            args.append(sig.seeds[value][kind - 3])
+    return args
+
+
 def _run_launches(launches: list, ck: CompiledKernel, buffers: dict[int, torch.Tensor], sig: Signature) -> None:
     for fn, grid, recipe, options in launches:
-        args = []
-        for kind, value in recipe:
-            if kind == 0:
-                args.append(buffers[value])
-            elif kind == 1:
-                args.append(value)
-            elif kind == 2:
-                args.append(sig.scalars[value])
-            else:
-                args.append(sig.seeds[value][kind - 3])
+        args = _arguments(recipe, buffers, sig)
         try:
             fn.run(*args, grid=grid, warmup=False, **options)
         except torch.cuda.OutOfMemoryError:

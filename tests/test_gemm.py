@@ -538,6 +538,9 @@ def test_a_repeated_gemm_step_hits_the_plan_cache_and_a_new_process_reads_it_fro
     monkeypatch.setattr(cuda, "gemm_backend", "cublas")  # another form: another plan
     assert_matches(step(), expected)
     assert made("plans_compiled") == 2
+    plan_cache.clear()  # the split form read back: it finds the intermediates it stores
+    assert_matches(step(), expected)
+    assert made("plans_loaded") == 2
 
 
 # -- autotune, without a GPU ---------------------------------------------------------------------

@@ -272,6 +272,14 @@ class Tensor:
         return self.dtype.is_floating_point
 
     # -- in-place updates --------------------------------------------------------------
+    def _show(self, node: Node) -> None:
+        """Show `node` from now on: an update built without ops (of this Tensor's shape and dtype, outside
+        autograd), as `assign` would."""
+        if executor.recorder is not None:
+            executor.recorder.note_rebind(self, self._node)
+        self._node = node
+        _hold(node, self)
+
     def assign(self, value) -> Tensor:
         """Make this Tensor show `value` from now on (same shape); the core of every `x.op_()`."""
         # the op modules import this one: they load after it

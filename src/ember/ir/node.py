@@ -14,6 +14,8 @@ from ember.dtypes import DType
 from ember.errors import device_mismatch
 from ember.ir.ops import Kind, Op, infer
 
+made: list | None = None  # while a template records (ember.ir.template), the nodes `make` makes
+
 
 class Node:
     __slots__ = ("op", "inputs", "attrs", "shape", "dtype", "device", "buffer", "handles", "__weakref__")
@@ -40,7 +42,10 @@ class Node:
                 raise device_mismatch(op.label, *inputs)
         assert device is not None, f"{op.label}: a leaf needs a device"
         shape, dtype = infer(op, inputs, attrs)
-        return Node(op, inputs, attrs, shape, dtype, device)
+        node = Node(op, inputs, attrs, shape, dtype, device)
+        if made is not None:
+            made.append(node)
+        return node
 
     @staticmethod
     def from_buffer(buffer, dtype: DType, device: Device) -> Node:

@@ -7,6 +7,11 @@ it. What changes at every step (Adam's step count) lives in state tensors that t
 step updates; hyper-parameters (the learning rate, betas, momentum...) enter the graph
 as Python floats, runtime scalars of the kernels, and a captured step (`ember.jit`)
 guards them: a replay after one of them changed captures the step again.
+
+A parameter's update is built by running `_update` once per kind of parameter (its shapes, dtypes,
+device, state and group settings); that call is recorded as a template (`ember.ir.template`), and the
+update of every later parameter of that kind is built from it directly, without running `_update`'s
+Python again: the bulk of a lazy step's graph building is the optimizer's.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from collections.abc import Callable, Iterable
 
 from ember import dtypes
 from ember.autograd import enable_grad, no_grad
+from ember.ir.template import Template, recording, template
 from ember.ops.creation import tensor as _tensor
 from ember.ops.creation import zeros_like
 from ember.runtime import executor
@@ -34,6 +40,7 @@ class Optimizer:
     """Base class: subclasses set `defaults` and implement `_update(param, grad, state, group)`."""
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict], defaults: dict) -> None:
+        self._templates: dict[tuple, Template | None] = {}
         if isinstance(params, Tensor):
             raise TypeError("params must be an iterable of Tensors or dicts, not a single Tensor "
                             "(pass model.parameters() or [tensor])")
@@ -86,13 +93,17 @@ class Optimizer:
         updated = []
         with no_grad():
             for group in self.param_groups:
+                settings = _settings(group)
                 for p in group["params"]:
                     if p.grad is None:
                         continue
                     if executor.recorder is not None:
                         executor.recorder.note_grad_read(p)
                     state = self.state.setdefault(p, {})
-                    self._update(p, p.grad, state, group)
+                    if state and settings is not None:
+                        self._update_from_template(p, p.grad, state, group, settings)
+                    else:  # the first update makes the state
+                        self._update(p, p.grad, state, group)
                     updated.append(p)
         states = [v for p in updated for v in self.state[p].values() if isinstance(v, Tensor)]
         realize(*updated, *states, *([loss] if isinstance(loss, Tensor) else []))
@@ -100,6 +111,28 @@ class Optimizer:
 
     def _update(self, param: Tensor, grad: Tensor, state: dict, group: dict) -> None:
         raise NotImplementedError
+
+    def _update_from_template(self, param: Tensor, grad: Tensor, state: dict, group: dict, settings: tuple) -> None:
+        """`_update`, built from the template of the first update of its kind (recorded now if there is none)."""
+        names = tuple(state)
+        held = [state[k] for k in names]
+        if not all(isinstance(v, Tensor) for v in held):
+            self._update(param, grad, state, group)
+            return
+        inputs = [param._node, grad._node, self._lr(group, param.device, param.dtype)._node, *(v._node for v in held)]
+        key = (settings, names, *((n.shape, n.dtype, n.device) for n in inputs))
+        recorded = self._templates.get(key, False)
+        if recorded is False:
+            with recording() as made:
+                self._update(param, grad, state, group)
+            same = tuple(state) == names and all(state[k] is v for k, v in zip(names, held))
+            outputs = [param._node, *(v._node for v in held)]
+            self._templates[key] = template(inputs, outputs, made) if same else None
+        elif recorded is None:  # this kind of update cannot be recorded
+            self._update(param, grad, state, group)
+        else:
+            for t, node in zip((param, *held), recorded.build(inputs)):
+                t._show(node)
 
     def _hyper_parameters(self) -> tuple:
         """Every group's settings but its parameters and learning rate: what a captured step reads from
@@ -187,3 +220,14 @@ class Optimizer:
             lines.append(f"Parameter Group {i}")
             lines.extend(f"    {k}: {v}" for k, v in sorted(group.items()) if k != "params")
         return "\n".join(lines) + "\n)"
+
+
+def _settings(group: dict) -> tuple | None:
+    """What an update's graph depends on in its group: every setting but the parameters and the learning
+    rate (a tensor the update reads); None when a setting is not hashable."""
+    settings = (id(group), *((k, v) for k, v in group.items() if k not in ("params", "lr")))
+    try:
+        hash(settings)
+    except TypeError:
+        return None
+    return settings

@@ -1,0 +1,77 @@
+"""Templates: the nodes a function built, recorded once, to build again from other inputs without running
+the function's Python.
+
+An optimizer builds the same subgraph for every parameter of a shape, step after step: an Adam update is
+about 35 nodes, each through operator dispatch, type promotion, broadcasting and the shape rules. Recorded
+once as a template (valid for inputs of the same shapes, dtypes and devices, and for whatever Python values
+the caller keys it by), the update is built again by making its nodes directly, with their recorded shapes
+and dtypes. Constants are leaves no value depends on but their own: one node serves every build.
+
+A function can be recorded when every node its outputs depend on is one of its inputs or a node it made,
+pending (not realized while it ran), and not random (a random node draws a new offset each time it is made).
+"""
+
+from __future__ import annotations
+
+from ember.ir import node as _graph
+from ember.ir.node import Node
+from ember.ir.ops import Op
+
+
+class Template:
+    __slots__ = ("steps", "outputs")
+
+    def __init__(self, steps: list[tuple], outputs: list[int]):
+        self.steps = steps  # (op, input indices, attrs, shape, dtype, device, shared node or None)
+        self.outputs = outputs  # indices into inputs + built nodes
+
+    def build(self, inputs: list[Node]) -> list[Node]:
+        """The recorded nodes made again on `inputs` (of the recorded shapes, dtypes and devices)."""
+        made = list(inputs)
+        append = made.append
+        for op, refs, attrs, shape, dtype, device, shared in self.steps:
+            if shared is not None:
+                append(shared)
+            else:
+                append(Node(op, tuple([made[r] for r in refs]), attrs, shape, dtype, device))
+        return [made[i] for i in self.outputs]
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+
+class recording:
+    """`with recording() as made:` lists, in order, the nodes made in the block (by `Node.make`)."""
+
+    def __enter__(self) -> list[Node]:
+        self.outer, _graph.made = _graph.made, []
+        return _graph.made
+
+    def __exit__(self, *exc) -> None:
+        made, _graph.made = _graph.made, self.outer
+        if self.outer is not None:
+            self.outer.extend(made)
+
+
+def template(inputs: list[Node], outputs: list[Node], made: list[Node]) -> Template | None:
+    """The template of a recorded call that took `inputs`, made `made` and produced `outputs`; None when
+    the outputs depend on anything else, or on a node that was realized or draws random numbers."""
+    index = {id(n): i for i, n in enumerate(inputs)}
+    made_ids = {id(n) for n in made}
+    needed: set[int] = set()
+    stack = [o for o in outputs if id(o) not in index]
+    while stack:
+        n = stack.pop()
+        if id(n) in needed or id(n) in index:
+            continue
+        if id(n) not in made_ids or n.realized or n.op is Op.RAND:
+            return None
+        needed.add(id(n))
+        stack.extend(n.inputs)
+    steps = []
+    for n in made:  # in the order they were made: inputs before users
+        if id(n) in needed:
+            index[id(n)] = len(inputs) + len(steps)
+            shared = n if n.op is Op.CONST and all(o is not n for o in outputs) else None
+            steps.append((n.op, tuple(index[id(i)] for i in n.inputs), n.attrs, n.shape, n.dtype, n.device, shared))
+    return Template(steps, [index[id(o)] for o in outputs])

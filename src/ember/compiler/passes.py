@@ -24,19 +24,8 @@ import numpy as np
 
 from ember import dtypes
 from ember.ir import Kind, Node, Op, toposort
+from ember.ir.node import is_runtime_scalar, static_key
 from ember.ir.ops import RULES
-
-# Float constants with these values are part of a plan's structure (and may be simplified
-# away); every other float constant is a runtime argument, so a changing learning rate
-# does not compile a new plan.
-STRUCTURAL_FLOATS = frozenset({0.0, 1.0, -1.0, 2.0, 0.5})
-
-
-def _is_runtime_scalar(node: Node) -> bool:
-    if node.op is not Op.CONST or not node.dtype.is_floating_point:
-        return False
-    value = node.attrs["value"]
-    return not (value in STRUCTURAL_FLOATS or math.isinf(value) or math.isnan(value))
 
 
 def _attr_key(value):
@@ -60,32 +49,35 @@ class Signature:
 
 
 def signature(order: list[Node], keep: set[int]) -> Signature:
-    # This runs on every realization, plan-cache hits included, so it is written for speed:
+    # This runs on every realization, plan-cache hits included, so it is written for speed: a node's own
+    # part of the key (static_key) is computed once and kept on it (a template's nodes share theirs), and
     # attribute values are already hashable tuples, numbers, dtypes and devices.
     sig = Signature(key=())
+    inputs, scalars, seeds = sig.inputs, sig.scalars, sig.seeds
     position: dict[int, int] = {}
+    get = position.get
     parts = []
     append = parts.append
     rand, const = Op.RAND, Op.CONST
     for node in order:
+        refs = []
         for i in node.inputs:
-            if i.buffer is not None and id(i) not in position:
-                position[id(i)] = -1 - len(sig.inputs)
-                sig.inputs.append(i)
+            at = get(id(i))
+            if at is None:  # a realized leaf (pending inputs come first in `order`)
+                at = position[id(i)] = -1 - len(inputs)
+                inputs.append(i)
                 append((i.shape, i.dtype))
-        op = node.op
+            refs.append(at)
+        static = node.static
+        if static is None:
+            static = node.static = static_key(node)
+        op = static[0]
         if op is rand:
-            sig.seeds.append((node.attrs["seed"], node.attrs["offset"]))
-            attrs = node.attrs["distribution"]
-        elif op is const and _is_runtime_scalar(node):
-            sig.scalars.append(node.attrs["value"])
-            attrs = None
-        elif op is const and node.attrs["value"] != node.attrs["value"]:
-            attrs = ("nan", node.attrs["dtype"])  # NaN is not equal to itself
-        else:
-            attrs = tuple(node.attrs.items())
+            seeds.append((node.attrs["seed"], node.attrs["offset"]))
+        elif op is const and static[3] is None:
+            scalars.append(node.attrs["value"])
         position[id(node)] = len(parts)
-        append((op, node.shape, node.dtype, attrs, tuple([position[id(i)] for i in node.inputs]), id(node) in keep))
+        append((static, tuple(refs), id(node) in keep))
     sig.key = tuple(parts)
     return sig
 
@@ -119,7 +111,7 @@ def lower(order: list[Node], keep: set[int], sig: Signature, channels_last: bool
         if node.op is Op.RAND:
             attrs = {"distribution": attrs["distribution"], "seed_arg": rand_index, "shape": node.shape}
             rand_index += 1
-        elif _is_runtime_scalar(node):
+        elif is_runtime_scalar(node):
             attrs = {"shape": node.shape, "dtype": node.dtype, "value": attrs["value"], "arg": scalar_index}
             scalar_index += 1
         new = builder.make(node.op, ins, attrs, node)

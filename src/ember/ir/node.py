@@ -6,6 +6,7 @@ its inputs, so the graph behind a realized value can be freed.
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Iterable
 
@@ -18,10 +19,10 @@ made: list | None = None  # while a template records (ember.ir.template), the no
 
 
 class Node:
-    __slots__ = ("op", "inputs", "attrs", "shape", "dtype", "device", "buffer", "handles", "__weakref__")
+    __slots__ = ("op", "inputs", "attrs", "shape", "dtype", "device", "buffer", "handles", "static", "__weakref__")
 
     def __init__(self, op: Op, inputs: tuple[Node, ...], attrs: dict, shape: tuple[int, ...],
-                 dtype: DType, device: Device, buffer=None):
+                 dtype: DType, device: Device, buffer=None, static: tuple | None = None):
         self.op = op
         self.inputs = inputs
         self.attrs = attrs
@@ -30,6 +31,7 @@ class Node:
         self.device = device
         self.buffer = buffer
         self.handles: list[weakref.ref] = []  # the Tensors that show this node to the user
+        self.static = static  # its part of a plan key (static_key), once a signature has read it
 
     @staticmethod
     def make(op: Op, inputs: tuple[Node, ...] = (), device: Device | None = None, **attrs) -> Node:
@@ -59,6 +61,7 @@ class Node:
         self.op, self.inputs, self.attrs, self.shape, self.dtype, self.device = state
         self.buffer = None
         self.handles = []
+        self.static = None
 
     @property
     def realized(self) -> bool:
@@ -81,30 +84,62 @@ class Node:
         self.op = Op.BUFFER
         self.inputs = ()
         self.attrs = {}
+        self.static = None
 
     def __repr__(self) -> str:
         return f"Node({self.op.label}, shape={self.shape}, dtype={self.dtype.name}, device={self.device})"
 
 
+# Float constants with these values are part of a plan's structure (and may be simplified away); every other
+# float constant is a runtime argument, so a changing learning rate does not compile a new plan.
+STRUCTURAL_FLOATS = frozenset({0.0, 1.0, -1.0, 2.0, 0.5})
+
+
+def is_runtime_scalar(node: Node) -> bool:
+    if node.op is not Op.CONST or not node.dtype.is_floating_point:
+        return False
+    value = node.attrs["value"]
+    return not (value in STRUCTURAL_FLOATS or math.isinf(value) or math.isnan(value))
+
+
+def static_key(node: Node) -> tuple:
+    """A pending node's own part of the structural key of a graph (its inputs' part is their positions):
+    op, shape, dtype and attributes, without what changes from step to step (a runtime scalar's value, a
+    random draw's seed and offset)."""
+    op, attrs = node.op, node.attrs
+    if op is Op.RAND:
+        own = attrs["distribution"]
+    elif op is Op.CONST and is_runtime_scalar(node):
+        own = None
+    elif op is Op.CONST and attrs["value"] != attrs["value"]:
+        own = ("nan", attrs["dtype"])  # NaN is not equal to itself
+    else:
+        own = tuple(attrs.items())
+    return (op, node.shape, node.dtype, own)
+
+
 def toposort(roots: Iterable[Node]) -> list[Node]:
     """Unrealized nodes needed for `roots`, inputs before users (iterative: graphs get deep)."""
     order: list[Node] = []
+    append = order.append
     seen: set[int] = set()
+    see = seen.add
     for root in roots:
-        if root.realized or id(root) in seen:
+        if root.buffer is not None or id(root) in seen:
             continue
-        seen.add(id(root))
+        see(id(root))
         stack = [(root, iter(root.inputs))]
+        push, pop = stack.append, stack.pop
         while stack:
             node, it = stack[-1]
             for child in it:
-                if not child.realized and id(child) not in seen:
-                    seen.add(id(child))
-                    stack.append((child, iter(child.inputs)))
+                if child.buffer is None and id(child) not in seen:
+                    see(id(child))
+                    push((child, iter(child.inputs)))
                     break
             else:
-                stack.pop()
-                order.append(node)
+                pop()
+                append(node)
     return order
 
 

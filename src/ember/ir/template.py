@@ -14,7 +14,7 @@ pending (not realized while it ran), and not random (a random node draws a new o
 from __future__ import annotations
 
 from ember.ir import node as _graph
-from ember.ir.node import Node
+from ember.ir.node import Node, static_key
 from ember.ir.ops import Op
 
 
@@ -22,18 +22,18 @@ class Template:
     __slots__ = ("steps", "outputs")
 
     def __init__(self, steps: list[tuple], outputs: list[int]):
-        self.steps = steps  # (op, input indices, attrs, shape, dtype, device, shared node or None)
+        self.steps = steps  # (op, input indices, attrs, shape, dtype, device, static key, shared node or None)
         self.outputs = outputs  # indices into inputs + built nodes
 
     def build(self, inputs: list[Node]) -> list[Node]:
         """The recorded nodes made again on `inputs` (of the recorded shapes, dtypes and devices)."""
         made = list(inputs)
         append = made.append
-        for op, refs, attrs, shape, dtype, device, shared in self.steps:
+        for op, refs, attrs, shape, dtype, device, static, shared in self.steps:
             if shared is not None:
                 append(shared)
             else:
-                append(Node(op, tuple([made[r] for r in refs]), attrs, shape, dtype, device))
+                append(Node(op, tuple([made[r] for r in refs]), attrs, shape, dtype, device, None, static))
         return [made[i] for i in self.outputs]
 
     def __len__(self) -> int:
@@ -73,5 +73,6 @@ def template(inputs: list[Node], outputs: list[Node], made: list[Node]) -> Templ
         if id(n) in needed:
             index[id(n)] = len(inputs) + len(steps)
             shared = n if n.op is Op.CONST and all(o is not n for o in outputs) else None
-            steps.append((n.op, tuple(index[id(i)] for i in n.inputs), n.attrs, n.shape, n.dtype, n.device, shared))
+            steps.append((n.op, tuple(index[id(i)] for i in n.inputs), n.attrs, n.shape, n.dtype, n.device,
+                          static_key(n), shared))
     return Template(steps, [index[id(o)] for o in outputs])

@@ -110,7 +110,7 @@ def realize(nodes: Iterable[Node]) -> None:
     order = pending_on_one_device(requested)
     if not order:
         return
-    keep = {id(n) for n in requested} | {id(n) for n in order if n.is_held()}
+    keep = {id(n) for n in requested} | {id(n) for n in order if n.handles and n.is_held()}
     by_device: dict = {}
     for n in order:
         by_device.setdefault(n.device.type, []).append(n)

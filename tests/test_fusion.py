@@ -221,6 +221,21 @@ def test_random_numbers_match_the_reference_generator():
     assert_close(a, b, atol=1e-6)
 
 
+@pytest.mark.parametrize("start", [2**31 - 300, 2**32 - 300])
+def test_random_numbers_past_2_to_the_31_match_the_reference_generator(start):
+    """A draw's offsets cross 2^31 and 2^32: the kernel reads its offset as 64 bits from device memory and
+    counts on with Philox's second counter word, as the reference does."""
+    from ember.ops import random
+
+    values = []
+    for device in ("cuda", "cpu"):
+        ember.manual_seed(11)
+        random._state.offset = start
+        values.append((ember.rand(1000, device=device), ember.randn(1000, device=device)))
+    for a, b in zip(*values):
+        assert_close(a, b, atol=1e-6)
+
+
 def test_dropout_mask_is_recomputed_not_stored(rng):
     x, _ = pair(rng, 64, 64)
     x.requires_grad_()

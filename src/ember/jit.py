@@ -28,12 +28,13 @@ What may change between replays, and how it is handled:
 What may not: Python values the function computes from anything else (a global, a
 counter, the time) are fixed at the recording, as in `jax.jit` (pass changing values as
 Tensor arguments), and values created from host data inside the function are constants.
-Random numbers drawn inside the step are fresh at every replay (such steps replay launch
-by launch instead of as a CUDA graph). Gradients the step leaves in `.grad` are rewritten
-in place by each replay. Returned Tensors are new each call and keep their values: a replay
-writes its results into buffers no returned Tensor still shows (two sets of them alternate,
-so `h = step(h)` or a loss kept until the next call costs no copy), and a result shared
-outside ember (DLPack) gets a buffer of its own first. A step that reads a value on
+Random numbers drawn inside the step are fresh at every replay, CUDA graph or not: random
+kernels read their (seed, offset) pairs from device memory, which a replay writes first.
+Gradients the step leaves in `.grad` are rewritten in place by each replay. Returned
+Tensors are new each call and keep their values: a replay writes its results into buffers
+no returned Tensor still shows (two sets of them alternate, so `h = step(h)` or a loss kept
+until the next call costs no copy), and a result shared outside ember (DLPack) gets a
+buffer of its own first. A step that reads a value on
 the host (`.item()`), computes on the cpu, takes unhashable arguments (NumPy arrays), steps
 a scheduler inside itself, optimizes gradients of a backward pass run outside it, or adds
 to the `.grad` of the call before cannot be replayed: it keeps running as written, and
@@ -335,8 +336,6 @@ class _Program:
 
         if cuda.INTERPRET:
             return "no GPU: the interpreter replays launch by launch"
-        if any(d >= 0 for s in self.plans.steps for d in s.seed_draws):  # a graph's kernel arguments are fixed
-            return "the step draws random numbers, which need fresh offsets each replay"
         try:
             self.plans.bind(arguments, self.results[0])
             self.graphs[_addresses(arguments), 0] = self.plans.capture()
@@ -408,8 +407,9 @@ class _Program:
             outputs.append(buffer)
         seed_draws = [draw_index.get(s, -1) for s in r.sig.seeds]
         sig = Signature(r.sig.key, [], r.sig.scalars, r.sig.seeds)  # not the old values' nodes
-        return graphs.ReplayStep(r.plan, sig, r.device, inputs, outputs, copies, seed_draws, arguments, results_in,
-                                 results_out)
+        draws = graphs.launcher.upload_draws(r.sig.seeds, graphs.cuda.torch_device(r.device)) if r.sig.seeds else None
+        return graphs.ReplayStep(r.plan, sig, r.device, inputs, outputs, copies, seed_draws, draws, arguments,
+                                 results_in, results_out)
 
     def _returns(self, rec: Recorder, out_leaves: list, arg_nodes: dict) -> list[tuple]:
         """How to make each returned leaf: ("result", slot, (dtype, device)) for a value written into the
@@ -546,6 +546,7 @@ class _Program:
                 key = (_addresses(arguments), s)
             graph = self.graphs.get(key)
             if graph is not None:
+                self.plans.draw(draws)  # the graph's random kernels read their offsets from device memory
                 graph.replay()
                 return
         self.plans.bind(arguments, results)

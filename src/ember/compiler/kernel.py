@@ -225,8 +225,9 @@ class Branch:
 class Param:
     """One argument of a kernel function, as the launcher must supply it."""
 
-    kind: str  # "read", "write", "size", "scalar", "seed", "offset", "bound"
-    value: object  # a Node for read/write, an int for size/bound, an index for scalar/seed/offset
+    kind: str  # "read", "write", "draws", "size", "scalar", "bound"
+    value: object  # a Node for read/write, an int for size/bound, an index for scalar; "draws": the plan's
+    # (seed, offset) pairs, int64 in device memory, one pair per random draw
     name: str
     dtype: DType | None = None  # a scalar's type; without one a Python float reaches the GPU as float32
 

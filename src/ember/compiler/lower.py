@@ -129,7 +129,7 @@ class Context:
         return ONE if value == 1 else self.param("size", value, "n")
 
     def function(self, suffix: str, body: list, constexprs: dict[str, int], grid: int, num_warps: int) -> Function:
-        order = ("read", "write", "size", "scalar", "seed", "offset", "bound")
+        order = ("read", "write", "draws", "size", "scalar", "bound")
         self.params.sort(key=lambda p: order.index(p.kind))
         return Function(suffix, list(self.params), constexprs, body, grid, num_warps)
 
@@ -349,8 +349,11 @@ class Emitter:
                 return self.define(call("full", position, shape=(), dtype=dtypes.int64)), dtypes.int64
             return self.define(call("cast", position, dtype=dtypes.int64)), dtypes.int64
         if node.op is Op.RAND:
+            # (seed, offset) pairs are read from device memory, so a replayed CUDA graph draws fresh numbers
             k = node.attrs["seed_arg"]
-            seed, start = self.ctx.param("seed", k, "seed"), self.ctx.param("offset", k, "offset")
+            draws = self.ctx.param("draws", "draws", "draws")
+            seed = self.define(call("load", add(draws, Lit(2 * k))), "seed")
+            start = self.define(call("load", add(draws, Lit(2 * k + 1))), "start")
             fn = "rand" if node.attrs["distribution"] == "uniform" else "randn"
             return self.define(call(fn, seed, add(start, self.linear(idx, node.shape)))), dtypes.float32
         raise CompileError(f"no code for leaf {node.op.label}")

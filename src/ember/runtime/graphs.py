@@ -28,6 +28,7 @@ class ReplayStep:
     outputs: list[torch.Tensor]
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (destination, source)
     seed_draws: list[int] = field(default_factory=list)  # per entry of sig.seeds: its draw, or -1 if fixed
+    draws: torch.Tensor | None = None  # sig.seeds in device memory, where the plan's random kernels read them
     arguments: list[tuple[int, int]] = field(default_factory=list)  # (input position, argument slot)
     results_in: list[tuple[int, int]] = field(default_factory=list)  # (input position, result slot)
     results_out: list[tuple[int, int]] = field(default_factory=list)  # (output position, result slot)
@@ -67,14 +68,18 @@ class Replay:
 
     def run(self, draws: list[tuple[int, int]] | None) -> None:
         """The steps, as bound, plan by plan; `draws` gives the random offsets of this run."""
-        self._launch(draws)
-
-    def _launch(self, draws: list[tuple[int, int]] | None) -> None:
+        self.draw(draws)
         for step in self.steps:
-            sig = step.sig
-            if draws is not None and step.seed_draws:
-                seeds = [draws[d] if d >= 0 else fixed for d, fixed in zip(step.seed_draws, sig.seeds)]
-                sig = Signature(sig.key, sig.inputs, sig.scalars, seeds)
-            launcher.execute(step.plan, sig, step.device, step.inputs, step.outputs)
+            launcher.execute(step.plan, step.sig, step.device, step.inputs, step.outputs, step.draws)
             for destination, source in step.copies:
                 destination.copy_(source)
+
+    def draw(self, draws: list[tuple[int, int]] | None) -> None:
+        """Write this run's (seed, offset) pairs where the steps' random kernels read them (a captured graph
+        reads them there too); None keeps the recorded ones."""
+        if draws is None:
+            return
+        for step in self.steps:
+            if any(d >= 0 for d in step.seed_draws):
+                seeds = [draws[d] if d >= 0 else fixed for d, fixed in zip(step.seed_draws, step.sig.seeds)]
+                launcher.upload_draws(seeds, step.draws.device, into=step.draws)

@@ -37,11 +37,14 @@ def run(order: list[Node], keep: set[int]) -> dict[int, torch.Tensor]:
 
 
 def execute(plan: Plan, sig: Signature, device: Device, inputs: list[torch.Tensor],
-            outputs: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
+            outputs: list[torch.Tensor | None] | None = None, draws: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Run a plan on `inputs` (one buffer per input of the lowered graph); return one buffer per
-    output. `outputs` may name buffers to write results into (None where the plan should allocate)."""
+    output. `outputs` may name buffers to write results into (None where the plan should allocate);
+    `draws` the device buffer holding sig.seeds (else they are uploaded)."""
     target = cuda.torch_device(device)
     buffers: dict[int, torch.Tensor] = {id(p): b for p, b in zip(plan.lowered.inputs, inputs)}
+    if sig.seeds:
+        buffers[DRAWS] = draws if draws is not None else upload_draws(sig.seeds, target)
     buffers.update(cuda.arena_views(plan, target, device))
     given = outputs or ()
     result = []
@@ -64,6 +67,17 @@ def execute(plan: Plan, sig: Signature, device: Device, inputs: list[torch.Tenso
         raise OutOfMemoryError(f"out of GPU memory running a plan of {len(plan.kernels)} kernels on {device}: "
                                f"{cuda.free_text(target)} ({error})") from None
     return result
+
+
+def upload_draws(seeds: list[tuple[int, int]], target, into: torch.Tensor | None = None) -> torch.Tensor:
+    """(seed, offset) pairs as the int64 device buffer random kernels read (written into `into` if given)."""
+    host = torch.tensor([v for pair in seeds for v in pair], dtype=torch.int64)
+    if into is None:
+        return host.to(target)
+    if into.is_cuda:  # pinned, so the copy neither waits for the GPU nor reads memory reused meanwhile
+        host = host.pin_memory()
+    into.copy_(host, non_blocking=True)
+    return into
 
 
 def _run_streams(plan: Plan, buffers: dict[int, torch.Tensor], sig: Signature, target) -> None:
@@ -159,11 +173,13 @@ def _on(target, job) -> None:
         job()
 
 
-_ARG_KINDS = {"read": 0, "write": 0, "size": 1, "bound": 1, "scalar": 2, "seed": 3, "offset": 4}
+_ARG_KINDS = {"read": 0, "write": 0, "size": 1, "bound": 1, "scalar": 2, "draws": 3}
+DRAWS = 0  # the key of a run's (seed, offset) pairs among its buffers (no node's id is 0)
 
 
 def _prepared_launch(module, launch: Launch, config: autotune.Config | None = None):
-    recipe = [(_ARG_KINDS[a.kind], id(a.value) if a.kind in ("read", "write") else a.value) for a in launch.args]
+    recipe = [(_ARG_KINDS[a.kind], id(a.value) if a.kind in ("read", "write") else DRAWS if a.kind == "draws"
+               else a.value) for a in launch.args]
     if config is not None:  # a GEMM: grid and block sizes from its tuned configuration
         batch, m, n, _ = launch.gemm
         return getattr(module, launch.function), config.grid(batch, m, n), recipe, config.launch_options()
@@ -284,14 +300,12 @@ class _GemmStep:
 def _arguments(recipe: list, buffers: dict[int, torch.Tensor], sig: Signature) -> list:
     args = []
     for kind, value in recipe:
-        if kind == 0:
+        if kind == 0 or kind == 3:
             args.append(buffers[value])
         elif kind == 1:
             args.append(value)
-        elif kind == 2:
-            args.append(sig.scalars[value])
         else:
-            args.append(sig.seeds[value][kind - 3])
+            args.append(sig.scalars[value])
     return args
 
 

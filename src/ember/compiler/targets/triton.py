@@ -198,7 +198,9 @@ class Renderer:
                     masked += f", other={self.expr(options['other'])}"
             name = ATOMIC[options["combine"]] if fn == "atomic" else f"tl.{fn}"
             return f"{name}({', '.join(args)}{masked})"
-        if fn in ("where", "minimum", "maximum", "cdiv", "rand", "randn"):
+        if fn in ("rand", "randn"):
+            return f"lib.{fn}({', '.join(args)})"
+        if fn in ("where", "minimum", "maximum", "cdiv"):
             return f"tl.{fn}({', '.join(args)})"
         if fn == "reduce":
             combine, axis = options["combine"], options["axis"]

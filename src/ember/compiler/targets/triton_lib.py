@@ -158,3 +158,27 @@ def argmin_combine(a, i, b, j):
     b_nan = b != b
     take_b = (b < a) | (b_nan & (a == a)) | (((a == b) | (b_nan & (a != a))) & (j < i))
     return tl.where(take_b, b, a), tl.where(take_b, j, i)
+
+
+@triton.jit
+def _counter_words(offset):
+    """A 64-bit offset as Philox's first two 32-bit counter words (below 2^31 the counter tl.rand uses)."""
+    wide = offset.to(tl.int64)
+    return wide.to(tl.uint32), (wide >> 32).to(tl.uint32)
+
+
+@triton.jit
+def rand(seed, offset):
+    """tl.rand(seed, offset) for offsets of any size: Philox 4x32 on the offset's two words."""
+    low, high = _counter_words(offset)
+    c0, _, _, _ = tl.philox(seed, low, high, low * 0, low * 0)
+    return tl.uint_to_uniform_float(c0)
+
+
+@triton.jit
+def randn(seed, offset):
+    """tl.randn(seed, offset) for offsets of any size (Box-Muller on the first two words, as tl.randn)."""
+    low, high = _counter_words(offset)
+    c0, c1, _, _ = tl.philox(seed, low, high, low * 0, low * 0)
+    normal, _ = tl.pair_uniform_to_normal(tl.uint_to_uniform_float(c0), tl.uint_to_uniform_float(c1))
+    return normal

@@ -41,6 +41,10 @@ class Kind(enum.Enum):
 
 
 class Op(enum.Enum):
+    # an op is hashed by identity, in C: a plan key holds one per node and is hashed at every realization (Enum's
+    # own __hash__ is a Python function); members are singletons, so equality is identity anyway
+    __hash__ = object.__hash__
+
     # leaves
     BUFFER = ("buffer", Kind.LEAF)  # realized data
     CONST = ("const", Kind.LEAF)  # one scalar value of a given shape

@@ -71,8 +71,10 @@ def test_replayed_training_equals_running_the_python(optimizer):
     step = ember.jit(step_fn(model, opt))
     got = train(step, BATCHES)
 
-    # two calls as written (the first creates the optimizer state), one recorded, three replayed
-    assert step.stats == {"calls": 6, "captures": 1, "replays": 3, "eager": 2}
+    # calls as written until two ran the same plans (Adam's state starts as zero buffers, so its first step
+    # is its second; SGD's first momentum step differs), one recorded, the rest replayed
+    eager = 1 if optimizer == "adam" else 2
+    assert step.stats == {"calls": 6, "captures": 1, "replays": 5 - eager, "eager": eager}
     assert got == expected  # the same kernels on the same values: bit for bit
     for a, b in zip(params(model), expected_params):
         assert_same_values(a, b)
@@ -157,7 +159,7 @@ def test_a_scheduler_changing_the_learning_rate_every_step_is_replayed(optimizer
     model, opt = make(optimizer)
     step = ember.jit(step_fn(model, opt))
     got = train(step, BATCHES, schedule(opt))
-    assert step.stats["captures"] == 1 and step.stats["replays"] == 3
+    assert step.stats["captures"] == 1 and step.stats["replays"] == (4 if optimizer == "adam" else 3)
     np.testing.assert_allclose(got, expected, rtol=1e-6)
 
 
@@ -180,7 +182,7 @@ def test_dropout_draws_fresh_masks_each_replay():
     model, opt = make(dropout=0.5)
     step = ember.jit(step_fn(model, opt))
     got = train(step, BATCHES)
-    assert step.stats["replays"] == 3
+    assert step.stats["replays"] == 4
     assert got == expected
 
 
@@ -193,7 +195,7 @@ def test_a_new_shape_is_recorded_on_its_own_and_both_replay():
     step = ember.jit(step_fn(model, opt))
     assert train(step, batches) == expected
     assert step.stats["captures"] == 2
-    assert step.stats["replays"] == 5  # switching shapes hands the parameters over, no new recording
+    assert step.stats["replays"] == 6  # switching shapes hands the parameters over, no new recording
 
 
 def test_steady_replays_copy_nothing_for_the_state():
@@ -217,7 +219,7 @@ def test_values_kept_from_before_a_replay_keep_their_value():
     np.testing.assert_array_equal(snapshot.numpy(), before)
     np.testing.assert_array_equal(pending.numpy(), before)
     assert not np.array_equal(model[0].weight.numpy(), before)
-    assert step.stats["replays"] == 2
+    assert step.stats["replays"] == 3
 
 
 def test_loading_a_state_dict_records_again():
@@ -287,7 +289,7 @@ def test_an_interrupt_waits_for_the_replay_to_finish(monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         step(*(ember.tensor(v, device="cuda") for v in BATCHES[3]))
     monkeypatch.setattr(graphs.Replay, "run", run)
-    assert step.stats["replays"] == 1
+    assert step.stats["replays"] == 2  # the third call, and the interrupted fourth
     reference, ref_opt = make()
     train(step_fn(reference, ref_opt), BATCHES[:4])
     for a, b in zip(params(model), params(reference)):  # the interrupted step was completed, not cut
@@ -539,4 +541,4 @@ def test_a_step_that_sets_the_mode_itself_is_replayed():
     for x, y in BATCHES:
         jitted_train(ember.tensor(x, device="cuda"), ember.tensor(y, device="cuda"))
         jitted_eval(ember.tensor(x, device="cuda"))
-    assert jitted_train.stats["replays"] == 3 and jitted_eval.stats["replays"] >= 3
+    assert jitted_train.stats["replays"] == 4 and jitted_eval.stats["replays"] >= 3

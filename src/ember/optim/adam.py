@@ -15,10 +15,17 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from ember import dtypes
-from ember.ops.creation import zeros, zeros_like
+from ember.ir import Node
 from ember.ops.pointwise import cast, maximum
 from ember.optim.optimizer import Optimizer
+from ember.runtime.executor import filled
 from ember.tensor import Tensor
+
+
+def _zeros(shape: tuple[int, ...], dtype: dtypes.DType, device) -> Tensor:
+    """State that starts at zero, made as a buffer now rather than as pending constants: the first step's graph
+    is then every later step's, so a training loop compiles one plan, not two."""
+    return Tensor(Node.from_buffer(filled(shape, dtype, device, 0), dtype, device))
 
 
 def _wide(x: Tensor) -> Tensor:
@@ -60,11 +67,11 @@ class Adam(Optimizer):
 
     def _update(self, param: Tensor, grad: Tensor, state: dict, group: dict) -> None:
         if not state:
-            state["step"] = zeros((), dtype=dtypes.float32, device=param.device)
-            state["exp_avg"] = zeros_like(param)
-            state["exp_avg_sq"] = zeros_like(param)
+            state["step"] = _zeros((), dtypes.float32, param.device)
+            state["exp_avg"] = _zeros(param.shape, param.dtype, param.device)
+            state["exp_avg_sq"] = _zeros(param.shape, param.dtype, param.device)
             if group["amsgrad"]:
-                state["max_exp_avg_sq"] = zeros_like(param)
+                state["max_exp_avg_sq"] = _zeros(param.shape, param.dtype, param.device)
         if group["maximize"]:
             grad = -grad
         (beta1, beta2), eps, weight_decay = group["betas"], group["eps"], group["weight_decay"]

@@ -43,7 +43,7 @@ from ember import dtypes
 from ember.compiler import CompileContext, compile
 from ember.device import as_device
 from ember.ir import Node, Op, toposort
-from ember.runtime import cuda, disk
+from ember.runtime import compiling, cuda, disk
 
 if TYPE_CHECKING:
     from ember.compiler import Launch
@@ -229,8 +229,8 @@ def compile_jobs(problem: Problem) -> list:
     """Calls that compile the problem's bare GEMM under each candidate (without running it), for a
     pool to run before `configs_for` times them."""
     bare = _bare(problem)
-    return [functools.partial(bare.fn.warmup, *bare.args, grid=config.grid(1, problem.m, problem.n),
-                              **config.launch_options()) for config in candidates(problem)]
+    return [functools.partial(compiling.compile_and_load, bare.fn, bare.args, config.grid(1, problem.m, problem.n),
+                              config.launch_options()) for config in candidates(problem)]
 
 
 def cached_configs(problem: Problem) -> list[Config]:

@@ -36,6 +36,16 @@ def run(jobs: list[Callable[[], object]]) -> None:
         future.result()
 
 
+def compile_and_load(fn, args: list, grid, options: dict) -> None:
+    """Compile a Triton launch without running it, then make it ready to run: its binary loaded on the device
+    and Triton's launcher for its signature built (a C compile the first time a signature is seen, which a
+    first launch would otherwise do, one kernel after another)."""
+    kernel = fn.warmup(*args, grid=grid, **options)
+    init = getattr(kernel, "_init_handles", None)
+    if init is not None:
+        init()
+
+
 def _attempt(job: Callable[[], object]) -> None:
     try:
         job()

@@ -64,6 +64,17 @@ def from_host(array: np.ndarray, device: Device):
     return transfer.upload(array, device)
 
 
+def filled(shape: tuple[int, ...], dtype, device: Device, value) -> object:
+    """A buffer of `value` made on `device` now (filled there, nothing uploaded)."""
+    if device.type == "cpu":
+        return np.full(shape, value, dtype=dtype.np)
+    from ember.runtime import cuda  # torch: only for a cuda value
+
+    buffer = cuda.allocate(shape, dtype, cuda.torch_device(device), device, "a filled buffer")
+    buffer.fill_(value)
+    return buffer
+
+
 def _transfer(node: Node) -> None:
     """A COPY across devices: compute its input where it lives, then move the value."""
     source = node.inputs[0]

@@ -152,7 +152,7 @@ def _compile_jobs(launches: list, buffers: dict[int, torch.Tensor], sig: Signatu
             args = _arguments(recipe, buffers, sig)
         except KeyError:  # a buffer made during the run (a split GEMM's intermediate): compiled when it runs
             continue
-        jobs.append(functools.partial(fn.warmup, *args, grid=grid, **options))
+        jobs.append(functools.partial(compiling.compile_and_load, fn, args, grid, options))
     return jobs
 
 

@@ -283,3 +283,22 @@ def test_matmul_precision_is_set_as_in_pytorch():
             ember.set_matmul_precision("low")
     finally:
         ember.set_matmul_precision("highest")
+
+
+def test_a_value_that_depends_on_no_data_is_made_on_the_gpu_it_moves_to(monkeypatch):
+    """A model built on the cpu and moved to the GPU: its initial parameters (random numbers and arithmetic on
+    them) are computed on the GPU, nothing on the host, and equal what the cpu computes to rounding."""
+    from ember.runtime import executor
+
+    def build():
+        ember.manual_seed(4)
+        return ember.nn.Sequential(ember.nn.Linear(7, 5), ember.nn.ReLU(), ember.nn.Linear(5, 3))
+
+    expected = [p.numpy() for p in build().parameters()]
+    moved = build().to("cuda")
+    monkeypatch.setattr(executor, "_evaluate_on_cpu", lambda order, keep: pytest.fail("computed on the host"))
+    got = [p.numpy() for p in moved.parameters()]
+    for a, b in zip(got, expected):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    data = ember.tensor(np.arange(6, dtype=np.float32)).to("cuda")  # data is copied, not recomputed
+    np.testing.assert_array_equal(data.numpy(), np.arange(6, dtype=np.float32))

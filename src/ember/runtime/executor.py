@@ -99,13 +99,41 @@ def realize_with_next(node: Node) -> None:
 
 def pending_on_one_device(nodes: list[Node]) -> list[Node]:
     """The pending graph behind `nodes`, after moving across devices what it copies from elsewhere
-    (a transfer computes its source where it lives first): what one backend then evaluates."""
+    (a transfer computes its source where it lives first, unless the source depends on no data at all):
+    what one backend then evaluates."""
     order = toposort(nodes)
     transfers = [n for n in order if n.op is Op.COPY and n.inputs[0].device != n.device]
+    # values that depend on no data are made on the GPU they go to, together (a model's initial parameters:
+    # one plan per GPU), apart from the graph using them; not while ember.jit records, which must see a step
+    # that draws random numbers on the host to know it cannot replay it
+    made_here = [n for n in transfers if n.device.type != "cpu" and recorder is None and _made_here(n)]
+    for device in {n.device for n in made_here}:
+        realize([n for n in made_here if n.device == device])
     for n in transfers:
-        if not n.realized:  # computing an earlier transfer's source (with its companions) may have moved it
+        if not n.realized:  # an earlier transfer's source may have moved it
             _transfer(n)
     return toposort(nodes) if transfers else order
+
+
+_DATA_FREE = frozenset({Op.RAND, Op.CONST, Op.IOTA})
+
+
+def _made_here(copy: Node) -> bool:
+    """Turn a COPY of a value that depends on no data (random numbers, constants, ranges and what is computed
+    from them, such as a parameter's initial value) into that computation on the destination device: the
+    generator is the same on every device, so nothing is computed on the host or moved. The values agree
+    with the source device's to the rounding of their arithmetic. False (nothing changed) otherwise."""
+    source = copy.inputs[0]
+    graph = toposort([source])
+    if not graph or any((not n.inputs and n.op not in _DATA_FREE) or n.op is Op.COPY
+                        or any(i.buffer is not None for i in n.inputs) for n in graph):
+        return False
+    made: dict[int, Node] = {}
+    for n in graph[:-1]:
+        made[id(n)] = Node(n.op, tuple(made[id(i)] for i in n.inputs), n.attrs, n.shape, n.dtype, copy.device)
+    copy.op, copy.inputs, copy.attrs, copy.static = source.op, tuple(made[id(i)] for i in source.inputs), \
+        source.attrs, None
+    return True
 
 
 def realize(nodes: Iterable[Node]) -> None:

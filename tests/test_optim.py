@@ -337,13 +337,14 @@ def test_scheduler_state_dict_resumes_the_schedule():
 @pytest.mark.usefixtures("cuda_backend")
 @pytest.mark.parametrize("amsgrad", [False, True])
 def test_an_adam_training_loop_compiles_one_plan(amsgrad):
-    """Adam's state starts as zero buffers, not pending constants: the first step's graph is every later
-    step's, so the loop compiles one plan (and its first step's kernels are the only ones compiled)."""
+    """Adam's state starts as zero buffers, not pending constants, and updates built from a template are the
+    graph the Python builds: the first step's graph is every later step's, so the loop compiles one plan."""
     from ember.runtime import cuda, plan_cache
 
     plan_cache.clear()
     ember.manual_seed(3)
-    model = ember.nn.Sequential(ember.nn.Linear(5, 7), ember.nn.Tanh(), ember.nn.Linear(7, 2)).to("cuda")
+    model = ember.nn.Sequential(ember.nn.Linear(5, 7), ember.nn.Tanh(), ember.nn.Linear(7, 7), ember.nn.Tanh(),
+                                ember.nn.Linear(7, 7), ember.nn.Tanh(), ember.nn.Linear(7, 2)).to("cuda")
     opt = ember.optim.Adam(model.parameters(), lr=0.01, amsgrad=amsgrad)
     x = ember.randn(6, 5, device="cuda").realize()
     compiled = []

@@ -5,7 +5,7 @@ An optimizer builds the same subgraph for every parameter of a shape, step after
 about 35 nodes, each through operator dispatch, type promotion, broadcasting and the shape rules. Recorded
 once as a template (valid for inputs of the same shapes, dtypes and devices, and for whatever Python values
 the caller keys it by), the update is built again by making its nodes directly, with their recorded shapes
-and dtypes. Constants are leaves no value depends on but their own: one node serves every build.
+and dtypes: the graph the Python would build, node for node, so it finds the same compiled plan.
 
 A function can be recorded when every node its outputs depend on is one of its inputs or a node it made,
 pending (not realized while it ran), and not random (a random node draws a new offset each time it is made).
@@ -22,18 +22,15 @@ class Template:
     __slots__ = ("steps", "outputs")
 
     def __init__(self, steps: list[tuple], outputs: list[int]):
-        self.steps = steps  # (op, input indices, attrs, shape, dtype, device, static key, shared node or None)
+        self.steps = steps  # (op, input indices, attrs, shape, dtype, device, static key)
         self.outputs = outputs  # indices into inputs + built nodes
 
     def build(self, inputs: list[Node]) -> list[Node]:
         """The recorded nodes made again on `inputs` (of the recorded shapes, dtypes and devices)."""
         made = list(inputs)
         append = made.append
-        for op, refs, attrs, shape, dtype, device, static, shared in self.steps:
-            if shared is not None:
-                append(shared)
-            else:
-                append(Node(op, tuple([made[r] for r in refs]), attrs, shape, dtype, device, None, static))
+        for op, refs, attrs, shape, dtype, device, static in self.steps:
+            append(Node(op, tuple([made[r] for r in refs]), attrs, shape, dtype, device, None, static))
         return [made[i] for i in self.outputs]
 
     def __len__(self) -> int:
@@ -72,7 +69,6 @@ def template(inputs: list[Node], outputs: list[Node], made: list[Node]) -> Templ
     for n in made:  # in the order they were made: inputs before users
         if id(n) in needed:
             index[id(n)] = len(inputs) + len(steps)
-            shared = n if n.op is Op.CONST and all(o is not n for o in outputs) else None
             steps.append((n.op, tuple(index[id(i)] for i in n.inputs), n.attrs, n.shape, n.dtype, n.device,
-                          static_key(n), shared))
+                          static_key(n)))
     return Template(steps, [index[id(o)] for o in outputs])

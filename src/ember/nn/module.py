@@ -21,7 +21,7 @@ from ember.errors import DTypeError
 from ember.ops.creation import tensor as _tensor
 from ember.ops.creation import zeros
 from ember.runtime import executor
-from ember.tensor import Tensor, to_arguments
+from ember.tensor import Tensor, realize, to_arguments
 
 
 class Parameter(Tensor):
@@ -315,11 +315,20 @@ class Module:
         return self._convert(lambda t: t.to(device=device, dtype=dtype if t.dtype.is_floating_point else None))
 
     def _convert(self, fn: Callable[[Tensor], Tensor]) -> Module:
+        """Convert every parameter and buffer (and gradient). On a GPU the new values are computed now, in
+        one go: left pending, they would be computed inside the first training step, whose graph would then
+        differ from every later step's (a second plan to compile)."""
+        tensors = []
         with no_grad():
             for t in [*self.parameters(), *self.buffers()]:
                 t.data = fn(t)
+                tensors.append(t)
                 if t.grad is not None:
                     t.grad = fn(t.grad)
+                    tensors.append(t.grad)
+        on_gpu = [t for t in tensors if t.device.type != "cpu"]
+        if on_gpu:
+            realize(*on_gpu)
         return self
 
     def float(self) -> Module:

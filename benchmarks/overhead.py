@@ -701,7 +701,7 @@ def first_steps(rows: list[str], args) -> list[CLine]:
     lines = []
     for row in rows:
         print(f"row {row}: {C_ROWS[row][0]}", flush=True)
-        for variant in FIRST_STEP_VARIANTS:
+        for variant in args.c_variants:
             with tempfile.TemporaryDirectory(prefix="ember-overhead-") as tmp:
                 env = dict(os.environ, **{name: os.path.join(tmp, sub) for name, sub in CACHE_VARIABLES.items()})
                 for cache in ("cold", "warm"):
@@ -763,6 +763,10 @@ def main(argv: list[str] | None = None) -> None:
     def options(parser):
         parser.add_argument("--child-timeout", type=float, default=600,
                             help="seconds a first-step child (section C) may run before it is stopped (default 600)")
+        parser.add_argument("--c-variants", type=lambda v: [x.strip() for x in v.split(",")],
+                            default=list(FIRST_STEP_VARIANTS),
+                            help="section C's variants, comma-separated (default: all of "
+                                 f"{', '.join(FIRST_STEP_VARIANTS)})")
         parser.add_argument("--first-step", choices=list(C_ROWS), default=None, help=argparse.SUPPRESS)
         parser.add_argument("--impl", choices=FIRST_STEP_VARIANTS, default=None, help=argparse.SUPPRESS)
 

@@ -158,7 +158,7 @@ class _Entry:
     failure: str | None = None
 
 
-GRAPHS_KEPT = 4  # CUDA graphs a program captures for different argument buffers, before it copies arguments
+GRAPHS_KEPT = 8  # CUDA graphs a program captures (argument buffers x result set), before it copies arguments
 
 # references to a state's node held by a program and by the check itself (`states` entry, loop variable,
 # getrefcount's argument); more means something outside refers to the node

@@ -40,8 +40,9 @@ class Node:
             attrs["device"] = device  # the target; the input lives elsewhere
         elif inputs:
             device = inputs[0].device
-            if any(i.device is not device and i.device != device for i in inputs):
-                raise device_mismatch(op.label, *inputs)
+            for i in inputs:
+                if i.device is not device and i.device != device:
+                    raise device_mismatch(op.label, *inputs)
         assert device is not None, f"{op.label}: a leaf needs a device"
         shape, dtype = infer(op, inputs, attrs)
         node = Node(op, inputs, attrs, shape, dtype, device)

@@ -484,8 +484,8 @@ def where(condition, x, y) -> Tensor:
     shape = broadcast_shapes(condition.shape, *(v.shape for v in values), op="where")
     _check_devices("where", [condition, *values])
     c = expand_to(condition, shape)
-    a = expand_to(cast(as_tensor(x, like=condition, dtype=common), common), shape)
-    b = expand_to(cast(as_tensor(y, like=condition, dtype=common), common), shape)
+    a, b = (expand_to(cast(v, common), shape) if isinstance(v, Tensor) else scalar(v, common, condition.device, shape)
+            for v in (x, y))  # a number: one constant of the shape, no reshape and expand
     return apply(Op.WHERE, c, a, b)
 
 

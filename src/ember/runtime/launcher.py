@@ -8,7 +8,6 @@ import functools
 from typing import TYPE_CHECKING
 
 import torch
-import triton
 
 from ember.compiler import CompiledKernel, KernelKind, Plan, Signature
 from ember.device import Device
@@ -148,12 +147,12 @@ class _KernelStep:
 def _compile_jobs(launches: list, buffers: dict[int, torch.Tensor], sig: Signature) -> list:
     """Calls compiling these launches for the arguments of a run, without running them."""
     jobs = []
-    for launch in launches:
+    for fn, grid, recipe, options in launches:
         try:
-            args = _arguments(launch.recipe, buffers, sig)
+            args = _arguments(recipe, buffers, sig)
         except KeyError:  # a buffer made during the run (a split GEMM's intermediate): compiled when it runs
             continue
-        jobs.append(functools.partial(compiling.compile_and_load, launch.fn, args, launch.grid, launch.options))
+        jobs.append(functools.partial(compiling.compile_and_load, fn, args, grid, options))
     return jobs
 
 
@@ -178,57 +177,14 @@ _ARG_KINDS = {"read": 0, "write": 0, "size": 1, "bound": 1, "scalar": 2, "draws"
 DRAWS = 0  # the key of a run's (seed, offset) pairs among its buffers (no node's id is 0)
 
 
-def _prepared_launch(module, launch: Launch, config: autotune.Config | None = None) -> _Launch:
+def _prepared_launch(module, launch: Launch, config: autotune.Config | None = None):
     recipe = [(_ARG_KINDS[a.kind], id(a.value) if a.kind in ("read", "write") else DRAWS if a.kind == "draws"
                else a.value) for a in launch.args]
     if config is not None:  # a GEMM: grid and block sizes from its tuned configuration
         batch, m, n, _ = launch.gemm
-        return _Launch(getattr(module, launch.function), config.grid(batch, m, n), recipe, config.launch_options())
+        return getattr(module, launch.function), config.grid(batch, m, n), recipe, config.launch_options()
     options = dict(launch.constexprs, num_warps=launch.num_warps)
-    return _Launch(getattr(module, launch.function), (launch.grid,), recipe, options)
-
-
-class _Launch:
-    """One kernel launch of a plan: the Triton function, its grid, its argument recipe and launch options.
-
-    The first launch goes through Triton's `run`, which specializes and compiles the kernel for its arguments;
-    later launches call the compiled kernel's launcher directly with the same options, skipping Triton's
-    argument binding and cache lookup (most of a launch's host time), as long as the device is the same and
-    every tensor argument has the 16-byte alignment it was specialized for (else `run` again)."""
-
-    __slots__ = ("fn", "grid", "recipe", "options", "compiled", "tail", "__weakref__")
-
-    def __init__(self, fn, grid: tuple, recipe: list, options: dict):
-        self.fn, self.grid, self.recipe, self.options = fn, grid, recipe, options
-        self.compiled: dict = {}  # (device index, alignments) -> compiled kernel
-        # the launcher takes every parameter, constexprs included, in order: the options after the arguments
-        names = getattr(fn, "arg_names", None)
-        rest = None if names is None else names[len(recipe):]
-        self.tail = None if rest is None or cuda.INTERPRET or any(n not in options for n in rest) \
-            else [options[n] for n in rest]
-
-    def __call__(self, args: list) -> None:
-        if self.tail is None:
-            self.fn.run(*args, grid=self.grid, warmup=False, **self.options)
-            return
-        device = torch.cuda.current_device()
-        key = (device, *[a.data_ptr() % 16 == 0 for a in args if isinstance(a, torch.Tensor)])
-        kernel = self.compiled.get(key)
-        if kernel is None:
-            kernel = self.fn.run(*args, grid=self.grid, warmup=False, **self.options)
-            if not _hooked() and getattr(kernel, "function", None) is not None:
-                self.compiled[key] = kernel
-            return
-        grid = self.grid
-        kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-                   torch.cuda.current_stream(device).cuda_stream, kernel.function, kernel.packed_metadata, None,
-                   None, None, *args, *self.tail)
-
-
-def _hooked() -> bool:
-    """Whether Triton's launch hooks are set (a profiler's): launches then go through `run`, which calls them."""
-    runtime = getattr(triton.knobs, "runtime", None) if hasattr(triton, "knobs") else None
-    return runtime is not None and (runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None)
+    return getattr(module, launch.function), (launch.grid,), recipe, options
 
 
 def gemm_problem(ck: CompiledKernel) -> autotune.Problem:
@@ -354,14 +310,14 @@ def _arguments(recipe: list, buffers: dict[int, torch.Tensor], sig: Signature) -
 
 
 def _run_launches(launches: list, ck: CompiledKernel, buffers: dict[int, torch.Tensor], sig: Signature) -> None:
-    for launch in launches:
-        args = _arguments(launch.recipe, buffers, sig)
+    for fn, grid, recipe, options in launches:
+        args = _arguments(recipe, buffers, sig)
         try:
-            launch(args)
+            fn.run(*args, grid=grid, warmup=False, **options)
         except torch.cuda.OutOfMemoryError:
             raise
         except Exception as error:
-            raise CompileError(f"kernel {launch.fn.__name__} failed: {error} "
+            raise CompileError(f"kernel {fn.__name__} failed: {error} "
                                f"(source: {disk.source_path(ck.source)})") from error
     _stats["launches"] += len(launches)
 

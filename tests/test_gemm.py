@@ -648,6 +648,21 @@ def test_the_short_list_is_bounded_fits_the_problem_and_holds_the_default(monkey
     assert autotune.mode() == "0"
 
 
+def test_the_fused_kernel_can_always_fall_back_on_the_default_configuration(monkeypatch):
+    """The fastest bare tiles may not fit beside an epilogue: the size-based default is tried after them."""
+    from ember.runtime import autotune
+
+    problem = _problem(2048, 2048, 1024, dtype=ember.bfloat16)
+    big = [autotune.Config(128, 256, 64, 8, 8, 4), autotune.Config(256, 128, 64, 8, 8, 3)]
+    monkeypatch.setattr(autotune, "worth_tuning", lambda p: True)
+    monkeypatch.setattr(autotune, "cached_configs", lambda p: [])
+    monkeypatch.setattr(autotune, "_remember", lambda key, value: None)
+    monkeypatch.setattr(autotune, "_profile_bare", lambda p: [(c, 1.0) for c in big])
+    assert autotune.configs_for(problem) == [*big, autotune.default_config(problem)]
+    monkeypatch.setattr(autotune, "_profile_bare", lambda p: [(autotune.default_config(p), 1.0)])
+    assert autotune.configs_for(problem) == [autotune.default_config(problem)]
+
+
 def test_gemms_too_small_to_matter_are_not_profiled(monkeypatch):
     """A GEMM of a microsecond takes the size-based configuration and its fused kernel: profiling it would
     spend seconds of compiling on the first step for nothing."""

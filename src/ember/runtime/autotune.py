@@ -214,11 +214,15 @@ def configs_for(problem: Problem) -> list[Config]:
     if not worth_tuning(problem):
         return [default_config(problem)]
     known = cached_configs(problem)
-    if known:
-        return known
-    ranked = _profile_bare(problem)
-    _remember(f"config {problem.key}", {"ranked": [asdict(c) for c, _ in ranked], "ms": [ms for _, ms in ranked]})
-    return [c for c, _ in ranked]
+    if not known:
+        ranked = _profile_bare(problem)
+        _remember(f"config {problem.key}", {"ranked": [asdict(c) for c, _ in ranked],
+                                            "ms": [ms for _, ms in ranked]})
+        known = [c for c, _ in ranked]
+    # the size-based default last: the fastest bare tiles may not fit beside a fused epilogue's registers and
+    # shared memory, and the default's moderate tiles do
+    default = default_config(problem)
+    return known if default in known else [*known, default]
 
 
 def needs_profiling(problem: Problem) -> bool:

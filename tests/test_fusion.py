@@ -236,6 +236,15 @@ def test_random_numbers_past_2_to_the_31_match_the_reference_generator(start):
         assert_close(a, b, atol=1e-6)
 
 
+@pytest.mark.parametrize("seed", [2**63 + 5, 2**64 - 1, -1])
+def test_seeds_are_taken_modulo_2_to_the_64_as_the_reference_takes_them(seed):
+    values = []
+    for device in ("cuda", "cpu"):
+        ember.manual_seed(seed)
+        values.append(ember.rand(50, device=device))
+    assert_close(*values, atol=1e-6)
+
+
 def test_dropout_mask_is_recomputed_not_stored(rng):
     x, _ = pair(rng, 64, 64)
     x.requires_grad_()

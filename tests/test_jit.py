@@ -134,6 +134,42 @@ def test_a_result_fed_back_as_the_argument_alternates_buffers():
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
 
 
+def test_an_older_result_passed_back_is_never_overwritten_while_read():
+    step = ember.jit(lambda h, w: (h @ w) * 0.5 + 1.25)
+    w0 = (RNG.standard_normal((6, 6)) * 0.3).astype(np.float32)
+    x0 = RNG.standard_normal((4, 6)).astype(np.float32)
+    x, w = ember.tensor(x0, device="cuda"), ember.tensor(w0, device="cuda")
+    for _ in range(3):
+        step(x, w)
+    a, b = step(x, w), step(x, w)  # both result sets shown
+    c = step(a, w)  # reads the older set: written elsewhere
+    expected_a = (x0 @ w0) * 0.5 + 1.25
+    np.testing.assert_allclose(a.numpy(), expected_a, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(b.numpy(), expected_a, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(c.numpy(), (expected_a @ w0) * 0.5 + 1.25, rtol=1e-5, atol=1e-5)
+
+
+def test_a_value_sharing_a_results_buffer_keeps_its_value():
+    """`step(x) / 1` is the result's own buffer (a division by one is simplified away): later replays must not
+    write it."""
+    step = ember.jit(lambda x: x.exp() + 1)
+    data = [RNG.standard_normal(5).astype(np.float32) for _ in range(6)]
+    kept = []
+    for x in data:
+        kept.append((x, step(ember.tensor(x, device="cuda")) / 1))
+    for x, value in kept:
+        np.testing.assert_allclose(value.numpy(), np.exp(x) + 1, rtol=1e-6)
+
+
+def test_an_argument_passed_through_is_returned_as_the_argument():
+    step = ember.jit(lambda x, s: (x * s, (x * x).sum()))
+    for x0 in [RNG.standard_normal(4).astype(np.float32) for _ in range(5)]:
+        same, total = step(ember.tensor(x0, device="cuda"), 1.0)
+        np.testing.assert_array_equal(same.numpy(), x0)
+        np.testing.assert_allclose(total.item(), (x0 * x0).sum(), rtol=1e-5)
+    assert step.stats["replays"] >= 2
+
+
 def test_a_result_shared_through_dlpack_keeps_its_value():
     import torch
 

@@ -93,3 +93,28 @@ def test_a_template_is_not_recorded_across_a_group_change():
         expected = before - 0.5 * (buffer if momentum else np.ones(4, np.float32))
         np.testing.assert_allclose(p.numpy(), expected, rtol=1e-6)
     assert len(opt._templates) == 2  # one per momentum setting
+
+
+def test_one_node_passed_as_two_inputs_is_not_recorded():
+    x = ember.tensor(RNG.standard_normal(4).astype(np.float32))
+    with recording() as made:
+        out = x * 2 + x
+    assert template([x._node, x._node], [out._node], made) is None
+
+
+def test_a_subclass_with_its_own_update_is_not_built_from_templates():
+    """A subclass's _update may read what a template cannot see (group["lr"] here): it runs every time."""
+    class Custom(ember.optim.SGD):
+        def _update(self, param, grad, state, group):
+            state.setdefault("count", ember.zeros(()))
+            state["count"].assign(state["count"] + 1)
+            param.assign(param - grad * group["lr"])
+
+    p = ember.tensor(np.ones(3, np.float32), requires_grad=True)
+    opt = Custom([p], lr=0.5)
+    for lr in (0.5, 0.5, 0.0, 0.0):
+        opt.param_groups[0]["lr"] = lr
+        p.grad = ember.ones(3)
+        opt.step()
+    np.testing.assert_allclose(p.numpy(), np.zeros(3, np.float32))  # 1 - 0.5 - 0.5, then no change
+    assert not opt._templates

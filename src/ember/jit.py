@@ -320,14 +320,14 @@ class _Program:
         self.out_slots = self._returns(rec, out_leaves, arg_nodes)
         self.grads = self._gradients(rec, produced_ids)
         self.plans = graphs.Replay(steps)
-        self.handed: list[list[tuple]] = [[]]  # per set of result buffers: (node, replay) last showing them
+        self.handed_at = [0]  # per set of result buffers: the replay that last returned them
         self.calls = 0
         self.graphs: dict[tuple, object] = {}  # (argument buffers' addresses, result set) -> CUDA graph
         self.own_arguments: list | None = None  # where arguments are copied once GRAPHS_KEPT graphs exist
         self.why_no_graph = self._capture_graph([args[i]._node.buffer for i in self.arguments]) if cuda_graph \
             else "cuda_graph=False"
         self.graphed = not self.why_no_graph
-        self.plans.bind([None] * len(self.arguments), self.results[0])  # the call's arguments are not held
+        self.plans.bind([None] * len(self.arguments), [None] * len(self.results[0]))  # nothing held between calls
 
     def _capture_graph(self, arguments: list) -> str:
         """Capture the replay, bound to the recorded call's buffers, as a CUDA graph where it can be; why
@@ -391,6 +391,7 @@ class _Program:
             inputs.append(buffer)
         outputs, copies = [], []
         for j, (node, buffer) in enumerate(zip(r.kept, r.outputs)):
+            passthrough = any(buffer is b for b in r.inputs)  # an output that is an input (x * 1): not written
             if id(node) in finals:
                 source = reads_state.get(id(buffer))
                 in_place = True if source is None else writes_in_place(r.plan, source, j)
@@ -398,12 +399,15 @@ class _Program:
                     copies.append((buffer, graphs.torch.empty_like(buffer)))
                     buffer = copies[-1][1]
                 slots.written.add(id(node.buffer))
-            elif id(node) in returned:
+            elif id(node) in returned and not passthrough:
                 node.set_buffer(buffer.clone())  # this call's result stays; replays write the slot
                 self.result_slot[id(buffer)] = len(self.results[0])
                 results_out.append((j, len(self.results[0])))
                 self.results[0].append(buffer)
-            slots.produced[id(r.outputs[j])] = r.outputs[j]
+            if passthrough:
+                outputs.append(None)
+                continue
+            slots.produced[id(buffer)] = buffer
             outputs.append(buffer)
         seed_draws = [draw_index.get(s, -1) for s in r.sig.seeds]
         sig = Signature(r.sig.key, [], r.sig.scalars, r.sig.seeds)  # not the old values' nodes
@@ -419,8 +423,11 @@ class _Program:
         slots = []
         for t in out_leaves:
             placed = (t.dtype, t.device) if isinstance(t, Tensor) else None
-            if isinstance(t, Tensor) and id(computed.get(id(t._node))) in self.result_slot:
-                slots.append(("result", self.result_slot[id(computed[id(t._node)])], placed))
+            buffer = computed.get(id(t._node)) if isinstance(t, Tensor) else None
+            if id(buffer) in self.result_slot:
+                slots.append(("result", self.result_slot[id(buffer)], placed))
+            elif buffer is not None and id(buffer) in self.arg_slot:  # an argument passed through (x * 1)
+                slots.append(("argument", self.arguments[self.arg_slot[id(buffer)]], None))
             elif isinstance(t, Tensor) and id(t._node) in computed:
                 slots.append(("computed", computed[id(t._node)], placed))
             elif isinstance(t, Tensor) and id(t._node) in arg_nodes:
@@ -556,27 +563,25 @@ class _Program:
                 self.graphs[key] = self.plans.capture()
             except Exception as error:  # replays stay correct launch by launch
                 self.graphed, self.why_no_graph = False, f"capture failed: {error}"
-        self.plans.bind([None] * len(arguments), results)  # the call's arguments are not held
+        self.plans.bind([None] * len(arguments), [None] * len(results))  # so a buffer's references say who shows it
 
     def _free_results(self) -> int:
+        """A set of result buffers nothing outside the program refers to (no returned Tensor, nothing derived
+        from one without a copy, no argument of this call): the first such; else a second set; else the oldest
+        set is left to what shows it and replaced by new buffers (its graphs go with it)."""
         from ember.runtime import graphs  # torch is imported only once a step is replayed
 
-        """A set of result buffers no returned Tensor shows any more: the first such, a second set the first
-        time both would be needed, else the oldest, whose Tensors then get buffers of their own."""
-        for s, handed in enumerate(self.handed):
-            if all(ref() is None for ref, _ in handed):
-                handed.clear()
+        for s, buffers in enumerate(self.results):
+            if not any(_shown(b) for b in buffers):
                 return s
+        fresh = [graphs.torch.empty_like(b) for b in self.results[0]]
         if len(self.results) < 2:
-            self.results.append([graphs.torch.empty_like(b) for b in self.results[0]])
-            self.handed.append([])
+            self.results.append(fresh)
+            self.handed_at.append(0)
             return 1
-        s = min(range(len(self.handed)), key=lambda k: self.handed[k][0][1] if self.handed[k] else 0)
-        for ref, _ in self.handed[s]:
-            node = ref()
-            if node is not None and node.buffer is not None and any(node.buffer is b for b in self.results[s]):
-                node.buffer = node.buffer.clone()
-        self.handed[s] = []
+        s = min(range(len(self.results)), key=self.handed_at.__getitem__)
+        self.results[s] = fresh
+        self.graphs = {key: g for key, g in self.graphs.items() if key[1] != s}
         return s
 
     def _returned(self, value: tuple, args: list[Tensor], s: int):
@@ -585,7 +590,7 @@ class _Program:
         kind, what, placed = value
         if kind == "result":
             node = Node.from_buffer(self.results[s][what], *placed)
-            self.handed[s].append((weakref.ref(node), self.calls))
+            self.handed_at[s] = self.calls
             transient.add(node)
             return Tensor(node)
         if kind == "computed":
@@ -595,6 +600,15 @@ class _Program:
 
 def _addresses(buffers: list) -> tuple[int, ...]:
     return tuple(b.data_ptr() for b in buffers)
+
+
+# references to a result buffer held by the program (its set's list) and by the check itself (the loop variable,
+# _shown's parameter, getrefcount's argument); more means something else shows the buffer
+_RESULT_REFERENCES = 4
+
+
+def _shown(buffer) -> bool:
+    return sys.getrefcount(buffer) > _RESULT_REFERENCES
 
 
 # -- in-place writes ---------------------------------------------------------------------------

@@ -54,6 +54,8 @@ def template(inputs: list[Node], outputs: list[Node], made: list[Node]) -> Templ
     """The template of a recorded call that took `inputs`, made `made` and produced `outputs`; None when
     the outputs depend on anything else, or on a node that was realized or draws random numbers."""
     index = {id(n): i for i, n in enumerate(inputs)}
+    if len(index) != len(inputs):  # one node passed as two inputs: a template would wire every use to one
+        return None
     made_ids = {id(n) for n in made}
     needed: set[int] = set()
     stack = [o for o in outputs if id(o) not in index]

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from ember import dtypes
 from ember.ir import Node
 from ember.ops.pointwise import cast, maximum
-from ember.optim.optimizer import Optimizer
+from ember.optim.optimizer import TEMPLATED, Optimizer
 from ember.runtime.executor import filled
 from ember.tensor import Tensor
 
@@ -108,3 +108,6 @@ class AdamW(Adam):
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
                  maximize: bool = False) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize)
+
+
+TEMPLATED.add(Adam._update)

@@ -27,6 +27,11 @@ from ember.ops.creation import zeros_like
 from ember.runtime import executor
 from ember.tensor import Tensor, realize
 
+# The `_update` functions whose updates may be built from templates: a graph that depends on nothing but its
+# tensors (shapes, dtypes, devices), the group's settings other than the learning rate, and `self._lr`'s tensor.
+# A subclass's own `_update` (which may read group["lr"], or a value read back with .item()) is not in it.
+TEMPLATED: set = set()
+
 
 class _Required:
     def __repr__(self) -> str:
@@ -38,6 +43,7 @@ required = _Required()
 
 class Optimizer:
     """Base class: subclasses set `defaults` and implement `_update(param, grad, state, group)`."""
+
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict], defaults: dict) -> None:
         self._templates: dict[tuple, Template | None] = {}
@@ -100,7 +106,7 @@ class Optimizer:
                     if executor.recorder is not None:
                         executor.recorder.note_grad_read(p)
                     state = self.state.setdefault(p, {})
-                    if state and settings is not None:
+                    if state and settings is not None and type(self)._update in TEMPLATED:
                         self._update_from_template(p, p.grad, state, group, settings)
                     else:  # the first update makes the state
                         self._update(p, p.grad, state, group)
@@ -132,7 +138,8 @@ class Optimizer:
             self._update(param, grad, state, group)
         else:
             for t, node in zip((param, *held), recorded.build(inputs)):
-                t._show(node)
+                if t._node is not node:  # a state the update reads and leaves as it is
+                    t._show(node)
 
     def _hyper_parameters(self) -> tuple:
         """Every group's settings but its parameters and learning rate: what a captured step reads from

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ember.optim.optimizer import Optimizer
+from ember.optim.optimizer import TEMPLATED, Optimizer
 from ember.tensor import Tensor
 
 
@@ -42,3 +42,6 @@ class SGD(Optimizer):
                 buf.assign(buf * momentum + grad * (1 - group["dampening"]))
             grad = grad + buf * momentum if group["nesterov"] else buf
         param.assign(param - grad * self._lr(group, param.device, param.dtype))
+
+
+TEMPLATED.add(SGD._update)

@@ -71,13 +71,20 @@ def execute(plan: Plan, sig: Signature, device: Device, inputs: list[torch.Tenso
 
 def upload_draws(seeds: list[tuple[int, int]], target, into: torch.Tensor | None = None) -> torch.Tensor:
     """(seed, offset) pairs as the int64 device buffer random kernels read (written into `into` if given)."""
-    host = torch.tensor([v for pair in seeds for v in pair], dtype=torch.int64)
+    host = torch.tensor([_int64(v) for pair in seeds for v in pair], dtype=torch.int64)
+    if host.device != target if into is None else into.is_cuda:  # pinned: the copy waits neither for the GPU
+        host = host.pin_memory()  # nor lets the memory be reused before it is read
     if into is None:
-        return host.to(target)
-    if into.is_cuda:  # pinned, so the copy neither waits for the GPU nor reads memory reused meanwhile
-        host = host.pin_memory()
+        return host.to(target, non_blocking=True)
     into.copy_(host, non_blocking=True)
     return into
+
+
+def _int64(value: int) -> int:
+    """A seed or offset as the signed 64-bit word the kernels read (seeds are taken modulo 2^64, as the
+    reference generator takes them)."""
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 def _run_streams(plan: Plan, buffers: dict[int, torch.Tensor], sig: Signature, target) -> None:

@@ -2,12 +2,13 @@
 and as plan files on disk, so a repeated training step costs a key, and a second process starts from
 the plans the first one compiled.
 
-A new plan also settles Python's cyclic garbage collector: the objects alive then (torch, triton, the model,
-compiled plans) are moved out of its sight (`gc.freeze`), for the first `FREEZES` new plans of a process.
-A training step allocates tens of thousands of short-lived graph objects, and the collector's full passes,
-due every few steps, would otherwise rescan the hundreds of thousands of objects torch and triton keep: a
-third of a lazy step's host time. Graph objects are freed by reference counting, frozen or not; what a
-freeze costs is that cyclic garbage alive at that moment is never collected. `EMBER_GC_FREEZE=0` turns it off.
+With `EMBER_GC_FREEZE=1`, a new plan also settles Python's cyclic garbage collector: after a full collection,
+the objects alive then (torch, triton, the model, compiled plans) are moved out of its sight (`gc.freeze`), for
+the first `FREEZES` new plans of a process. A training step allocates tens of thousands of short-lived graph
+objects, and the collector's full passes, due every few steps, rescan the hundreds of thousands of objects
+torch and triton keep: a third of a lazy step's host time. It is off by default: an object alive at a freeze
+that later becomes part of unreachable cycle (a trainer object holding its own bound method, with the model and
+its GPU buffers) is never collected.
 """
 
 from __future__ import annotations
@@ -53,10 +54,11 @@ _freezes = 0
 
 def _settle_collector() -> None:
     global _freezes
-    if _freezes < FREEZES and os.environ.get("EMBER_GC_FREEZE", "1") != "0":
+    if _freezes < FREEZES and os.environ.get("EMBER_GC_FREEZE", "0") not in ("0", ""):
         if _freezes == 0:  # at exit the collector sees everything again, as extension modules expect
             atexit.register(gc.unfreeze)
         _freezes += 1
+        gc.collect()  # garbage is not frozen: only what is alive now
         gc.freeze()
 
 

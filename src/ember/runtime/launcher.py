@@ -72,8 +72,8 @@ def execute(plan: Plan, sig: Signature, device: Device, inputs: list[torch.Tenso
 def upload_draws(seeds: list[tuple[int, int]], target, into: torch.Tensor | None = None) -> torch.Tensor:
     """(seed, offset) pairs as the int64 device buffer random kernels read (written into `into` if given)."""
     host = torch.tensor([_int64(v) for pair in seeds for v in pair], dtype=torch.int64)
-    if host.device != target if into is None else into.is_cuda:  # pinned: the copy waits neither for the GPU
-        host = host.pin_memory()  # nor lets the memory be reused before it is read
+    if (target if into is None else into.device).type == "cuda":
+        host = host.pin_memory()  # the copy waits neither for the GPU nor lets the memory be reused before it is read
     if into is None:
         return host.to(target, non_blocking=True)
     into.copy_(host, non_blocking=True)
@@ -180,7 +180,7 @@ def _on(target, job) -> None:
         job()
 
 
-_ARG_KINDS = {"read": 0, "write": 0, "size": 1, "bound": 1, "scalar": 2, "draws": 3}
+_ARG_KINDS = {"read": 0, "write": 0, "draws": 0, "size": 1, "bound": 1, "scalar": 2}
 DRAWS = 0  # the key of a run's (seed, offset) pairs among its buffers (no node's id is 0)
 
 
@@ -307,7 +307,7 @@ class _GemmStep:
 def _arguments(recipe: list, buffers: dict[int, torch.Tensor], sig: Signature) -> list:
     args = []
     for kind, value in recipe:
-        if kind == 0 or kind == 3:
+        if kind == 0:
             args.append(buffers[value])
         elif kind == 1:
             args.append(value)

@@ -150,3 +150,19 @@ def test_memory_stats_report_the_device():
     assert stats["allocated"] >= 4 * 1024 * 1024
     assert stats["peak"] >= stats["allocated"]
     assert stats["cached"] >= stats["allocated"]
+
+
+def test_direct_launches_follow_pointer_alignment_and_scalars():
+    """A warm launch skips Triton's binding and keeps one compiled kernel per specialization class: buffers
+    at 4-byte offsets (not 16-byte aligned) and back, and changed runtime scalars, all give torch's values."""
+    from ember.runtime import launcher
+
+    base = torch.randn(4099, device="cuda")
+    for start, scale in [(0, 1.5), (1, 1.5), (4, 2.25), (0, 0.1), (3, 1.0), (1, -0.7)]:
+        t = base[start:start + 4000]
+        got = (ember.from_dlpack(t) * scale + 0.25).relu()
+        np.testing.assert_allclose(got.numpy(), (t * scale + 0.25).relu().cpu().numpy(), rtol=1e-6, atol=1e-6)
+    plans = [p for p in plan_cache._plans.values() if p.prepared]
+    classes = {len(launch._kernels) for p in plans for step in p.prepared
+               if isinstance(step, launcher._KernelStep) for launch in step.launches}
+    assert max(classes) >= 2  # aligned and unaligned pointers ran different kernels

@@ -14,7 +14,7 @@ from ember.device import Device
 from ember.errors import CompileError, OutOfMemoryError
 from ember.ir import Node, Op
 from ember.ir.ops import STRIDED_VIEWS
-from ember.runtime import autotune, compiling, cuda, disk, executor, plan_cache
+from ember.runtime import autotune, compiling, cuda, disk, executor, plan_cache, triton_launch
 
 if TYPE_CHECKING:
     from ember.compiler import Launch
@@ -154,12 +154,12 @@ class _KernelStep:
 def _compile_jobs(launches: list, buffers: dict[int, torch.Tensor], sig: Signature) -> list:
     """Calls compiling these launches for the arguments of a run, without running them."""
     jobs = []
-    for fn, grid, recipe, options in launches:
+    for launch in launches:
         try:
-            args = _arguments(recipe, buffers, sig)
+            args = launch.arguments(buffers, sig.scalars)
         except KeyError:  # a buffer made during the run (a split GEMM's intermediate): compiled when it runs
             continue
-        jobs.append(functools.partial(compiling.compile_and_load, fn, args, grid, options))
+        jobs.append(functools.partial(compiling.compile_and_load, launch.fn, args, launch.grid, launch.options))
     return jobs
 
 
@@ -184,14 +184,14 @@ _ARG_KINDS = {"read": 0, "write": 0, "draws": 0, "size": 1, "bound": 1, "scalar"
 DRAWS = 0  # the key of a run's (seed, offset) pairs among its buffers (no node's id is 0)
 
 
-def _prepared_launch(module, launch: Launch, config: autotune.Config | None = None):
+def _prepared_launch(module, launch: Launch, config: autotune.Config | None = None) -> triton_launch.Launch:
     recipe = [(_ARG_KINDS[a.kind], id(a.value) if a.kind in ("read", "write") else DRAWS if a.kind == "draws"
                else a.value) for a in launch.args]
+    fn = getattr(module, launch.function)
     if config is not None:  # a GEMM: grid and block sizes from its tuned configuration
         batch, m, n, _ = launch.gemm
-        return getattr(module, launch.function), config.grid(batch, m, n), recipe, config.launch_options()
-    options = dict(launch.constexprs, num_warps=launch.num_warps)
-    return getattr(module, launch.function), (launch.grid,), recipe, options
+        return triton_launch.Launch(fn, config.grid(batch, m, n), recipe, config.launch_options())
+    return triton_launch.Launch(fn, (launch.grid,), recipe, dict(launch.constexprs, num_warps=launch.num_warps))
 
 
 def gemm_problem(ck: CompiledKernel) -> autotune.Problem:
@@ -304,27 +304,15 @@ class _GemmStep:
         return choice["chosen"]
 
 
-def _arguments(recipe: list, buffers: dict[int, torch.Tensor], sig: Signature) -> list:
-    args = []
-    for kind, value in recipe:
-        if kind == 0:
-            args.append(buffers[value])
-        elif kind == 1:
-            args.append(value)
-        else:
-            args.append(sig.scalars[value])
-    return args
-
-
 def _run_launches(launches: list, ck: CompiledKernel, buffers: dict[int, torch.Tensor], sig: Signature) -> None:
-    for fn, grid, recipe, options in launches:
-        args = _arguments(recipe, buffers, sig)
+    for launch in launches:
+        args = launch.arguments(buffers, sig.scalars)
         try:
-            fn.run(*args, grid=grid, warmup=False, **options)
+            launch(args)
         except torch.cuda.OutOfMemoryError:
             raise
         except Exception as error:
-            raise CompileError(f"kernel {fn.__name__} failed: {error} "
+            raise CompileError(f"kernel {launch.fn.__name__} failed: {error} "
                                f"(source: {disk.source_path(ck.source)})") from error
     _stats["launches"] += len(launches)
 

@@ -45,8 +45,8 @@ class Launch:
         return args
 
     def __call__(self, args: list) -> None:
-        if cuda.INTERPRET or _knobs is None or _knobs.runtime.launch_enter_hook is not None \
-                or _knobs.runtime.launch_exit_hook is not None:
+        if cuda.INTERPRET or _knobs is None or _hooked(_knobs.runtime.launch_enter_hook) \
+                or _hooked(_knobs.runtime.launch_exit_hook):
             self.fn.run(*args, grid=self.grid, warmup=False, **self.options)
             return
         device = torch._C._cuda_getDevice()
@@ -69,6 +69,11 @@ class Launch:
             self._tail = [self.options[p.name] if p.name in self.options else p.default for p in params]
         if all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata")):
             self._kernels[key] = kernel
+
+
+def _hooked(hook) -> bool:
+    """Whether a launch hook is in use: Triton's hooks are chains, empty unless a profiler adds to them."""
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 def _int_class(value) -> object:

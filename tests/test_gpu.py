@@ -85,3 +85,26 @@ def test_random_numbers_on_the_gpu_match_the_reference_generator():
     ember.manual_seed(11)
     b = ember.rand(1 << 20) + ember.randn(1 << 20)
     np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-5)
+
+
+@pytest.mark.parametrize("width,depth,dtype", [(32, 5, torch.float16), (64, 5, torch.float16),
+                                               (128, 3, torch.bfloat16), (100, 8, torch.float16)])
+def test_narrow_mlp_is_one_kernel_and_matches_torch_at_scale(width, depth, dtype):
+    from ember.compiler.fusion import KernelKind
+    from ember.explain import plan
+
+    torch.manual_seed(width + depth)
+    sizes = [width] * depth + [16]
+    layers = []
+    for i in range(depth):
+        layers += [torch.nn.Linear(sizes[i], sizes[i + 1])] + ([torch.nn.GELU()] if i < depth - 1 else [])
+    model = torch.nn.Sequential(*layers).to("cuda", dtype).eval()
+    x = torch.randn(2**18 + 3, width, device="cuda", dtype=dtype)
+    em = ember.from_torch(model)
+    with ember.no_grad():
+        out = em(ember.from_dlpack(x))
+        assert [k.kind for k in plan(out).kernels] == [KernelKind.MLP]
+        got = torch.from_dlpack(out).float()
+    with torch.no_grad():
+        ref = model.float()(x.float())
+    assert ((got - ref).norm() / ref.norm()).item() < (2e-2 if dtype is torch.float16 else 5e-2)

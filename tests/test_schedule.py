@@ -49,8 +49,10 @@ def chain_of_reductions(x, depth=6):
 
 
 def deep_mlp(x, depth=8):
-    """Every layer's product and activation is stored (a matmul reads stored operands)."""
-    weights = [ember.randn(64, 64, device=x.device) * 0.1 for _ in range(depth)]
+    """Every layer's product and activation is stored (a matmul reads stored operands; layers 160 wide are
+    too wide to chain into one MLP kernel)."""
+    weights = [ember.randn(x.shape[-1], 160, device=x.device) * 0.1] + [
+        ember.randn(160, 160, device=x.device) * 0.1 for _ in range(depth - 1)]
     ember.realize(*weights)
     for w in weights:
         x = (x @ w).relu()

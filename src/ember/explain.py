@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 
 from ember.compiler import CompileContext, compile, signature
-from ember.compiler.fusion import VENDOR_KINDS, FusedKernel
+from ember.compiler.fusion import VENDOR_KINDS, FusedKernel, KernelKind
 from ember.device import get_conv_memory_format, get_matmul_precision
 from ember.ir import Kind, Node, Op
 from ember.runtime import executor
@@ -129,8 +129,18 @@ class Plan:
                 lines.append(f"  segment   {list(part.space)}")
             shown = {id(n) for n in part.covers if _is_work(n) or n.op is Op.RAND or n in part.outputs}
             mainloop = [n for n in part.covers if id(n) in shown and any(n in p for p in part.prologues)]
-            sections = ((mainloop, "mainloop" if part.cores else "ops"), (part.cores, "core"),
-                        ([n for n in part.epilogue if id(n) in shown], "epilogue" if part.cores else "ops"))
+            epilogue = [n for n in part.epilogue if id(n) in shown]
+            if part.kind is KernelKind.MLP:  # layer by layer: a core, then what its result goes through
+                cores = sorted(part.cores, key=lambda c: part.covers.index(c))
+                after = [[n for n in epilogue if part.covers.index(n) > part.covers.index(c) and
+                          (i + 1 == len(cores) or part.covers.index(n) < part.covers.index(cores[i + 1]))]
+                         for i, c in enumerate(cores)]
+                sections = ((mainloop, "mainloop"),
+                            *((group, title) for i, c in enumerate(cores)
+                              for group, title in (([c], f"layer {i}"), (after[i], "epilogue"))))
+            else:
+                sections = ((mainloop, "mainloop" if part.cores else "ops"), (part.cores, "core"),
+                            (epilogue, "epilogue" if part.cores else "ops"))
             for group, title in sections:
                 for i, n in enumerate(group):
                     lines.append(f"  {title if i == 0 else '':<9} {self.line(n, part.outputs)}")

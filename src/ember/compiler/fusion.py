@@ -57,6 +57,7 @@ MAX_SEGMENTS = 64  # pointwise kernels fused into one launch at most
 MAX_RECOMPUTE_OPS = 48  # a shared producer with a larger cone is stored, not recomputed
 RAND_OPS = 8  # a random number (Philox rounds), in pointwise ops
 GEMM_DTYPES = (dtypes.float16, dtypes.bfloat16, dtypes.float32)  # matmuls generated as Triton GEMMs
+MLP_MAX_WIDTH = 128  # widths of a chained MLP's layers (padded to powers of two) whose tiles stay on chip
 
 
 
@@ -69,6 +70,7 @@ class KernelKind(enum.Enum):
     CONV2D = "conv2d"  # the vendor's convolution, or one of its gradients
     SCATTER_ADD = "scatter_add"
     SEGMENTED = "segmented"  # independent small kernels sharing one launch
+    MLP = "mlp"  # a chain of narrow GEMMs with pointwise work between: several cores, intermediates on chip
 
     def __str__(self) -> str:
         return self.value
@@ -513,6 +515,90 @@ class Planner:
             stack.extend((i, keeps) for i in n.inputs)
         return reaches
 
+    # -- step 6: chains of narrow GEMM kernels become one MLP kernel ----------------------
+    def chain_mlps(self, kernels: list[FusedKernel]) -> list[FusedKernel]:
+        """GEMM kernels where each one's result (after its epilogue) is only the next one's first operand,
+        every width at most MLP_MAX_WIDTH, become one kernel: each program takes a tile of rows through
+        all the layers, the activations between them never leaving the chip. A chain whose intermediates
+        are read elsewhere (a backward pass reads them) stays per-layer GEMMs; so does a wider layer."""
+        gemms = [k for k in kernels if self._chainable(k)]
+        if len(gemms) < 2:
+            return kernels
+        refs = {id(k): self.references(k) for k in kernels}
+        feeds: dict[int, FusedKernel] = {}  # id(kernel) -> the kernel its only output feeds
+        fed: set[int] = set()
+        for k in gemms:
+            for nxt in gemms:
+                if nxt is not k and id(nxt) not in fed and self._feeds(k, nxt) and not any(
+                        id(k.outputs[0]) in r for key, r in refs.items() if key != id(nxt)):
+                    feeds[id(k)] = nxt
+                    fed.add(id(nxt))
+                    break
+        chains = []
+        for k in gemms:
+            if id(k) in fed or id(k) not in feeds:
+                continue
+            chain = [k]
+            while id(chain[-1]) in feeds:
+                chain.append(feeds[id(chain[-1])])
+            chains.append(chain)
+        for chain in chains:
+            widths = [chain[0].core.inputs[0].shape[-1]] + [k.core.shape[-1] for k in chain]
+            wide = [i for i, w in enumerate(widths) if w > MLP_MAX_WIDTH]
+            text = "-".join(map(str, widths))
+            if wide:
+                for k in chain:
+                    k.decisions.append(f"per-layer GEMMs: a chain of {len(chain)} layers, widths {text}; width "
+                                       f"{widths[wide[0]]} is over {MLP_MAX_WIDTH}, more than fits on chip")
+                continue
+            last = chain[-1]
+            mlp = FusedKernel(KernelKind.MLP, last.space, (), list(last.outputs), dict(last.levels))
+            mlp.cores = [k.core for k in chain]
+            mlp.decisions = [f"one kernel: {len(chain)} layers, widths {text}"]
+            for k in chain[:-1]:
+                self.stored.discard(id(k.outputs[0]))
+            at = kernels.index(last)
+            kernels[at] = mlp
+            for k in chain[:-1]:
+                kernels.remove(k)
+        return kernels
+
+    def _chainable(self, k: FusedKernel) -> bool:
+        core = k.core
+        return (k.kind is KernelKind.MATMUL and core is not None and len(core.shape) == 2 and not k.reductions
+                and core.shape[0] > 0 and all(o.shape == core.shape for o in k.outputs))
+
+    def _feeds(self, k: FusedKernel, nxt: FusedKernel) -> bool:
+        """Whether `k`'s one output is read by `nxt` only through its first operand (its mainloop), with the
+        same rows and element type (the caller checks that no other kernel reads it)."""
+        if len(k.outputs) != 1 or nxt.core.dtype is not k.core.dtype or nxt.core.shape[0] != k.core.shape[0]:
+            return False
+        h = k.outputs[0]
+        if id(h) in self.output_ids or id(h) in self.given:
+            return False
+        operand, weight = nxt.core.inputs
+        cone = self._inlined(operand, h)
+        if id(h) not in cone or id(h) in self._inlined(weight, h):
+            return False
+        return all(u is nxt.core or id(u) in cone for u in self.users[id(h)])
+
+    def _inlined(self, node: Node, h: Node) -> set[int]:
+        """The ids of the nodes a kernel computes to get `node` (stopping at stored ones), with `h` and
+        the readers of it among them (the ids of nodes whose value reaches `node`)."""
+        seen: set[int] = set()
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if id(n) in seen:
+                continue
+            seen.add(id(n))
+            if n is not h and n is not node and (id(n) in self.stored or n.op is Op.BUFFER):
+                continue
+            if n is not h:
+                stack.extend(n.inputs)
+        seen.add(id(node))
+        return seen
+
     # -- step 5: merge kernels over one space, then segment pointwise launches -----------
     def merge(self, kernels: list[FusedKernel]) -> list[FusedKernel]:
         refs = {id(k): self.references(k) for k in kernels}
@@ -654,6 +740,10 @@ class Planner:
             kernel.cores = [kernel.core]
             operands = list(kernel.core.inputs)
             sums = {id(r): summed_operand(kernel.core, r) for r in operand_sums(kernel)}
+        elif kernel.kind is KernelKind.MLP:  # the input's and the weights' producers are loaded; the rest is
+            kernel.cores = [n for n in kernel.covers if n.op is Op.MATMUL]  # the layers' epilogues
+            operands = [kernel.cores[0].inputs[0]] + [c.inputs[1] for c in kernel.cores]
+            sums = {}
         else:
             kernel.cores = [n for n in kernel.covers if n.op in OPAQUE or n.op is Op.SCATTER_ADD
                             or n in kernel.reductions]
@@ -736,6 +826,7 @@ def plan(nodes: list[Node], outputs: list[Node], context: CompileContext, costs:
     kernels = planner.fuse_gemms(kernels)
     kernels = planner.merge(kernels)
     kernels = planner.segment(kernels)
+    kernels = planner.chain_mlps(kernels)
     for i, k in enumerate(kernels):
         k.index = i
         planner.describe(k)

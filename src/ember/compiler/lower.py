@@ -150,6 +150,9 @@ class Emitter:
         self.hoisted: set[tuple] = set()  # memo keys of values computed before a loop
         self.count = 0
         self.accumulator: Var | None = None  # a GEMM epilogue's name for the core's value
+        self.accumulators: dict[int, Var] = {}  # an MLP kernel's: id(core) -> its accumulator, once computed
+        self.blocks: dict[str, Block] = GEMM_BLOCK  # the block laid along each tile axis of a GEMM's tiles
+        self.tile_axes: frozenset[str] | None = None  # the axes of the tiles a GEMM or MLP kernel stores
         self.row_index: Index | None = None  # a row kernel's index of one value per row
         # A GEMM's tiles are 2-d: a mask split by axis lets a load that varies along one axis only (a
         # bias, a per-feature scale) load a row or a column instead of the whole tile.
@@ -279,6 +282,8 @@ class Emitter:
             if self.accumulator is None:
                 raise CompileError(f"kernel {kernel.index}: the matmul's result is read before it is computed")
             return self.accumulator, dtypes.float32
+        if id(node) in self.accumulators:  # a layer of an MLP kernel, read at the element computed
+            return self.accumulators[id(node)], dtypes.float32
         if node in kernel.reductions:
             if id(node) not in self.reduced:
                 raise CompileError(f"kernel {kernel.index}: reduction {node} is read before it is computed")
@@ -326,7 +331,7 @@ class Emitter:
         if view.op is Op.BUFFER or id(view) in self.ctx.stored:
             offset = self.linear(idx, view.shape)
             if offset.axes != rows.axes | cols.axes:  # a size-1 axis: a load still needs a tile of pointers
-                tile = (GEMM_BLOCK[next(iter(rows.axes))], GEMM_BLOCK[next(iter(cols.axes))])
+                tile = (self.blocks[next(iter(rows.axes))], self.blocks[next(iter(cols.axes))])
                 offset = Bin("+", offset, call("zeros", shape=tile, dtype=dtypes.int32))
             value = self.define(call("load", add(self.ctx.param("read", view, "in"), offset), mask=idx.mask,
                                      other=ZERO))
@@ -452,7 +457,8 @@ class Emitter:
         offset = self.linear(idx, node.shape)
         # a store needs a tile of addresses: an offset that is one scalar (every axis of size 1), or a GEMM's
         # that misses an axis of the tile, is broadcast to the tile
-        if not offset.is_tile or (self.kernel.core is not None and not {"rm", "rn"} <= offset.axes):
+        tile_axes = self.tile_axes or (frozenset({"rm", "rn"}) if self.kernel.core is not None else None)
+        if not offset.is_tile or (tile_axes is not None and not tile_axes <= offset.axes):
             offset = Bin("+", offset, call("zeros", shape=tile, dtype=dtypes.int32))
         masked = {"mask": idx.mask} if idx.mask is not None else {}
         self.emit(Effect(call("store", add(pointer, offset), value, **masked)))
@@ -480,6 +486,8 @@ def lower(kernel: FusedKernel, stored: set[int], context: CompileContext) -> Ker
         functions = _scatter_add(ctx, kernel)
     elif kernel.kind is KernelKind.MATMUL and kernel.core is not None:
         functions = [_gemm(ctx, kernel)]
+    elif kernel.kind is KernelKind.MLP:
+        functions = [_mlp(ctx, kernel)]
     else:
         raise CompileError(f"no generated code for {kernel.kind} kernels")
     return KernelIR(str(kernel.kind), _header(kernel), functions)
@@ -844,6 +852,71 @@ def _gemm(ctx: Context, kernel: FusedKernel) -> Function:
     function.layout = layout_a + layout_b
     function.precision = dot
     return function
+
+
+def mlp_blocks(kernel: FusedKernel) -> tuple[list[int], int, int]:
+    """An MLP kernel's widths padded for the matrix units (powers of two, at least 16), its rows per program
+    and its warps."""
+    widths = [kernel.cores[0].inputs[0].shape[-1]] + [c.shape[-1] for c in kernel.cores]
+    padded = [max(16, next_pow2(w)) for w in widths]
+    return padded, 128, 4 if max(padded) <= 64 else 8
+
+
+def _mlp(ctx: Context, kernel: FusedKernel) -> Function:
+    """A chain of narrow GEMMs in one kernel: each program takes BLOCK_M rows through every layer. A layer's
+    whole weight is one tile (its widths padded to W0, W1, ...; zeros outside), so each dot is one step; its
+    epilogue (bias, activation) runs on the accumulator in registers and, cast to the operand type, is the
+    next layer's operand. Only the input rows, the weights (from L2 after the first programs) and the last
+    layer's outputs touch memory."""
+    cores = kernel.cores
+    m = cores[0].shape[0]
+    widths = [cores[0].inputs[0].shape[-1]] + [c.shape[-1] for c in cores]
+    padded, rows, warps = mlp_blocks(kernel)
+    body: list = []
+    em = Emitter(ctx, kernel, body)
+    block_m = GEMM_BLOCK["rm"]
+    cols = [Block(f"W{i}", f"c{i}") for i in range(len(widths))]  # a layer's width along a tile's columns
+    ks = [Block(f"W{i}", f"k{i}") for i in range(len(widths))]  # ... and along a weight tile's rows
+    em.blocks = {"rm": block_m, **{b.axis: b for b in cols + ks}}
+    M = ctx.size(m)
+    pid = _program(em)
+    start = call("cast", pid, dtype=dtypes.int64) if em.big else pid
+    rm = em.bind("rm", Bin("+", Bin("*", start, block_m), Range(block_m, 0, 2)))
+    mask_m = em.bind("mask_m", Bin("<", rm, M))
+    c = [em.bind(f"col{i}", Range(cols[i], 1, 2)) for i in range(len(widths))]
+    mask_c = [em.bind(f"mask_col{i}", Bin("<", c[i], ctx.size(w))) for i, w in enumerate(widths)]
+    masks: dict[Var, dict[str, Expr]] = {}  # each 2-d mask by its axes' own masks (loads along one axis)
+    layer_mask: dict[int, Var] = {}  # the mask of layer i's output tile, by i (1 for the first layer)
+    for layer, core in enumerate(cores):
+        a, b = core.inputs
+        dtype = core.dtype
+        if layer == 0:  # the input rows, with the ops producing them applied as they are loaded
+            mask_a = em.bind("mask_x", Bin("&", mask_m, mask_c[0]))
+            masks[mask_a] = {"rm": mask_m, "c0": mask_c[0]}
+            tile, _ = em.operand(a, Index((rm, c[0]), None, mask_a, OTHER), dtype)
+        else:  # the previous layer's epilogue, in registers
+            mask_h = layer_mask[layer]
+            value, _ = em.value(a, Index((rm, c[layer]), None, mask_h, FULL))
+            tile = em.define(call("cast", call("where", mask_h, value, ZERO), dtype=dtype), "x")
+        k = em.bind(f"k{layer}", Range(ks[layer], 0, 2))
+        mask_k = em.bind(f"mask_k{layer}", Bin("<", k, ctx.size(widths[layer])))
+        mask_w = em.bind(f"mask_w{layer}", Bin("&", mask_k, mask_c[layer + 1]))
+        masks[mask_w] = {f"k{layer}": mask_k, f"c{layer + 1}": mask_c[layer + 1]}
+        em.mask_parts = masks
+        weight, _ = em.operand(b, Index((k, c[layer + 1]), None, mask_w, OTHER), dtype)
+        acc = em.bind(f"acc{layer}", call("zeros", shape=(block_m, cols[layer + 1]), dtype=dtypes.float32))
+        precision = {"precision": ctx.settings.dot_precision(dtype)} if dtype is dtypes.float32 else {}
+        em.emit(Assign((acc,), call("dot", tile, weight, acc, **precision)))
+        em.accumulators[id(core)] = acc
+        mask_out = em.bind(f"mask{layer + 1}", Bin("&", mask_m, mask_c[layer + 1]))
+        masks[mask_out] = {"rm": mask_m, f"c{layer + 1}": mask_c[layer + 1]}
+        layer_mask[layer + 1] = mask_out
+    em.tile_axes = frozenset({"rm", f"c{len(cores)}"})
+    last = len(cores)
+    for o in kernel.outputs:
+        em.store(o, Index((rm, c[last]), None, layer_mask[last], FULL), (block_m, cols[last]))
+    constexprs = {"BLOCK_M": rows, **{f"W{i}": p for i, p in enumerate(padded)}}
+    return ctx.function("", body, constexprs, -(-m // rows), warps)
 
 
 def _epilogue_index(emitter: Emitter, core: Node, shape: tuple[int, ...], batch_dims: tuple[Expr, ...],

@@ -1,0 +1,224 @@
+"""Fused MLP benchmark: narrow ReLU MLPs (ordinary Linear layers, float16) for inference and training,
+ember (lazy and jit) against PyTorch eager, torch.compile (default, max-autotune, reduce-overhead) and the
+floor, side by side in one run.
+
+Rows (a network of width w and depth d: w -> w x (d - 1) -> 16, ReLU between the layers):
+  I<w>d<d>  inference, batch 2^21, for w in 32, 64, 128 and d in 2, 5, 8
+  T<w>      training step (MSE loss, Adam), batch 2^18, depth 5, for w in 32, 64, 128
+
+The floor is the larger of the FLOPs at the measured cuBLAS float16 rate and the bytes the step must move
+(input rows and outputs; for training also the parameters and Adam's state) at the measured copy rate.
+Times: median of single steps, call to GPU done, the GPU idle at the start. ember's kernels: how many fused
+kernels its plan of one inference has (1: the whole network is one kernel).
+
+    python benchmarks/mlp.py                      # every row, appended to RESULTS.md
+    python benchmarks/mlp.py --rows I64d5,T64     # some rows
+    python benchmarks/mlp.py --variants "torch eager,ember lazy,ember.jit"
+    python benchmarks/mlp.py --cpu-smoke          # no GPU: tiny sizes, every code path
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import torch  # noqa: E402
+from common import (  # noqa: E402
+    cell,
+    environment,
+    guarded,
+    markdown_table,
+    median_ms,
+    parse_options,
+    publish,
+    release_memory,
+    to_ember,
+    to_torch,
+)
+
+import ember  # noqa: E402
+from ember.explain import plan  # noqa: E402
+
+VARIANTS = ["torch eager", "torch.compile", "torch.compile max-autotune", "torch.compile reduce-overhead",
+            "ember lazy", "ember.jit"]
+MODES = {"torch eager": None, "torch.compile": "default", "torch.compile max-autotune": "max-autotune",
+         "torch.compile reduce-overhead": "reduce-overhead"}
+BATCH = {"I": (2**21, 2**14, 300), "T": (2**18, 2**12, 200)}  # full, --quick, --cpu-smoke
+OUT_WIDTH = 16
+ROWS = [(f"I{w}d{d}", "I", w, d) for w in (32, 64, 128) for d in (2, 5, 8)] + [
+    (f"T{w}", "T", w, 5) for w in (32, 64, 128)]
+
+
+def cases(which: int, dev: str):
+    return [(row, (kind, w, d, BATCH[kind][which])) for row, kind, w, d in ROWS]
+
+
+def widths(w: int, d: int) -> list[int]:
+    return [w] * d + [OUT_WIDTH]
+
+
+def torch_model(w: int, d: int, dev: str, dtype=torch.float16) -> torch.nn.Sequential:
+    sizes = widths(w, d)
+    layers: list[torch.nn.Module] = []
+    for i in range(d):
+        layers.append(torch.nn.Linear(sizes[i], sizes[i + 1]))
+        if i < d - 1:
+            layers.append(torch.nn.ReLU())
+    return torch.nn.Sequential(*layers).to(dev, dtype)
+
+
+def compiled(fn: Callable, variant: str, cpu: bool) -> Callable:
+    mode = MODES[variant]
+    if mode is None:
+        return fn
+    return torch.compile(fn, backend="eager") if cpu else torch.compile(fn, mode=mode)
+
+
+def floor_ms(kind: str, w: int, d: int, batch: int, tflops: float | None, gbs: float | None) -> float | None:
+    if tflops is None or gbs is None:
+        return None
+    sizes = widths(w, d)
+    macs = sum(a * b for a, b in zip(sizes, sizes[1:]))
+    flops = 2 * batch * macs * (3 if kind == "T" else 1)  # training: forward, input and weight gradients
+    nbytes = 2 * batch * (sizes[0] + sizes[-1])
+    if kind == "T":
+        nbytes += (2 + 4 * 4) * (macs + sum(sizes[1:]))  # fp16 parameters and fp32 gradient, master, m, v
+    return max(flops / tflops / 1e9, nbytes / gbs / 1e6)
+
+
+def inference(w: int, d: int, batch: int, dev: str, cpu: bool, variants: list[str], warmup: int, reps: int):
+    model = torch_model(w, d, dev).eval()
+    x = torch.randn(batch, w, device=dev, dtype=torch.float16)
+    em = ember.from_torch(model).to("cuda")  # on a GPU: shared; under --cpu-smoke: copied to the interpreter
+    ex = to_ember(x)
+    with torch.no_grad():
+        reference = model.float()(x.float())
+        model.half()
+    times, errors, kernels = {}, {}, None
+    for variant in variants:
+        if variant.startswith("torch"):
+            fn = compiled(model, variant, cpu)
+            step = lambda fn=fn: fn(x)  # noqa: E731
+
+            def timed(step=step, variant=variant):
+                with torch.no_grad():
+                    out = step()
+                    times[variant] = median_ms(step, warmup, reps, cpu)
+                return out
+            out = guarded(f"{variant}", timed)
+        else:
+            def forward(x):
+                with ember.no_grad():
+                    return em(x)
+            fn = ember.jit(forward) if variant == "ember.jit" else forward
+            if variant == "ember lazy":
+                kernels = guarded("ember plan", lambda: len(plan(forward(ex)).kernels))
+            step = lambda fn=fn: fn(ex).realize()  # noqa: E731
+            out = guarded(variant, step)
+            if out is not None:
+                out = to_torch(out)
+                times[variant] = guarded(variant, lambda step=step: median_ms(step, warmup, reps, cpu))
+        if out is not None:
+            errors[variant] = ((out.float() - reference).norm() / reference.norm()).item()
+    return times, errors, kernels
+
+
+def training(w: int, d: int, batch: int, dev: str, cpu: bool, variants: list[str], warmup: int, reps: int):
+    base = torch_model(w, d, dev, torch.float32)
+    x = torch.randn(batch, w, device=dev, dtype=torch.float16)
+    y = torch.randn(batch, OUT_WIDTH, device=dev, dtype=torch.float16)
+    times, losses = {}, {}
+    for variant in variants:
+        if variant.startswith("torch"):
+            model = torch_model(w, d, dev)
+            model.load_state_dict(base.state_dict())
+            capturable = variant.endswith("reduce-overhead") and not cpu
+            opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-4, capturable=capturable)
+
+            def torch_step(model=model, opt=opt):
+                opt.zero_grad(set_to_none=True)
+                loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
+                loss.backward()
+                opt.step()
+                return loss.detach()
+            step = compiled(torch_step, variant, cpu)
+        else:
+            model = torch_model(w, d, dev)
+            model.load_state_dict(base.state_dict())
+            em = ember.from_torch(model).to("cuda")
+            opt = ember.optim.Adam(em.parameters(), lr=1e-3, eps=1e-4)
+            ex, ey = to_ember(x), to_ember(y)
+
+            def ember_step(x, y, em=em, opt=opt):
+                opt.zero_grad()
+                loss = ember.nn.functional.mse_loss(em(x).float(), y.float())
+                loss.backward()
+                opt.step()
+                return loss
+            fn = ember.jit(ember_step) if variant == "ember.jit" else ember_step
+            step = lambda fn=fn, ex=ex, ey=ey: fn(ex, ey).realize()  # noqa: E731
+        first = guarded(variant, step)
+        if first is not None:
+            losses[variant] = float(first.item())
+            times[variant] = guarded(variant, lambda step=step: median_ms(step, warmup, reps, cpu))
+    return times, losses
+
+
+def main(argv: list[str] | None = None) -> None:
+    def options(parser):
+        parser.add_argument("--variants", type=lambda v: [x.strip() for x in v.split(",")], default=VARIANTS,
+                            help=f"variants to run, comma-separated (default: all of {', '.join(VARIANTS)})")
+
+    opts = parse_options(argv, "mlp.py", __doc__, cases, rows_example="I64d5,T64", add_options=options)
+    args, dev, cpu = opts.args, opts.dev, opts.args.cpu_smoke
+    unknown = set(args.variants) - set(VARIANTS)
+    if unknown:
+        sys.exit(f"--variants: no variant {', '.join(sorted(unknown))}")
+    variants = [v for v in VARIANTS if v in args.variants]
+    from gemm import cublas_tflops
+
+    n = (8192, 2048, 64)[opts.which]
+    tflops = guarded("cuBLAS rate", lambda: cublas_tflops(n, dev, args.warmup, args.reps, cpu))
+    from fusion import copy_gbs
+
+    gbs = guarded("copy rate", lambda: copy_gbs((1 << 30, 1 << 26, 1 << 16)[opts.which], dev, args.warmup,
+                                                args.reps, cpu))
+    print(f"cuBLAS fp16 {cell(tflops, '{:.0f}')} TFLOP/s, copy {cell(gbs, '{:.0f}')} GB/s", flush=True)
+    lines = []
+    made = dict(opts.cases)
+    for row in opts.selected:
+        kind, w, d, batch = made[row]
+        print(f"row {row}", flush=True)
+        floor = floor_ms(kind, w, d, batch, tflops, gbs)
+        if kind == "I":
+            times, errors, kernels = inference(w, d, batch, dev, cpu, variants, args.warmup, args.reps)
+            check = ", ".join(f"{v.replace('torch.compile', 'tc')}: {e:.1e}" for v, e in errors.items()
+                              if v.startswith("ember"))
+        else:
+            times, losses = training(w, d, batch, dev, cpu, variants, args.warmup, args.reps)
+            kernels = None
+            check = "first loss " + ", ".join(f"{v}: {loss_:.4g}" for v, loss_ in losses.items())
+        eager = times.get("torch eager")
+        best_torch = min((t for v, t in times.items() if v.startswith("torch.compile") and t), default=None)
+        best_ember = min((t for v, t in times.items() if v.startswith("ember") and t), default=None)
+        lines.append([row, f"{'-'.join(map(str, widths(w, d)))} x {batch}", cell(floor, "{:.3f}"),
+                      *[cell(times.get(v), "{:.3f}") if v in variants else "-" for v in VARIANTS],
+                      "-" if kind == "T" else cell(kernels, "{}"),
+                      cell(eager / best_ember if eager and best_ember else None, "{:.2f}"),
+                      cell(best_torch / best_ember if best_torch and best_ember else None, "{:.2f}"), check])
+        release_memory(cpu)
+    head = ["row", "network x batch", "floor ms", *[f"{v} ms" for v in VARIANTS], "ember kernels",
+            "eager / ember", "best compile / ember", "check"]
+    notes = [f"floor: max(FLOPs at the measured cuBLAS float16 rate {cell(tflops, '{:.0f}')} TFLOP/s, bytes at the "
+             f"measured copy rate {cell(gbs, '{:.0f}')} GB/s)",
+             "ember / torch ratios use the faster ember variant and the fastest torch.compile mode",
+             "check: inference, ||out - ref|| / ||ref|| against torch in float32 on the same weights; training, "
+             "the first step's loss per variant (same weights and data)"]
+    publish(f"fused MLP benchmark: {environment(cpu)}", markdown_table(head, lines), notes, opts.results_file)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""Chains of narrow Linear layers as one MLP kernel (run by Triton's interpreter in CI, at size under
+`pytest -m gpu`), against torch on the same rounded weights; the planner's fused/unfused decision; and
+`ember.from_torch`, which imports a torch model sharing its parameters."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+import ember
+import ember.nn as nn
+from ember.compiler.fusion import KernelKind
+from ember.explain import plan
+
+pytestmark = pytest.mark.usefixtures("cuda_backend")
+
+ACTIVATIONS = {
+    "relu": torch.nn.ReLU, "leaky_relu": lambda: torch.nn.LeakyReLU(0.1), "sigmoid": torch.nn.Sigmoid,
+    "tanh": torch.nn.Tanh, "gelu": torch.nn.GELU, "silu": torch.nn.SiLU, "softplus": torch.nn.Softplus,
+    "identity": torch.nn.Identity,
+}
+DTYPES = {"float16": (torch.float16, ember.float16, np.float16), "bfloat16": (torch.bfloat16, ember.bfloat16,
+                                                                               ml_dtypes.bfloat16),
+          "float32": (torch.float32, ember.float32, np.float32)}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def fresh_cache(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("EMBER_CACHE_DIR", str(tmp_path_factory.mktemp("ember-cache")))
+        yield
+
+
+def torch_mlp(widths: list[int], activation: str, seed: int, bias: bool = True) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    layers: list[torch.nn.Module] = []
+    for i in range(len(widths) - 1):
+        layers.append(torch.nn.Linear(widths[i], widths[i + 1], bias=bias))
+        if i < len(widths) - 2:
+            layers.append(ACTIVATIONS[activation]())
+    return torch.nn.Sequential(*layers)
+
+
+def rounded(model: torch.nn.Sequential, dtype: str) -> torch.nn.Sequential:
+    """The model with parameters rounded to `dtype` (kept in float64 for the reference)."""
+    tdt = DTYPES[dtype][0]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(tdt).to(p.dtype))
+    return model
+
+
+def inputs(rows: int, width: int, dtype: str, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = rng.uniform(-2, 2, size=(rows, width))
+    x = np.where(np.abs(x) < 0.05, 0.05, x)
+    return x.astype(DTYPES[dtype][2])
+
+
+def run_ember(model: torch.nn.Sequential, x: np.ndarray, dtype: str):
+    em = ember.from_torch(model).to("cuda").to(DTYPES[dtype][1])
+    with ember.no_grad():
+        out = em(ember.tensor(x, device="cuda"))
+        kernels = plan(out).kernels
+        return out.numpy().astype(np.float64), kernels
+
+
+def reference(model: torch.nn.Sequential, x: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model.double()(torch.from_numpy(x.astype(np.float64))).numpy()
+
+
+def relative(got: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+TOL = {"float16": 2e-2, "bfloat16": 5e-2, "float32": 1e-5}
+
+CASES = [  # widths, rows, activation, dtype
+    ([32, 64, 64, 16], 300, "relu", "float16"),
+    ([64, 64, 64, 64, 64, 16], 1000, "relu", "float16"),
+    ([3, 24, 100, 1], 127, "tanh", "bfloat16"),
+    ([128, 128, 128], 128, "gelu", "float16"),
+    ([1, 16, 1], 1, "sigmoid", "float16"),
+    ([16, 16, 16], 2**16 + 3, "leaky_relu", "bfloat16"),
+    ([20, 40, 30, 10], 129, "silu", "float32"),
+    ([8, 100, 24, 8], 257, "softplus", "float16"),
+    ([64, 32, 32, 32, 32, 32, 32, 32, 8], 200, "identity", "bfloat16"),  # depth 8
+]
+
+
+@pytest.mark.parametrize("widths,rows,activation,dtype", CASES,
+                         ids=[f"{'-'.join(map(str, c[0]))}x{c[1]}-{c[2]}-{c[3]}" for c in CASES])
+def test_a_narrow_chain_is_one_kernel_and_matches_torch(widths, rows, activation, dtype):
+    model = rounded(torch_mlp(widths, activation, seed=len(widths) + rows), dtype)
+    x = inputs(rows, widths[0], dtype, seed=rows)
+    got, kernels = run_ember(model, x, dtype)
+    assert [k.kind for k in kernels] == [KernelKind.MLP]
+    assert kernels[0].decisions == [f"one kernel: {len(widths) - 1} layers, widths {'-'.join(map(str, widths))}"]
+    assert relative(got, reference(model, x)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
+def test_each_activation_fuses_and_matches_torch(activation):
+    model = rounded(torch_mlp([16, 48, 48, 8], activation, seed=3), "float16")
+    x = inputs(200, 16, "float16", seed=4)
+    got, kernels = run_ember(model, x, "float16")
+    assert [k.kind for k in kernels] == [KernelKind.MLP]
+    assert relative(got, reference(model, x)) < TOL["float16"]
+
+
+def test_fused_equals_unfused_on_the_same_device(monkeypatch):
+    """The MLP kernel computes what the per-layer GEMMs compute (both round activations to the operand type)."""
+    from ember.compiler import fusion
+
+    model = rounded(torch_mlp([32, 64, 64, 10], "relu", seed=5), "float16")
+    x = inputs(333, 32, "float16", seed=6)
+    fused, kernels = run_ember(model, x, "float16")
+    monkeypatch.setattr(fusion, "MLP_MAX_WIDTH", 0)
+    unfused, per_layer = run_ember(model, x, "float16")
+    assert KernelKind.MLP not in [k.kind for k in per_layer] and len(per_layer) == 3
+    np.testing.assert_allclose(fused, unfused, rtol=2e-2, atol=2e-2)
+
+
+def test_a_wide_layer_keeps_per_layer_gemms_and_says_why():
+    model = rounded(torch_mlp([32, 256, 16], "relu", seed=7), "float16")
+    x = inputs(64, 32, "float16", seed=8)
+    got, kernels = run_ember(model, x, "float16")
+    assert KernelKind.MLP not in [k.kind for k in kernels]
+    assert any("width 256 is over 128" in d for k in kernels for d in k.decisions)
+    assert relative(got, reference(model, x)) < TOL["float16"]
+
+
+def test_training_keeps_per_layer_gemms_and_gradients_match_torch():
+    """Backward reads the activations between the layers, so a training step's chain is not one kernel
+    (yet); its values and gradients still match torch."""
+    model = rounded(torch_mlp([16, 32, 32, 4], "tanh", seed=9), "float32")
+    x = inputs(50, 16, "float32", seed=10)
+    em = ember.from_torch(model).to("cuda")
+    out = em(ember.tensor(x, device="cuda"))
+    loss = (out * out).mean()
+    loss.backward()
+    grads = [p.grad for p in em.parameters()]
+    assert KernelKind.MLP not in [k.kind for k in plan(loss, *grads).kernels]
+    tx = torch.from_numpy(x)
+    tloss = (model(tx) ** 2).mean()
+    tloss.backward()
+    np.testing.assert_allclose(loss.numpy(), tloss.detach().numpy(), rtol=1e-5)
+    for (name, p), tp in zip(em.named_parameters(), model.parameters()):
+        np.testing.assert_allclose(p.grad.numpy(), tp.grad.numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def test_an_ember_sequential_fuses_too():
+    ember.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 40), nn.SiLU(), nn.Linear(40, 40), nn.ReLU(), nn.Linear(40, 3)).to(
+        "cuda").to(ember.float16)
+    x = ember.tensor(inputs(77, 12, "float16", seed=11), device="cuda")
+    with ember.no_grad():
+        out = model(x)
+        assert [k.kind for k in plan(out).kernels] == [KernelKind.MLP]
+        got = out.numpy().astype(np.float64)
+    ref = torch.from_numpy(x.numpy().astype(np.float64))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            ref = ref @ torch.from_numpy(layer.weight.numpy().astype(np.float64)).T + torch.from_numpy(
+                layer.bias.numpy().astype(np.float64))
+        else:
+            ref = {"SiLU": torch.nn.functional.silu, "ReLU": torch.relu}[type(layer).__name__](ref)
+    assert relative(got, ref.numpy()) < TOL["float16"]
+
+
+def test_explain_names_the_layers():
+    model = rounded(torch_mlp([64, 64, 64, 64, 64, 16], "relu", seed=12), "float16")
+    em = ember.from_torch(model).to("cuda").half()
+    with ember.no_grad():
+        text = str(ember.explain(em(ember.tensor(inputs(256, 64, "float16", seed=13), device="cuda"))))
+    assert "mlp" in text and "one kernel: 5 layers, widths 64-64-64-64-64-16" in text
+
+
+# -- from_torch ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_from_torch_shares_parameters_and_computes_the_same(device):
+    model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.LeakyReLU(0.2),
+                                torch.nn.Sequential(torch.nn.Linear(10, 3, bias=False), torch.nn.GELU("tanh")),
+                                torch.nn.Flatten(), torch.nn.Dropout(0.5)).eval()
+    em = ember.from_torch(model)
+    assert not em.training and [name for name, _ in em.named_parameters()] == [
+        name for name, _ in model.named_parameters()]
+    x = torch.randn(7, 6)
+    with torch.no_grad():
+        model[0].weight.mul_(2.0)  # shared: the import sees a later in-place change
+        ref = model(x).numpy()
+    em = em.to(device)
+    got = em(ember.tensor(x.numpy(), device=device)).numpy()
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_from_torch_names_unsupported_layers():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Conv2d(1, 1, 1),
+                                torch.nn.Sequential(torch.nn.BatchNorm1d(4)))
+    with pytest.raises(TypeError, match=r"unsupported layers 1: Conv2d, 2\.0: BatchNorm1d"):
+        ember.from_torch(model)
+    with pytest.raises(TypeError, match="expected a torch.nn.Module"):
+        ember.from_torch(np.zeros(3))

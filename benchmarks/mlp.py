@@ -105,7 +105,7 @@ def inference(w: int, d: int, batch: int, dev: str, cpu: bool, variants: list[st
 
             def timed(step=step, variant=variant):
                 with torch.no_grad():
-                    out = step()
+                    out = step().clone()  # reduce-overhead's output is overwritten by the next replay
                     times[variant] = median_ms(step, warmup, reps, cpu)
                 return out
             out = guarded(f"{variant}", timed)
@@ -122,7 +122,8 @@ def inference(w: int, d: int, batch: int, dev: str, cpu: bool, variants: list[st
                 out = to_torch(out)
                 times[variant] = guarded(variant, lambda step=step: median_ms(step, warmup, reps, cpu))
         if out is not None:
-            errors[variant] = ((out.float() - reference).norm() / reference.norm()).item()
+            errors[variant] = guarded(f"{variant} check", lambda out=out: (
+                (out.float() - reference).norm() / reference.norm()).item())
     return times, errors, kernels
 
 
@@ -195,8 +196,7 @@ def main(argv: list[str] | None = None) -> None:
         floor = floor_ms(kind, w, d, batch, tflops, gbs)
         if kind == "I":
             times, errors, kernels = inference(w, d, batch, dev, cpu, variants, args.warmup, args.reps)
-            check = ", ".join(f"{v.replace('torch.compile', 'tc')}: {e:.1e}" for v, e in errors.items()
-                              if v.startswith("ember"))
+            check = ", ".join(f"{v}: {cell(e, '{:.1e}')}" for v, e in errors.items() if v.startswith("ember"))
         else:
             times, losses = training(w, d, batch, dev, cpu, variants, args.warmup, args.reps)
             kernels = None

@@ -333,12 +333,14 @@ class Emitter:
             if offset.axes != rows.axes | cols.axes:  # a size-1 axis: a load still needs a tile of pointers
                 tile = (self.blocks[next(iter(rows.axes))], self.blocks[next(iter(cols.axes))])
                 offset = Bin("+", offset, call("zeros", shape=tile, dtype=dtypes.int32))
-            value = self.define(call("load", add(self.ctx.param("read", view, "in"), offset), mask=idx.mask,
-                                     other=ZERO))
+            masked = {"mask": idx.mask, "other": ZERO} if idx.mask is not None else {}  # None: a whole tile
+            value = self.define(call("load", add(self.ctx.param("read", view, "in"), offset), **masked))
             layout = "t" if idx.dims and idx.dims[-1] not in (cols, ZERO) else "n"
             return (value if view.dtype is dtype else self.define(call("cast", value, dtype=dtype), "x")), layout
         value, _ = self.value(view, idx)
-        return self.define(call("cast", call("where", idx.mask, value, ZERO), dtype=dtype), "x"), "p"
+        if idx.mask is not None:
+            value = call("where", idx.mask, value, ZERO)
+        return self.define(call("cast", value, dtype=dtype), "x"), "p"
 
     def leaf(self, node: Node, idx: Index) -> tuple[Expr, DType]:
         if node.op is Op.CONST:
@@ -884,33 +886,43 @@ def _mlp(ctx: Context, kernel: FusedKernel) -> Function:
     rm = em.bind("rm", Bin("+", Bin("*", start, block_m), Range(block_m, 0, 2)))
     mask_m = em.bind("mask_m", Bin("<", rm, M))
     c = [em.bind(f"col{i}", Range(cols[i], 1, 2)) for i in range(len(widths))]
-    mask_c = [em.bind(f"mask_col{i}", Bin("<", c[i], ctx.size(w))) for i, w in enumerate(widths)]
-    masks: dict[Var, dict[str, Expr]] = {}  # each 2-d mask by its axes' own masks (loads along one axis)
-    layer_mask: dict[int, Var] = {}  # the mask of layer i's output tile, by i (1 for the first layer)
+    # a column mask only where a width is padded: whole tiles load and store unmasked along their columns
+    mask_c = [em.bind(f"mask_col{i}", Bin("<", c[i], Lit(w))) if w != padded[i] else None
+              for i, w in enumerate(widths)]
+    # each mask by its axes' own masks, so a load along fewer axes (a bias) takes only theirs
+    masks: dict[Var, dict[str, Expr]] = {mask_m: {"rm": mask_m}}
+
+    def tile_mask(name: str, parts: dict[str, Expr | None]) -> Expr | None:
+        given = {axis: m for axis, m in parts.items() if m is not None}
+        if len(given) < 2:
+            return next(iter(given.values()), None)
+        mask = em.bind(name, both(*given.values()))
+        masks[mask] = given
+        return mask
+
+    layer_mask: dict[int, Expr] = {}  # the mask of layer i's output tile, by i (1 for the first layer)
     for layer, core in enumerate(cores):
         a, b = core.inputs
         dtype = core.dtype
         if layer == 0:  # the input rows, with the ops producing them applied as they are loaded
-            mask_a = em.bind("mask_x", Bin("&", mask_m, mask_c[0]))
-            masks[mask_a] = {"rm": mask_m, "c0": mask_c[0]}
+            mask_a = tile_mask("mask_x", {"rm": mask_m, "c0": mask_c[0]})
+            em.mask_parts = masks
             tile, _ = em.operand(a, Index((rm, c[0]), None, mask_a, OTHER), dtype)
-        else:  # the previous layer's epilogue, in registers
-            mask_h = layer_mask[layer]
-            value, _ = em.value(a, Index((rm, c[layer]), None, mask_h, FULL))
-            tile = em.define(call("cast", call("where", mask_h, value, ZERO), dtype=dtype), "x")
+        else:  # the previous layer's epilogue, in registers; padded columns zeroed (the weights' are too)
+            value, _ = em.value(a, Index((rm, c[layer]), None, layer_mask[layer], FULL))
+            if mask_c[layer] is not None:
+                value = call("where", mask_c[layer], value, ZERO)
+            tile = em.define(call("cast", value, dtype=dtype), "x")
         k = em.bind(f"k{layer}", Range(ks[layer], 0, 2))
-        mask_k = em.bind(f"mask_k{layer}", Bin("<", k, ctx.size(widths[layer])))
-        mask_w = em.bind(f"mask_w{layer}", Bin("&", mask_k, mask_c[layer + 1]))
-        masks[mask_w] = {f"k{layer}": mask_k, f"c{layer + 1}": mask_c[layer + 1]}
+        mask_k = em.bind(f"mask_k{layer}", Bin("<", k, Lit(widths[layer]))) if mask_c[layer] is not None else None
+        mask_w = tile_mask(f"mask_w{layer}", {f"k{layer}": mask_k, f"c{layer + 1}": mask_c[layer + 1]})
         em.mask_parts = masks
         weight, _ = em.operand(b, Index((k, c[layer + 1]), None, mask_w, OTHER), dtype)
         acc = em.bind(f"acc{layer}", call("zeros", shape=(block_m, cols[layer + 1]), dtype=dtypes.float32))
         precision = {"precision": ctx.settings.dot_precision(dtype)} if dtype is dtypes.float32 else {}
         em.emit(Assign((acc,), call("dot", tile, weight, acc, **precision)))
         em.accumulators[id(core)] = acc
-        mask_out = em.bind(f"mask{layer + 1}", Bin("&", mask_m, mask_c[layer + 1]))
-        masks[mask_out] = {"rm": mask_m, f"c{layer + 1}": mask_c[layer + 1]}
-        layer_mask[layer + 1] = mask_out
+        layer_mask[layer + 1] = tile_mask(f"mask{layer + 1}", {"rm": mask_m, f"c{layer + 1}": mask_c[layer + 1]})
     em.tile_axes = frozenset({"rm", f"c{len(cores)}"})
     last = len(cores)
     for o in kernel.outputs:

@@ -856,24 +856,34 @@ def _gemm(ctx: Context, kernel: FusedKernel) -> Function:
     return function
 
 
-def mlp_blocks(kernel: FusedKernel) -> tuple[list[int], int, int]:
-    """An MLP kernel's widths padded for the matrix units (powers of two, at least 16), its rows per program
-    and its warps."""
+MLP_RESIDENT_BYTES = 48 * 1024  # weights a persistent MLP program keeps on chip across its row tiles
+MLP_PROGRAMS_PER_SM = 2
+
+
+def mlp_blocks(kernel: FusedKernel) -> tuple[list[int], int, int, bool]:
+    """An MLP kernel's widths padded for the matrix units (powers of two, at least 16), its rows per tile, its
+    warps, and whether its programs are persistent (each loads the weights once and walks row tiles)."""
     widths = [kernel.cores[0].inputs[0].shape[-1]] + [c.shape[-1] for c in kernel.cores]
     padded = [max(16, next_pow2(w)) for w in widths]
-    return padded, 128, 4 if max(padded) <= 64 else 8
+    weight_bytes = sum(a * b for a, b in zip(padded, padded[1:])) * kernel.cores[0].dtype.itemsize
+    return padded, 128, 4, weight_bytes <= MLP_RESIDENT_BYTES
 
 
 def _mlp(ctx: Context, kernel: FusedKernel) -> Function:
-    """A chain of narrow GEMMs in one kernel: each program takes BLOCK_M rows through every layer. A layer's
+    """A chain of narrow GEMMs in one kernel: a program takes BLOCK_M rows through every layer. A layer's
     whole weight is one tile (its widths padded to W0, W1, ...; zeros outside), so each dot is one step; its
     epilogue (bias, activation) runs on the accumulator in registers and, cast to the operand type, is the
-    next layer's operand. Only the input rows, the weights (from L2 after the first programs) and the last
-    layer's outputs touch memory."""
+    next layer's operand. Only the input rows, the weights and the last layer's outputs touch memory. When
+    the weights fit on chip, programs are persistent: each loads the weights once, then walks row tiles."""
     cores = kernel.cores
     m = cores[0].shape[0]
     widths = [cores[0].inputs[0].shape[-1]] + [c.shape[-1] for c in cores]
-    padded, rows, warps = mlp_blocks(kernel)
+    padded, rows, warps, persistent = mlp_blocks(kernel)
+    tiles = -(-m // rows)
+    programs = tiles
+    if persistent and ctx.settings.multiprocessors:  # as many programs as the GPU holds at once, no more
+        programs = min(tiles, MLP_PROGRAMS_PER_SM * ctx.settings.multiprocessors)
+    persistent = programs < tiles
     body: list = []
     em = Emitter(ctx, kernel, body)
     block_m = GEMM_BLOCK["rm"]
@@ -882,45 +892,52 @@ def _mlp(ctx: Context, kernel: FusedKernel) -> Function:
     em.blocks = {"rm": block_m, **{b.axis: b for b in cols + ks}}
     M = ctx.size(m)
     pid = _program(em)
-    start = call("cast", pid, dtype=dtypes.int64) if em.big else pid
-    rm = em.bind("rm", Bin("+", Bin("*", start, block_m), Range(block_m, 0, 2)))
-    mask_m = em.bind("mask_m", Bin("<", rm, M))
     c = [em.bind(f"col{i}", Range(cols[i], 1, 2)) for i in range(len(widths))]
     # a column mask only where a width is padded: whole tiles load and store unmasked along their columns
     mask_c = [em.bind(f"mask_col{i}", Bin("<", c[i], Lit(w))) if w != padded[i] else None
               for i, w in enumerate(widths)]
-    # each mask by its axes' own masks, so a load along fewer axes (a bias) takes only theirs
-    masks: dict[Var, dict[str, Expr]] = {mask_m: {"rm": mask_m}}
+    masks: dict[Var, dict[str, Expr]] = {}  # each mask by its axes' own masks: a load along fewer axes (a
+    # bias) takes only theirs
 
     def tile_mask(name: str, parts: dict[str, Expr | None]) -> Expr | None:
-        given = {axis: m for axis, m in parts.items() if m is not None}
+        given = {axis: mask for axis, mask in parts.items() if mask is not None}
         if len(given) < 2:
             return next(iter(given.values()), None)
         mask = em.bind(name, both(*given.values()))
         masks[mask] = given
         return mask
 
+    weights = []  # each layer's weight tile, loaded before the row tiles are walked
+    for layer, core in enumerate(cores):
+        k = em.bind(f"k{layer}", Range(ks[layer], 0, 2))
+        mask_k = em.bind(f"mask_k{layer}", Bin("<", k, Lit(widths[layer]))) if mask_c[layer] is not None else None
+        mask_w = tile_mask(f"mask_w{layer}", {f"k{layer}": mask_k, f"c{layer + 1}": mask_c[layer + 1]})
+        em.mask_parts = masks
+        weights.append(em.operand(core.inputs[1], Index((k, c[layer + 1]), None, mask_w, OTHER), core.dtype)[0])
+    tile_index: Expr = pid
+    if persistent:
+        loop = Loop(Var("tile"), pid, Lit(tiles), Lit(programs))
+        em.emit(loop)
+        em.block = loop.body
+        tile_index = loop.var
+    start = call("cast", tile_index, dtype=dtypes.int64) if em.big else tile_index
+    rm = em.bind("rm", Bin("+", Bin("*", start, block_m), Range(block_m, 0, 2)))
+    mask_m = em.bind("mask_m", Bin("<", rm, M))
+    masks[mask_m] = {"rm": mask_m}
     layer_mask: dict[int, Expr] = {}  # the mask of layer i's output tile, by i (1 for the first layer)
     for layer, core in enumerate(cores):
-        a, b = core.inputs
-        dtype = core.dtype
+        a, dtype = core.inputs[0], core.dtype
         if layer == 0:  # the input rows, with the ops producing them applied as they are loaded
             mask_a = tile_mask("mask_x", {"rm": mask_m, "c0": mask_c[0]})
-            em.mask_parts = masks
             tile, _ = em.operand(a, Index((rm, c[0]), None, mask_a, OTHER), dtype)
         else:  # the previous layer's epilogue, in registers; padded columns zeroed (the weights' are too)
             value, _ = em.value(a, Index((rm, c[layer]), None, layer_mask[layer], FULL))
             if mask_c[layer] is not None:
                 value = call("where", mask_c[layer], value, ZERO)
             tile = em.define(call("cast", value, dtype=dtype), "x")
-        k = em.bind(f"k{layer}", Range(ks[layer], 0, 2))
-        mask_k = em.bind(f"mask_k{layer}", Bin("<", k, Lit(widths[layer]))) if mask_c[layer] is not None else None
-        mask_w = tile_mask(f"mask_w{layer}", {f"k{layer}": mask_k, f"c{layer + 1}": mask_c[layer + 1]})
-        em.mask_parts = masks
-        weight, _ = em.operand(b, Index((k, c[layer + 1]), None, mask_w, OTHER), dtype)
         acc = em.bind(f"acc{layer}", call("zeros", shape=(block_m, cols[layer + 1]), dtype=dtypes.float32))
         precision = {"precision": ctx.settings.dot_precision(dtype)} if dtype is dtypes.float32 else {}
-        em.emit(Assign((acc,), call("dot", tile, weight, acc, **precision)))
+        em.emit(Assign((acc,), call("dot", tile, weights[layer], acc, **precision)))
         em.accumulators[id(core)] = acc
         layer_mask[layer + 1] = tile_mask(f"mask{layer + 1}", {"rm": mask_m, f"c{layer + 1}": mask_c[layer + 1]})
     em.tile_axes = frozenset({"rm", f"c{len(cores)}"})
@@ -928,7 +945,7 @@ def _mlp(ctx: Context, kernel: FusedKernel) -> Function:
     for o in kernel.outputs:
         em.store(o, Index((rm, c[last]), None, layer_mask[last], FULL), (block_m, cols[last]))
     constexprs = {"BLOCK_M": rows, **{f"W{i}": p for i, p in enumerate(padded)}}
-    return ctx.function("", body, constexprs, -(-m // rows), warps)
+    return ctx.function("", body, constexprs, programs, warps)
 
 
 def _epilogue_index(emitter: Emitter, core: Node, shape: tuple[int, ...], batch_dims: tuple[Expr, ...],

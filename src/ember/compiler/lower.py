@@ -913,13 +913,17 @@ def _mlp(ctx: Context, kernel: FusedKernel) -> Function:
         masks[mask] = given
         return mask
 
-    weights = []  # each layer's weight tile, loaded before the row tiles are walked
-    for layer, core in enumerate(cores):
+    def weight(layer: int) -> Var:
+        core = cores[layer]
         k = em.bind(f"k{layer}", Range(ks[layer], 0, 2))
         mask_k = em.bind(f"mask_k{layer}", Bin("<", k, Lit(widths[layer]))) if mask_c[layer] is not None else None
         mask_w = tile_mask(f"mask_w{layer}", {f"k{layer}": mask_k, f"c{layer + 1}": mask_c[layer + 1]})
         em.mask_parts = masks
-        weights.append(em.operand(core.inputs[1], Index((k, c[layer + 1]), None, mask_w, OTHER), core.dtype)[0])
+        return em.operand(core.inputs[1], Index((k, c[layer + 1]), None, mask_w, OTHER), core.dtype)[0]
+
+    # persistent: every weight tile loaded once, before the row tiles are walked; else each before its dot
+    # (so only one is held on chip at a time)
+    weights = [weight(layer) for layer in range(len(cores))] if persistent else []
     tile_index: Expr = pid
     if persistent:
         loop = Loop(Var("tile"), pid, Lit(tiles), Lit(programs))
@@ -943,7 +947,8 @@ def _mlp(ctx: Context, kernel: FusedKernel) -> Function:
             tile = em.define(call("cast", value, dtype=dtype), "x")
         acc = em.bind(f"acc{layer}", call("zeros", shape=(block_m, cols[layer + 1]), dtype=dtypes.float32))
         precision = {"precision": ctx.settings.dot_precision(dtype)} if dtype is dtypes.float32 else {}
-        em.emit(Assign((acc,), call("dot", tile, weights[layer], acc, **precision)))
+        w = weights[layer] if persistent else weight(layer)
+        em.emit(Assign((acc,), call("dot", tile, w, acc, **precision)))
         em.accumulators[id(core)] = acc
         layer_mask[layer + 1] = tile_mask(f"mask{layer + 1}", {"rm": mask_m, f"c{layer + 1}": mask_c[layer + 1]})
     em.tile_axes = frozenset({"rm", f"c{len(cores)}"})

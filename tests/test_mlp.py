@@ -205,3 +205,17 @@ def test_from_torch_names_unsupported_layers():
         ember.from_torch(model)
     with pytest.raises(TypeError, match="expected a torch.nn.Module"):
         ember.from_torch(np.zeros(3))
+
+
+@pytest.mark.parametrize("reuse", ["residual", "as_weight"])
+def test_an_activation_read_again_after_the_next_layer_is_not_chained(reuse):
+    """The next layer's epilogue (a residual) or its weight reading the activation needs it stored."""
+    rng = np.random.default_rng(14)
+    a, w1, w2 = (rng.uniform(-1, 1, size=s).astype(np.float32) for s in ((40, 16), (16, 24), (24, 24)))
+    x, u, v = (ember.tensor(t, device="cuda") for t in (a, w1, w2))
+    h = (x @ u).relu()
+    out = (h @ v + h) if reuse == "residual" else h @ h.T
+    assert KernelKind.MLP not in [k.kind for k in plan(out).kernels]
+    th = torch.relu(torch.from_numpy(a).double() @ torch.from_numpy(w1).double())
+    ref = th @ torch.from_numpy(w2).double() + th if reuse == "residual" else th @ th.T
+    np.testing.assert_allclose(out.numpy(), ref.numpy(), rtol=1e-4, atol=1e-5)

@@ -131,13 +131,12 @@ class Plan:
             mainloop = [n for n in part.covers if id(n) in shown and any(n in p for p in part.prologues)]
             epilogue = [n for n in part.epilogue if id(n) in shown]
             if part.kind is KernelKind.MLP:  # layer by layer: a core, then what its result goes through
-                cores = sorted(part.cores, key=lambda c: part.covers.index(c))
-                after = [[n for n in epilogue if part.covers.index(n) > part.covers.index(c) and
-                          (i + 1 == len(cores) or part.covers.index(n) < part.covers.index(cores[i + 1]))]
-                         for i, c in enumerate(cores)]
-                sections = ((mainloop, "mainloop"),
-                            *((group, title) for i, c in enumerate(cores)
-                              for group, title in (([c], f"layer {i}"), (after[i], "epilogue"))))
+                sections = [(mainloop, "mainloop")]
+                for n in part.covers:
+                    if n in part.cores:
+                        sections += [([n], f"layer {part.cores.index(n)}"), ([], "epilogue")]
+                    elif n in epilogue and len(sections) > 1:
+                        sections[-1][0].append(n)
             else:
                 sections = ((mainloop, "mainloop" if part.cores else "ops"), (part.cores, "core"),
                             (epilogue, "epilogue" if part.cores else "ops"))

@@ -279,9 +279,9 @@ class Planner:
             node = node.inputs[0]
         return node
 
-    def _cone(self, node: Node) -> tuple[int, list[Node]]:
-        """Pointwise work and stored inputs of everything `node` inlines."""
-        ops, reads, seen = 0, [], set()
+    def _inside(self, node: Node) -> tuple[list[Node], list[Node]]:
+        """What a kernel computes to get `node` (itself included), and the stored nodes and inputs it reads."""
+        inside, reads, seen = [], [], set()
         stack = [node]
         while stack:
             n = stack.pop()
@@ -291,12 +291,15 @@ class Planner:
             if n is not node and (id(n) in self.stored or n.op is Op.BUFFER):
                 reads.append(n)
                 continue
-            if n.op.kind in (Kind.UNARY, Kind.BINARY, Kind.TERNARY, Kind.INDEX, Kind.REDUCE):
-                ops += 1
-            elif n.op is Op.RAND:
-                ops += RAND_OPS
+            inside.append(n)
             stack.extend(n.inputs)
-        return ops, reads
+        return inside, reads
+
+    def _cone(self, node: Node) -> tuple[int, list[Node]]:
+        """Pointwise work and stored inputs of everything `node` inlines."""
+        inside, reads = self._inside(node)
+        ops = sum(1 for n in inside if n.op.kind in (Kind.UNARY, Kind.BINARY, Kind.TERNARY, Kind.INDEX, Kind.REDUCE))
+        return ops + RAND_OPS * sum(1 for n in inside if n.op is Op.RAND), reads
 
     def _store_is_cheaper(self, node: Node) -> bool:
         """Cost model for a producer with several users, in bytes moved.
@@ -577,27 +580,13 @@ class Planner:
         if id(h) in self.output_ids or id(h) in self.given:
             return False
         operand, weight = nxt.core.inputs
-        cone = self._inlined(operand, h)
-        if id(h) not in cone or id(h) in self._inlined(weight, h):
+        if weight is h or any(r is h for r in self._inside(weight)[1]):
             return False
-        return all(u is nxt.core or id(u) in cone for u in self.users[id(h)])
-
-    def _inlined(self, node: Node, h: Node) -> set[int]:
-        """The ids of the nodes a kernel computes to get `node` (stopping at stored ones), with `h` and
-        the readers of it among them (the ids of nodes whose value reaches `node`)."""
-        seen: set[int] = set()
-        stack = [node]
-        while stack:
-            n = stack.pop()
-            if id(n) in seen:
-                continue
-            seen.add(id(n))
-            if n is not h and n is not node and (id(n) in self.stored or n.op is Op.BUFFER):
-                continue
-            if n is not h:
-                stack.extend(n.inputs)
-        seen.add(id(node))
-        return seen
+        if operand is h:
+            return all(u is nxt.core for u in self.users[id(h)])
+        inside, reads = self._inside(operand)
+        inside_ids = {id(n) for n in inside}
+        return any(r is h for r in reads) and all(u is nxt.core or id(u) in inside_ids for u in self.users[id(h)])
 
     # -- step 5: merge kernels over one space, then segment pointwise launches -----------
     def merge(self, kernels: list[FusedKernel]) -> list[FusedKernel]:
@@ -740,8 +729,7 @@ class Planner:
             kernel.cores = [kernel.core]
             operands = list(kernel.core.inputs)
             sums = {id(r): summed_operand(kernel.core, r) for r in operand_sums(kernel)}
-        elif kernel.kind is KernelKind.MLP:  # the input's and the weights' producers are loaded; the rest is
-            kernel.cores = [n for n in kernel.covers if n.op is Op.MATMUL]  # the layers' epilogues
+        elif kernel.kind is KernelKind.MLP:  # cores set by chain_mlps; between them, the layers' epilogues
             operands = [kernel.cores[0].inputs[0]] + [c.inputs[1] for c in kernel.cores]
             sums = {}
         else:

@@ -459,8 +459,7 @@ class Emitter:
         offset = self.linear(idx, node.shape)
         # a store needs a tile of addresses: an offset that is one scalar (every axis of size 1), or a GEMM's
         # that misses an axis of the tile, is broadcast to the tile
-        tile_axes = self.tile_axes or (frozenset({"rm", "rn"}) if self.kernel.core is not None else None)
-        if not offset.is_tile or (tile_axes is not None and not tile_axes <= offset.axes):
+        if not offset.is_tile or (self.tile_axes is not None and not self.tile_axes <= offset.axes):
             offset = Bin("+", offset, call("zeros", shape=tile, dtype=dtypes.int32))
         masked = {"mask": idx.mask} if idx.mask is not None else {}
         self.emit(Effect(call("store", add(pointer, offset), value, **masked)))
@@ -832,6 +831,7 @@ def _gemm(ctx: Context, kernel: FusedKernel) -> Function:
     epilogue.unravelled = before_loop
     epilogue.accumulator = acc
     epilogue.mask_parts = masks
+    epilogue.tile_axes = frozenset({"rm", "rn"})
     for o in kernel.outputs:  # one row of programs stores what every row of them summed
         r = summed_output(kernel, o)
         if r is None or id(r) not in summed:
@@ -862,12 +862,11 @@ MLP_RESIDENT_BYTES = (48 * 1024, 144 * 1024)
 MLP_PROGRAMS_PER_SM = 2
 
 
-def mlp_blocks(kernel: FusedKernel) -> tuple[list[int], int, int, bool]:
+def mlp_blocks(widths: list[int], itemsize: int) -> tuple[list[int], int, int, bool]:
     """An MLP kernel's widths padded for the matrix units (powers of two, at least 16), its rows per tile, its
     warps, and whether its programs are persistent (each loads the weights once and walks row tiles)."""
-    widths = [kernel.cores[0].inputs[0].shape[-1]] + [c.shape[-1] for c in kernel.cores]
     padded = [max(16, next_pow2(w)) for w in widths]
-    weight_bytes = sum(a * b for a, b in zip(padded, padded[1:])) * kernel.cores[0].dtype.itemsize
+    weight_bytes = sum(a * b for a, b in zip(padded, padded[1:])) * itemsize
     if weight_bytes <= MLP_RESIDENT_BYTES[0]:
         return padded, 128, 4, True
     if weight_bytes <= MLP_RESIDENT_BYTES[1]:
@@ -884,7 +883,7 @@ def _mlp(ctx: Context, kernel: FusedKernel) -> Function:
     cores = kernel.cores
     m = cores[0].shape[0]
     widths = [cores[0].inputs[0].shape[-1]] + [c.shape[-1] for c in cores]
-    padded, rows, warps, persistent = mlp_blocks(kernel)
+    padded, rows, warps, persistent = mlp_blocks(widths, cores[0].dtype.itemsize)
     tiles = -(-m // rows)
     programs = tiles
     if persistent and ctx.settings.multiprocessors:  # as many programs as the GPU holds at once, no more

@@ -44,7 +44,6 @@ required = _Required()
 class Optimizer:
     """Base class: subclasses set `defaults` and implement `_update(param, grad, state, group)`."""
 
-
     def __init__(self, params: Iterable[Tensor] | Iterable[dict], defaults: dict) -> None:
         self._templates: dict[tuple, Template | None] = {}
         if isinstance(params, Tensor):

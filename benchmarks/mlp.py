@@ -208,6 +208,7 @@ def main(argv: list[str] | None = None) -> None:
                       *[cell(times.get(v), "{:.3f}") if v in variants else "-" for v in VARIANTS],
                       "-" if kind == "T" else cell(kernels, "{}"),
                       cell(eager / best_ember if eager and best_ember else None, "{:.2f}"),
+                      "-" if not any(v.startswith("torch.compile") for v in variants) else
                       cell(best_torch / best_ember if best_torch and best_ember else None, "{:.2f}"), check])
         release_memory(cpu)
     head = ["row", "network x batch", "floor ms", *[f"{v} ms" for v in VARIANTS], "ember kernels",

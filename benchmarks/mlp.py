@@ -97,7 +97,12 @@ def inference(w: int, d: int, batch: int, dev: str, cpu: bool, variants: list[st
     with torch.no_grad():
         reference = model.float()(x.float())
         model.half()
-    times, errors, kernels = {}, {}, None
+    def forward(x):
+        with ember.no_grad():
+            return em(x)
+
+    kernels = guarded("ember plan", lambda: len(plan(forward(ex)).kernels))  # planned, not run
+    times, errors = {}, {}
     for variant in variants:
         if variant.startswith("torch"):
             fn = compiled(model, variant, cpu)
@@ -110,12 +115,7 @@ def inference(w: int, d: int, batch: int, dev: str, cpu: bool, variants: list[st
                 return out
             out = guarded(f"{variant}", timed)
         else:
-            def forward(x):
-                with ember.no_grad():
-                    return em(x)
             fn = ember.jit(forward) if variant == "ember.jit" else forward
-            if variant == "ember lazy":
-                kernels = guarded("ember plan", lambda: len(plan(forward(ex)).kernels))
             step = lambda fn=fn: fn(ex).realize()  # noqa: E731
             out = guarded(variant, step)
             if out is not None:

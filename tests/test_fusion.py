@@ -93,6 +93,19 @@ def test_few_long_reductions_are_split_across_programs(rng):
     assert_close(x.softmax(-1), xc.softmax(-1), atol=1e-7)
 
 
+@pytest.mark.parametrize(("shape", "dims"), [((2**16, 16), (0, 1)), ((16, 4096, 16), (0, 1)),
+                                           ((64, 128, 32), (1, 2)), ((3, 2**15, 7, 1), (1, 2, 3))])
+def test_a_long_reduction_over_several_adjacent_axes_is_split_across_programs(rng, shape, dims):
+    """A loss over every element (a mean over batch and features) reads millions of elements into one
+    output: it is spread over many programs like a reduction along one long axis."""
+    x, xc = pair(rng, *shape)
+    total = (x * x).mean(dims)
+    p = plan(total)
+    assert len(p.kernels) >= 2 and p.kernels[0].rows >= 64, str(p)  # partial results first, in parallel
+    assert_close(total, (xc * xc).mean(dims), rtol=1e-4, atol=1e-6)  # float32 sums in another order
+    assert_close(x.amax(dims), xc.amax(dims))
+
+
 @pytest.mark.parametrize("shape", [(6, 5, 4, 3), (1, 5, 4, 3), (6, 1, 4, 3), (6, 5, 1, 1), (6, 5, 1, 3), (6, 5, 0, 3)])
 def test_reductions_over_axes_that_kept_axes_interleave_run_in_two_stages(rng, shape):
     x, xc = pair(rng, *shape)

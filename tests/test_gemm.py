@@ -773,3 +773,60 @@ def test_explain_shows_why_a_producer_shared_by_two_gemms_is_recomputed(rng):
     h = torch.relu(t64(a) * 2.5)
     assert_matches(first, h @ t64(b))
     assert_matches(second, h @ t64(c))
+
+
+# -- a long K split over several programs per tile ------------------------------------------------------
+
+@pytest.mark.parametrize(("mnk", "sms", "splits"), [
+    ((64, 64, 2**18), 132, 264),  # a weight gradient of a 64-wide layer over 2^18 rows: two programs per SM
+    ((16, 64, 4096), 132, 8),  # K bounds the split: each program walks at least SPLIT_MIN_DEPTH
+    ((64, 64, 1024), 132, 1),  # too short to share
+    ((2048, 2048, 2**18), 132, 1),  # enough tiles to fill the GPU
+    ((64, 64, 2**18), 0, 1),  # the SM count unknown (off the GPU)
+    ((0, 64, 2**18), 132, 1),  # no tiles
+])
+def test_a_gemm_splits_a_long_k_only_where_its_tiles_leave_the_gpu_idle(mnk, sms, splits):
+    from ember.compiler.lower import gemm_splits
+
+    assert gemm_splits(*mnk, sms) == splits
+
+
+SPLIT_CASES = [  # (M, N, K): few tiles, a long K; odd sizes leave partial tiles and a short last share
+    pytest.param((16, 64, 4096), id="16x64x4096"),
+    pytest.param((3, 5, 2049), id="3x5x2049"),
+    pytest.param((1, 100, 4099), id="1x100x4099"),
+    pytest.param((70, 1, 3000), id="70x1x3000"),
+]
+
+
+@pytest.mark.parametrize("dtype", GEMM_DTYPES)
+@pytest.mark.parametrize("mnk", SPLIT_CASES)
+def test_a_split_k_weight_gradient_with_its_epilogue_and_bias_sum_is_one_kernel(mnk, dtype, rng):
+    m, n, k = mnk
+    gs, xs, bs = random(rng, k, m, dtype=dtype), random(rng, k, n, dtype=dtype), random(rng, n, dtype=dtype)
+    g, x, b = on("cuda", gs, xs, bs)
+    out = F.relu(g.mT @ x + b) * 0.3
+    summed = x.sum(0)
+    p = plan(out, summed)
+    kernel, _ = only_gemm(p)
+    splits = p.sources[id(kernel)].launches[0].splits
+    assert splits > 1, str(p)
+    assert f"K split over {splits} programs per tile" in str(p)
+    want = torch.relu(t64(gs).mT @ t64(xs) + t64(bs)) * 0.3
+    for _ in range(3):  # the scratch buffers are left zeroed: every run sums from nothing
+        again_out, again_sum = F.relu(g.mT @ x + b) * 0.3, x.sum(0)
+        assert_matches(again_out, want, dtype, what="product")
+        assert_matches(again_sum, t64(xs).sum(0), dtype, what="sum")
+
+
+def test_a_linear_layers_gradients_over_a_long_batch_split_k_and_match_torch(rng):
+    xs, ws, bs, gs = random(rng, 3000, 24), random(rng, 17, 24), random(rng, 17), random(rng, 3000, 17)
+    x, w, b = on("cuda", xs, ws, bs, grad=True)
+    F.gelu(F.linear(x, w, b)).backward(on("cuda", gs)[0])
+    with ember.explain.capture() as plans:
+        ember.realize(x.grad, w.grad, b.grad)
+    assert "K split over" in str(plans[0]), str(plans[0])
+    tx, tw, tb = (t64(v).requires_grad_() for v in (xs, ws, bs))
+    torch.nn.functional.gelu(torch.nn.functional.linear(tx, tw, tb)).backward(t64(gs))
+    for name, got, want in (("dx", x.grad, tx.grad), ("dW", w.grad, tw.grad), ("db", b.grad, tb.grad)):
+        assert_matches(got, want, what=name)

@@ -90,6 +90,26 @@ def test_a_linear_layers_backward_at_a_realistic_size_equals_torchs(backend):
         assert relative_error(got, want) < BOUND["bfloat16"]
 
 
+@pytest.mark.parametrize("width", [16, 64, 200])
+def test_a_narrow_layers_gradients_over_a_long_batch_split_k_and_stay_right_run_after_run(width):
+    """A weight gradient over 2^18 rows runs its K split over many programs per tile, combined through
+    scratch buffers and a counter per tile: every run's result must be whole (no program's share lost or
+    counted twice), so it is run many times."""
+    torch.manual_seed(3)
+    x = torch.randn(2**18, 64, device="cuda", dtype=torch.float16)
+    g = torch.randn(2**18, width, device="cuda", dtype=torch.float16)
+    ex, eg = to_ember(x), to_ember(g)
+    dw_want = (g.double().T @ x.double())
+    db_want = g.double().sum(0)
+    p = ember.explain.plan(eg.mT @ ex, eg.sum(0))
+    assert "K split over" in str(p), str(p)
+    for _ in range(20):
+        dw, db = eg.mT @ ex, eg.sum(0)
+        ember.realize(dw, db)
+        assert relative_error(dw, dw_want) < BOUND["float16"]
+        assert relative_error(db, db_want) < BOUND["float16"]
+
+
 def test_the_autotuner_profiles_caches_on_disk_and_explains_its_choice(tmp_path, monkeypatch):
     monkeypatch.setenv("EMBER_AUTOTUNE", "1")
     monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))

@@ -41,13 +41,23 @@ def _attrs(n: Node) -> str:
     return ""
 
 
+def _multiprocessors(order: list[Node]) -> int:
+    """The SMs of the GPU a graph runs on, which some plans depend on (0 off the GPU)."""
+    if not order or order[0].device.type != "cuda":
+        return 0
+    from ember.runtime import cuda  # torch: only for a cuda graph
+
+    return cuda.multiprocessors(order[0].device)
+
+
 class Plan:
     """A planned (not launched) graph: its fused kernels and their generated sources."""
 
     def __init__(self, order: list[Node], keep: set[int]):
         self.signature = signature(order, keep)
         # as the runtime compiles on its default stream (several are used only when asked for, in graphs)
-        context = CompileContext(get_matmul_precision(), conv_memory_format=get_conv_memory_format())
+        context = CompileContext(get_matmul_precision(), conv_memory_format=get_conv_memory_format(),
+                                 multiprocessors=_multiprocessors(order))
         compiled = compile(order, keep, "triton", context, self.signature)
         self.lowered, self.stored, self.schedule = compiled.lowered, compiled.stored, compiled.schedule
         self.kernels = [ck.kernel for ck in compiled.kernels]
@@ -164,6 +174,9 @@ class Plan:
         else:
             timing = (f"triton {choice['triton_ms']:.3f} ms vs {split} {choice['cublas_ms']:.3f} ms -> "
                       f"{choice['chosen']}")
+        splits = self.sources[id(k)].launches[0].splits if id(k) in self.sources else 1
+        if splits > 1:
+            config = f"{config}, K split over {splits} programs per tile"
         return f"(triton GEMM, {config}; {timing})"
 
     def __str__(self) -> str:

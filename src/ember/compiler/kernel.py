@@ -122,9 +122,12 @@ class Call(Expr):
 # "min", "argmax", "argmin") and the axis (position and name) they drop.
 FUNCTIONS = {
     "program_id": "the program's index along grid axis `axis`",
-    "load": "load(address; mask, other): the elements at a pointer plus offsets",
+    "load": "load(address; mask, other, cache): the elements at a pointer plus offsets (cache \".cg\": from L2,\
+ past the SM's own cache, for what other programs wrote)",
     "store": "store(address, value; mask)",
-    "atomic": "atomic(address, value; mask, combine): read-modify-write with sum, max or min",
+    "atomic": "atomic(address, value; mask, combine, sem): read-modify-write with sum, max or min, returning the\
+ old value; sem \"relaxed\" orders nothing, the default orders as acquire and release",
+    "barrier": "every thread of the program waits for the others here (their memory effects made)",
     "where": "where(condition, a, b)",
     "minimum": "the smaller of two indices", "maximum": "the larger of two indices",
     "cdiv": "ceil(a / b) of two sizes",
@@ -225,9 +228,10 @@ class Branch:
 class Param:
     """One argument of a kernel function, as the launcher must supply it."""
 
-    kind: str  # "read", "write", "draws", "size", "scalar", "bound"
+    kind: str  # "read", "write", "scratch", "draws", "size", "scalar", "bound"
     value: object  # a Node for read/write, an int for size/bound, an index for scalar; "draws": the plan's
-    # (seed, offset) pairs, int64 in device memory, one pair per random draw
+    # (seed, offset) pairs, int64 in device memory, one pair per random draw; "scratch": (what, elements, ...),
+    # a zeroed buffer the runtime keeps with the launch (float32, or int32 for "counter"), left zeroed by it
     name: str
     dtype: DType | None = None  # a scalar's type; without one a Python float reaches the GPU as float32
 
@@ -245,6 +249,7 @@ class Function:
     gemm: tuple[int, int, int, int] | None = None  # (batch, M, N, K): grid and blocks come from a tuned config
     layout: str = ""  # a GEMM's operand layouts, as autotune.Problem names them
     precision: str = "ieee"  # a GEMM's dot: "ieee", or "tf32" for float32 tiles on TF32 tensor cores
+    splits: int = 1  # a GEMM's programs per output tile, each walking a share of K (grid axis 1)
 
 
 @dataclass

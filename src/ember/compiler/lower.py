@@ -129,7 +129,7 @@ class Context:
         return ONE if value == 1 else self.param("size", value, "n")
 
     def function(self, suffix: str, body: list, constexprs: dict[str, int], grid: int, num_warps: int) -> Function:
-        order = ("read", "write", "draws", "size", "scalar", "bound")
+        order = ("read", "write", "scratch", "draws", "size", "scalar", "bound")
         self.params.sort(key=lambda p: order.index(p.kind))
         return Function(suffix, list(self.params), constexprs, body, grid, num_warps)
 
@@ -803,14 +803,20 @@ def _gemm(ctx: Context, kernel: FusedKernel) -> Function:
     sums = {key: mainloop.define(call("zeros", shape=(block_m, 1) if position == 0 else (1, block_n),
                                       dtype=dtypes.float32), "sum")
             for key, position in summed.items()}
+    splits = 1 if batch else gemm_splits(m, n, k, ctx.settings.multiprocessors)
+    k_begin, k_end = ZERO, K
+    if splits > 1:  # this program walks its share of K: whole BLOCK_K steps, the last share shorter
+        steps = bind("k_steps", call("cdiv", call("cdiv", K, block_k), Lit(splits)))
+        k_begin = bind("k_begin", Bin("*", Bin("*", call("program_id", axis=1), steps), block_k))
+        k_end = bind("k_end", call("minimum", Bin("+", k_begin, Bin("*", steps, block_k)), K))
     before_loop = dict(mainloop.unravelled)  # names defined inside the loop are out of scope after it
-    loop = Loop(Var("start"), ZERO, K, block_k)
+    loop = Loop(Var("start"), k_begin, k_end, block_k)
     mainloop.emit(loop)
     mainloop.block = loop.body
     ka = bind("ka", Bin("+", loop.var, Range(GEMM_BLOCK["ka"], 1, 2)))
     kb = bind("kb", Bin("+", loop.var, Range(GEMM_BLOCK["kb"], 0, 2)))
-    mask_ka = bind("mask_ka", Bin("<", ka, K))
-    mask_kb = bind("mask_kb", Bin("<", kb, K))
+    mask_ka = bind("mask_ka", Bin("<", ka, k_end))
+    mask_kb = bind("mask_kb", Bin("<", kb, k_end))
     mask_a = bind("mask_a", Bin("&", mask_m, mask_ka))
     mask_b = bind("mask_b", Bin("&", mask_kb, mask_n))
     mask = Var("mask", frozenset({"rm", "rn"}))
@@ -832,6 +838,9 @@ def _gemm(ctx: Context, kernel: FusedKernel) -> Function:
     epilogue.accumulator = acc
     epilogue.mask_parts = masks
     epilogue.tile_axes = frozenset({"rm", "rn"})
+    if splits > 1:
+        _combine_splits(ctx, epilogue, splits, pid, acc, (rm, M, mask_m), (rn, N, mask_n), summed, sums,
+                        {0: Bin("==", pid_n, ZERO), 1: Bin("==", pid_m, ZERO)})
     for o in kernel.outputs:  # one row of programs stores what every row of them summed
         r = summed_output(kernel, o)
         if r is None or id(r) not in summed:
@@ -851,9 +860,69 @@ def _gemm(ctx: Context, kernel: FusedKernel) -> Function:
                          {1: (rm, mask_m), 0: (rn, mask_n)})
     function = ctx.function("", body, {"BLOCK_M": 0, "BLOCK_N": 0, "BLOCK_K": 0, "GROUP_M": 0}, 0, 4)
     function.gemm = (math.prod(batch), m, n, k)
+    function.splits = splits
     function.layout = layout_a + layout_b
     function.precision = dot
     return function
+
+
+# A GEMM with fewer output tiles than SMs and a long K (a weight gradient: K is the batch) splits its K loop
+# over up to SPLIT_PROGRAMS_PER_SM programs per SM, each walking at least SPLIT_MIN_DEPTH of K
+SPLIT_PROGRAMS_PER_SM = 2
+SPLIT_MIN_DEPTH = 512
+SPLIT_MIN = 4  # fewer splits than this are not worth the combining
+SPLIT_TILE = 64  # the tile edge the decision assumes (the smallest tuned candidates')
+SPLIT_COUNTER_TILE = 16  # counters are kept for tiles this small, the smallest a configuration may choose
+
+
+def gemm_splits(m: int, n: int, k: int, multiprocessors: int) -> int:
+    """Into how many programs a 2-d GEMM splits each output tile's K loop: 1 (no split) unless its tiles leave
+    most of the GPU idle and K is long enough to share."""
+    tiles = -(-m // SPLIT_TILE) * -(-n // SPLIT_TILE)
+    if not tiles or not multiprocessors or tiles >= multiprocessors:
+        return 1
+    splits = min(SPLIT_PROGRAMS_PER_SM * multiprocessors // tiles, k // SPLIT_MIN_DEPTH)
+    return splits if splits >= SPLIT_MIN else 1
+
+
+def _combine_splits(ctx: Context, epilogue: Emitter, splits: int, tile: Var, acc: Var, rows: tuple, cols: tuple,
+                    summed: dict[int, int], sums: dict[int, Var], first: dict[int, Expr]) -> None:
+    """A split GEMM's programs add their partial tiles (and partial operand sums) into float32 scratch
+    buffers; the last program of each tile to arrive, counted by an atomic per tile, loads the totals, leaves
+    the scratch zeroed for the next launch, and runs the epilogue (emitted into its branch after this).
+    The order of the float32 additions varies from run to run, as in any split-K GEMM reduced atomically."""
+    (rm, M, mask_m), (rn, N, mask_n) = rows, cols
+    core = epilogue.kernel.core
+    rows_n, cols_n = core.shape
+    total = ctx.param("scratch", ("partial", rows_n * cols_n), "scratch")
+    count = -(-rows_n // SPLIT_COUNTER_TILE) * -(-cols_n // SPLIT_COUNTER_TILE)
+    counters = ctx.param("scratch", ("counter", count), "scratch")
+    relaxed = {"combine": "sum", "sem": "relaxed"}
+    mask = epilogue.bind("mask_tile", Bin("&", mask_m, mask_n))
+    offset = epilogue.bind("at", Bin("+", Bin("*", rm, N), rn))
+    epilogue.emit(Effect(call("atomic", Bin("+", total, offset), acc, mask=mask, **relaxed)))
+    partial_sums = {}
+    for key, position in summed.items():
+        position_of, bound, size = (rm, M, rows_n) if position == 0 else (rn, N, cols_n)
+        buffer = ctx.param("scratch", ("sum", size, key), "scratch")
+        keep = epilogue.bind(epilogue.fresh("mask_sum"), Bin("&", Bin("<", position_of, bound), first[position]))
+        epilogue.emit(Effect(call("atomic", Bin("+", buffer, position_of), sums[key], mask=keep, **relaxed)))
+        partial_sums[key] = (buffer, position_of, keep)
+    epilogue.emit(Effect(call("barrier")))  # every thread's additions are made before the tile is counted
+    arrived = epilogue.bind("arrived", call("atomic", Bin("+", counters, tile), ONE, combine="sum"))
+    last = Branch(Bin("==", arrived, Lit(splits - 1)), comment="the tile's last program: combine and finish")
+    epilogue.emit(last)
+    epilogue.block = last.body
+    zeros = call("zeros", shape=(GEMM_BLOCK["rm"], GEMM_BLOCK["rn"]), dtype=dtypes.float32)
+    epilogue.emit(Assign((acc,), call("load", Bin("+", total, offset), mask=mask, other=Lit(0.0), cache=".cg")))
+    epilogue.emit(Effect(call("store", Bin("+", total, offset), zeros, mask=mask)))
+    for key, (buffer, position_of, keep) in partial_sums.items():
+        shape = (GEMM_BLOCK["rm"], 1) if summed[key] == 0 else (1, GEMM_BLOCK["rn"])
+        epilogue.emit(Assign((sums[key],), call("load", Bin("+", buffer, position_of), mask=keep, other=Lit(0.0),
+                                                cache=".cg")))
+        epilogue.emit(Effect(call("store", Bin("+", buffer, position_of),
+                                  call("zeros", shape=shape, dtype=dtypes.float32), mask=keep)))
+    epilogue.emit(Effect(call("store", Bin("+", counters, tile), Lit(0, dtypes.int32))))
 
 
 # Weights a persistent MLP program keeps on chip across its row tiles: up to the first size with 128-row

@@ -92,9 +92,13 @@ class Lowered:
     replaced: int = 0  # nodes removed by the passes
 
 
-def lower(order: list[Node], keep: set[int], sig: Signature, channels_last: bool = False) -> Lowered:
+def lower(order: list[Node], keep: set[int], sig: Signature, channels_last: bool = False,
+          multiprocessors: int = 0) -> Lowered:
+    """`multiprocessors`: the SMs of the GPU that generated GEMMs run on (0: none, or not generated), which
+    decides what a GEMM sums along K itself."""
     builder = _Builder()
     builder.channels_last = channels_last
+    builder.summed_by_gemms = _summed_by_gemms(order, multiprocessors)
     # convolutions that ask for channels-last themselves (conv2d's memory_format) turn the layout on
     builder.laying_out = channels_last or any(n.attrs.get("memory_format") == "channels_last" for n in order
                                               if n.op in CONVOLUTIONS)
@@ -138,6 +142,27 @@ def _transposed_products(order: list[Node], keep: set[int]) -> set[int]:
     return found
 
 
+def _summed_by_gemms(order: list[Node], multiprocessors: int) -> set[tuple[int, int]]:
+    """(id(node), axis) of the operands of 2-d matmuls whose long K a generated GEMM splits over several
+    programs per tile (see lower.gemm_splits): a sum of such an operand along K is taken in that GEMM's
+    mainloop, spread as widely as the GEMM is, so it is not staged as a reduction of its own."""
+    from ember.compiler.lower import gemm_splits  # the GEMM's own decision
+
+    found = set()
+    for node in order:
+        if node.op is not Op.MATMUL or len(node.shape) != 2 or not node.dtype.is_floating_point:
+            continue
+        (m, k), n = node.inputs[0].shape, node.shape[1]
+        if gemm_splits(m, n, k, multiprocessors) == 1:
+            continue
+        for position, operand in enumerate(node.inputs):
+            k_axis = 1 if position == 0 else 0
+            if operand.op is Op.PERMUTE and _swaps_last_two(operand.attrs["order"]):
+                operand, k_axis = operand.inputs[0], 1 - k_axis
+            found.add((id(operand), k_axis))
+    return found
+
+
 def _swaps_last_two(order: tuple[int, ...]) -> bool:
     n = len(order)
     return n >= 2 and tuple(order) == tuple(range(n - 2)) + (n - 1, n - 2)
@@ -152,6 +177,7 @@ class _Builder:
         self.seen: dict[tuple, Node] = {}
         self.inputs: list[Node] = []
         self.transposed_products: set[int] = set()  # (ids of original matmuls) lowered transposed
+        self.summed_by_gemms: set[tuple[int, int]] = set()  # (id(original node), axis) a split GEMM sums
         self.channels_last = False  # every half-precision convolution on (N, H, W, C) memory
         self.laying_out = False  # some convolution is (those asking for it), so permutes sink
         self.in_nhwc: dict[int, Node | None] = {}  # id(node) -> the node made on (N, H, W, C) memory, if any
@@ -396,9 +422,15 @@ class _Builder:
     def _split_reduction(self, op: Op, x: Node, attrs: dict, original: Node) -> Node | None:
         """A long reduction into few outputs would run on few programs and starve the GPU: reduce
         in two stages, first P partial results per output (in parallel), then those."""
-        if op not in SPLIT_REDUCTIONS or len(attrs["axes"]) != 1:
+        axes = tuple(attrs["axes"])
+        if op not in SPLIT_REDUCTIONS or not axes or axes != tuple(range(axes[0], axes[0] + len(axes))):
             return None
-        (axis,) = attrs["axes"]
+        axis = axes[0]
+        if original.inputs and (id(original.inputs[0]), axis) in self.summed_by_gemms:
+            return None
+        if len(axes) > 1:  # adjacent axes reduced together (a loss over every element): one axis of their product
+            merged = x.shape[:axis] + (math.prod(x.shape[a] for a in axes),) + x.shape[axes[-1] + 1:]
+            x = self.make(Op.RESHAPE, (x,), {"shape": merged}, _like(x, merged))
         n, outputs = x.shape[axis], original.numel
         # a row kernel gives each program one or a few rows when the reduced axis is the last one,
         # and a block of 128 outputs when it is a leading axis (the kept axes are contiguous then)

@@ -65,7 +65,8 @@ def compile(order: list[Node], keep: set[int], target: str, context: CompileCont
         return Plan(target, nodes=order, keep=keep)
     start = time.perf_counter()
     lowered = passes.lower(order, keep, signature or passes.signature(order, keep),
-                           channels_last=context.conv_memory_format == "channels_last")
+                           channels_last=context.conv_memory_format == "channels_last",
+                           multiprocessors=context.multiprocessors if context.gemm_backend != "cublas" else 0)
     kernels, stored = fusion.plan(lowered.nodes, lowered.outputs, context, chosen.costs)
     compiled = [_generate(k, stored, context, chosen) for k in kernels]
     small = [_is_small(ck, context.multiprocessors) for ck in compiled]

@@ -64,8 +64,9 @@ class Config:
         return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_K": self.block_k,
                 "GROUP_M": self.group_m, "num_warps": self.num_warps, "num_stages": self.num_stages}
 
-    def grid(self, batch: int, m: int, n: int) -> tuple[int, int]:
-        return (-(-m // self.block_m)) * (-(-n // self.block_n)), batch
+    def grid(self, batch: int, m: int, n: int, splits: int = 1) -> tuple[int, int]:
+        """Programs: one per output tile along axis 0; along axis 1, one per batch entry or K split."""
+        return (-(-m // self.block_m)) * (-(-n // self.block_n)), batch * splits
 
     def __str__(self) -> str:
         return (f"BLOCK {self.block_m}x{self.block_n}x{self.block_k}, {self.num_warps} warps, "
@@ -233,8 +234,9 @@ def compile_jobs(problem: Problem) -> list:
     """Calls that compile the problem's bare GEMM under each candidate (without running it), for a
     pool to run before `configs_for` times them."""
     bare = _bare(problem)
-    return [functools.partial(compiling.compile_and_load, bare.fn, bare.args, config.grid(1, problem.m, problem.n),
-                              config.launch_options()) for config in candidates(problem)]
+    return [functools.partial(compiling.compile_and_load, bare.fn, bare.args,
+                              config.grid(1, problem.m, problem.n, bare.splits), config.launch_options())
+            for config in candidates(problem)]
 
 
 def cached_configs(problem: Problem) -> list[Config]:
@@ -259,6 +261,7 @@ class _Bare:
 
     fn: object
     args: list
+    splits: int
 
 
 _bares: dict[Problem, _Bare] = {}
@@ -274,8 +277,10 @@ def _bare(problem: Problem) -> _Bare:
         source = _bare_gemm(problem, a, b)
         launch = source.launches[0]
         out = torch.empty((problem.m, problem.n), device="cuda", dtype=dtype)
-        args = [a, b, out] + [arg.value for arg in launch.args if arg.kind == "size"]
-        _bares[problem] = _Bare(getattr(disk.load_source(source), launch.function), args)
+        given = {"read": iter([a, b]), "write": iter([out])}
+        args = [next(given[arg.kind]) if arg.kind in given else
+                cuda.scratch(arg.value, out.device) if arg.kind == "scratch" else arg.value for arg in launch.args]
+        _bares[problem] = _Bare(getattr(disk.load_source(source), launch.function), args, launch.splits)
     return _bares[problem]
 
 
@@ -287,7 +292,7 @@ def _profile_bare(problem: Problem) -> list[tuple[Config, float]]:
     bar = tqdm(candidates(problem), desc=f"ember: tuning GEMM {problem.key}", leave=False, file=sys.stderr,
                disable=None)
     for config in bar:
-        grid, options = config.grid(1, problem.m, problem.n), config.launch_options()
+        grid, options = config.grid(1, problem.m, problem.n, bare.splits), config.launch_options()
         try:
             ms = time_ms(lambda grid=grid, options=options: bare.fn.run(*bare.args, grid=grid, warmup=False,
                                                                          **options))
@@ -310,7 +315,8 @@ def _bare_gemm(problem: Problem, a: torch.Tensor, b: torch.Tensor):
         leaf = Node.from_buffer(buffer, dtype, device)
         operands.append(Node.make(Op.PERMUTE, (leaf,), order=(1, 0)) if layout == "t" else leaf)
     core = Node.make(Op.MATMUL, tuple(operands))
-    context = CompileContext(matmul_precision="highest" if problem.precision == "ieee" else "high")
+    context = CompileContext(matmul_precision="highest" if problem.precision == "ieee" else "high",
+                             multiprocessors=cuda.multiprocessors(device))  # a long K splits as the real one does
     plan = compile(toposort([core]), {id(core)}, "triton", context)
     return plan.kernels[0].source
 

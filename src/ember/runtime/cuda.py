@@ -94,6 +94,12 @@ def compile_context(device: Device) -> CompileContext:
 
 # -- memory ------------------------------------------------------------------------------------
 
+def scratch(what: tuple, target) -> torch.Tensor:
+    """A launch's own zeroed scratch buffer (a split GEMM's partial sums and tile counters), kept with the
+    prepared launch; the kernel leaves it zeroed again. `what`: (kind, elements, ...), as Param describes."""
+    return torch.zeros(what[1], dtype=torch.int32 if what[0] == "counter" else torch.float32, device=target)
+
+
 _arenas: dict[tuple, tuple[Plan, dict[int, torch.Tensor]]] = {}  # (id(plan), device) -> views, newest last
 
 

@@ -142,7 +142,8 @@ class _KernelStep:
     def __init__(self, ck: CompiledKernel):
         self.ck = ck
         module = disk.load_source(ck.source)
-        self.launches = [_prepared_launch(module, launch) for launch in ck.source.launches if launch.grid]
+        device = ck.kernel.outputs[0].device
+        self.launches = [_prepared_launch(module, launch, device) for launch in ck.source.launches if launch.grid]
 
     def __call__(self, buffers: dict[int, torch.Tensor], sig: Signature) -> None:
         _run_launches(self.launches, self.ck, buffers, sig)
@@ -180,18 +181,21 @@ def _on(target, job) -> None:
         job()
 
 
-_ARG_KINDS = {"read": 0, "write": 0, "draws": 0, "size": 1, "bound": 1, "scalar": 2}
+_ARG_KINDS = {"read": 0, "write": 0, "draws": 0, "size": 1, "bound": 1, "scratch": 1, "scalar": 2}
 DRAWS = 0  # the key of a run's (seed, offset) pairs among its buffers (no node's id is 0)
 
 
-def _prepared_launch(module, launch: Launch, config: autotune.Config | None = None) -> triton_launch.Launch:
+def _prepared_launch(module, launch: Launch, device: Device, config: autotune.Config | None = None
+                     ) -> triton_launch.Launch:
     recipe = [(_ARG_KINDS[a.kind], id(a.value) if a.kind in ("read", "write") else DRAWS if a.kind == "draws"
-               else a.value) for a in launch.args]
+               else cuda.scratch(a.value, cuda.torch_device(device)) if a.kind == "scratch" else a.value)
+              for a in launch.args]
     fn = getattr(module, launch.function)
     if config is not None:  # a GEMM: grid and block sizes from its tuned configuration
         batch, m, n, _ = launch.gemm
-        return triton_launch.Launch(fn, config.grid(batch, m, n), recipe, config.launch_options())
+        return triton_launch.Launch(fn, config.grid(batch, m, n, launch.splits), recipe, config.launch_options())
     return triton_launch.Launch(fn, (launch.grid,), recipe, dict(launch.constexprs, num_warps=launch.num_warps))
+
 
 
 def gemm_problem(ck: CompiledKernel) -> autotune.Problem:
@@ -209,6 +213,7 @@ class _GemmStep:
     def __init__(self, ck: CompiledKernel):
         self.ck = ck
         self.module = disk.load_source(ck.source)
+        self.device = ck.kernel.core.device
         self.problem = gemm_problem(ck)
         self.configs: list[autotune.Config] = []  # best first, known once the problem is tuned
         self.launches: dict[autotune.Config, list] = {}
@@ -222,7 +227,7 @@ class _GemmStep:
         if not self.configs:
             self.configs = autotune.configs_for(self.problem)
             for c in self.configs:
-                self.launches[c] = [_prepared_launch(self.module, self.ck.source.launches[0], c)]
+                self.launches[c] = [_prepared_launch(self.module, self.ck.source.launches[0], self.device, c)]
             self.fused = self.launches[self.configs[0]]
 
     def compile_jobs(self, buffers: dict[int, torch.Tensor], sig: Signature) -> list:
@@ -250,7 +255,7 @@ class _GemmStep:
 
     def _use(self, config: autotune.Config) -> None:
         if config not in self.launches:
-            self.launches[config] = [_prepared_launch(self.module, self.ck.source.launches[0], config)]
+            self.launches[config] = [_prepared_launch(self.module, self.ck.source.launches[0], self.device, config)]
         self.fused = self.launches[config]
 
     def __call__(self, buffers: dict[int, torch.Tensor], sig: Signature) -> None:

@@ -63,6 +63,7 @@ class Launch:
     gemm: tuple[int, int, int, int] | None = None  # (batch, M, N, K): the grid and block sizes come from a tuned config
     layout: str = ""  # a GEMM's operand layouts, as autotune.Problem names them
     precision: str = "ieee"  # a GEMM's dot: "ieee", or "tf32" for float32 tiles on TF32 tensor cores
+    splits: int = 1  # a GEMM's programs per output tile, each walking a share of K (grid axis 1)
 
 
 @dataclass
@@ -196,8 +197,14 @@ class Renderer:
                 masked = f", mask={self.expr(options['mask'])}"
                 if "other" in options:
                     masked += f", other={self.expr(options['other'])}"
+            if "sem" in options:
+                masked += f", sem=\"{options['sem']}\""
+            if "cache" in options:
+                masked += f", cache_modifier=\"{options['cache']}\""
             name = ATOMIC[options["combine"]] if fn == "atomic" else f"tl.{fn}"
             return f"{name}({', '.join(args)}{masked})"
+        if fn == "barrier":
+            return "tl.debug_barrier()"
         if fn in ("rand", "randn"):
             return f"lib.{fn}({', '.join(args)})"
         if fn in ("where", "minimum", "maximum", "cdiv"):
@@ -288,6 +295,7 @@ def generate(kernel: FusedKernel, stored: set[int], context: CompileContext) -> 
     ir = lower(kernel, stored, context)
     digest = hashlib.sha256(render(ir, "kernel").encode()).hexdigest()[:10]
     name = f"ember_{ir.kind}_{digest}"
-    launches = [Launch(name + f.name, f.params, f.constexprs, f.grid, f.num_warps, f.gemm, f.layout, f.precision)
+    launches = [Launch(name + f.name, f.params, f.constexprs, f.grid, f.num_warps, f.gemm, f.layout, f.precision,
+                       f.splits)
                 for f in ir.functions]
     return KernelSource(render(ir, name), name, launches)

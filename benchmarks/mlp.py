@@ -9,7 +9,7 @@ Rows (a network of width w and depth d: w -> w x (d - 1) -> 16, ReLU between the
 The floor is the larger of the FLOPs at the measured cuBLAS float16 rate and the bytes the step must move
 (input rows and outputs; for training also the parameters and Adam's state) at the measured copy rate.
 Times: median of single steps, call to GPU done, the GPU idle at the start. ember's kernels: how many fused
-kernels its plan of one inference has (1: the whole network is one kernel).
+kernels its plan of one inference has (1: the whole network is one kernel), or of one training step.
 
     python benchmarks/mlp.py                      # every row, appended to RESULTS.md
     python benchmarks/mlp.py --rows I64d5,T64     # some rows
@@ -132,6 +132,7 @@ def training(w: int, d: int, batch: int, dev: str, cpu: bool, variants: list[str
     x = torch.randn(batch, w, device=dev, dtype=torch.float16)
     y = torch.randn(batch, OUT_WIDTH, device=dev, dtype=torch.float16)
     times, losses = {}, {}
+    kernels = None
     for variant in variants:
         if variant.startswith("torch"):
             model = torch_model(w, d, dev)
@@ -164,8 +165,14 @@ def training(w: int, d: int, batch: int, dev: str, cpu: bool, variants: list[str
         first = guarded(variant, step)
         if first is not None:
             losses[variant] = float(first.item())
+            if variant.startswith("ember") and kernels is None:  # a steady-state step's plan (one realization)
+                def count(ember_step=ember_step, ex=ex, ey=ey):
+                    with ember.explain.capture() as plans:
+                        ember_step(ex, ey).realize()
+                    return sum(len(p.kernels) for p in plans)
+                kernels = guarded("ember plan", count)
             times[variant] = guarded(variant, lambda step=step: median_ms(step, warmup, reps, cpu))
-    return times, losses
+    return times, losses, kernels
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -198,15 +205,14 @@ def main(argv: list[str] | None = None) -> None:
             times, errors, kernels = inference(w, d, batch, dev, cpu, variants, args.warmup, args.reps)
             check = ", ".join(f"{v}: {cell(e, '{:.1e}')}" for v, e in errors.items() if v.startswith("ember"))
         else:
-            times, losses = training(w, d, batch, dev, cpu, variants, args.warmup, args.reps)
-            kernels = None
+            times, losses, kernels = training(w, d, batch, dev, cpu, variants, args.warmup, args.reps)
             check = "first loss " + ", ".join(f"{v}: {loss_:.4g}" for v, loss_ in losses.items())
         eager = times.get("torch eager")
         best_torch = min((t for v, t in times.items() if v.startswith("torch.compile") and t), default=None)
         best_ember = min((t for v, t in times.items() if v.startswith("ember") and t), default=None)
         lines.append([row, f"{'-'.join(map(str, widths(w, d)))} x {batch}", cell(floor, "{:.3f}"),
                       *[cell(times.get(v), "{:.3f}") if v in variants else "-" for v in VARIANTS],
-                      "-" if kind == "T" else cell(kernels, "{}"),
+                      cell(kernels, "{}"),
                       cell(eager / best_ember if eager and best_ember else None, "{:.2f}"),
                       "-" if not any(v.startswith("torch.compile") for v in variants) else
                       cell(best_torch / best_ember if best_torch and best_ember else None, "{:.2f}"), check])

@@ -210,3 +210,34 @@ def test_digits_example_trains_where_torch_and_triton_cannot_be_imported(tmp_pat
     assert done.returncode == 0, done.stderr[-3000:]
     assert "test accuracy" in done.stdout
     assert "gpu libraries loaded: []" in done.stdout
+
+
+# -- fit_image: a coordinate MLP learning a photo ------------------------------------------------------
+
+def test_fit_image_learns_the_photo_and_writes_the_reconstruction(tmp_path):
+    from PIL import Image
+
+    from ember.examples import fit_image
+
+    out = tmp_path / "fit.png"
+    result = fit_image.fit(steps=200, size=40, batch=1024, width=32, depth=2, frequencies=6, device="cpu",
+                           out=str(out), progress=False)
+    image = fit_image.load_image(40)
+    flat = fit_image.psnr(np.broadcast_to(image.mean((0, 1)), image.shape), image)  # the mean colour's PSNR
+    assert result.psnr > flat + 6, (result.psnr, flat)
+    assert result.steps == 200 and result.final_loss < 0.02
+    written = np.asarray(Image.open(out))
+    assert written.shape == (image.shape[0], 2 * image.shape[1], 3)  # the photo and its reconstruction
+    assert "PSNR" in str(result) and "steps/s" in str(result)
+
+
+def test_fit_image_on_cuda_fuses_the_network_and_replays_the_step(cuda_backend, capsys):
+    from ember.examples import fit_image
+
+    result = fit_image.fit(steps=4, size=16, batch=64, width=16, depth=2, frequencies=4, device="cuda",
+                           progress=False, explain=True)
+    assert result.inference_kernels == 1  # the whole network, one kernel
+    captured = capsys.readouterr()
+    printed = captured.out + captured.err
+    assert "one kernel: 3 layers" in printed
+    assert np.isfinite(result.psnr) and result.step_kernels > 0

@@ -108,3 +108,41 @@ def test_narrow_mlp_is_one_kernel_and_matches_torch_at_scale(width, depth, dtype
     with torch.no_grad():
         ref = model.float()(x.float())
     assert ((got - ref).norm() / ref.norm()).item() < (2e-2 if dtype is torch.float16 else 5e-2)
+
+
+@pytest.mark.parametrize("width,activation,dtype", [(64, torch.nn.ReLU, torch.float16),
+                                                    (32, torch.nn.SiLU, torch.bfloat16),
+                                                    (128, torch.nn.Tanh, torch.float16)])
+def test_a_narrow_mlps_training_step_fuses_and_matches_torch_at_scale(width, activation, dtype):
+    """Forward and backward chains as MLP kernels, the weight gradients as split-K GEMMs, over 2^18 + 5 rows:
+    the loss and every gradient within twice torch's own error in the same type (against float64)."""
+    from ember.compiler.fusion import KernelKind
+    from ember.explain import plan
+
+    torch.manual_seed(width)
+    sizes = [width] * 5 + [16]
+    layers = []
+    for i in range(5):
+        layers += [torch.nn.Linear(sizes[i], sizes[i + 1])] + ([activation()] if i < 4 else [])
+    model = torch.nn.Sequential(*layers).to("cuda", dtype)
+    x = torch.randn(2**18 + 5, width, device="cuda", dtype=dtype)
+    y = torch.randn(2**18 + 5, 16, device="cuda", dtype=dtype)
+
+    def step(net, xs, ys):
+        loss = ((net(xs).float() - ys.float()) ** 2).mean()
+        loss.backward()
+        return [loss.detach().double()] + [p.grad.double() for p in net.parameters()]
+
+    em = ember.from_torch(model)
+    loss = ((em(ember.from_dlpack(x)).float() - ember.from_dlpack(y).float()) ** 2).mean()
+    loss.backward()
+    grads = [p.grad for p in em.parameters()]
+    kinds = [k.kind for k in plan(loss, *grads).kernels]
+    assert kinds.count(KernelKind.MLP) == 2, kinds
+    got = [torch.from_dlpack(t.realize()).double() for t in [loss, *grads]]
+    import copy
+    want = step(copy.deepcopy(model).double(), x.double(), y.double())
+    theirs = step(copy.deepcopy(model), x, y)
+    for i, (g, w, t) in enumerate(zip(got, want, theirs)):
+        error, torch_error = ((g - w).norm() / w.norm()).item(), ((t - w).norm() / w.norm()).item()
+        assert error < max(1e-2, 2 * torch_error), (i, error, torch_error)

@@ -19,7 +19,7 @@ to the tiles as they are loaded, and may sum an operand along K on the way (the
 bias gradient beside a weight gradient); its *epilogue* is any pointwise DAG over
 the accumulator, with broadcast and full-size loads and several outputs.
 
-Planning goes in five steps:
+Planning goes in six steps:
 1. choose what must be stored (`materialized`): outputs, results of matmuls and
    convolutions, the operands of the vendor ones, reductions for now, shared
    producers that the cost model below says are cheaper to store than to
@@ -30,8 +30,11 @@ Planning goes in five steps:
 4. GEMM kernels take the pointwise kernels over their output space that read
    them (epilogues) and the reductions of their operands along K;
 5. kernels over the same space are merged when no path through a third kernel
-   joins them (vertical and horizontal fusion); the pointwise kernels left are
-   grouped, level by level, into segmented launches (one launch, many tensors).
+   joins them (vertical and horizontal fusion);
+6. GEMM kernels that feed each other through narrow activations (an MLP) become
+   one kernel that keeps the activations on chip, writing only those other kernels
+   read; then the pointwise kernels left are grouped, level by level, into
+   segmented launches (one launch, many tensors).
 
 Each GEMM kernel also carries its *split* form: the same nodes planned with the
 matmul as a vendor call (operands stored, epilogue in kernels of its own), which
@@ -120,6 +123,7 @@ class FusedKernel:
     cores: list[Node] = field(default_factory=list)
     prologues: list[list[Node]] = field(default_factory=list)
     epilogue: list[Node] = field(default_factory=list)
+    layers: dict[int, int] = field(default_factory=dict)  # an MLP kernel's id(output) -> the layer computing it
     split: list[FusedKernel] = field(default_factory=list)  # a GEMM's vendor form: same nodes, several kernels
     split_stored: set[int] = field(default_factory=set)  # the intermediates the split form stores
     decisions: list[str] = field(default_factory=list)  # the cost model's choices, for explain
@@ -198,6 +202,7 @@ class Planner:
         self.stored: set[int] = set(given)
         self.decisions: dict[int, list[str]] = defaultdict(list)  # id(matmul) -> the cost model's choices
         self.shared: dict[int, str] = {}  # id(producer with several readers) -> why it is stored or recomputed
+        self.operand_sums: set[int] = set()  # reductions that sum a GEMM's operand along K (see fuse_gemms)
 
     # -- step 1: what is stored --------------------------------------------------------
     def choose_stored(self) -> None:
@@ -359,6 +364,19 @@ class Planner:
     def references(self, kernel: FusedKernel) -> dict[int, set[str]]:
         """Stored nodes the kernel reads, with the levels it reads them at."""
         refs: dict[int, set[str]] = defaultdict(set)
+        if kernel.kind is KernelKind.MLP:  # its layers, outputs and the values between them are computed inside
+            inside = {id(n) for n in kernel.outputs + kernel.cores}
+            stack, seen = list(kernel.outputs), set()
+            while stack:
+                n = stack.pop()
+                if id(n) in seen:
+                    continue
+                seen.add(id(n))
+                if id(n) not in inside and (id(n) in self.stored or n.op is Op.BUFFER):
+                    refs[id(n)].add(OTHER)
+                else:
+                    stack.extend(n.inputs)
+            return refs
         if kernel.core is not None:
             seen = set()
             for i in kernel.core.inputs:
@@ -428,6 +446,11 @@ class Planner:
     # -- step 4: GEMM kernels take their epilogues and their operands' reductions ---------
     def fuse_gemms(self, kernels: list[FusedKernel]) -> list[FusedKernel]:
         refs = {id(k): self.references(k) for k in kernels}
+        # a reduction that sums some GEMM's operand along K goes to that GEMM's mainloop (where the bias gradient
+        # of a training step belongs: beside its weight gradient), not to the epilogue of the GEMM producing it
+        cores = [k.core for k in kernels if k.core is not None]
+        self.operand_sums = {id(r) for k in kernels if k.kind is KernelKind.REDUCE for r in k.reductions
+                             if any(summed_operand(core, r) is not None for core in cores)}
         for gemm in [k for k in kernels if k.core is not None]:
             taken = True
             while taken:  # an epilogue may read another epilogue's output: repeat until none joins
@@ -466,6 +489,8 @@ class Planner:
             return False
         if len(other.reductions) == 1 and summed_operand(gemm.core, other.reductions[0]) is not None:
             return True
+        if any(id(r) in self.operand_sums for r in other.reductions):
+            return False
         return self._reduces_tiles(other, gemm, refs)
 
     def _reduces_tiles(self, kernel: FusedKernel, gemm: FusedKernel, refs: dict) -> bool:
@@ -520,31 +545,38 @@ class Planner:
 
     # -- step 6: chains of narrow GEMM kernels become one MLP kernel ----------------------
     def chain_mlps(self, kernels: list[FusedKernel]) -> list[FusedKernel]:
-        """GEMM kernels where each one's result (after its epilogue) is only the next one's first operand,
-        every width at most MLP_MAX_WIDTH, become one kernel: each program takes a tile of rows through
-        all the layers, the activations between them never leaving the chip. A chain whose intermediates
-        are read elsewhere (a backward pass reads them) stays per-layer GEMMs; so does a wider layer."""
+        """GEMM kernels that feed each other, each one's outputs read by the next through its first
+        operand (its mainloop, pointwise ops only), with the same rows, dtype and every width at most
+        MLP_MAX_WIDTH, become one kernel: each program takes a tile of rows through all the layers, the
+        activations between them kept on chip. An intermediate that other kernels read too (a training
+        step's backward reads the forward's) is also written by the layer that computes it, from registers.
+        A wider layer keeps per-layer GEMMs."""
         gemms = [k for k in kernels if self._chainable(k)]
         if len(gemms) < 2:
             return kernels
         refs = {id(k): self.references(k) for k in kernels}
-        feeds: dict[int, FusedKernel] = {}  # id(kernel) -> the kernel its only output feeds
+        deps = self._dependencies(kernels, refs)
+        feeds: dict[int, FusedKernel] = {}  # id(kernel) -> the kernel it feeds
         fed: set[int] = set()
         for k in gemms:
             for nxt in gemms:
-                if nxt is not k and id(nxt) not in fed and self._feeds(k, nxt) and not any(
-                        id(k.outputs[0]) in r for key, r in refs.items() if key != id(nxt)):
+                if nxt is not k and id(nxt) not in fed and self._feeds(k, nxt):
                     feeds[id(k)] = nxt
                     fed.add(id(nxt))
                     break
         chains = []
-        for k in gemms:
-            if id(k) in fed or id(k) not in feeds:
-                continue
+        starts = [k for k in gemms if id(k) not in fed and id(k) in feeds]
+        for k in starts:
             chain = [k]
             while id(chain[-1]) in feeds:
-                chain.append(feeds[id(chain[-1])])
-            chains.append(chain)
+                nxt = feeds[id(chain[-1])]
+                if not self._extends(chain, nxt, refs, deps):  # it starts a chain of its own
+                    if id(nxt) in feeds:
+                        starts.append(nxt)
+                    break
+                chain.append(nxt)
+            if len(chain) > 1:
+                chains.append(chain)
         for chain in chains:
             widths = [chain[0].core.inputs[0].shape[-1]] + [k.core.shape[-1] for k in chain]
             wide = [i for i, w in enumerate(widths) if w > MLP_MAX_WIDTH]
@@ -555,16 +587,33 @@ class Planner:
                                        f"{widths[wide[0]]} is over {MLP_MAX_WIDTH}, more than fits on chip")
                 continue
             last = chain[-1]
-            mlp = FusedKernel(KernelKind.MLP, last.space, (), list(last.outputs), dict(last.levels))
+            members = {id(k) for k in chain}
+            mlp = FusedKernel(KernelKind.MLP, last.space, (), [], {})
+            written = []
+            for layer, k in enumerate(chain):
+                for o in k.outputs:
+                    read_elsewhere = any(id(o) in r for key, r in refs.items() if key not in members)
+                    if k is last or read_elsewhere or id(o) in self.output_ids:
+                        mlp.outputs.append(o)
+                        mlp.levels[id(o)] = FULL
+                        mlp.layers[id(o)] = layer
+                        if k is not last:
+                            written.append(o)
+                    else:
+                        self.stored.discard(id(o))
             mlp.cores = [k.core for k in chain]
             mlp.decisions = [f"one kernel: {len(chain)} layers, widths {text}"]
-            for k in chain[:-1]:
-                self.stored.discard(id(k.outputs[0]))
+            if written:
+                mlp.decisions.append(f"also writes {len(written)} intermediate{'s' if len(written) > 1 else ''} "
+                                     "that other kernels read, from registers")
             at = kernels.index(last)
             kernels[at] = mlp
             for k in chain[:-1]:
                 kernels.remove(k)
-        return kernels
+        if not chains:
+            return kernels
+        # an intermediate's readers may have come before the last layer: launch in dependency order again
+        return self._kernel_order(kernels, {id(k): self.references(k) for k in kernels})
 
     def _chainable(self, k: FusedKernel) -> bool:
         core = k.core
@@ -572,21 +621,53 @@ class Planner:
                 and core.shape[0] > 0 and all(o.shape == core.shape for o in k.outputs))
 
     def _feeds(self, k: FusedKernel, nxt: FusedKernel) -> bool:
-        """Whether `k`'s one output is read by `nxt` only through its first operand (its mainloop), with the
-        same rows and element type (the caller checks that no other kernel reads it)."""
-        if len(k.outputs) != 1 or nxt.core.dtype is not k.core.dtype or nxt.core.shape[0] != k.core.shape[0]:
+        """Whether `nxt`'s first operand is computed from `k`'s outputs, element for element (pointwise ops
+        only, so each program has the rows it needs in registers), with the same rows and element type, and
+        its weight is not."""
+        if nxt.core.dtype is not k.core.dtype or nxt.core.shape[0] != k.core.shape[0]:
             return False
-        h = k.outputs[0]
-        if id(h) in self.output_ids or id(h) in self.given:
+        outputs = {id(o) for o in k.outputs}
+        if outputs & self.given:
             return False
         operand, weight = nxt.core.inputs
-        if weight is h or any(r is h for r in self._inside(weight)[1]):
+        if id(weight) in outputs or any(id(r) in outputs for r in self._inside(weight)[1]):
             return False
-        if operand is h:
-            return all(u is nxt.core for u in self.users[id(h)])
+        if id(operand) in outputs:
+            return True
         inside, reads = self._inside(operand)
-        inside_ids = {id(n) for n in inside}
-        return any(r is h for r in reads) and all(u is nxt.core or id(u) in inside_ids for u in self.users[id(h)])
+        if not any(id(r) in outputs for r in reads):
+            return False
+        # every op between the operand and k's outputs is elementwise over the same [rows, width] positions
+        return all(n.op.kind in (Kind.UNARY, Kind.BINARY, Kind.TERNARY) and n.shape == operand.shape
+                   for n in inside if self._cone_reaches(n, outputs))
+
+    def _extends(self, chain: list[FusedKernel], nxt: FusedKernel, refs: dict, deps: dict) -> bool:
+        """Whether `nxt` can join the chain as its next layer: of the chain's outputs it reads only those of
+        the layer before it (the registers it was fed from), and nothing it reads waits on the chain."""
+        members = {id(k) for k in chain} | {id(nxt)}
+        earlier = {id(o) for k in chain[:-1] for o in k.outputs}
+        if earlier & set(refs[id(nxt)]):
+            return False
+        fed = {id(o) for o in chain[-1].outputs}
+        stack, seen = [o for o in nxt.outputs if o is not nxt.core], set()
+        while stack:  # the epilogue (above the accumulator) reads what fed the operand: not in registers there
+            n = stack.pop()
+            if id(n) in seen or n is nxt.core:
+                continue
+            seen.add(id(n))
+            if id(n) in fed:
+                return False
+            if id(n) not in self.stored or n in nxt.outputs:
+                stack.extend(n.inputs)
+        seen, frontier = set(), [d for d in deps[id(nxt)] if d not in members]
+        while frontier:
+            d = frontier.pop()
+            if d in members:
+                return False  # a kernel outside the chain between two of its layers: a cycle
+            if d not in seen:
+                seen.add(d)
+                frontier.extend(deps[d])
+        return True
 
     # -- step 5: merge kernels over one space, then segment pointwise launches -----------
     def merge(self, kernels: list[FusedKernel]) -> list[FusedKernel]:
@@ -813,8 +894,8 @@ def plan(nodes: list[Node], outputs: list[Node], context: CompileContext, costs:
     kernels = planner.pull_reductions(kernels)
     kernels = planner.fuse_gemms(kernels)
     kernels = planner.merge(kernels)
-    kernels = planner.segment(kernels)
     kernels = planner.chain_mlps(kernels)
+    kernels = planner.segment(kernels)
     for i, k in enumerate(kernels):
         k.index = i
         planner.describe(k)

@@ -1019,10 +1019,10 @@ def _mlp(ctx: Context, kernel: FusedKernel) -> Function:
         em.emit(Assign((acc,), call("dot", tile, w, acc, **precision)))
         em.accumulators[id(core)] = acc
         layer_mask[layer + 1] = tile_mask(f"mask{layer + 1}", {"rm": mask_m, f"c{layer + 1}": mask_c[layer + 1]})
-    em.tile_axes = frozenset({"rm", f"c{len(cores)}"})
-    last = len(cores)
-    for o in kernel.outputs:
-        em.store(o, Index((rm, c[last]), None, layer_mask[last], FULL), (block_m, cols[last]))
+        em.tile_axes = frozenset({"rm", f"c{layer + 1}"})
+        for o in kernel.outputs:  # what this layer writes: an intermediate other kernels read, or the result
+            if kernel.layers[id(o)] == layer:
+                em.store(o, Index((rm, c[layer + 1]), None, layer_mask[layer + 1], FULL), (block_m, cols[layer + 1]))
     constexprs = {"BLOCK_M": rows, **{f"W{i}": p for i, p in enumerate(padded)}}
     return ctx.function("", body, constexprs, programs, warps)
 

@@ -277,3 +277,31 @@ def test_an_activation_read_again_after_the_next_layer_is_not_chained(reuse):
     th = torch.relu(torch.from_numpy(a).double() @ torch.from_numpy(w1).double())
     ref = th @ torch.from_numpy(w2).double() + th if reuse == "residual" else th @ th.T
     np.testing.assert_allclose(out.numpy(), ref.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_an_mlp_kernel_that_cannot_hold_its_weights_on_this_gpu_streams_them(monkeypatch):
+    """The persistent form holds every weight in shared memory; where a GPU has less than the plan assumed,
+    its launch fails to compile and the step runs the kernel's streamed form instead, with the same result."""
+    from ember.errors import CompileError
+    from ember.runtime import launcher
+
+    model = rounded(torch_mlp([32, 64, 64, 10], "relu", seed=30), "float16")
+    x = inputs(128 * 300, 32, "float16", seed=31)  # more row tiles than the programs the GPU holds at once
+    want, _ = run_ember(model, x, "float16")
+    real = launcher._run_launches
+    ran, refused = [], []
+
+    def small_gpu(launches, ck, buffers, sig):
+        if ck.kernel.kind is KernelKind.MLP and ck.fallback is not None:
+            refused.append(ck.source.text)
+            raise CompileError("kernel failed: out of resource: shared memory, Required: 300000")
+        ran.append(ck.source.text)
+        return real(launches, ck, buffers, sig)
+
+    monkeypatch.setattr(launcher, "_run_launches", small_gpu)
+    em = ember.from_torch(model).to("cuda").to(ember.float16)
+    with ember.no_grad():
+        got = em(ember.tensor(x * 1, device="cuda")).numpy().astype(np.float64)  # a new plan: x * 1
+    assert refused and "for tile in range(" in refused[0]  # the persistent form: programs walk row tiles
+    assert ran and "for tile in range(" not in ran[-1]  # the streamed form: one row tile per program
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)

@@ -124,6 +124,7 @@ class FusedKernel:
     prologues: list[list[Node]] = field(default_factory=list)
     epilogue: list[Node] = field(default_factory=list)
     layers: dict[int, int] = field(default_factory=dict)  # an MLP kernel's id(output) -> the layer computing it
+    streamed: bool = False  # an MLP kernel's form that holds no weights on chip: its fallback on a smaller GPU
     split: list[FusedKernel] = field(default_factory=list)  # a GEMM's vendor form: same nodes, several kernels
     split_stored: set[int] = field(default_factory=set)  # the intermediates the split form stores
     decisions: list[str] = field(default_factory=list)  # the cost model's choices, for explain

@@ -931,15 +931,20 @@ MLP_RESIDENT_BYTES = (48 * 1024, 144 * 1024)
 MLP_PROGRAMS_PER_SM = 2
 
 
-def mlp_blocks(widths: list[int], itemsize: int) -> tuple[list[int], int, int, bool]:
+def mlp_blocks(widths: list[int], itemsize: int, written: int = 0, streamed: bool = False
+               ) -> tuple[list[int], int, int, bool]:
     """An MLP kernel's widths padded for the matrix units (powers of two, at least 16), its rows per tile, its
-    warps, and whether its programs are persistent (each loads the weights once and walks row tiles)."""
+    warps, and whether its programs are persistent (each loads the weights once and walks row tiles).
+    `written`: the intermediate tiles it also stores, each of which may take a tile of shared memory to lay
+    out for its store; `streamed`: hold no weights (the form that fits any GPU; the runtime falls back on it
+    when a GPU cannot hold them)."""
     padded = [max(16, next_pow2(w)) for w in widths]
     weight_bytes = sum(a * b for a, b in zip(padded, padded[1:])) * itemsize
-    if weight_bytes <= MLP_RESIDENT_BYTES[0]:
-        return padded, 128, 4, True
-    if weight_bytes <= MLP_RESIDENT_BYTES[1]:
-        return padded, 64, 4, True
+    if streamed:
+        return padded, 128, 4, False
+    for rows, budget in ((128, MLP_RESIDENT_BYTES[0]), (64, MLP_RESIDENT_BYTES[1])):
+        if weight_bytes + written * rows * max(padded) * itemsize <= budget:
+            return padded, rows, 4, True
     return padded, 128, 4, False
 
 
@@ -952,7 +957,8 @@ def _mlp(ctx: Context, kernel: FusedKernel) -> Function:
     cores = kernel.cores
     m = cores[0].shape[0]
     widths = [cores[0].inputs[0].shape[-1]] + [c.shape[-1] for c in cores]
-    padded, rows, warps, persistent = mlp_blocks(widths, cores[0].dtype.itemsize)
+    written = sum(1 for o in kernel.outputs if kernel.layers[id(o)] < len(cores) - 1)
+    padded, rows, warps, persistent = mlp_blocks(widths, cores[0].dtype.itemsize, written, kernel.streamed)
     tiles = -(-m // rows)
     programs = tiles
     if persistent and ctx.settings.multiprocessors:  # as many programs as the GPU holds at once, no more

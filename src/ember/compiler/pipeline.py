@@ -10,6 +10,7 @@ and the tests, under one compile context.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -31,6 +32,9 @@ class CompiledKernel:
     source: KernelSource | None = None
     split: list[CompiledKernel] = field(default_factory=list)
     atomic_outputs: list[tuple[Node, float]] = field(default_factory=list)
+    # an MLP kernel whose programs hold the weights on chip: the same kernel streaming them, for a GPU
+    # with less shared memory than the plan assumed
+    fallback: KernelSource | None = None
 
 
 @dataclass
@@ -79,6 +83,9 @@ def _generate(kernel: fusion.FusedKernel, stored: set[int], context: CompileCont
     if kernel.kind in fusion.VENDOR_KINDS and kernel.core is None:
         return CompiledKernel(kernel)
     ck = CompiledKernel(kernel, target.render(kernel, stored, context))
+    if kernel.kind is fusion.KernelKind.MLP:
+        streamed = target.render(dataclasses.replace(kernel, streamed=True), stored, context)
+        ck.fallback = streamed if streamed.text != ck.source.text else None
     if kernel.core is not None:
         ck.split = [_generate(part, stored | kernel.split_stored, context, target) for part in kernel.split]
         ck.atomic_outputs = [(o, RULES[op].identity(o.dtype)) for o, op in lower.epilogue_reduction_outputs(kernel)]

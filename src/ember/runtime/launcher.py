@@ -4,6 +4,7 @@ convolution through torch, and streams for plans captured into CUDA graphs."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import TYPE_CHECKING
 
@@ -146,7 +147,17 @@ class _KernelStep:
         self.launches = [_prepared_launch(module, launch, device) for launch in ck.source.launches if launch.grid]
 
     def __call__(self, buffers: dict[int, torch.Tensor], sig: Signature) -> None:
-        _run_launches(self.launches, self.ck, buffers, sig)
+        try:
+            _run_launches(self.launches, self.ck, buffers, sig)
+        except CompileError as error:
+            fallback = self.ck.fallback
+            if fallback is None or "out of resource" not in str(error):
+                raise
+            # an MLP kernel holding its weights on chip needs more shared memory than this GPU has: stream them
+            self.ck = dataclasses.replace(self.ck, source=fallback, fallback=None)
+            self.launches = [_prepared_launch(disk.load_source(fallback), launch, self.ck.kernel.outputs[0].device)
+                             for launch in fallback.launches if launch.grid]
+            _run_launches(self.launches, self.ck, buffers, sig)
 
     def compile_jobs(self, buffers: dict[int, torch.Tensor], sig: Signature) -> list:
         return _compile_jobs(self.launches, buffers, sig)

@@ -65,8 +65,9 @@ def psnr(predicted: np.ndarray, image: np.ndarray) -> float:
 class Result:
     psnr: float
     steps: int
-    seconds: float
+    seconds: float  # all the steps, the first (compiling) included
     first_step_seconds: float
+    steps_per_second: float  # after the first two (compiling, then planning the steady state)
     final_loss: float
     step_kernels: int  # fused kernels of one training step
     inference_kernels: int  # fused kernels of predicting a batch of pixels
@@ -75,7 +76,7 @@ class Result:
     def __str__(self) -> str:
         written = f"  |  wrote {self.out}" if self.out else ""
         return (f"PSNR {self.psnr:.2f} dB  |  {self.steps} steps in {self.seconds:.1f} s "
-                f"({self.steps / self.seconds:.0f} steps/s; first step {self.first_step_seconds:.1f} s)  |  "
+                f"({self.steps_per_second:.0f} steps/s; first step {self.first_step_seconds:.1f} s)  |  "
                 f"final loss {self.final_loss:.5f}  |  one step = {self.step_kernels} fused kernels, "
                 f"prediction = {self.inference_kernels}{written}")
 
@@ -127,12 +128,15 @@ def fit(steps: int = 2000, size: int = 256, batch: int = 2**16, width: int = 64,
         if (i + 1) % 100 == 0:
             bar.set_postfix(loss=f"{loss.item():.5f}")
     final_loss = loss.item()
-    seconds = time.perf_counter() - start + first
+    steady = time.perf_counter() - start
+    seconds = steady + first
     with precision():
         predicted, inference_kernels = predict(model, features, pixels, explain)
     predicted = predicted.reshape(height, width_px, 3)
     written = write_png(out, image, predicted) if out else None
-    return Result(psnr(predicted, image), steps, seconds, first, final_loss, step_kernels, inference_kernels, written)
+    rate = (steps - 2) / steady if steps > 2 and steady > 0 else math.nan
+    return Result(psnr(predicted, image), steps, seconds, first, rate, final_loss, step_kernels, inference_kernels,
+                  written)
 
 
 def predict(model: nn.Module, features: ember.Tensor, pixels: int, explain: bool, chunk: int = 2**18

@@ -127,7 +127,9 @@ FUNCTIONS = {
     "store": "store(address, value; mask)",
     "atomic": "atomic(address, value; mask, combine, sem): read-modify-write with sum, max or min, returning the\
  old value; sem \"relaxed\" orders nothing, the default orders as acquire and release",
-    "barrier": "every thread of the program waits for the others here (their memory effects made)",
+    "barrier": "every thread of the program waits for the others here",
+    "fence": "fence(value): the thread's memory effects so far made visible to every program before its later\
+ ones; returns value",
     "where": "where(condition, a, b)",
     "minimum": "the smaller of two indices", "maximum": "the larger of two indices",
     "cdiv": "ceil(a / b) of two sizes",

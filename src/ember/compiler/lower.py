@@ -908,11 +908,14 @@ def _combine_splits(ctx: Context, epilogue: Emitter, splits: int, tile: Var, acc
         keep = epilogue.bind(epilogue.fresh("mask_sum"), Bin("&", Bin("<", position_of, bound), first[position]))
         epilogue.emit(Effect(call("atomic", Bin("+", buffer, position_of), sums[key], mask=keep, **relaxed)))
         partial_sums[key] = (buffer, position_of, keep)
-    epilogue.emit(Effect(call("barrier")))  # every thread's additions are made before the tile is counted
+    # every thread's additions visible GPU-wide, then all threads here, before the tile's program is counted
+    epilogue.bind("shared", call("fence", tile))
+    epilogue.emit(Effect(call("barrier")))
     arrived = epilogue.bind("arrived", call("atomic", Bin("+", counters, tile), ONE, combine="sum"))
     last = Branch(Bin("==", arrived, Lit(splits - 1)), comment="the tile's last program: combine and finish")
     epilogue.emit(last)
     epilogue.block = last.body
+    epilogue.bind("seen", call("fence", arrived))  # every thread sees the others' additions
     zeros = call("zeros", shape=(GEMM_BLOCK["rm"], GEMM_BLOCK["rn"]), dtype=dtypes.float32)
     epilogue.emit(Assign((acc,), call("load", Bin("+", total, offset), mask=mask, other=Lit(0.0), cache=".cg")))
     epilogue.emit(Effect(call("store", Bin("+", total, offset), zeros, mask=mask)))

@@ -205,6 +205,8 @@ class Renderer:
             return f"{name}({', '.join(args)}{masked})"
         if fn == "barrier":
             return "tl.debug_barrier()"
+        if fn == "fence":
+            return f"lib.fence({args[0]})"
         if fn in ("rand", "randn"):
             return f"lib.{fn}({', '.join(args)})"
         if fn in ("where", "minimum", "maximum", "cdiv"):

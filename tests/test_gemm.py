@@ -831,19 +831,3 @@ def test_a_linear_layers_gradients_over_a_long_batch_split_k_and_match_torch(rng
     torch.nn.functional.gelu(torch.nn.functional.linear(tx, tw, tb)).backward(t64(gs))
     for name, got, want in (("dx", x.grad, tx.grad), ("dW", w.grad, tw.grad), ("db", b.grad, tb.grad)):
         assert_matches(got, want, what=name)
-
-
-def test_a_gemm_that_sums_an_operand_along_k_runs_with_at_most_four_warps(rng):
-    from ember.runtime import executor, launcher, plan_cache
-    from ember.runtime.autotune import Config
-
-    g, x = on("cuda", random(rng, 300, 40), random(rng, 300, 24))
-    dw, db = g.mT @ x, g.sum(0)
-    order = executor.pending_on_one_device([dw._node, db._node])
-    compiled, _ = plan_cache.plan_for(order, {id(dw._node), id(db._node)})
-    (ck,) = [c for c in compiled.kernels if c.kernel.core is not None]
-    step = launcher._GemmStep(ck)
-    assert step.sums_operands
-    assert step._safe(Config(128, 128, 64, 8, 8, 3)).num_warps == launcher.MAINLOOP_SUM_WARPS
-    assert step._safe(Config(64, 64, 64, 8, 4, 4)) == Config(64, 64, 64, 8, 4, 4)
-    assert_matches(dw, t64(values(g)).mT @ t64(values(x)), what="dW")

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from ember.compiler import CompiledKernel, KernelKind, Plan, Signature
-from ember.compiler.fusion import operand_sums
 from ember.device import Device
 from ember.errors import CompileError, OutOfMemoryError
 from ember.ir import Node, Op
@@ -193,7 +192,6 @@ def _on(target, job) -> None:
         job()
 
 
-MAINLOOP_SUM_WARPS = 4  # the most warps of a generated GEMM that sums an operand along K (see _GemmStep._safe)
 _ARG_KINDS = {"read": 0, "write": 0, "draws": 0, "size": 1, "bound": 1, "scratch": 1, "scalar": 2}
 DRAWS = 0  # the key of a run's (seed, offset) pairs among its buffers (no node's id is 0)
 
@@ -235,11 +233,10 @@ class _GemmStep:
         self.workspace = ck.kernel.split_stored_nodes()
         self.atomic = [(id(o), identity) for o, identity in ck.atomic_outputs]
         self.choice: dict | None = None  # "chosen" ("triton" or "cublas"), "triton_ms", "cublas_ms", "config"
-        self.sums_operands = bool(operand_sums(ck.kernel))
 
     def _tuned(self) -> None:
         if not self.configs:
-            self.configs = list(dict.fromkeys(self._safe(c) for c in autotune.configs_for(self.problem)))
+            self.configs = autotune.configs_for(self.problem)
             for c in self.configs:
                 self.launches[c] = [_prepared_launch(self.module, self.ck.source.launches[0], self.device, c)]
             self.fused = self.launches[self.configs[0]]
@@ -267,16 +264,7 @@ class _GemmStep:
             return autotune.cached_choice(self.ck.source.name, self.problem)
         return self.choice
 
-    def _safe(self, config: autotune.Config) -> autotune.Config:
-        """The configuration as this kernel may run it: one that sums an operand along K in its mainloop runs
-        with at most MAINLOOP_SUM_WARPS warps (on an H100 with Triton 3.6, 8-warp 128x128 tiles gave a wrong
-        product beside such a sum, differently from run to run; 4-warp tiles never did)."""
-        if self.sums_operands and config.num_warps > MAINLOOP_SUM_WARPS:
-            return dataclasses.replace(config, num_warps=MAINLOOP_SUM_WARPS)
-        return config
-
     def _use(self, config: autotune.Config) -> None:
-        config = self._safe(config)
         if config not in self.launches:
             self.launches[config] = [_prepared_launch(self.module, self.ck.source.launches[0], self.device, config)]
         self.fused = self.launches[config]

@@ -453,10 +453,13 @@ SUMS_ALONG_K = {  # name: (A's storage shape, B's storage shape, product, sum, p
 }
 
 
+@pytest.mark.parametrize("dtype", GEMM_DTYPES)
 @pytest.mark.parametrize("case", SUMS_ALONG_K)
-def test_an_operands_sum_along_k_is_taken_in_the_mainloop(case, rng):
+def test_an_operands_sum_along_k_is_taken_in_the_mainloop(case, dtype, rng):
+    """In float32 as a reduction in registers; in half precision by the matrix units, as the product with a
+    tile of ones."""
     a_shape, b_shape, product, total, position = SUMS_ALONG_K[case]
-    a, b = random(rng, *a_shape), random(rng, *b_shape)
+    a, b = random(rng, *a_shape, dtype=dtype), random(rng, *b_shape, dtype=dtype)
     x, w = on("cuda", a, b)
     out, summed = product(x, w), total(x, w)
     p = plan(out, summed)
@@ -464,8 +467,8 @@ def test_an_operands_sum_along_k_is_taken_in_the_mainloop(case, rng):
     assert len(kernel.reductions) == 1 and len(kernel.outputs) == 2, str(p)
     assert any("sum(" in line for line in explained["mainloop"]), str(p)
     assert summed_operand(kernel.core, kernel.reductions[0]) == position
-    assert_matches(out, product(t64(a), t64(b)), what="product")
-    assert_matches(summed, total(t64(a), t64(b)), what="sum")
+    assert_matches(out, product(t64(a), t64(b)), dtype, what="product")
+    assert_matches(summed, total(t64(a), t64(b)), dtype, what="sum")
 
 
 def test_a_sum_of_an_operand_along_another_axis_than_k_is_a_kernel_of_its_own(rng):

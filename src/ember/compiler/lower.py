@@ -803,17 +803,6 @@ def _gemm(ctx: Context, kernel: FusedKernel) -> Function:
     sums = {key: mainloop.define(call("zeros", shape=(block_m, 1) if position == 0 else (1, block_n),
                                       dtype=dtypes.float32), "sum")
             for key, position in summed.items()}
-    # a half-precision operand is summed along K by the matrix units too, as its product with a tile of ones
-    # (exact: float32 accumulation); Triton 3.6 on Hopper gave a wrong product (some configurations, from run
-    # to run) when the tile the dot consumes was also reduced in registers in the same loop
-    by_dot = core.dtype.itemsize == 2
-    ones, dotted = {}, {}
-    if by_dot:
-        for key, position in summed.items():
-            shape = (block_k, SUM_DOT_WIDTH) if position == 0 else (SUM_DOT_WIDTH, GEMM_BLOCK["kb"])
-            ones[key] = mainloop.define(call("full", Lit(1.0), shape=shape, dtype=core.dtype), "ones")
-            dotted[key] = mainloop.define(call("zeros", shape=(block_m, SUM_DOT_WIDTH) if position == 0 else
-                                               (SUM_DOT_WIDTH, block_n), dtype=dtypes.float32), "sum_dot")
     splits = 1 if batch else gemm_splits(m, n, k, ctx.settings.multiprocessors)
     k_begin, k_end = ZERO, K
     if splits > 1:  # this program walks its share of K: whole BLOCK_K steps, the last share shorter
@@ -841,15 +830,8 @@ def _gemm(ctx: Context, kernel: FusedKernel) -> Function:
     mainloop.emit(Assign((acc,), call("dot", tile_a, tile_b, acc, **precision)))
     for key, position in summed.items():
         axis, tile, drop = (1, tile_a, "ka") if position == 0 else (0, tile_b, "kb")
-        if by_dot:
-            pair = (tile_a, ones[key]) if position == 0 else (ones[key], tile_b)
-            mainloop.emit(Assign((dotted[key],), call("dot", *pair, dotted[key])))
-            continue
         part = call("reduce", call("cast", tile, dtype=dtypes.float32), combine="sum", axis=axis, drop=drop)
         mainloop.emit(Assign((sums[key],), Bin("+", sums[key], part)))
-    for key, total in dotted.items():  # every column of the product holds the sum: take one
-        axis, drop = (1, "ka") if summed[key] == 0 else (0, "kb")
-        body.append(Assign((sums[key],), call("reduce", total, combine="max", axis=axis, drop=drop)))
     epilogue = Emitter(ctx, kernel, body)
     epilogue.count = mainloop.count
     epilogue.unravelled = before_loop
@@ -891,9 +873,6 @@ SPLIT_MIN_DEPTH = 512
 SPLIT_MIN = 4  # fewer splits than this are not worth the combining
 SPLIT_TILE = 64  # the tile edge the decision assumes (the smallest tuned candidates')
 SPLIT_COUNTER_TILE = 16  # counters are kept for tiles this small, the smallest a configuration may choose
-
-
-SUM_DOT_WIDTH = 16  # columns of the product that sums a half-precision operand along K (the dot's minimum)
 
 
 def gemm_splits(m: int, n: int, k: int, multiprocessors: int) -> int:

@@ -122,8 +122,8 @@ class Call(Expr):
 # "min", "argmax", "argmin") and the axis (position and name) they drop.
 FUNCTIONS = {
     "program_id": "the program's index along grid axis `axis`",
-    "load": "load(address; mask, other, cache): the elements at a pointer plus offsets (cache \".cg\": from L2,\
- past the SM's own cache, for what other programs wrote)",
+    "load": "load(address; mask, other, volatile): the elements at a pointer plus offsets (volatile: read\
+ from memory where the statement stands, for what other programs wrote)",
     "store": "store(address, value; mask)",
     "atomic": "atomic(address, value; mask, combine, sem): read-modify-write with sum, max or min, returning the\
  old value; sem \"relaxed\" orders nothing, the default orders as acquire and release",

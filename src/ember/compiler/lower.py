@@ -890,7 +890,9 @@ def _combine_splits(ctx: Context, epilogue: Emitter, splits: int, tile: Var, acc
     """A split GEMM's programs add their partial tiles (and partial operand sums) into float32 scratch
     buffers; the last program of each tile to arrive, counted by an atomic per tile, loads the totals, leaves
     the scratch zeroed for the next launch, and runs the epilogue (emitted into its branch after this).
-    The order of the float32 additions varies from run to run, as in any split-K GEMM reduced atomically."""
+    The order of the float32 additions varies from run to run, as in any split-K GEMM reduced atomically.
+    The totals are loaded volatile: a plain load (its mask makes it safe to speculate) may be hoisted above
+    the counter's atomic, which Triton emits as inline assembly, and read the totals before they are whole."""
     (rm, M, mask_m), (rn, N, mask_n) = rows, cols
     core = epilogue.kernel.core
     rows_n, cols_n = core.shape
@@ -917,12 +919,12 @@ def _combine_splits(ctx: Context, epilogue: Emitter, splits: int, tile: Var, acc
     epilogue.block = last.body
     epilogue.bind("seen", call("fence", arrived))  # every thread sees the others' additions
     zeros = call("zeros", shape=(GEMM_BLOCK["rm"], GEMM_BLOCK["rn"]), dtype=dtypes.float32)
-    epilogue.emit(Assign((acc,), call("load", Bin("+", total, offset), mask=mask, other=Lit(0.0), cache=".cg")))
+    epilogue.emit(Assign((acc,), call("load", Bin("+", total, offset), mask=mask, other=Lit(0.0), volatile=True)))
     epilogue.emit(Effect(call("store", Bin("+", total, offset), zeros, mask=mask)))
     for key, (buffer, position_of, keep) in partial_sums.items():
         shape = (GEMM_BLOCK["rm"], 1) if summed[key] == 0 else (1, GEMM_BLOCK["rn"])
         epilogue.emit(Assign((sums[key],), call("load", Bin("+", buffer, position_of), mask=keep, other=Lit(0.0),
-                                                cache=".cg")))
+                                                volatile=True)))
         epilogue.emit(Effect(call("store", Bin("+", buffer, position_of),
                                   call("zeros", shape=shape, dtype=dtypes.float32), mask=keep)))
     epilogue.emit(Effect(call("store", Bin("+", counters, tile), Lit(0, dtypes.int32))))

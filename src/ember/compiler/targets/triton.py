@@ -201,6 +201,8 @@ class Renderer:
                 masked += f", sem=\"{options['sem']}\""
             if "cache" in options:
                 masked += f", cache_modifier=\"{options['cache']}\""
+            if options.get("volatile"):
+                masked += ", volatile=True"
             name = ATOMIC[options["combine"]] if fn == "atomic" else f"tl.{fn}"
             return f"{name}({', '.join(args)}{masked})"
         if fn == "barrier":

@@ -113,13 +113,14 @@ def test_narrow_mlp_is_one_kernel_and_matches_torch_at_scale(width, depth, dtype
 @pytest.mark.parametrize("width,activation,dtype", [(64, torch.nn.ReLU, torch.float16),
                                                     (32, torch.nn.SiLU, torch.bfloat16),
                                                     (128, torch.nn.Tanh, torch.float16)])
-def test_a_narrow_mlps_training_step_fuses_and_matches_torch_at_scale(width, activation, dtype):
+def test_a_narrow_mlps_training_step_fuses_and_matches_torch_at_scale(width, activation, dtype, monkeypatch):
     """Forward and backward chains as MLP kernels, the weight gradients as split-K GEMMs, over 2^18 + 5 rows:
     the loss and every gradient within twice torch's own error in the same type (against float64). Unscaled,
     a mean over 2^22 errors gives gradients in float16's subnormal range, where both lose most digits."""
     from ember.compiler.fusion import KernelKind
     from ember.explain import plan
 
+    monkeypatch.setenv("EMBER_SPLIT_K", "1")
     torch.manual_seed(width)
     sizes = [width] * 5 + [16]
     layers = []

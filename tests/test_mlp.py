@@ -142,9 +142,10 @@ TRAINING_CASES = [  # widths, rows, activation, dtype
     ([5, 100, 24, 3], 2**11 + 1, "softplus", "float32"),
     ([16, 16], 33, "relu", "float16"),  # one layer: nothing to chain
 ]
-# From this batch on, the weight-gradient GEMMs split their K (the batch) and sum the bias gradients in their
-# mainloops; below it, a layer's GEMM may sum its bias gradient in its epilogue, across its row tiles
-# (atomically), which an MLP kernel does not do: the chain then stops at that layer.
+# From this batch on, with split-K on (EMBER_SPLIT_K=1), the weight-gradient GEMMs split their K (the batch)
+# and the bias gradients are summed in their mainloops or by GEMMs of their own; below it, a layer's GEMM may
+# sum its bias gradient in its epilogue, across its row tiles (atomically), which an MLP kernel does not do:
+# the chain then stops at that layer.
 FUSED_TRAINING_BATCH = 2**11
 
 
@@ -176,10 +177,11 @@ def torch_step(model: torch.nn.Sequential, x: np.ndarray, y: np.ndarray, dtype) 
 @pytest.mark.parametrize("widths,rows,activation,dtype", TRAINING_CASES,
                          ids=[f"{'-'.join(map(str, c[0]))}x{c[1]}-{c[2]}-{c[3]}" for c in TRAINING_CASES])
 def test_a_training_step_fuses_its_forward_and_backward_chains_and_its_gradients_match_torch(
-        widths, rows, activation, dtype):
+        widths, rows, activation, dtype, monkeypatch):
     """The forward chain is one kernel that also writes the activations the backward reads; the backward's
     chain (the input gradient walked back through the layers) is one kernel that writes each layer's
     gradient for the weight-gradient GEMMs."""
+    monkeypatch.setenv("EMBER_SPLIT_K", "1")  # the weight gradients split the batch (see FUSED_TRAINING_BATCH)
     kernels, got, want, theirs = training_step(widths, rows, activation, dtype, seed=len(widths) + rows)
     mlps = [k for k in kernels if k.kind is KernelKind.MLP]
     layers = len(widths) - 1
@@ -200,6 +202,7 @@ def test_a_training_step_fuses_its_forward_and_backward_chains_and_its_gradients
 def test_a_fused_training_step_equals_the_unfused_one(monkeypatch):
     from ember.compiler import fusion
 
+    monkeypatch.setenv("EMBER_SPLIT_K", "1")
     case = ([32, 48, 48, 48, 10], FUSED_TRAINING_BATCH + 5, "relu", "float16")
     fused_kernels, fused, _, _ = training_step(*case, seed=21)
     monkeypatch.setattr(fusion, "MLP_MAX_WIDTH", 0)

@@ -7,6 +7,7 @@ target) but launches nothing, so it works on any device and leaves the tensors p
 from __future__ import annotations
 
 import contextlib
+import os
 
 from ember.compiler import CompileContext, compile, signature
 from ember.compiler.fusion import VENDOR_KINDS, FusedKernel, KernelKind
@@ -57,7 +58,8 @@ class Plan:
         self.signature = signature(order, keep)
         # as the runtime compiles on its default stream (several are used only when asked for, in graphs)
         context = CompileContext(get_matmul_precision(), conv_memory_format=get_conv_memory_format(),
-                                 multiprocessors=_multiprocessors(order))
+                                 multiprocessors=_multiprocessors(order),
+                                 split_k=os.environ.get("EMBER_SPLIT_K", "0") not in ("", "0"))
         compiled = compile(order, keep, "triton", context, self.signature)
         self.lowered, self.stored, self.schedule = compiled.lowered, compiled.stored, compiled.schedule
         self.kernels = [ck.kernel for ck in compiled.kernels]

@@ -803,7 +803,7 @@ def _gemm(ctx: Context, kernel: FusedKernel) -> Function:
     sums = {key: mainloop.define(call("zeros", shape=(block_m, 1) if position == 0 else (1, block_n),
                                       dtype=dtypes.float32), "sum")
             for key, position in summed.items()}
-    splits = 1 if batch else gemm_splits(m, n, k, ctx.settings.multiprocessors)
+    splits = 1 if batch or not ctx.settings.split_k else gemm_splits(m, n, k, ctx.settings.multiprocessors)
     k_begin, k_end = ZERO, K
     if splits > 1:  # this program walks its share of K: whole BLOCK_K steps, the last share shorter
         steps = bind("k_steps", call("cdiv", call("cdiv", K, block_k), Lit(splits)))

@@ -68,9 +68,10 @@ def compile(order: list[Node], keep: set[int], target: str, context: CompileCont
     if chosen.costs is None:
         return Plan(target, nodes=order, keep=keep)
     start = time.perf_counter()
+    splitting = context.split_k and context.gemm_backend != "cublas"  # generated GEMMs that split a long K
     lowered = passes.lower(order, keep, signature or passes.signature(order, keep),
                            channels_last=context.conv_memory_format == "channels_last",
-                           multiprocessors=context.multiprocessors if context.gemm_backend != "cublas" else 0)
+                           multiprocessors=context.multiprocessors if splitting else 0)
     kernels, stored = fusion.plan(lowered.nodes, lowered.outputs, context, chosen.costs)
     compiled = [_generate(k, stored, context, chosen) for k in kernels]
     small = [_is_small(ck, context.multiprocessors) for ck in compiled]

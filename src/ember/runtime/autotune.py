@@ -316,7 +316,7 @@ def _bare_gemm(problem: Problem, a: torch.Tensor, b: torch.Tensor):
         operands.append(Node.make(Op.PERMUTE, (leaf,), order=(1, 0)) if layout == "t" else leaf)
     core = Node.make(Op.MATMUL, tuple(operands))
     context = CompileContext(matmul_precision="highest" if problem.precision == "ieee" else "high",
-                             multiprocessors=cuda.multiprocessors(device))  # a long K splits as the real one does
+                             multiprocessors=cuda.multiprocessors(device), split_k=cuda.split_k())  # as the real one
     plan = compile(toposort([core]), {id(core)}, "triton", context)
     return plan.kernels[0].source
 

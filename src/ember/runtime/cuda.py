@@ -89,7 +89,12 @@ def multiprocessors(device: Device) -> int:
 def compile_context(device: Device) -> CompileContext:
     """What the user's settings ask of the compiler now, for plans run on `device`; it keys the plan cache."""
     return CompileContext(get_matmul_precision(), gemm_backend, max_streams, multiprocessors(device),
-                          get_conv_memory_format())
+                          get_conv_memory_format(), split_k=split_k())
+
+
+def split_k() -> bool:
+    """EMBER_SPLIT_K=1: GEMMs with few output tiles and a long K split it over several programs per tile."""
+    return os.environ.get("EMBER_SPLIT_K", "0") not in ("", "0")
 
 
 # -- memory ------------------------------------------------------------------------------------

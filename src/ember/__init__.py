@@ -51,6 +51,8 @@ long = int64
 int = int32  # noqa: A001
 short = int16
 
+from ember import vision  # noqa: E402 - its functions use the ops above, at call time
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -60,5 +62,5 @@ __all__ = [
     "is_grad_enabled", "long", "no_grad", "on_device", "promote_types", "realize", "result_type", "set_grad_enabled",
     "short", "uint8", "data", "nn", "optim", "explain", "load", "save", "jit", "memory_stats", "amp", "autocast",
     "from_torch", "set_matmul_precision", "get_matmul_precision", "set_conv_memory_format", "get_conv_memory_format",
-    "channels_last", "contiguous_format", "preserve_format", *_ops_all,
+    "channels_last", "contiguous_format", "preserve_format", "vision", *_ops_all,
 ]

@@ -1,0 +1,277 @@
+"""`ember.vision`: image preprocessing as lazy ember ops, so it fuses with whatever reads its results.
+
+Conventions (OpenCV's and torchvision's where they meet):
+- images are channels-last, `[H, W, C]` or a batch `[N, H, W, C]` (uint8 or float);
+- sizes are `(height, width)`; boxes are OpenCV `Rect`s, `(x, y, width, height)` in pixels;
+- resampling and colour conversion compute in float32 and return float32 on the 0-255 scale, unrounded, so
+  what follows loses nothing; `to_uint8` rounds half to even and saturates, as OpenCV's uint8 results.
+
+Every function builds ordinary graph ops: sampling is index arithmetic and gathers of the source, so a crop,
+resize, colour conversion and normalisation realized together are planned as one kernel over the output that
+loads only the source samples it needs. `crop_resize` takes the boxes as a tensor (runtime data): new boxes
+of the same count reuse the compiled plan.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import ember
+from ember.errors import ShapeError
+from ember.tensor import Tensor
+
+__all__ = ["crop", "crop_resize", "cvt_color", "normalize", "resize", "to_packed", "to_planar", "to_uint8"]
+
+INTERPOLATIONS = ("bilinear", "nearest")
+KEEP_ASPECT = (None, "center", "left")
+# YUV -> RGB: (luma scale, luma offset, V->R, U->G, V->G, U->B) by (standard, range). Limited-range BT.601 is
+# OpenCV's (its fixed-point coefficients / 2^20); the others are the standards' matrices.
+_YUV = {
+    ("bt601", "limited"): (1220542 / 2**20, 16.0, 1673527 / 2**20, -409993 / 2**20, -852492 / 2**20,
+                           2116026 / 2**20),
+    ("bt709", "limited"): (255 / 219, 16.0, 1.7927, -0.2132, -0.5329, 2.1124),
+    ("bt601", "full"): (1.0, 0.0, 1.402, -0.344136, -0.714136, 1.772),
+    ("bt709", "full"): (1.0, 0.0, 1.5748, -0.187324, -0.468124, 1.8556),
+}
+_GRAY = (0.299, 0.587, 0.114)  # R, G, B weights of OpenCV's RGB2GRAY
+
+
+def _check_image(x: Tensor, op: str) -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"ember.vision.{op}: expected an ember Tensor, got {type(x).__name__}")
+    if x.ndim not in (3, 4):
+        raise ShapeError(f"ember.vision.{op}: expected a channels-last image [H, W, C] or batch [N, H, W, C], "
+                         f"got shape {list(x.shape)} ({x.dtype}, {x.device})")
+
+
+def _size(size, op: str) -> tuple[int, int]:
+    h, w = (size, size) if isinstance(size, int) else tuple(size)
+    if h <= 0 or w <= 0:
+        raise ValueError(f"ember.vision.{op}: size must be positive (height, width), got {size}")
+    return int(h), int(w)
+
+
+def _float(x: Tensor) -> Tensor:
+    return x if x.dtype is ember.float32 else x.to(ember.float32)
+
+
+# -- sampling --------------------------------------------------------------------------------------
+
+def _sample(images: Tensor, which: Tensor, boxes: Tensor, size: tuple[int, int], interpolation: str,
+            keep_aspect: str | None, background) -> Tensor:
+    """[B, h, w, C] float32: box b of image which[b] resized to `size`."""
+    n, height, width, channels = images.shape
+    h, w = size
+    device = images.device
+    x0, y0, bw, bh = (boxes[:, i] for i in range(4))
+    if keep_aspect is None:
+        sy, sx = bh / h, bw / w
+        ch, cw = ember.full_like(bh, float(h)), ember.full_like(bw, float(w))
+        oy, ox = ember.zeros_like(bh), ember.zeros_like(bw)
+    else:  # the box scaled to fit, the rest background
+        s = ember.maximum(bh / h, bw / w)
+        sy = sx = s
+        ch, cw = (bh / s).round().clamp(min=1.0), (bw / s).round().clamp(min=1.0)
+        if keep_aspect == "center":
+            oy, ox = ((h - ch) / 2).floor(), ((w - cw) / 2).floor()
+        else:
+            oy, ox = ember.zeros_like(ch), ember.zeros_like(cw)
+    # positions inside the content, as if the content were the whole output
+    ys = ember.arange(h, device=device, dtype=ember.float32)[None, :] - oy[:, None]
+    xs = ember.arange(w, device=device, dtype=ember.float32)[None, :] - ox[:, None]
+    inside = ((ys >= 0) & (ys < ch[:, None]))[:, :, None] & ((xs >= 0) & (xs < cw[:, None]))[:, None, :]
+    ya, yb, wy = _axis(ys.clamp(min=0.0), y0, bh, sy, interpolation)
+    xa, xb, wx = _axis(xs.clamp(min=0.0), x0, bw, sx, interpolation)
+    flat = images.reshape(n * height * width, channels)
+    base = (which.to(ember.int64) * (height * width))[:, None, None]
+    ya, yb, xa, xb = (v.to(ember.int64) for v in (ya, yb, xa, xb))
+
+    def at(yy, xx):  # [B, h, w, C]: rows yy [B, h], columns xx [B, w]
+        index = base + yy[:, :, None] * width + xx[:, None, :]
+        return _float(flat[index.reshape(-1)]).reshape(index.shape[0], h, w, channels)
+
+    top = at(ya, xa)
+    if interpolation == "bilinear":  # as OpenCV weighs them: along the row, then between the rows
+        wx4, wy4 = wx[:, None, :, None], wy[:, :, None, None]
+        top = top * (1 - wx4) + at(ya, xb) * wx4
+        bottom = at(yb, xa) * (1 - wx4) + at(yb, xb) * wx4
+        top = top * (1 - wy4) + bottom * wy4
+    fill = ember.tensor(np.broadcast_to(np.asarray(background, dtype=np.float32), (channels,)).copy(),
+                        device=device)
+    return ember.where(inside[:, :, :, None], top, fill)
+
+
+def _axis(d: Tensor, start: Tensor, extent: Tensor, scale: Tensor, interpolation: str):
+    """_coordinates for content positions d (a [B, out] tensor, not a range)."""
+    last = (extent - 1)[:, None]
+    if interpolation == "nearest":
+        first = ember.minimum((d * scale[:, None]).floor(), last)
+        return start[:, None] + first, start[:, None] + first, ember.zeros_like(first)
+    f = ((d + 0.5) * scale[:, None] - 0.5).clamp(min=0.0)
+    first = ember.minimum(f.floor(), last)
+    second = ember.minimum(first + 1, last)
+    return start[:, None] + first, start[:, None] + second, f - first
+
+
+def _boxes(boxes, device) -> Tensor:
+    if isinstance(boxes, Tensor):
+        b = boxes.to(ember.float32)
+    else:
+        b = ember.tensor(np.asarray(boxes, dtype=np.float32).reshape(-1, 4), device=device)
+    if b.ndim != 2 or b.shape[1] != 4:
+        raise ShapeError(f"ember.vision: boxes must be (x, y, width, height) rows, shape [N, 4]; got "
+                         f"{list(b.shape)}")
+    return b.to(device) if b.device != device else b
+
+
+def resize(x: Tensor, size, interpolation: str = "bilinear", keep_aspect: str | None = None,
+           background=0.0) -> Tensor:
+    """x ([..., H, W, C]) resized to `size` (height, width), float32 on the source's scale. `keep_aspect`:
+    None stretches; "center" or "left" fits the image inside `size` and fills the rest with `background`."""
+    _check_image(x, "resize")
+    if interpolation not in INTERPOLATIONS or keep_aspect not in KEEP_ASPECT:
+        raise ValueError(f"ember.vision.resize: interpolation must be one of {INTERPOLATIONS} and keep_aspect one "
+                         f"of {KEEP_ASPECT}; got {interpolation!r}, {keep_aspect!r}")
+    batch = x if x.ndim == 4 else x[None]
+    n, height, width, _ = batch.shape
+    boxes = ember.tensor(np.tile(np.float32([0, 0, width, height]), (n, 1)), device=x.device)
+    which = ember.arange(n, device=x.device)
+    out = _sample(batch, which, boxes, _size(size, "resize"), interpolation, keep_aspect, background)
+    return out if x.ndim == 4 else out[0]
+
+
+def crop(images: Tensor, boxes) -> list[Tensor]:
+    """The boxes (x, y, width, height) of an image [H, W, C], as views (a ragged batch: a list)."""
+    _check_image(images, "crop")
+    if images.ndim != 3:
+        raise ShapeError(f"ember.vision.crop: expected one image [H, W, C], got {list(images.shape)}; "
+                         "crop_resize takes a batch")
+    height, width = images.shape[:2]
+    out = []
+    for x, y, w, h in np.asarray(boxes, dtype=np.int64).reshape(-1, 4).tolist():
+        if w <= 0 or h <= 0 or x < 0 or y < 0 or x + w > width or y + h > height:
+            raise ValueError(f"ember.vision.crop: box (x={x}, y={y}, width={w}, height={h}) is not inside the "
+                             f"{width}x{height} image")
+        out.append(images[y:y + h, x:x + w])
+    return out
+
+
+def crop_resize(images: Tensor, boxes, size, interpolation: str = "bilinear", keep_aspect: str | None = None,
+                background=0.0, indices=None) -> Tensor:
+    """Each box of `boxes` ([N, 4] (x, y, width, height), a list or a Tensor: runtime data) cropped and resized
+    to `size`: one [N, h, w, C] float32 batch. `images`: one image [H, W, C] all boxes come from, or a batch
+    [M, H, W, C] with `indices` (one per box; default box i from image i)."""
+    _check_image(images, "crop_resize")
+    if interpolation not in INTERPOLATIONS or keep_aspect not in KEEP_ASPECT:
+        raise ValueError(f"ember.vision.crop_resize: interpolation must be one of {INTERPOLATIONS} and keep_aspect "
+                         f"one of {KEEP_ASPECT}; got {interpolation!r}, {keep_aspect!r}")
+    batch = images if images.ndim == 4 else images[None]
+    b = _boxes(boxes, images.device)
+    if indices is None:
+        which = ember.zeros(b.shape[0], dtype=ember.int64, device=images.device) if images.ndim == 3 else \
+            ember.arange(b.shape[0], device=images.device)
+        if images.ndim == 4 and b.shape[0] != batch.shape[0]:
+            raise ShapeError(f"ember.vision.crop_resize: {b.shape[0]} boxes for {batch.shape[0]} images; pass "
+                             "indices= to say which image each box is from")
+    else:
+        which = indices if isinstance(indices, Tensor) else ember.tensor(np.asarray(indices, np.int64),
+                                                                         device=images.device)
+    return _sample(batch, which, b, _size(size, "crop_resize"), interpolation, keep_aspect, background)
+
+
+# -- colour ----------------------------------------------------------------------------------------
+
+def cvt_color(x, code: str, standard: str = "bt601", range: str = "limited") -> Tensor:  # noqa: A002
+    """OpenCV's colour conversions by name: "RGB2BGR", "BGR2RGB", "RGBA2RGB", "BGRA2BGR", "RGBA2BGR",
+    "BGRA2RGB", "RGB2RGBA", "BGR2BGRA", "RGB2GRAY", "BGR2GRAY", "GRAY2RGB", "YUV2RGB_NV12", "YUV2BGR_NV12",
+    "YUV2RGB_NV21", "YUV2BGR_NV21". YUV input: an [H*3/2, W] buffer, or a (Y [H, W], UV [H/2, W/2, 2]) pair;
+    `standard` "bt601" or "bt709", `range` "limited" (OpenCV's) or "full". Returns float32, 0-255 scale."""
+    code = code.upper()
+    if code.startswith("YUV2"):
+        return _from_nv(x, code, standard, range)
+    _check_image(x, "cvt_color")
+    c = x.shape[-1]
+    wanted = {"RGB2BGR": 3, "BGR2RGB": 3, "RGBA2RGB": 4, "BGRA2BGR": 4, "RGBA2BGR": 4, "BGRA2RGB": 4,
+              "RGB2RGBA": 3, "BGR2BGRA": 3, "RGB2GRAY": 3, "BGR2GRAY": 3, "GRAY2RGB": 1, "GRAY2BGR": 1}
+    if code not in wanted:
+        raise ValueError(f"ember.vision.cvt_color: unknown code {code!r}; expected one of "
+                         f"{', '.join(sorted(wanted))}, or YUV2RGB_NV12 / YUV2BGR_NV12 / YUV2RGB_NV21 / YUV2BGR_NV21")
+    if c != wanted[code]:
+        raise ShapeError(f"ember.vision.cvt_color({code}): expected {wanted[code]} channels, got shape "
+                         f"{list(x.shape)}")
+    f = _float(x)
+    if code in ("RGB2BGR", "BGR2RGB"):
+        return f.flip(-1)
+    if code in ("RGBA2RGB", "BGRA2BGR"):
+        return f[..., :3]
+    if code in ("RGBA2BGR", "BGRA2RGB"):
+        return f[..., :3].flip(-1)
+    if code in ("RGB2RGBA", "BGR2BGRA"):
+        return ember.cat([f, ember.full_like(f[..., :1], 255.0)], dim=-1)
+    if code in ("GRAY2RGB", "GRAY2BGR"):
+        return f.expand(*f.shape[:-1], 3)
+    r, g, b = (f[..., i:i + 1] for i in ((0, 1, 2) if code == "RGB2GRAY" else (2, 1, 0)))
+    return r * _GRAY[0] + g * _GRAY[1] + b * _GRAY[2]
+
+
+def _from_nv(x, code: str, standard: str, rng: str) -> Tensor:
+    key = (standard, rng)
+    if key not in _YUV:
+        raise ValueError(f"ember.vision.cvt_color({code}): standard must be 'bt601' or 'bt709' and range "
+                         f"'limited' or 'full'; got {standard!r}, {rng!r}")
+    kind = code.split("_")[-1]
+    if code not in ("YUV2RGB_NV12", "YUV2BGR_NV12", "YUV2RGB_NV21", "YUV2BGR_NV21"):
+        raise ValueError(f"ember.vision.cvt_color: unknown code {code!r}")
+    if isinstance(x, (tuple, list)):
+        y, uv = x
+        if y.ndim != 2 or uv.ndim != 3 or uv.shape[-1] != 2 or tuple(uv.shape[:2]) != (y.shape[0] // 2,
+                                                                                       y.shape[1] // 2):
+            raise ShapeError(f"ember.vision.cvt_color({code}): expected Y [H, W] and UV [H/2, W/2, 2], got "
+                             f"{list(y.shape)} and {list(uv.shape)}")
+    else:
+        if x.ndim != 2 or x.shape[0] % 3 or x.shape[0] * 2 % 3 or (x.shape[0] * 2 // 3) % 2 or x.shape[1] % 2:
+            raise ShapeError(f"ember.vision.cvt_color({code}): expected an NV12/NV21 buffer [H*3/2, W] with H and "
+                             f"W even, got {list(x.shape)}")
+        height = x.shape[0] * 2 // 3
+        y, uv = x[:height], x[height:].reshape(height // 2, x.shape[1] // 2, 2)
+    height, width = y.shape
+    # each chroma sample covers 2x2 luma samples
+    uv_full = _float(uv)[:, None, :, None, :].expand(height // 2, 2, width // 2, 2, 2).reshape(height, width, 2)
+    u, v = (uv_full[..., 0], uv_full[..., 1]) if kind == "NV12" else (uv_full[..., 1], uv_full[..., 0])
+    cy, offset, vr, ug, vg, ub = _YUV[key]
+    luma = (_float(y) - offset).clamp(min=0.0) * cy if offset else _float(y) * cy
+    u, v = u - 128.0, v - 128.0
+    r, g, b = luma + vr * v, luma + ug * u + vg * v, luma + ub * u
+    channels = (r, g, b) if "RGB" in code.split("_")[0] else (b, g, r)
+    return ember.stack(channels, dim=-1)
+
+
+# -- values and layout -----------------------------------------------------------------------------
+
+def normalize(x: Tensor, mean, std) -> Tensor:
+    """(x - mean) / std per channel (the last axis), in float32."""
+    f = _float(x)
+    c = f.shape[-1]
+    m = ember.tensor(np.broadcast_to(np.asarray(mean, np.float32), (c,)).copy(), device=f.device)
+    s = ember.tensor(np.broadcast_to(np.asarray(std, np.float32), (c,)).copy(), device=f.device)
+    return (f - m) / s
+
+
+def to_uint8(x: Tensor) -> Tensor:
+    """Rounded half to even and saturated to 0-255, as OpenCV's uint8 results."""
+    return x.round().clamp(0, 255).to(ember.uint8)
+
+
+def to_planar(x: Tensor) -> Tensor:
+    """[..., H, W, C] -> [..., C, H, W] (a view)."""
+    _check_image(x, "to_planar")
+    order = list(range(x.ndim - 3)) + [x.ndim - 1, x.ndim - 3, x.ndim - 2]
+    return x.permute(*order)
+
+
+def to_packed(x: Tensor) -> Tensor:
+    """[..., C, H, W] -> [..., H, W, C] (a view)."""
+    _check_image(x, "to_packed")
+    order = list(range(x.ndim - 3)) + [x.ndim - 2, x.ndim - 1, x.ndim - 3]
+    return x.permute(*order)
+

@@ -165,9 +165,9 @@ def test_a_pipeline_on_the_cuda_device_equals_the_reference_for_any_boxes(cuda_b
         np.testing.assert_allclose(got, _fkl_pipeline(ember.tensor(img), boxes).numpy(), atol=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason="not built yet: the sampling's index arithmetic is shared by the four "
-                   "bilinear gathers and is stored by the planner (too many ops to recompute), and a channel flip "
-                   "of the sampled batch is a kernel of its own: the pipeline is 3 kernels, not 1")
+@pytest.mark.xfail(strict=True, reason="not built yet: each gather's index (about 50 ops of box and coordinate "
+                   "arithmetic, read by 3 ops of the gather) is over the planner's recompute limit (48), so it is "
+                   "stored by a kernel of its own: the pipeline is 2 kernels, not 1")
 def test_a_pipeline_from_the_frame_to_the_batch_is_one_kernel(cuda_backend, rng):
     frame = ember.tensor(image(rng, 64, 96), device="cuda")
     out = _fkl_pipeline(frame, [(0, 0, 20, 30), (10, 5, 50, 20), (3, 3, 90, 60)])

@@ -87,8 +87,7 @@ def _sample(images: Tensor, which: Tensor, boxes: Tensor, size: tuple[int, int],
     ya, yb, xa, xb = (v.to(ember.int64) for v in (ya, yb, xa, xb))
 
     def at(yy, xx):  # [B, h, w, C]: rows yy [B, h], columns xx [B, w]
-        index = base + yy[:, :, None] * width + xx[:, None, :]
-        return _float(flat[index.reshape(-1)]).reshape(index.shape[0], h, w, channels)
+        return _float(flat[base + yy[:, :, None] * width + xx[:, None, :]])
 
     top = at(ya, xa)
     if interpolation == "bilinear":  # as OpenCV weighs them: along the row, then between the rows

@@ -165,10 +165,39 @@ def test_a_pipeline_on_the_cuda_device_equals_the_reference_for_any_boxes(cuda_b
         np.testing.assert_allclose(got, _fkl_pipeline(ember.tensor(img), boxes).numpy(), atol=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason="not built yet: each gather's index (about 50 ops of box and coordinate "
-                   "arithmetic, read by 3 ops of the gather) is over the planner's recompute limit (48), so it is "
-                   "stored by a kernel of its own: the pipeline is 2 kernels, not 1")
-def test_a_pipeline_from_the_frame_to_the_batch_is_one_kernel(cuda_backend, rng):
+def test_a_pipeline_from_the_frame_to_the_batch_is_one_kernel_that_gathers_its_samples(cuda_backend, rng):
+    """Crops of different sizes resized keeping the aspect ratio, x1.4 - 0.5, RGB->BGR and /255 (in either order)
+    are one kernel over the output: four gathers of the source per element, nothing stored between."""
     frame = ember.tensor(image(rng, 64, 96), device="cuda")
-    out = _fkl_pipeline(frame, [(0, 0, 20, 30), (10, 5, 50, 20), (3, 3, 90, 60)])
-    assert len(ember.explain.plan(out).kernels) == 1
+    boxes = ember.tensor(np.float32([(0, 0, 20, 30), (10, 5, 50, 20), (3, 3, 90, 60)]), device="cuda")
+    after = _fkl_pipeline(frame, [(0, 0, 20, 30), (10, 5, 50, 20), (3, 3, 90, 60)])
+    before = V.normalize(V.crop_resize(V.cvt_color(frame, "RGB2BGR"), boxes, (12, 12), keep_aspect="center") * 1.4
+                         - 0.5, 0.0, 255.0)
+    for out in (after, before):
+        p = ember.explain.plan(out)
+        assert len(p.kernels) == 1, str(p)
+        (kernel,) = p.kernels
+        assert sum(1 for n in kernel.covers if n.op.label == "gather") == 4, str(p)
+    np.testing.assert_allclose(after.numpy(), before.numpy(), atol=1e-6)
+
+
+def test_an_nv12_frame_converted_resized_normalised_and_made_planar_is_one_kernel(cuda_backend, rng):
+    """The conversion is computed at the samples the resize gathers (a converted frame nobody holds is never
+    stored); the planar layout is the output's index order."""
+    frame = rng.integers(0, 256, (96 * 3 // 2, 128), dtype=np.uint8)
+    mean, std = (123.7, 116.3, 103.5), (58.4, 57.1, 57.4)
+
+    def pipeline(device):
+        nv = ember.tensor(frame, device=device)
+        rgb = V.cvt_color(nv, "YUV2RGB_NV12").clamp(0, 255)  # out-of-gamut colours saturate, as OpenCV's uint8
+        return V.to_planar(V.normalize(V.resize(rgb, (24, 40)), mean, std))
+
+    out = pipeline("cuda")
+    assert len(ember.explain.plan(out).kernels) == 1, str(ember.explain.plan(out))
+    rgb = cv2.cvtColor(frame, cv2.COLOR_YUV2RGB_NV12).astype(np.float32)
+    want = ((cv2.resize(rgb, (40, 24), interpolation=cv2.INTER_LINEAR) - np.float32(mean)) / np.float32(std))
+    got = out.numpy()
+    assert got.shape == (3, 24, 40)
+    # OpenCV rounds the conversion to uint8 first: within one level of 255, divided by std
+    np.testing.assert_allclose(got, want.transpose(2, 0, 1), atol=1.01 / 57.0)
+    np.testing.assert_allclose(got, pipeline("cpu").numpy(), atol=1e-4)

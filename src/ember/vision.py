@@ -82,12 +82,15 @@ def _sample(images: Tensor, which: Tensor, boxes: Tensor, size: tuple[int, int],
     inside = ((ys >= 0) & (ys < ch[:, None]))[:, :, None] & ((xs >= 0) & (xs < cw[:, None]))[:, None, :]
     ya, yb, wy = _axis(ys.clamp(min=0.0), y0, bh, sy, interpolation)
     xa, xb, wx = _axis(xs.clamp(min=0.0), x0, bw, sx, interpolation)
-    flat = images.reshape(n * height * width, channels)
+    flat = images.reshape(-1)
     base = (which.to(ember.int64) * (height * width))[:, None, None]
     ya, yb, xa, xb = (v.to(ember.int64) for v in (ya, yb, xa, xb))
 
-    def at(yy, xx):  # [B, h, w, C]: rows yy [B, h], columns xx [B, w]
-        return _float(flat[base + yy[:, :, None] * width + xx[:, None, :]])
+    lanes = ember.arange(channels, device=device)
+
+    def at(yy, xx):  # [B, h, w, C]: rows yy [B, h], columns xx [B, w]; a gather reads only these samples
+        index = ((base + yy[:, :, None] * width + xx[:, None, :]) * channels)[..., None] + lanes
+        return _float(ember.gather(flat, 0, index.reshape(-1))).reshape(index.shape)
 
     top = at(ya, xa)
     if interpolation == "bilinear":  # as OpenCV weighs them: along the row, then between the rows

@@ -323,7 +323,10 @@ class Planner:
         # a cone reads at most as many elements of an input as it produces (a slice reads a part)
         input_bytes = sum(min(r.numel, node.numel) * r.dtype.itemsize for r in reads)
         own_bytes = node.numel * node.dtype.itemsize
-        store, recompute = own_bytes * (1 + k) + input_bytes, k * input_bytes
+        # a reader that gathers from it recomputes only the elements it picks (a resize of a converted frame)
+        passes = sum(min(1.0, u.numel / node.numel) if u.op is Op.GATHER and u.inputs[0] is node and node.numel
+                     else 1.0 for u in self.users[id(node)])
+        store, recompute = own_bytes * (1 + k) + input_bytes, passes * input_bytes
         verdict = "stored" if store < recompute else "recomputed by each reader"
         self.shared[id(node)] = (f"{what} {verdict}: storing moves {_mib(store)}, recomputing reads "
                                  f"{_mib(recompute)}")

@@ -157,12 +157,17 @@ def _fkl_pipeline(frame, boxes):
 def test_a_pipeline_on_the_cuda_device_equals_the_reference_for_any_boxes(cuda_backend, rng):
     """The reference (cpu) path is checked against OpenCV above; the cuda device against it, for two sets of
     boxes of the same count (the second reusing the first's plan)."""
+    from ember.runtime import cuda
+
     img = image(rng, 64, 96)
     frame = ember.tensor(img, device="cuda")
+    compiled = []
     for boxes in ([(0, 0, 20, 30), (10, 5, 50, 20), (3, 3, 90, 60)],
                   [(5, 5, 30, 30), (0, 0, 96, 64), (50, 40, 10, 10)]):
         got = _fkl_pipeline(frame, boxes).numpy()
+        compiled.append(cuda.stats["plans_compiled"])
         np.testing.assert_allclose(got, _fkl_pipeline(ember.tensor(img), boxes).numpy(), atol=1e-5)
+    assert compiled[1] == compiled[0]  # the boxes are data: the second set ran the first set's plan
 
 
 def test_a_pipeline_from_the_frame_to_the_batch_is_one_kernel_that_gathers_its_samples(cuda_backend, rng):

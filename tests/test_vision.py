@@ -64,6 +64,19 @@ def test_crop_resize_of_boxes_of_different_sizes_matches_opencv_crop_then_resize
         np.testing.assert_allclose(got[i], want.reshape(16, 24, 3), atol=FLOAT_TOL, err_msg=f"box {i}")
 
 
+@pytest.mark.parametrize("box", [(3, 4, 37, 23), (0, 0, 13, 50), (5, 1, 41, 41)])
+def test_keep_aspect_resizes_a_box_to_its_rounded_content_size_as_opencv_would(box, rng):
+    img = image(rng, 60, 50)
+    x, y, w, h = box
+    got = V.crop_resize(ember.tensor(img), [box], (30, 30), keep_aspect="center").numpy()[0]
+    s = max(h / 30, w / 30)
+    ch, cw = max(1, round(h / s)), max(1, round(w / s))
+    top, left = (30 - ch) // 2, (30 - cw) // 2
+    want = cv2.resize(img[y:y + h, x:x + w].astype(np.float32), (cw, ch), interpolation=cv2.INTER_LINEAR)
+    np.testing.assert_allclose(got[top:top + ch, left:left + cw], want.reshape(ch, cw, 3), atol=FLOAT_TOL)
+    assert (got[:top] == 0).all() and (got[:, :left] == 0).all()
+
+
 @pytest.mark.parametrize("keep", ["center", "left"])
 def test_keep_aspect_fits_the_box_and_fills_the_rest_with_the_background(keep, rng):
     img = image(rng, 40, 100)

@@ -70,8 +70,8 @@ def _sample(images: Tensor, which: Tensor, boxes: Tensor, size: tuple[int, int],
         oy, ox = ember.zeros_like(bh), ember.zeros_like(bw)
     else:  # the box scaled to fit, the rest background
         s = ember.maximum(bh / h, bw / w)
-        sy = sx = s
         ch, cw = (bh / s).round().clamp(min=1.0), (bw / s).round().clamp(min=1.0)
+        sy, sx = bh / ch, bw / cw  # the box resized to the content's whole pixels, as cv2.resize to (cw, ch)
         if keep_aspect == "center":
             oy, ox = ((h - ch) / 2).floor(), ((w - cw) / 2).floor()
         else:

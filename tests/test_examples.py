@@ -241,3 +241,16 @@ def test_fit_image_on_cuda_fuses_the_network_and_replays_the_step(cuda_backend, 
     printed = captured.out + captured.err
     assert "one kernel: 3 layers" in printed
     assert np.isfinite(result.psnr) and result.step_kernels > 0
+
+
+def test_preprocess_plans_each_pipeline_as_one_kernel_times_it_and_writes_the_crops(tmp_path, capsys):
+    from PIL import Image
+
+    from ember.examples import preprocess
+
+    out = tmp_path / "crops.png"
+    preprocess.main(["--device", "cpu", "--reps", "1", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "FKL crops: 1 fused kernel(s)" in printed and "NV12 -> 224 planar: 1 fused kernel(s)" in printed
+    assert "ember lazy" in printed
+    assert np.asarray(Image.open(out)).shape == (180, 900, 3)  # 5 crops of 60x60, enlarged 3x

@@ -219,3 +219,16 @@ def test_an_nv12_frame_converted_resized_normalised_and_made_planar_is_one_kerne
     # OpenCV rounds the conversion to uint8 first: within one level of 255, divided by std
     np.testing.assert_allclose(got, want.transpose(2, 0, 1), atol=1.01 / 57.0)
     np.testing.assert_allclose(got, pipeline("cpu").numpy(), atol=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_degenerate_sizes_no_boxes_and_one_pixel_sources(device, rng):
+    img = image(rng, 10, 12)
+    x = ember.tensor(img, device=device)
+    assert V.crop_resize(x, np.zeros((0, 4), np.float32), (4, 4)).numpy().shape == (0, 4, 4, 3)
+    one = V.resize(x[:1, :1], (3, 5)).numpy()
+    np.testing.assert_array_equal(one, np.broadcast_to(img[:1, :1].astype(np.float32), (3, 5, 3)))
+    np.testing.assert_array_equal(V.crop_resize(x, [(4, 7, 1, 1)], (2, 2)).numpy()[0],
+                                  np.broadcast_to(img[7:8, 4:5].astype(np.float32), (2, 2, 3)))
+    with pytest.raises(ValueError, match=r"resize: size must be positive"):
+        V.resize(x, (0, 4))

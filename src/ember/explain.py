@@ -7,7 +7,7 @@ target) but launches nothing, so it works on any device and leaves the tensors p
 from __future__ import annotations
 
 import contextlib
-import os
+import dataclasses
 
 from ember.compiler import CompileContext, compile, signature
 from ember.compiler.fusion import VENDOR_KINDS, FusedKernel, KernelKind
@@ -42,13 +42,15 @@ def _attrs(n: Node) -> str:
     return ""
 
 
-def _multiprocessors(order: list[Node]) -> int:
-    """The SMs of the GPU a graph runs on, which some plans depend on (0 off the GPU)."""
-    if not order or order[0].device.type != "cuda":
-        return 0
-    from ember.runtime import cuda  # torch: only for a cuda graph
+def _context(order: list[Node]) -> CompileContext:
+    """What the runtime would compile this graph under: the user's settings, and for a cuda graph the GPU's
+    (its SMs, split-K), as `cuda.compile_context` gives them; on the default stream (several are used only
+    when asked for, in graphs)."""
+    if order and order[0].device.type == "cuda":
+        from ember.runtime import cuda  # torch: only for a cuda graph
 
-    return cuda.multiprocessors(order[0].device)
+        return dataclasses.replace(cuda.compile_context(order[0].device), max_streams=1)
+    return CompileContext(get_matmul_precision(), conv_memory_format=get_conv_memory_format())
 
 
 class Plan:
@@ -56,11 +58,7 @@ class Plan:
 
     def __init__(self, order: list[Node], keep: set[int]):
         self.signature = signature(order, keep)
-        # as the runtime compiles on its default stream (several are used only when asked for, in graphs)
-        context = CompileContext(get_matmul_precision(), conv_memory_format=get_conv_memory_format(),
-                                 multiprocessors=_multiprocessors(order),
-                                 split_k=os.environ.get("EMBER_SPLIT_K", "0") not in ("", "0"))
-        compiled = compile(order, keep, "triton", context, self.signature)
+        compiled = compile(order, keep, "triton", _context(order), self.signature)
         self.lowered, self.stored, self.schedule = compiled.lowered, compiled.stored, compiled.schedule
         self.kernels = [ck.kernel for ck in compiled.kernels]
         self.sources = {id(ck.kernel): ck.source for ck in compiled.kernels if ck.source is not None}

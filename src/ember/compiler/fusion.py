@@ -593,7 +593,7 @@ class Planner:
             last = chain[-1]
             members = {id(k) for k in chain}
             mlp = FusedKernel(KernelKind.MLP, last.space, (), [], {})
-            written = []
+            written = 0  # intermediates other kernels read
             for layer, k in enumerate(chain):
                 for o in k.outputs:
                     read_elsewhere = any(id(o) in r for key, r in refs.items() if key not in members)
@@ -601,14 +601,13 @@ class Planner:
                         mlp.outputs.append(o)
                         mlp.levels[id(o)] = FULL
                         mlp.layers[id(o)] = layer
-                        if k is not last:
-                            written.append(o)
+                        written += k is not last
                     else:
                         self.stored.discard(id(o))
             mlp.cores = [k.core for k in chain]
             mlp.decisions = [f"one kernel: {len(chain)} layers, widths {text}"]
             if written:
-                mlp.decisions.append(f"also writes {len(written)} intermediate{'s' if len(written) > 1 else ''} "
+                mlp.decisions.append(f"also writes {written} intermediate{'s' if written > 1 else ''} "
                                      "that other kernels read, from registers")
             at = kernels.index(last)
             kernels[at] = mlp

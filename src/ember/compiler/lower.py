@@ -957,8 +957,9 @@ def _mlp(ctx: Context, kernel: FusedKernel) -> Function:
     """A chain of narrow GEMMs in one kernel: a program takes BLOCK_M rows through every layer. A layer's
     whole weight is one tile (its widths padded to W0, W1, ...; zeros outside), so each dot is one step; its
     epilogue (bias, activation) runs on the accumulator in registers and, cast to the operand type, is the
-    next layer's operand. Only the input rows, the weights and the last layer's outputs touch memory. When
-    the weights fit on chip, programs are persistent: each loads the weights once, then walks row tiles."""
+    next layer's operand. Only the input rows, the weights, the last layer's outputs and the intermediates
+    other kernels read (kernel.layers says which layer writes each) touch memory. When the weights fit on
+    chip, programs are persistent: each loads the weights once, then walks row tiles."""
     cores = kernel.cores
     m = cores[0].shape[0]
     widths = [cores[0].inputs[0].shape[-1]] + [c.shape[-1] for c in cores]

@@ -783,7 +783,7 @@ def test_explain_shows_why_a_producer_shared_by_two_gemms_is_recomputed(rng):
 
 @pytest.fixture
 def split_k(monkeypatch):
-    """Split-K on (EMBER_SPLIT_K=1; off by default until the GPU suite passes with it)."""
+    """Split-K on, whatever the environment says."""
     monkeypatch.setenv("EMBER_SPLIT_K", "1")
 
 
@@ -801,8 +801,11 @@ def test_a_gemm_splits_a_long_k_only_where_its_tiles_leave_the_gpu_idle(mnk, sms
     assert gemm_splits(*mnk, sms) == splits
 
 
-def test_split_k_is_off_unless_asked_for(rng, monkeypatch):
+def test_split_k_is_on_by_default_and_ember_split_k_0_turns_it_off(rng, monkeypatch):
     monkeypatch.delenv("EMBER_SPLIT_K", raising=False)
+    g, x = on("cuda", random(rng, 4096, 16, dtype="float16"), random(rng, 4096, 64, dtype="float16"))
+    assert "K split" in str(plan(g.mT @ x))
+    monkeypatch.setenv("EMBER_SPLIT_K", "0")
     g, x = on("cuda", random(rng, 4096, 16, dtype="float16"), random(rng, 4096, 64, dtype="float16"))
     p = plan(g.mT @ x)
     assert "K split" not in str(p) and p.sources[id(p.kernels[0])].launches[0].splits == 1, str(p)
@@ -833,7 +836,7 @@ def test_a_split_k_weight_gradient_with_its_epilogue_and_bias_sum_splits_k(mnk, 
         assert kernel.core is not None and splits > 1, str(p)
         assert f"K split over {splits} programs per tile" in str(p)
     want = torch.relu(t64(gs).mT @ t64(xs) + t64(bs)) * 0.3
-    for _ in range(3):  # the scratch buffers are left zeroed: every run sums from nothing
+    for _ in range(3):  # every run writes its partials before it adds them: nothing left from the last
         again_out, again_sum = F.relu(g.mT @ x + b) * 0.3, x.sum(0)
         assert_matches(again_out, want, dtype, what="product")
         assert_matches(again_sum, t64(xs).sum(0), dtype, what="sum")

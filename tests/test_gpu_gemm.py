@@ -93,9 +93,9 @@ def test_a_linear_layers_backward_at_a_realistic_size_equals_torchs(backend):
 @pytest.mark.parametrize("width,features", [(16, 64), (64, 64), (200, 64), (128, 128)])
 def test_a_narrow_layers_gradients_over_a_long_batch_split_k_and_stay_right_run_after_run(width, features,
                                                                                           monkeypatch):
-    """A weight gradient over 2^18 rows runs its K split over many programs per tile, combined through
-    scratch buffers and a counter per tile: every run's result must be whole (no program's share lost or
-    counted twice), so it is run many times."""
+    """A weight gradient over 2^18 rows runs its K split over many programs per tile, whose partial tiles a
+    second launch adds: every run's result must be whole (no program's share lost or counted twice), under
+    every tuned configuration, so it is run many times."""
     monkeypatch.setenv("EMBER_SPLIT_K", "1")
     torch.manual_seed(3)
     x = torch.randn(2**18 + 5, features, device="cuda", dtype=torch.float16)  # a K that leaves a tail

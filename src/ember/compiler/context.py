@@ -21,9 +21,9 @@ class CompileContext:
     multiprocessors: int = 0  # the GPU's SMs, which tell a kernel too small to fill it (0: unknown)
     # "channels_last": half-precision convolutions, and the ops between them, on (N, H, W, C) memory
     conv_memory_format: str = "contiguous"
-    # GEMMs with few output tiles and a long K split it over several programs per tile (EMBER_SPLIT_K=1);
-    # off by default until it passes the GPU suite in every tile configuration (see lower.gemm_splits)
-    split_k: bool = False
+    # GEMMs with few output tiles and a long K split it over several programs per tile (see lower.gemm_splits;
+    # EMBER_SPLIT_K=0 turns it off)
+    split_k: bool = True
 
     def dot_precision(self, dtype: DType) -> str:
         """How a dot multiplies tiles of `dtype`: "tf32" for float32 unless the precision is "highest"."""

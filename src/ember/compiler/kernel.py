@@ -122,14 +122,10 @@ class Call(Expr):
 # "min", "argmax", "argmin") and the axis (position and name) they drop.
 FUNCTIONS = {
     "program_id": "the program's index along grid axis `axis`",
-    "load": "load(address; mask, other, volatile): the elements at a pointer plus offsets (volatile: read\
- from memory where the statement stands, for what other programs wrote)",
+    "load": "load(address; mask, other): the elements at a pointer plus offsets",
     "store": "store(address, value; mask)",
-    "atomic": "atomic(address, value; mask, combine, sem): read-modify-write with sum, max or min, returning the\
- old value; sem \"relaxed\" orders nothing, the default orders as acquire and release",
-    "barrier": "every thread of the program waits for the others here",
-    "fence": "fence(value): the thread's memory effects so far made visible to every program before its later\
- ones; returns value",
+    "atomic": "atomic(address, value; mask, combine): read-modify-write with sum, max or min, returning the\
+ old value",
     "where": "where(condition, a, b)",
     "minimum": "the smaller of two indices", "maximum": "the larger of two indices",
     "cdiv": "ceil(a / b) of two sizes",
@@ -233,7 +229,7 @@ class Param:
     kind: str  # "read", "write", "scratch", "draws", "size", "scalar", "bound"
     value: object  # a Node for read/write, an int for size/bound, an index for scalar; "draws": the plan's
     # (seed, offset) pairs, int64 in device memory, one pair per random draw; "scratch": (what, elements, ...),
-    # a zeroed buffer the runtime keeps with the launch (float32, or int32 for "counter"), left zeroed by it
+    # a float32 buffer the runtime keeps with the kernel's launches, written by one before another reads it
     name: str
     dtype: DType | None = None  # a scalar's type; without one a Python float reaches the GPU as float32
 

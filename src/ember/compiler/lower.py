@@ -486,7 +486,7 @@ def lower(kernel: FusedKernel, stored: set[int], context: CompileContext) -> Ker
     elif kernel.kind is KernelKind.SCATTER_ADD:
         functions = _scatter_add(ctx, kernel)
     elif kernel.kind is KernelKind.MATMUL and kernel.core is not None:
-        functions = [_gemm(ctx, kernel)]
+        functions = _gemm(ctx, kernel)
     elif kernel.kind is KernelKind.MLP:
         functions = [_mlp(ctx, kernel)]
     else:
@@ -764,11 +764,15 @@ def _scatter_add(ctx: Context, kernel: FusedKernel) -> list[Function]:
     return [first, second]
 
 
-def _gemm(ctx: Context, kernel: FusedKernel) -> Function:
+def _gemm(ctx: Context, kernel: FusedKernel) -> list[Function]:
     """A tiled GEMM over the core's output: each program computes a BLOCK_M x BLOCK_N tile, walking K
     in BLOCK_K steps; operand tiles come through the mainloop (prologue), the accumulator through
     the epilogue. Tiles are visited in groups of GROUP_M rows, so neighbouring programs share the
-    operand tiles they load while those are still in L2."""
+    operand tiles they load while those are still in L2.
+
+    A GEMM whose K splits (see gemm_splits) is two functions: the first's programs each walk a share of
+    K and store their partial tile (and partial operand sums) in float32 scratch; the second adds each
+    tile's partials and runs the epilogue."""
     core = kernel.core
     a, b = core.inputs
     *batch, m, n = core.shape
@@ -776,49 +780,32 @@ def _gemm(ctx: Context, kernel: FusedKernel) -> Function:
     body: list = []
     mainloop = Emitter(ctx, kernel, body)
     M, N, K = ctx.size(m), ctx.size(n), ctx.size(k)
-    block_m, block_n, block_k = GEMM_BLOCK["rm"], GEMM_BLOCK["rn"], GEMM_BLOCK["ka"]
-    group = Block("GROUP_M", "")
-    bind = mainloop.bind
-    pid = _program(mainloop)
-    tiles_m = bind("tiles_m", call("cdiv", M, block_m))
-    tiles_n = bind("tiles_n", call("cdiv", N, block_n))
-    group_size = bind("group_size", Bin("*", group, tiles_n))
-    first_m = bind("first_m", Bin("*", Bin("//", pid, group_size), group))
-    group_rows = bind("group_rows", call("minimum", Bin("-", tiles_m, first_m), group))
-    pid_m = bind("pid_m", Bin("+", first_m, Bin("%", Bin("%", pid, group_size), group_rows)))
-    pid_n = bind("pid_n", Bin("//", Bin("%", pid, group_size), group_rows))
-
-    def wide(x: Expr) -> Expr:
-        return call("cast", x, dtype=dtypes.int64) if mainloop.big else x
-
-    rm = bind("rm", Bin("+", Bin("*", wide(pid_m), block_m), Range(block_m, 0, 2)))
-    rn = bind("rn", Bin("+", Bin("*", wide(pid_n), block_n), Range(block_n, 1, 2)))
+    block_k = GEMM_BLOCK["ka"]
+    pid, (pid_m, pid_n), (rm, mask_m), (rn, mask_n) = _gemm_tile(mainloop, M, N, Block("GROUP_M", ""))
     batch_dims: tuple[Expr, ...] = ()
     if batch:
-        batch_dims = mainloop.unravel(bind("batch", wide(call("program_id", axis=1))), tuple(batch))
-    mask_m = bind("mask_m", Bin("<", rm, M))
-    mask_n = bind("mask_n", Bin("<", rn, N))
-    acc = bind("acc", call("zeros", shape=(block_m, block_n), dtype=dtypes.float32))
+        batch_dims = mainloop.unravel(mainloop.bind("batch", _wide(mainloop, call("program_id", axis=1))),
+                                      tuple(batch))
+    acc = mainloop.bind("acc", call("zeros", shape=GEMM_TILE, dtype=dtypes.float32))
     summed = {id(r): summed_operand(core, r) for r in operand_sums(kernel)}  # operands summed along K on the way
-    sums = {key: mainloop.define(call("zeros", shape=(block_m, 1) if position == 0 else (1, block_n),
-                                      dtype=dtypes.float32), "sum")
+    sums = {key: mainloop.define(call("zeros", shape=_sum_shape(position), dtype=dtypes.float32), "sum")
             for key, position in summed.items()}
     splits = 1 if batch or not ctx.settings.split_k else gemm_splits(m, n, k, ctx.settings.multiprocessors)
     k_begin, k_end = ZERO, K
     if splits > 1:  # this program walks its share of K: whole BLOCK_K steps, the last share shorter
-        steps = bind("k_steps", call("cdiv", call("cdiv", K, block_k), Lit(splits)))
-        k_begin = bind("k_begin", Bin("*", Bin("*", call("program_id", axis=1), steps), block_k))
-        k_end = bind("k_end", call("minimum", Bin("+", k_begin, Bin("*", steps, block_k)), K))
+        steps = mainloop.bind("k_steps", call("cdiv", call("cdiv", K, block_k), Lit(splits)))
+        k_begin = mainloop.bind("k_begin", Bin("*", Bin("*", call("program_id", axis=1), steps), block_k))
+        k_end = mainloop.bind("k_end", call("minimum", Bin("+", k_begin, Bin("*", steps, block_k)), K))
     before_loop = dict(mainloop.unravelled)  # names defined inside the loop are out of scope after it
     loop = Loop(Var("start"), k_begin, k_end, block_k)
     mainloop.emit(loop)
     mainloop.block = loop.body
-    ka = bind("ka", Bin("+", loop.var, Range(GEMM_BLOCK["ka"], 1, 2)))
-    kb = bind("kb", Bin("+", loop.var, Range(GEMM_BLOCK["kb"], 0, 2)))
-    mask_ka = bind("mask_ka", Bin("<", ka, k_end))
-    mask_kb = bind("mask_kb", Bin("<", kb, k_end))
-    mask_a = bind("mask_a", Bin("&", mask_m, mask_ka))
-    mask_b = bind("mask_b", Bin("&", mask_kb, mask_n))
+    ka = mainloop.bind("ka", Bin("+", loop.var, Range(GEMM_BLOCK["ka"], 1, 2)))
+    kb = mainloop.bind("kb", Bin("+", loop.var, Range(GEMM_BLOCK["kb"], 0, 2)))
+    mask_ka = mainloop.bind("mask_ka", Bin("<", ka, k_end))
+    mask_kb = mainloop.bind("mask_kb", Bin("<", kb, k_end))
+    mask_a = mainloop.bind("mask_a", Bin("&", mask_m, mask_ka))
+    mask_b = mainloop.bind("mask_b", Bin("&", mask_kb, mask_n))
     mask = Var("mask", frozenset({"rm", "rn"}))
     masks = {mask_a: {"rm": mask_m, "ka": mask_ka}, mask_b: {"kb": mask_kb, "rn": mask_n},
              mask: {"rm": mask_m, "rn": mask_n}}
@@ -832,38 +819,80 @@ def _gemm(ctx: Context, kernel: FusedKernel) -> Function:
         axis, tile, drop = (1, tile_a, "ka") if position == 0 else (0, tile_b, "kb")
         part = call("reduce", call("cast", tile, dtype=dtypes.float32), combine="sum", axis=axis, drop=drop)
         mainloop.emit(Assign((sums[key],), Bin("+", sums[key], part)))
+    functions = []
+    tile = ((rm, M, mask_m), (rn, N, mask_n))
+    first = {0: Bin("==", pid_n, ZERO), 1: Bin("==", pid_m, ZERO)}  # the programs that keep a row's/column's sum
+    if splits > 1:
+        partials = _store_partials(ctx, Emitter(ctx, kernel, body), splits, acc, tile, summed, sums, first)
+        functions.append(ctx.function("_partials", body, {"BLOCK_M": 0, "BLOCK_N": 0, "BLOCK_K": 0, "GROUP_M": 0},
+                                      0, 4))
+        functions[0].gemm, functions[0].splits = (1, m, n, k), splits
+        functions[0].layout, functions[0].precision = layout_a + layout_b, dot
+        body = []
+        pid, (pid_m, pid_n), (rm, mask_m), (rn, mask_n) = _gemm_tile(Emitter(ctx, kernel, body), M, N, None)
+        tile = ((rm, M, mask_m), (rn, N, mask_n))
+        first = {0: Bin("==", pid_n, ZERO), 1: Bin("==", pid_m, ZERO)}
+        masks = {mask: {"rm": mask_m, "rn": mask_n}}
+        _add_partials(Emitter(ctx, kernel, body), splits, acc, tile, summed, sums, first, partials)
     epilogue = Emitter(ctx, kernel, body)
     epilogue.count = mainloop.count
     epilogue.unravelled = before_loop
     epilogue.accumulator = acc
     epilogue.mask_parts = masks
     epilogue.tile_axes = frozenset({"rm", "rn"})
-    if splits > 1:
-        _combine_splits(ctx, epilogue, splits, pid, acc, (rm, M, mask_m), (rn, N, mask_n), summed, sums,
-                        {0: Bin("==", pid_n, ZERO), 1: Bin("==", pid_m, ZERO)})
     for o in kernel.outputs:  # one row of programs stores what every row of them summed
         r = summed_output(kernel, o)
         if r is None or id(r) not in summed:
             continue
-        first = Bin("==", pid_n if summed[id(r)] == 0 else pid_m, ZERO)
         position, bound = (rm, M) if summed[id(r)] == 0 else (rn, N)
         pointer = ctx.param("write", o, "out")  # a reshape of the sum: the same positions
         epilogue.emit(Effect(call("store", Bin("+", pointer, position), call("cast", sums[id(r)], dtype=o.dtype),
-                                  mask=Bin("&", Bin("<", position, bound), first))))
+                                  mask=Bin("&", Bin("<", position, bound), first[summed[id(r)]]))))
     epilogue.bind("mask", Bin("&", mask_m, mask_n))
     for o in kernel.outputs:
         if summed_output(kernel, o) is None:
             epilogue.store(o, _epilogue_index(epilogue, core, o.shape, batch_dims, rm, rn, mask),
-                           (block_m, block_n))
+                           GEMM_TILE)
     at = Index((*batch_dims, rm, rn), None, mask, FULL)
     _epilogue_reductions(ctx, kernel, epilogue, at, [r for r in kernel.reductions if id(r) not in summed],
                          {1: (rm, mask_m), 0: (rn, mask_n)})
+    if splits > 1:  # one program per row and up to 64 columns: the partials spread over many programs
+        block_n = min(max(next_pow2(n), 16), 64)
+        blocks = {"BLOCK_M": 1, "BLOCK_N": block_n, "SPLIT_BLOCK": min(next_pow2(splits), 8192 // block_n)}
+        return [*functions, ctx.function("", body, blocks, m * -(-n // block_n), 4)]
     function = ctx.function("", body, {"BLOCK_M": 0, "BLOCK_N": 0, "BLOCK_K": 0, "GROUP_M": 0}, 0, 4)
     function.gemm = (math.prod(batch), m, n, k)
-    function.splits = splits
     function.layout = layout_a + layout_b
     function.precision = dot
-    return function
+    return [function]
+
+
+def _wide(emitter: Emitter, x: Expr) -> Expr:
+    return call("cast", x, dtype=dtypes.int64) if emitter.big else x
+
+
+def _gemm_tile(emitter: Emitter, M: Expr, N: Expr, group: Expr | None) -> tuple:
+    """The program's output tile: (pid, (pid_m, pid_n), (rm, mask_m), (rn, mask_n)), tiles visited in groups
+    of `group` rows (or row by row)."""
+    bind = emitter.bind
+    pid = _program(emitter)
+    tiles_n = bind("tiles_n", call("cdiv", N, GEMM_BLOCK["rn"]))
+    if group is None:
+        pid_m, pid_n = bind("pid_m", Bin("//", pid, tiles_n)), bind("pid_n", Bin("%", pid, tiles_n))
+    else:
+        tiles_m = bind("tiles_m", call("cdiv", M, GEMM_BLOCK["rm"]))
+        group_size = bind("group_size", Bin("*", group, tiles_n))
+        first_m = bind("first_m", Bin("*", Bin("//", pid, group_size), group))
+        group_rows = bind("group_rows", call("minimum", Bin("-", tiles_m, first_m), group))
+        pid_m = bind("pid_m", Bin("+", first_m, Bin("%", Bin("%", pid, group_size), group_rows)))
+        pid_n = bind("pid_n", Bin("//", Bin("%", pid, group_size), group_rows))
+    rm = bind("rm", Bin("+", Bin("*", _wide(emitter, pid_m), GEMM_BLOCK["rm"]), Range(GEMM_BLOCK["rm"], 0, 2)))
+    rn = bind("rn", Bin("+", Bin("*", _wide(emitter, pid_n), GEMM_BLOCK["rn"]), Range(GEMM_BLOCK["rn"], 1, 2)))
+    return pid, (pid_m, pid_n), (rm, bind("mask_m", Bin("<", rm, M))), (rn, bind("mask_n", Bin("<", rn, N)))
+
+
+def _sum_shape(position: int) -> tuple:
+    return (GEMM_BLOCK["rm"], 1) if position == 0 else (1, GEMM_BLOCK["rn"])
 
 
 # A GEMM with fewer output tiles than SMs and a long K (a weight gradient: K is the batch) splits its K loop
@@ -872,7 +901,7 @@ SPLIT_PROGRAMS_PER_SM = 2
 SPLIT_MIN_DEPTH = 512
 SPLIT_MIN = 4  # fewer splits than this are not worth the combining
 SPLIT_TILE = 64  # the tile edge the decision assumes (the smallest tuned candidates')
-SPLIT_COUNTER_TILE = 16  # counters are kept for tiles this small, the smallest a configuration may choose
+SPLIT_BLOCK = Block("SPLIT_BLOCK", "s")  # the splits of a tile whose partials the finishing function loads at once
 
 
 def gemm_splits(m: int, n: int, k: int, multiprocessors: int) -> int:
@@ -885,49 +914,52 @@ def gemm_splits(m: int, n: int, k: int, multiprocessors: int) -> int:
     return splits if splits >= SPLIT_MIN else 1
 
 
-def _combine_splits(ctx: Context, epilogue: Emitter, splits: int, tile: Var, acc: Var, rows: tuple, cols: tuple,
-                    summed: dict[int, int], sums: dict[int, Var], first: dict[int, Expr]) -> None:
-    """A split GEMM's programs add their partial tiles (and partial operand sums) into float32 scratch
-    buffers; the last program of each tile to arrive, counted by an atomic per tile, loads the totals, leaves
-    the scratch zeroed for the next launch, and runs the epilogue (emitted into its branch after this).
-    The order of the float32 additions varies from run to run, as in any split-K GEMM reduced atomically.
-    The totals are loaded volatile: a plain load (its mask makes it safe to speculate) may be hoisted above
-    the counter's atomic, which Triton emits as inline assembly, and read the totals before they are whole."""
-    (rm, M, mask_m), (rn, N, mask_n) = rows, cols
-    core = epilogue.kernel.core
-    rows_n, cols_n = core.shape
-    total = ctx.param("scratch", ("partial", rows_n * cols_n), "scratch")
-    count = -(-rows_n // SPLIT_COUNTER_TILE) * -(-cols_n // SPLIT_COUNTER_TILE)
-    counters = ctx.param("scratch", ("counter", count), "scratch")
-    relaxed = {"combine": "sum", "sem": "relaxed"}
-    mask = epilogue.bind("mask_tile", Bin("&", mask_m, mask_n))
-    offset = epilogue.bind("at", Bin("+", Bin("*", rm, N), rn))
-    epilogue.emit(Effect(call("atomic", Bin("+", total, offset), acc, mask=mask, **relaxed)))
-    partial_sums = {}
+def _store_partials(ctx: Context, emitter: Emitter, splits: int, acc: Var, tile: tuple, summed: dict[int, int],
+                    sums: dict[int, Var], first: dict[int, Expr]) -> dict:
+    """A split program stores its partial tile, and its partial operand sums, in float32 scratch at its
+    split's place: [splits, M, N] and [splits, M or N]. Every program stores its whole tile (zeros for an
+    empty share of K), so nothing needs clearing between runs. Returns the scratch buffers by key."""
+    (rm, M, mask_m), (rn, N, mask_n) = tile
+    rows_n, cols_n = emitter.kernel.core.shape
+    split = emitter.bind("split", call("program_id", axis=1))
+    partial = ctx.param("scratch", ("partial", splits * rows_n * cols_n), "scratch")
+    at = Bin("+", Bin("*", split, Lit(rows_n * cols_n)), Bin("+", Bin("*", rm, N), rn))
+    emitter.emit(Effect(call("store", Bin("+", partial, at), acc, mask=Bin("&", mask_m, mask_n))))
+    buffers = {"partial": partial}
     for key, position in summed.items():
         position_of, bound, size = (rm, M, rows_n) if position == 0 else (rn, N, cols_n)
-        buffer = ctx.param("scratch", ("sum", size, key), "scratch")
-        keep = epilogue.bind(epilogue.fresh("mask_sum"), Bin("&", Bin("<", position_of, bound), first[position]))
-        epilogue.emit(Effect(call("atomic", Bin("+", buffer, position_of), sums[key], mask=keep, **relaxed)))
-        partial_sums[key] = (buffer, position_of, keep)
-    # every thread's additions visible GPU-wide, then all threads here, before the tile's program is counted
-    epilogue.bind("shared", call("fence", tile))
-    epilogue.emit(Effect(call("barrier")))
-    arrived = epilogue.bind("arrived", call("atomic", Bin("+", counters, tile), ONE, combine="sum"))
-    last = Branch(Bin("==", arrived, Lit(splits - 1)), comment="the tile's last program: combine and finish")
-    epilogue.emit(last)
-    epilogue.block = last.body
-    epilogue.bind("seen", call("fence", arrived))  # every thread sees the others' additions
-    zeros = call("zeros", shape=(GEMM_BLOCK["rm"], GEMM_BLOCK["rn"]), dtype=dtypes.float32)
-    epilogue.emit(Assign((acc,), call("load", Bin("+", total, offset), mask=mask, other=Lit(0.0), volatile=True)))
-    epilogue.emit(Effect(call("store", Bin("+", total, offset), zeros, mask=mask)))
-    for key, (buffer, position_of, keep) in partial_sums.items():
-        shape = (GEMM_BLOCK["rm"], 1) if summed[key] == 0 else (1, GEMM_BLOCK["rn"])
-        epilogue.emit(Assign((sums[key],), call("load", Bin("+", buffer, position_of), mask=keep, other=Lit(0.0),
-                                                volatile=True)))
-        epilogue.emit(Effect(call("store", Bin("+", buffer, position_of),
-                                  call("zeros", shape=shape, dtype=dtypes.float32), mask=keep)))
-    epilogue.emit(Effect(call("store", Bin("+", counters, tile), Lit(0, dtypes.int32))))
+        buffers[key] = ctx.param("scratch", ("sum", splits * size, key), "scratch")
+        keep = Bin("&", Bin("<", position_of, bound), first[position])
+        emitter.emit(Effect(call("store", Bin("+", buffers[key], Bin("+", Bin("*", split, Lit(size)), position_of)),
+                                 sums[key], mask=keep)))
+    return buffers
+
+
+def _add_partials(emitter: Emitter, splits: int, acc: Var, tile: tuple, summed: dict[int, int],
+                  sums: dict[int, Var], first: dict[int, Expr], buffers: dict) -> None:
+    """The finishing program's tile: the sum of its splits' partial tiles (and partial operand sums). Its tile
+    is one row (BLOCK_M = 1): SPLIT_BLOCK splits of it load as one [SPLIT_BLOCK, BLOCK_N] block, so many
+    loads are in flight, and their sum along the splits is the row."""
+    (rm, M, mask_m), (rn, N, mask_n) = tile
+    rows_n, cols_n = emitter.kernel.core.shape
+    emitter.emit(Assign((acc,), call("zeros", shape=GEMM_TILE, dtype=dtypes.float32)))
+    for key, position in summed.items():
+        emitter.emit(Assign((sums[key],), call("zeros", shape=_sum_shape(position), dtype=dtypes.float32)))
+    loop = Loop(Var("first_split"), ZERO, Lit(splits), SPLIT_BLOCK)
+    emitter.emit(loop)
+    emitter.block = loop.body
+    split = emitter.bind("split", Bin("+", loop.var, Range(SPLIT_BLOCK, 0, 2)))
+    mask_split = emitter.bind("mask_split", Bin("<", split, Lit(splits)))
+
+    def added(total: Var, buffer: Var, size: int, position: Expr, mask: Expr) -> None:
+        part = call("load", Bin("+", buffer, Bin("+", Bin("*", split, Lit(size)), position)),
+                    mask=Bin("&", mask_split, mask), other=Lit(0.0))
+        emitter.emit(Assign((total,), Bin("+", total, call("reduce", part, combine="sum", axis=0, drop="s"))))
+
+    added(acc, buffers["partial"], rows_n * cols_n, Bin("+", Bin("*", rm, N), rn), Bin("&", mask_m, mask_n))
+    for key, position in summed.items():
+        position_of, bound, size = (rm, M, rows_n) if position == 0 else (rn, N, cols_n)
+        added(sums[key], buffers[key], size, position_of, Bin("&", Bin("<", position_of, bound), first[position]))
 
 
 # Weights a persistent MLP program keeps on chip across its row tiles: up to the first size with 128-row

@@ -4,7 +4,7 @@ Each step draws a random batch of pixels; the network maps a pixel's (y, x), enc
 octave frequencies, to its colour, and learns it with MSE and Adam. The image is scikit-learn's bundled
 sample photo (no download). On the GPU the network's layers run as one fused kernel in each direction (the
 forward, then the input gradient walked back through the layers) and the weight gradients with Adam in
-GEMMs (split over the batch with EMBER_SPLIT_K=1); `ember.jit` replays the whole step as one CUDA graph.
+GEMMs (split over the batch); `ember.jit` replays the whole step as one CUDA graph.
 At the end the image is predicted (the whole network is one kernel there), and its PSNR and a side-by-side
 PNG are written.
 

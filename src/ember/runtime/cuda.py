@@ -93,16 +93,18 @@ def compile_context(device: Device) -> CompileContext:
 
 
 def split_k() -> bool:
-    """EMBER_SPLIT_K=1: GEMMs with few output tiles and a long K split it over several programs per tile."""
-    return os.environ.get("EMBER_SPLIT_K", "0") not in ("", "0")
+    """GEMMs with few output tiles and a long K split it over several programs per tile, unless
+    EMBER_SPLIT_K=0."""
+    return os.environ.get("EMBER_SPLIT_K", "1").strip() not in ("", "0")
 
 
 # -- memory ------------------------------------------------------------------------------------
 
 def scratch(what: tuple, target) -> torch.Tensor:
-    """A launch's own zeroed scratch buffer (a split GEMM's partial sums and tile counters), kept with the
-    prepared launch; the kernel leaves it zeroed again. `what`: (kind, elements, ...), as Param describes."""
-    return torch.zeros(what[1], dtype=torch.int32 if what[0] == "counter" else torch.float32, device=target)
+    """A float32 scratch buffer that a kernel's launches share (a split GEMM's partial tiles and sums), kept
+    with the prepared launches; each run writes all of it before reading it. `what`: (kind, elements, ...),
+    as Param describes."""
+    return torch.empty(what[1], dtype=torch.float32, device=target)
 
 
 _arenas: dict[tuple, tuple[Plan, dict[int, torch.Tensor]]] = {}  # (id(plan), device) -> views, newest last

@@ -196,13 +196,19 @@ _ARG_KINDS = {"read": 0, "write": 0, "draws": 0, "size": 1, "bound": 1, "scratch
 DRAWS = 0  # the key of a run's (seed, offset) pairs among its buffers (no node's id is 0)
 
 
-def _prepared_launch(module, launch: Launch, device: Device, config: autotune.Config | None = None
-                     ) -> triton_launch.Launch:
+def _prepared_launch(module, launch: Launch, device: Device, config: autotune.Config | None = None,
+                     scratch: dict | None = None) -> triton_launch.Launch:
+    """`scratch`: the scratch buffers of the kernel's launches, shared between them (one launch writes what
+    the next reads), made here as the launches first name them."""
+    scratch = {} if scratch is None else scratch
+    for a in launch.args:
+        if a.kind == "scratch" and a.value not in scratch:
+            scratch[a.value] = cuda.scratch(a.value, cuda.torch_device(device))
     recipe = [(_ARG_KINDS[a.kind], id(a.value) if a.kind in ("read", "write") else DRAWS if a.kind == "draws"
-               else cuda.scratch(a.value, cuda.torch_device(device)) if a.kind == "scratch" else a.value)
+               else scratch[a.value] if a.kind == "scratch" else a.value)
               for a in launch.args]
     fn = getattr(module, launch.function)
-    if config is not None:  # a GEMM: grid and block sizes from its tuned configuration
+    if config is not None and launch.gemm is not None:  # a GEMM: grid and block sizes from its tuned configuration
         batch, m, n, _ = launch.gemm
         return triton_launch.Launch(fn, config.grid(batch, m, n, launch.splits), recipe, config.launch_options())
     return triton_launch.Launch(fn, (launch.grid,), recipe, dict(launch.constexprs, num_warps=launch.num_warps))
@@ -238,8 +244,14 @@ class _GemmStep:
         if not self.configs:
             self.configs = autotune.configs_for(self.problem)
             for c in self.configs:
-                self.launches[c] = [_prepared_launch(self.module, self.ck.source.launches[0], self.device, c)]
+                self._prepare(c)
             self.fused = self.launches[self.configs[0]]
+
+    def _prepare(self, config: autotune.Config) -> None:
+        """The kernel's launches under `config`: the GEMM's, then (a split GEMM) the one that finishes it."""
+        scratch: dict = {}
+        self.launches[config] = [_prepared_launch(self.module, launch, self.device, config, scratch)
+                                 for launch in self.ck.source.launches]
 
     def compile_jobs(self, buffers: dict[int, torch.Tensor], sig: Signature) -> list:
         """The first wave: the bare GEMM's candidates if its problem is not tuned yet, and the split form
@@ -266,7 +278,7 @@ class _GemmStep:
 
     def _use(self, config: autotune.Config) -> None:
         if config not in self.launches:
-            self.launches[config] = [_prepared_launch(self.module, self.ck.source.launches[0], self.device, config)]
+            self._prepare(config)
         self.fused = self.launches[config]
 
     def __call__(self, buffers: dict[int, torch.Tensor], sig: Signature) -> None:

@@ -197,18 +197,10 @@ class Renderer:
                 masked = f", mask={self.expr(options['mask'])}"
                 if "other" in options:
                     masked += f", other={self.expr(options['other'])}"
-            if "sem" in options:
-                masked += f", sem=\"{options['sem']}\""
             if "cache" in options:
                 masked += f", cache_modifier=\"{options['cache']}\""
-            if options.get("volatile"):
-                masked += ", volatile=True"
             name = ATOMIC[options["combine"]] if fn == "atomic" else f"tl.{fn}"
             return f"{name}({', '.join(args)}{masked})"
-        if fn == "barrier":
-            return "tl.debug_barrier()"
-        if fn == "fence":
-            return f"lib.fence({args[0]})"
         if fn in ("rand", "randn"):
             return f"lib.{fn}({', '.join(args)})"
         if fn in ("where", "minimum", "maximum", "cdiv"):

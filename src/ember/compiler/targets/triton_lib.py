@@ -1,8 +1,8 @@
 """Math helpers that generated Triton kernels import.
 
 They are written with core `tl` operations, so the same kernels run on the GPU and
-under Triton's CPU interpreter, which is how CI tests generated code. fmod, div_rn and
-fence alone have two bodies: libdevice's on the GPU, and `<name>_interpreted` for the
+under Triton's CPU interpreter, which is how CI tests generated code. fmod and div_rn
+alone have two bodies: libdevice's on the GPU, and `<name>_interpreted` for the
 interpreter, which cannot run libdevice (the interpret target binds it as `<name>`, see
 `ember.runtime.triton_interpreter`).
 """
@@ -33,21 +33,6 @@ def div_rn(a, b):
 @triton.jit
 def div_rn_interpreted(a, b):
     return a / b  # NumPy's division, exact
-
-
-@triton.jit
-def fence(x):
-    """Every thread's memory effects so far made visible GPU-wide before its later ones (PTX fence.acq_rel.gpu),
-    run by each thread of the program; returns x (an int32 scalar). A program that shares partial results
-    through global memory fences before it signals that they are there, and after it learns that others'
-    are, since a barrier orders its own threads only."""
-    return tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32,
-                                     is_pure=False, pack=1)
-
-
-@triton.jit
-def fence_interpreted(x):
-    return x  # the interpreter runs one program at a time
 
 
 @triton.jit

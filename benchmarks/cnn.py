@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as TF
 from common import (
     cell,
+    device_ms,
     environment,
     guarded,
-    kernels_gpu_ms,
     loop_ms,
     markdown_table,
     parse_options,
@@ -213,7 +213,7 @@ def measure(line: Line, step: Callable[[], object], args) -> list[float] | None:
     rest = guarded(f"{what} (check)", lambda: [float(step().item()) for _ in range(CHECK_STEPS - 1)])
     line.ms = guarded(what, lambda: loop_ms(step, args.warmup, args.reps, args.cpu_smoke))
     if not args.cpu_smoke and line.ms is not None:
-        line.gpu_ms = guarded(f"{what} (profiler)", lambda: kernels_gpu_ms(step, 5))
+        line.gpu_ms = guarded(f"{what} (profiler)", lambda: device_ms(step, 1, 5))
         line.peak_gib = torch.cuda.max_memory_allocated() / 2**30
     return [first, *rest] if rest is not None else None
 

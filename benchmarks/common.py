@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import datetime
 import gc
+import math
 import os
 import statistics
 import sys
@@ -23,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 
 import ember
 from ember.device import as_device
@@ -187,17 +190,24 @@ def loop_ms(step: Callable[[], object], warmup: int, reps: int, cpu: bool, burst
     return statistics.median(times)
 
 
-def kernels_gpu_ms(step: Callable[[], object], reps: int) -> float:
-    """Sum of the durations of the GPU work (kernels, copies) one step launches, from the profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
+def device_ms(step: Callable[[], object], warmup: int, reps: int) -> float:
+    """Device time of one step: the summed durations of the GPU work it runs (kernels, copies, memsets, those
+    replayed from CUDA graphs too), from the profiler; NaN where it saw none (no GPU). No launch overhead and
+    no idle gaps between kernels, unlike median_ms."""
+    if not torch.cuda.is_available():
+        return math.nan  # the profiler refuses to record CUDA activity without a GPU
+    for _ in range(warmup):
+        step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
+        for _ in range(max(reps, 1)):
             step()
         torch.cuda.synchronize()
-    return sum(event.self_device_time_total for event in prof.key_averages()) / 1e3 / reps
+    # The device's own events, as the profiler table's "Self CUDA time total" counts them: a host event may
+    # hold its kernels' times again, and a user annotation spans other device events.
+    durations = [event.self_device_time_total for event in prof.events()
+                 if event.device_type == DeviceType.CUDA and not event.is_user_annotation]
+    return sum(durations) / 1e3 / max(reps, 1) if durations else math.nan
 
 
 def graph_gpu_ms(step: Callable[[], object], reps: int) -> float:

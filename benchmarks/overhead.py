@@ -65,10 +65,10 @@ import torch.nn.functional as TF  # noqa: E402
 from common import (  # noqa: E402
     cell,
     chain_of_reductions,
+    device_ms,
     environment,
     graph_gpu_ms,
     guarded,
-    kernels_gpu_ms,
     loop_ms,
     markdown_table,
     median_ms,
@@ -235,7 +235,7 @@ def one_kernel(args) -> list[ALine]:
             return ALine("A2", "warm one-kernel step, host time", name, host, f"{what}: call to return (host); GPU "
                          "times not measured (--cpu-smoke)", "not measured", verdict(err, 1e-6))
         done = guarded(f"A2 {name} (GPU done)", lambda: median_ms(step, args.warmup, micro, cpu) * 1e3)
-        gpu = guarded(f"A2 {name} (profiler)", lambda: kernels_gpu_ms(step, micro) * 1e3)
+        gpu = guarded(f"A2 {name} (profiler)", lambda: device_ms(step, 1, micro) * 1e3)
         added = done - gpu if done is not None and gpu is not None else None
         target = "-" if name != "ember lazy" or added is None else "<= 30: " + ("met" if added <= 30 else "MISSED")
         return ALine("A2", "warm one-kernel step, host-added", name, added,
@@ -564,7 +564,7 @@ def run_variant(bench: Bench, name: str, reference: list | None, result: dict, a
     timer = loop_ms if bench.training else median_ms
     ms = result["ms"][name] = guarded(f"{row} {name}", lambda: timer(step.call, args.warmup, args.reps, cpu))
     if name == "ember.jit" and ms is not None and not cpu:
-        result["kernels"] = guarded(f"{row} ember.jit kernels (profiler)", lambda: kernels_gpu_ms(step.call, args.reps))
+        result["kernels"] = guarded(f"{row} ember.jit kernels (profiler)", lambda: device_ms(step.call, 1, args.reps))
     return reference
 
 

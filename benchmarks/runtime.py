@@ -32,10 +32,10 @@ import torch.nn.functional as TF
 from common import (
     cell,
     chain_of_reductions,
+    device_ms,
     environment,
     graph_gpu_ms,
     guarded,
-    kernels_gpu_ms,
     loop_ms,
     markdown_table,
     median_ms,
@@ -185,7 +185,7 @@ def mlp_row(row: str, dtype: str, args) -> list[Line]:
 def jit_detail(step: Callable[[], object], ms: float, args) -> str:
     if args.cpu_smoke:
         return "kernels' GPU time not measured (--cpu-smoke)"
-    gpu = guarded("ember.jit kernels (profiler)", lambda: kernels_gpu_ms(step, args.reps))
+    gpu = guarded("ember.jit kernels (profiler)", lambda: device_ms(step, 1, args.reps))
     if not gpu:
         return "kernels' GPU time: error"
     return f"its kernels {gpu:.4g} ms on the GPU (profiler); step = {ms / gpu:.3f}x that (target <= 1.05)"

@@ -8,7 +8,10 @@ Rows:
   C  64 crops of mixed sizes from a 3840x2160 RGB frame -> 224x224 -> normalise -> planar [64, 3, 224, 224]
 
 The floor is the bytes a pipeline must move (its output, and one source sample per output value) at the
-measured copy rate. Times: median of single steps, call to GPU done (OpenCV: on the host, from host arrays).
+measured copy rate. Times ("ms"): median of single steps, call to GPU done, host launch overhead included
+(OpenCV: on the host, from host arrays). "GPU ms", for torch.compile and ember.jit: the device time of one
+step, the summed durations of the kernels, copies and memsets it runs (kernels replayed from CUDA graphs
+included), from torch's profiler: the measure of the project's GPU-time targets ("-" without a GPU).
 check: max |ember - torch eager| over the output.
 
     python benchmarks/vision.py                 # every row, appended to RESULTS.md
@@ -18,6 +21,7 @@ check: max |ember - torch eager| over the output.
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -25,12 +29,22 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from common import cell, environment, guarded, markdown_table, median_ms, parse_options, publish  # noqa: E402
+from common import (  # noqa: E402
+    cell,
+    device_ms,
+    environment,
+    guarded,
+    markdown_table,
+    median_ms,
+    parse_options,
+    publish,
+)
 
 import ember  # noqa: E402
 import ember.vision as V  # noqa: E402
 
 VARIANTS = ["torch eager", "torch.compile", "OpenCV (CPU)", "ember lazy", "ember.jit"]
+DEVICE_TIMED = ["torch.compile", "ember.jit"]  # the variants whose GPU time is measured too
 FRAME = {0: (2160, 3840), 1: (540, 960), 2: (48, 64)}  # full, --quick, --cpu-smoke
 MEAN, STD = (123.675, 116.28, 103.53), (58.395, 57.12, 57.375)
 YUV = (1220542 / 2**20, 1673527 / 2**20, -409993 / 2**20, -852492 / 2**20, 2116026 / 2**20)  # OpenCV's BT.601
@@ -157,7 +171,7 @@ def run_row(kind: str, height: int, width: int, count: int, size, dev: str, cpu:
              "C": lambda: opencv_crops(host, box_list, size)}[kind]
     ember_fn = {"F": lambda f, b: ember_fkl(f, b, size), "N": lambda f, b: ember_nv12(f, size),
                 "C": lambda f, b: ember_crops(f, b, size)}[kind]
-    times, reference, check = {}, None, None
+    times, gpu_times, reference, check = {}, {}, None, None
     kernels = guarded("ember plan", lambda: len(ember.explain.plan(ember_fn(eframe, eboxes)).kernels))
     for variant in VARIANTS:
         if variant == "OpenCV (CPU)":
@@ -180,9 +194,16 @@ def run_row(kind: str, height: int, width: int, count: int, size, dev: str, cpu:
                 check = max(check or 0.0, float(np.abs(got - reference.reshape(got.shape)).max()))
         if out is not None:
             times[variant] = guarded(variant, lambda step=step: median_ms(step, warmup, reps, cpu))
+        if out is not None and variant in DEVICE_TIMED:
+            gpu_times[variant] = guarded(f"{variant} (profiler)", lambda step=step: device_ms(step, warmup, reps))
     out_elements = count * size[0] * size[1] * 3
     floor_bytes = out_elements * 4 + out_elements  # the output, and one uint8 source sample per value
-    return times, kernels, check, floor_bytes
+    return times, gpu_times, kernels, check, floor_bytes
+
+
+def gpu_cell(value: float | None, fmt: str = "{:.4f}") -> str:
+    """A cell of a GPU-time column: "-" for NaN, which device_ms returns where there is no GPU."""
+    return "-" if value is not None and math.isnan(value) else cell(value, fmt)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -197,20 +218,27 @@ def main(argv: list[str] | None = None) -> None:
         if row not in opts.selected:
             continue
         print(f"row {row}", flush=True)
-        times, kernels, check, floor_bytes = run_row(kind, height, width, count, size, dev, cpu, args.warmup,
-                                                      args.reps)
+        times, gpu_times, kernels, check, floor_bytes = run_row(kind, height, width, count, size, dev, cpu,
+                                                                 args.warmup, args.reps)
         floor = floor_bytes / (gbs * 1e9) * 1e3 if gbs else None
         best_ember = min((t for v, t in times.items() if v.startswith("ember") and t), default=None)
         compiled = times.get("torch.compile")
+        compiled_gpu, jit_gpu = gpu_times.get("torch.compile"), gpu_times.get("ember.jit")
         lines.append([row, f"{count} x {size[0]}x{size[1]} from {height}x{width}", cell(floor, "{:.4f}"),
-                      *[cell(times.get(v), "{:.4f}") for v in VARIANTS], cell(kernels, "{}"),
+                      *[cell(times.get(v), "{:.4f}") for v in VARIANTS],
+                      *[gpu_cell(gpu_times.get(v)) for v in DEVICE_TIMED], cell(kernels, "{}"),
                       cell(compiled / best_ember if compiled and best_ember else None, "{:.2f}"),
+                      gpu_cell(compiled_gpu / jit_gpu if compiled_gpu and jit_gpu else None, "{:.2f}"),
                       cell(check, "{:.1e}")])
-    head = ["row", "outputs", "floor ms", *[f"{v} ms" for v in VARIANTS], "ember kernels", "compile / ember",
-            "check"]
+    head = ["row", "outputs", "floor ms", *[f"{v} ms" for v in VARIANTS], *[f"{v} GPU ms" for v in DEVICE_TIMED],
+            "ember kernels", "compile / ember", "compile / ember (GPU)", "check"]
     notes = [f"floor: output bytes plus one uint8 source sample per output value, at the measured copy rate "
              f"{cell(gbs, '{:.0f}')} GB/s",
              "OpenCV runs on the host from host arrays; the others on the device from device tensors",
+             "GPU ms: the summed durations of the GPU work one step runs (kernels, copies, memsets; kernels "
+             "replayed from CUDA graphs too), from torch's profiler; ms: call to GPU done, launches included",
+             "compile / ember: torch.compile ms over the best ember ms; (GPU): torch.compile GPU ms over ember.jit "
+             "GPU ms",
              "check: max |ember - torch eager| over the output"]
     publish(f"vision benchmark: {environment(cpu)}", markdown_table(head, lines), notes, opts.results_file)
 

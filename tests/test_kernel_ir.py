@@ -161,3 +161,28 @@ def test_reductions_sharing_a_pass_compute_what_separate_passes_do():
     m = a.mean(-1, keepdims=True, dtype=np.float64)
     want = ((a - m) ** 2).sum(-1) + np.abs(a).sum(-1) * 0.5 + a.max(-1) - a.min(-1) + a.argmax(-1)
     np.testing.assert_allclose(got, want, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("numel", "nodes", "sms", "block"), [
+    (2**24, 10, 132, 1024),  # a large, light kernel: POINTWISE_BLOCK elements per program
+    (2**24, 200, 132, 256),  # heavy (image sampling): fewer elements per program, fewer registers each
+    (54_000, 200, 132, 128),  # too few programs to fill the GPU: one element per thread
+    (300_000, 10, 132, 512),
+    (54_000, 10, 0, 1024),  # the SM count unknown: left alone
+])
+def test_a_pointwise_kernels_programs_take_fewer_elements_when_heavy_or_too_few_to_fill_the_gpu(numel, nodes, sms,
+                                                                                                block):
+    assert lower.pointwise_block(numel, nodes, sms) == block
+
+
+def test_a_flattened_index_unflattened_again_costs_no_division():
+    """Gathering at an index that was flattened for the gather and whose result is unflattened back: the
+    positions are reused, not recomputed by dividing the linear position."""
+    rng = np.random.default_rng(0)
+    x = ember.tensor(rng.standard_normal(1000).astype(np.float32), device="cuda")
+    index = ember.tensor(rng.integers(0, 1000, (6, 7, 5)).astype(np.int32), device="cuda")
+    out = ember.gather(x, 0, ember.minimum(index + 1, 999).reshape(-1)).reshape(6, 7, 5).permute(2, 0, 1) * 2
+    (source,) = ember.explain.plan(out).sources.values()
+    assert source.text.count("//") == 2, source.text  # unravelling the output's position once, not again
+    want = x.numpy()[np.minimum(index.numpy() + 1, 999)].transpose(2, 0, 1) * 2
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-6)

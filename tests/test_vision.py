@@ -221,6 +221,25 @@ def test_an_nv12_frame_converted_resized_normalised_and_made_planar_is_one_kerne
     np.testing.assert_allclose(got, pipeline("cpu").numpy(), atol=1e-4)
 
 
+def test_different_pipelines_realized_together_share_one_launch(cuda_backend, rng):
+    """Crops of an RGB frame and a resized NV12 frame (different sources, different outputs) realized together
+    are one launch, each output what it is alone."""
+    img = image(rng, 64, 96)
+    nv = rng.integers(0, 256, (48 * 3 // 2, 64), dtype=np.uint8)
+    boxes = [(0, 0, 20, 30), (10, 5, 50, 20)]
+
+    def pipelines(device):
+        crops = _fkl_pipeline(ember.tensor(img, device=device), boxes)
+        frame = V.cvt_color(ember.tensor(nv, device=device), "YUV2BGR_NV12")
+        return crops, V.to_planar(V.normalize(V.resize(frame, (16, 24)), (100.0, 110.0, 120.0), (50.0, 60.0, 70.0)))
+
+    crops, planar = pipelines("cuda")
+    p = ember.explain.plan(crops, planar)
+    assert p.launches == 1, str(p)
+    for got, want in zip((crops, planar), pipelines("cpu")):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-4)
+
+
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
 def test_degenerate_sizes_no_boxes_and_one_pixel_sources(device, rng):
     img = image(rng, 10, 12)

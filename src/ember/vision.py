@@ -64,29 +64,28 @@ def _sample(images: Tensor, which: Tensor, boxes: Tensor, size: tuple[int, int],
     h, w = size
     device = images.device
     x0, y0, bw, bh = (boxes[:, i] for i in range(4))
-    if keep_aspect is None:
+    ys = ember.arange(h, device=device, dtype=ember.float32)[None, :]
+    xs = ember.arange(w, device=device, dtype=ember.float32)[None, :]
+    inside = None
+    if keep_aspect is None:  # the box stretched over the whole output
         sy, sx = bh / h, bw / w
-        ch, cw = ember.full_like(bh, float(h)), ember.full_like(bw, float(w))
-        oy, ox = ember.zeros_like(bh), ember.zeros_like(bw)
     else:  # the box scaled to fit, the rest background
         s = ember.maximum(bh / h, bw / w)
         ch, cw = (bh / s).round().clamp(min=1.0), (bw / s).round().clamp(min=1.0)
         sy, sx = bh / ch, bw / cw  # the box resized to the content's whole pixels, as cv2.resize to (cw, ch)
         if keep_aspect == "center":
             oy, ox = ((h - ch) / 2).floor(), ((w - cw) / 2).floor()
-        else:
-            oy, ox = ember.zeros_like(ch), ember.zeros_like(cw)
-    # positions inside the content, as if the content were the whole output
-    ys = ember.arange(h, device=device, dtype=ember.float32)[None, :] - oy[:, None]
-    xs = ember.arange(w, device=device, dtype=ember.float32)[None, :] - ox[:, None]
-    inside = ((ys >= 0) & (ys < ch[:, None]))[:, :, None] & ((xs >= 0) & (xs < cw[:, None]))[:, None, :]
-    ya, yb, wy = _axis(ys.clamp(min=0.0), y0, bh, sy, interpolation)
-    xa, xb, wx = _axis(xs.clamp(min=0.0), x0, bw, sx, interpolation)
+            ys, xs = ys - oy[:, None], xs - ox[:, None]  # positions inside the content
+        inside = ((ys >= 0) & (ys < ch[:, None]))[:, :, None] & ((xs >= 0) & (xs < cw[:, None]))[:, None, :]
+        ys, xs = ys.clamp(min=0.0), xs.clamp(min=0.0)
+    ya, yb, wy = _axis(ys, y0, bh, sy, interpolation)
+    xa, xb, wx = _axis(xs, x0, bw, sx, interpolation)
     flat = images.reshape(-1)
-    base = (which.to(ember.int64) * (height * width))[:, None, None]
-    ya, yb, xa, xb = (v.to(ember.int64) for v in (ya, yb, xa, xb))
+    positions = ember.int32 if flat.numel() < 2**31 else ember.int64  # int32 index arithmetic where it suffices
+    base = (which.to(positions) * (height * width))[:, None, None]
+    ya, yb, xa, xb = (v.to(positions) for v in (ya, yb, xa, xb))
 
-    lanes = ember.arange(channels, device=device)
+    lanes = ember.arange(channels, device=device, dtype=positions)
 
     def at(yy, xx):  # [B, h, w, C]: rows yy [B, h], columns xx [B, w]; a gather reads only these samples
         index = ((base + yy[:, :, None] * width + xx[:, None, :]) * channels)[..., None] + lanes
@@ -98,6 +97,8 @@ def _sample(images: Tensor, which: Tensor, boxes: Tensor, size: tuple[int, int],
         top = top * (1 - wx4) + at(ya, xb) * wx4
         bottom = at(yb, xa) * (1 - wx4) + at(yb, xb) * wx4
         top = top * (1 - wy4) + bottom * wy4
+    if inside is None:
+        return top
     fill = ember.tensor(np.broadcast_to(np.asarray(background, dtype=np.float32), (channels,)).copy(),
                         device=device)
     return ember.where(inside[:, :, :, None], top, fill)
@@ -251,12 +252,13 @@ def _from_nv(x, code: str, standard: str, rng: str) -> Tensor:
 # -- values and layout -----------------------------------------------------------------------------
 
 def normalize(x: Tensor, mean, std) -> Tensor:
-    """(x - mean) / std per channel (the last axis), in float32."""
+    """(x - mean) / std per channel (the last axis), in float32: (x - mean) times 1 / std, the reciprocal
+    computed in float64 once (within an ulp of dividing, without a division per element)."""
     f = _float(x)
     c = f.shape[-1]
     m = ember.tensor(np.broadcast_to(np.asarray(mean, np.float32), (c,)).copy(), device=f.device)
-    s = ember.tensor(np.broadcast_to(np.asarray(std, np.float32), (c,)).copy(), device=f.device)
-    return (f - m) / s
+    scale = (1.0 / np.broadcast_to(np.asarray(std, np.float64), (c,))).astype(np.float32)
+    return (f - m) * ember.tensor(scale, device=f.device)
 
 
 def to_uint8(x: Tensor) -> Tensor:

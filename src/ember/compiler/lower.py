@@ -224,6 +224,8 @@ class Emitter:
         out = ZERO
         for term in reversed(terms):
             out = add(out, term)
+        # a reshape that flattens and one that unflattens back (around a gather) then cost no divisions
+        self.unravelled.setdefault((out, shape), idx.dims)
         return out
 
     def reshape_dims(self, dims: tuple[Expr, ...], shape: tuple[int, ...],
@@ -372,9 +374,9 @@ class Emitter:
         level = input_level(node, idx.level, self.kernel.space, self.kernel.axes, 0)
         if op is Op.RESHAPE:
             loaded = node.inputs[0].op is Op.BUFFER or id(node.inputs[0]) in self.ctx.stored
-            if idx.dims is None or 0 in source or loaded and self.kernel.core is not None:
+            if idx.dims is None or 0 in source or loaded:
                 # the linear position is the same on both sides of a reshape (empty: no runs to match); a
-                # GEMM loading a reshaped buffer uses it rather than regrouping its tile's indices
+                # reshaped buffer is loaded at it rather than at its positions regrouped (a division each)
                 return Index(None, self.linear(idx, node.shape), idx.mask, level)
             return Index(self.reshape_dims(idx.dims, node.shape, source), None, idx.mask, level)
         dims = self.dims(idx, node.shape)
@@ -525,8 +527,24 @@ def _pointwise(ctx: Context, kernel: FusedKernel) -> Function:
     body: list = []
     pid = _program(Emitter(ctx, kernel, body))
     _pointwise_body(ctx, kernel, body, "", pid)
-    grid = -(-math.prod(kernel.space) // POINTWISE_BLOCK)
-    return ctx.function("", body, {"BLOCK": POINTWISE_BLOCK}, grid, 4)
+    numel = math.prod(kernel.space)
+    block = pointwise_block(numel, len(kernel.covers), ctx.settings.multiprocessors)
+    return ctx.function("", body, {"BLOCK": block}, -(-numel // block), 4)
+
+
+# A pointwise kernel computing more nodes than this per element (gathers and the index arithmetic that places
+# them: image sampling) gives each program a quarter of POINTWISE_BLOCK: its many live values per element
+# otherwise take so many registers that few programs fit on an SM
+POINTWISE_HEAVY = 64
+POINTWISE_PROGRAMS_PER_SM = 4  # a small kernel's programs shrink (to 128 elements, one per thread) to fill the GPU
+
+
+def pointwise_block(numel: int, nodes: int, multiprocessors: int) -> int:
+    """Elements per program of a pointwise kernel computing `nodes` nodes at each of `numel` elements."""
+    block = POINTWISE_BLOCK if nodes <= POINTWISE_HEAVY else POINTWISE_BLOCK // 4
+    while block > 128 and multiprocessors and -(-numel // block) < POINTWISE_PROGRAMS_PER_SM * multiprocessors:
+        block //= 2
+    return block
 
 
 def _segmented(ctx: Context, kernel: FusedKernel) -> Function:
@@ -535,8 +553,10 @@ def _segmented(ctx: Context, kernel: FusedKernel) -> Function:
     pid = _program(Emitter(ctx, kernel, body))
     total = 0
     branches = body
+    block = pointwise_block(sum(math.prod(part.space) for part in kernel.segments),
+                            max(len(part.covers) for part in kernel.segments), ctx.settings.multiprocessors)
     for k, part in enumerate(kernel.segments):
-        blocks = -(-math.prod(part.space) // POINTWISE_BLOCK)
+        blocks = -(-math.prod(part.space) // block)
         begin = total
         total += blocks
         bound = ctx.param("bound", total, "end")
@@ -546,7 +566,7 @@ def _segmented(ctx: Context, kernel: FusedKernel) -> Function:
         branches = branch.orelse
         first = pid if begin == 0 else Bin("-", pid, ctx.param("bound", begin, "end"))
         _pointwise_body(ctx, part, branch.body, f"_{k}", first)
-    return ctx.function("", body, {"BLOCK": POINTWISE_BLOCK}, total, 4)
+    return ctx.function("", body, {"BLOCK": block}, total, 4)
 
 
 def _rows(ctx: Context, kernel: FusedKernel) -> Function:

@@ -11,6 +11,7 @@ import math
 import numbers
 import operator
 
+import ml_dtypes
 import numpy as np
 
 from ember import dtypes
@@ -173,11 +174,20 @@ def arange(start, end=None, step=1, dtype=None, device=None, requires_grad: bool
         dtype = dtypes.int64 if all(isinstance(v, (int, np.integer)) for v in values) else dtypes.default_float
     dtype = dtypes.as_dtype(dtype)
     iota = leaf(Op.IOTA, as_device(device), n=n)
-    if dtype.is_integer and isinstance(start, int) and isinstance(step, int):
+    whole = all(float(v).is_integer() for v in (start, step))
+    if whole and (dtype.is_integer or dtype.is_floating_point
+                  and max(abs(start), abs(start + n * step)) <= _exact_integers(dtype)):
+        # integer positions, each exact in dtype: integer arithmetic, then one exact cast
+        start, step = int(start), int(step)
         out = iota * step + start if (start, step) != (0, 1) else iota
     else:
         out = pointwise.cast(iota, dtypes.float64) * step + start
     return _requires_grad(pointwise.cast(out, dtype), requires_grad)
+
+
+def _exact_integers(dtype: dtypes.DType) -> int:
+    """The largest n below which every integer is exact in a float dtype."""
+    return 2 ** (ml_dtypes.finfo(dtype.np).nmant + 1)
 
 
 def linspace(start, end, steps: int, dtype=None, device=None, requires_grad: bool = False) -> Tensor:

@@ -256,3 +256,8 @@ def publish(title: str, table: str, notes: list[str], results_file: Path | None)
         with open(results_file, "a") as f:
             f.write(report + "\n")
         print(f"appended to {results_file}")
+
+
+def gpu_cell(value: float | None, fmt: str = "{:.4f}") -> str:
+    """A cell of a GPU-time column: "-" for NaN, which device_ms returns where there is no GPU."""
+    return "-" if value is not None and math.isnan(value) else cell(value, fmt)

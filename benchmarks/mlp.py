@@ -29,7 +29,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402
 from common import (  # noqa: E402
     cell,
+    device_ms,
     environment,
+    gpu_cell,
     guarded,
     markdown_table,
     median_ms,
@@ -45,6 +47,7 @@ from ember.explain import plan  # noqa: E402
 
 VARIANTS = ["torch eager", "torch.compile", "torch.compile max-autotune", "torch.compile reduce-overhead",
             "ember lazy", "ember.jit"]
+DEVICE_TIMED = ["torch.compile reduce-overhead", "ember.jit"]  # also timed on the GPU alone (device_ms)
 MODES = {"torch eager": None, "torch.compile": "default", "torch.compile max-autotune": "max-autotune",
          "torch.compile reduce-overhead": "reduce-overhead"}
 BATCH = {"I": (2**21, 2**14, 300), "T": (2**18, 2**12, 200)}  # full, --quick, --cpu-smoke
@@ -103,7 +106,7 @@ def inference(w: int, d: int, batch: int, dev: str, cpu: bool, variants: list[st
             return em(x)
 
     kernels = guarded("ember plan", lambda: len(plan(forward(ex)).kernels))  # planned, not run
-    times, errors = {}, {}
+    times, errors, gpu = {}, {}, {}
     for variant in variants:
         if variant.startswith("torch"):
             fn = compiled(model, variant, cpu)
@@ -113,6 +116,8 @@ def inference(w: int, d: int, batch: int, dev: str, cpu: bool, variants: list[st
                 with torch.no_grad():
                     out = step().clone()  # reduce-overhead's output is overwritten by the next replay
                     times[variant] = median_ms(step, warmup, reps, cpu)
+                    if variant in DEVICE_TIMED:
+                        gpu[variant] = device_ms(step, warmup, reps)
                 return out
             out = guarded(f"{variant}", timed)
         else:
@@ -122,17 +127,19 @@ def inference(w: int, d: int, batch: int, dev: str, cpu: bool, variants: list[st
             if out is not None:
                 out = to_torch(out)
                 times[variant] = guarded(variant, lambda step=step: median_ms(step, warmup, reps, cpu))
+                if variant in DEVICE_TIMED:
+                    gpu[variant] = guarded(f"{variant} (profiler)", lambda step=step: device_ms(step, warmup, reps))
         if out is not None:
             errors[variant] = guarded(f"{variant} check", lambda out=out: (
                 (out.float() - reference).norm() / reference.norm()).item())
-    return times, errors, kernels
+    return times, errors, kernels, gpu
 
 
 def training(w: int, d: int, batch: int, dev: str, cpu: bool, variants: list[str], warmup: int, reps: int):
     base = torch_model(w, d, dev, torch.float32)
     x = torch.randn(batch, w, device=dev, dtype=torch.float16)
     y = torch.randn(batch, OUT_WIDTH, device=dev, dtype=torch.float16)
-    times, losses = {}, {}
+    times, losses, gpu = {}, {}, {}
     kernels = None
     for variant in variants:
         if variant.startswith("torch"):
@@ -173,7 +180,9 @@ def training(w: int, d: int, batch: int, dev: str, cpu: bool, variants: list[str
                     return sum(len(p.kernels) for p in plans)
                 kernels = guarded("ember plan", count)
             times[variant] = guarded(variant, lambda step=step: median_ms(step, warmup, reps, cpu))
-    return times, losses, kernels
+            if variant in DEVICE_TIMED:
+                gpu[variant] = guarded(f"{variant} (profiler)", lambda step=step: device_ms(step, warmup, reps))
+    return times, losses, kernels, gpu
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -203,26 +212,30 @@ def main(argv: list[str] | None = None) -> None:
         print(f"row {row}", flush=True)
         floor = floor_ms(kind, w, d, batch, tflops, gbs)
         if kind == "I":
-            times, errors, kernels = inference(w, d, batch, dev, cpu, variants, args.warmup, args.reps)
+            times, errors, kernels, gpu = inference(w, d, batch, dev, cpu, variants, args.warmup, args.reps)
             check = ", ".join(f"{v}: {cell(e, '{:.1e}')}" for v, e in errors.items() if v.startswith("ember"))
         else:
-            times, losses, kernels = training(w, d, batch, dev, cpu, variants, args.warmup, args.reps)
+            times, losses, kernels, gpu = training(w, d, batch, dev, cpu, variants, args.warmup, args.reps)
             check = "first loss " + ", ".join(f"{v}: {loss_:.4g}" for v, loss_ in losses.items())
         eager = times.get("torch eager")
         best_torch = min((t for v, t in times.items() if v.startswith("torch.compile") and t), default=None)
         best_ember = min((t for v, t in times.items() if v.startswith("ember") and t), default=None)
         lines.append([row, f"{'-'.join(map(str, widths(w, d)))} x {batch}", cell(floor, "{:.3f}"),
                       *[cell(times.get(v), "{:.3f}") if v in variants else "-" for v in VARIANTS],
+                      *[gpu_cell(gpu.get(v), "{:.3f}") if v in variants else "-" for v in DEVICE_TIMED],
                       cell(kernels, "{}"),
                       cell(eager / best_ember if eager and best_ember else None, "{:.2f}"),
                       "-" if not any(v.startswith("torch.compile") for v in variants) else
                       cell(best_torch / best_ember if best_torch and best_ember else None, "{:.2f}"), check])
         release_memory(cpu)
-    head = ["row", "network x batch", "floor ms", *[f"{v} ms" for v in VARIANTS], "ember kernels",
+    head = ["row", "network x batch", "floor ms", *[f"{v} ms" for v in VARIANTS],
+            *[f"{v} GPU ms" for v in DEVICE_TIMED], "ember kernels",
             "eager / ember", "best compile / ember", "check"]
     notes = [f"floor: max(FLOPs at the measured cuBLAS float16 rate {cell(tflops, '{:.0f}')} TFLOP/s, bytes at the "
              f"measured copy rate {cell(gbs, '{:.0f}')} GB/s)",
              "ember / torch ratios use the faster ember variant and the fastest torch.compile mode",
+             "GPU ms: the summed durations of the GPU work one step runs (CUDA-graph replays included), from "
+             "torch's profiler; ms: call to GPU done, launches included",
              "check: inference, ||out - ref|| / ||ref|| against torch in float32 on the same weights; training, "
              "the first step's loss per variant (same weights and data)"]
     publish(f"fused MLP benchmark: {environment(cpu)}", markdown_table(head, lines), notes, opts.results_file)

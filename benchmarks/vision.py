@@ -21,7 +21,6 @@ check: max |ember - torch eager| over the output.
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from common import (  # noqa: E402
     cell,
     device_ms,
     environment,
+    gpu_cell,
     guarded,
     markdown_table,
     median_ms,
@@ -199,11 +199,6 @@ def run_row(kind: str, height: int, width: int, count: int, size, dev: str, cpu:
     out_elements = count * size[0] * size[1] * 3
     floor_bytes = out_elements * 4 + out_elements  # the output, and one uint8 source sample per value
     return times, gpu_times, kernels, check, floor_bytes
-
-
-def gpu_cell(value: float | None, fmt: str = "{:.4f}") -> str:
-    """A cell of a GPU-time column: "-" for NaN, which device_ms returns where there is no GPU."""
-    return "-" if value is not None and math.isnan(value) else cell(value, fmt)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -445,9 +445,14 @@ class Emitter:
         size = source.shape[axis]
         valid = self.define(self.in_range(picked, size), "ok")
         dims = list(self.dims(idx, node.shape))
-        dims[axis] = self.clamp(picked, size)
+        mask = idx.mask
+        if picked.is_tile:  # the loads beneath are masked off where the index is out of range
+            dims[axis] = picked
+            mask = self.define(both(idx.mask, valid), "m") if idx.mask is not None else valid
+        else:  # a position every lane shares is loaded unmasked: it is forced into range
+            dims[axis] = self.clamp(picked, size)
         source_level = input_level(node, idx.level, self.kernel.space, self.kernel.axes, 0)
-        value, dt = self.value(source, Index(tuple(dims), None, idx.mask, source_level))
+        value, dt = self.value(source, Index(tuple(dims), None, mask, source_level))
         return self.define(call("where", valid, value, ZERO)), dt
 
     # -- stores ------------------------------------------------------------------------------

@@ -67,12 +67,12 @@ def _sample(images: Tensor, which: Tensor, boxes: Tensor, size: tuple[int, int],
     ys = ember.arange(h, device=device, dtype=ember.float32)[None, :]
     xs = ember.arange(w, device=device, dtype=ember.float32)[None, :]
     inside = None
-    # source pixels per output pixel: times the reciprocal of the output's size (a constant), not divided by
-    # it at every element; either is within an ulp of OpenCV's scale, which it computes in float64
+    # source pixels per output pixel, divided as torch's interpolate divides them (a product with the
+    # reciprocal is an ulp off at times: 0.3 levels at a 4K frame's far edge, on noise)
     if keep_aspect is None:  # the box stretched over the whole output
-        sy, sx = bh * (1.0 / h), bw * (1.0 / w)
+        sy, sx = bh / h, bw / w
     else:  # the box scaled to fit, the rest background
-        s = ember.maximum(bh * (1.0 / h), bw * (1.0 / w))
+        s = ember.maximum(bh / h, bw / w)
         ch, cw = (bh / s).round().clamp(min=1.0), (bw / s).round().clamp(min=1.0)
         sy, sx = bh / ch, bw / cw  # the box resized to the content's whole pixels, as cv2.resize to (cw, ch)
         if keep_aspect == "center":

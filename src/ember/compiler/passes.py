@@ -145,8 +145,7 @@ def _transposed_products(order: list[Node], keep: set[int]) -> set[int]:
 def _summed_by_gemms(order: list[Node], multiprocessors: int) -> set[tuple[int, int]]:
     """(id(node), axis) of the operands of 2-d matmuls whose long K a generated GEMM splits over several
     programs per tile (see lower.gemm_splits): a sum of such an operand along K is taken in that GEMM's
-    mainloop (float32), or as a split GEMM of its own (half precision, see _sum_by_gemm), spread as widely as
-    the GEMM is, so it is not staged as a reduction of its own."""
+    mainloop in float32, spread as widely as the GEMM is, so it is not staged as a reduction of its own."""
     from ember.compiler.lower import gemm_splits  # the GEMM's own decision
 
     found = set()
@@ -252,9 +251,6 @@ class _Builder:
         if op is Op.SCATTER_ADD and original.dtype in ATOMIC_WIDENING:
             return self._widen_scatter_add(ins, attrs, original)
         if kind is Kind.REDUCE:
-            summed = self._sum_by_gemm(op, ins[0], attrs, original)
-            if summed is not None:
-                return summed
             if op is Op.SUM and len(attrs["axes"]) == 1:
                 picked = self._one_hot_sum(ins[0], attrs["axes"][0], original)
                 if picked is not None:
@@ -459,24 +455,6 @@ class _Builder:
         total_shape = split[:axis] + (1, 1) + split[axis + 2:]
         total = self.make(op, (partial,), {"axes": (axis,)}, _like(x, total_shape))
         return self.make(Op.RESHAPE, (total,), {"shape": original.shape}, original)
-
-    def _sum_by_gemm(self, op: Op, x: Node, attrs: dict, original: Node) -> Node | None:
-        """A half-precision sum along the long K of a split GEMM's operand (a bias gradient beside its weight
-        gradient) as a GEMM of its own, the operand times a column of ones, split over the GPU the same way.
-        Summed in that GEMM's mainloop instead, the product came out wrong on an H100 with Triton 3.6 for some
-        tile configurations (13-19% off, varying from run to run)."""
-        axes = tuple(attrs["axes"])
-        if op is not Op.SUM or len(axes) != 1 or len(x.shape) != 2 or not original.inputs:
-            return None
-        (axis,) = axes
-        if (id(original.inputs[0]), axis) not in self.summed_by_gemms or x.dtype.itemsize != 2 \
-                or original.dtype is not x.dtype:
-            return None
-        rows, k = x.shape[1 - axis], x.shape[axis]
-        lhs = x if axis == 1 else self.make(Op.PERMUTE, (x,), {"order": (1, 0)}, _like(x, (rows, k)))
-        ones = self._const(1.0, _like(x, (k, 1)))
-        product = self.make(Op.MATMUL, (lhs, ones), {}, _like(x, (rows, 1)))
-        return self.make(Op.RESHAPE, (product,), {"shape": original.shape}, original)
 
     def _fold_movement(self, op: Op, x: Node, attrs: dict, original: Node) -> Node | None:
         if op is Op.PERMUTE and x.op is Op.MATMUL and original.inputs and \

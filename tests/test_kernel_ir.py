@@ -186,3 +186,32 @@ def test_a_flattened_index_unflattened_again_costs_no_division():
     assert source.text.count("//") == 2, source.text  # unravelling the output's position once, not again
     want = x.numpy()[np.minimum(index.numpy() + 1, 999)].transpose(2, 0, 1) * 2
     np.testing.assert_allclose(out.numpy(), want, rtol=1e-6)
+
+
+def test_a_gather_along_a_size_one_axis_with_indices_out_of_range_beside_another_read(cuda_backend):
+    """Out-of-range picks read zero; the positions the gather's index flattens to must not leak into another
+    node's loads in the same kernel (which have no range check of their own)."""
+    buf = ember.tensor(np.arange(5, dtype=np.float32), device="cuda")
+    big = ember.tensor(np.arange(20, dtype=np.float32).reshape(4, 5) * 10, device="cuda")
+    picks = ember.tensor(np.array([[0], [1], [0], [2], [0]], dtype=np.int32), device="cuda")
+    # the index computed in the kernel (a value held by a variable would be stored)
+    out = ember.gather(buf.reshape(1, 5), 0, ember.minimum(picks, 100).permute(1, 0)).permute(1, 0) + \
+        big[3:4, :].reshape(5, 1)
+    assert len(ember.explain.plan(out).kernels) == 1, str(ember.explain.plan(out))
+    np.testing.assert_array_equal(out.numpy().ravel(), [150, 160, 172, 180, 194])
+
+
+def test_int32_gather_indices_stay_int32_only_where_every_offset_fits():
+    small = ember.gather(ember.zeros(10), 0, ember.tensor(np.int32([1, 2])))
+    assert small._node.inputs[1].dtype is ember.int32
+    huge = ember.gather(ember.zeros(1, dtype=ember.float16).expand(2**31), 0, ember.tensor(np.int32([1, 2])))
+    assert huge._node.inputs[1].dtype is ember.int64
+
+
+def test_a_gemm_over_more_than_int32_elements_walks_k_in_int64(cuda_backend):
+    """A weight gradient over a batch of 2^25 rows: K times a row's stride passes int32."""
+    a = ember.tensor(np.ones((1, 64), np.float16), device="cuda")
+    g, x = a.expand(2**25 + 8, 64) * 1.5, a.expand(2**25 + 8, 64) * 2.5
+    p = ember.explain.plan(g, x, g.mT @ x)
+    (gemm,) = [k for k in p.kernels if k.core is not None]
+    assert "ka = start.to(tl.int64)" in p.sources[id(gemm)].text

@@ -143,7 +143,7 @@ TRAINING_CASES = [  # widths, rows, activation, dtype
     ([16, 16], 33, "relu", "float16"),  # one layer: nothing to chain
 ]
 # From this batch on, with split-K on (the default), the weight-gradient GEMMs split their K (the batch)
-# and the bias gradients are summed in their mainloops or by GEMMs of their own; below it, a layer's GEMM may
+# and the bias gradients are summed in their mainloops; below it, a layer's GEMM may
 # sum its bias gradient in its epilogue, across its row tiles (atomically), which an MLP kernel does not do:
 # the chain then stops at that layer.
 FUSED_TRAINING_BATCH = 2**11

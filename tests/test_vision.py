@@ -53,12 +53,13 @@ def test_resize_matches_opencv_and_torch(device, size, rng):
     assert np.abs(as_uint8.astype(int) - opencv_uint8.astype(int)).max() <= 1
 
 
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
 @pytest.mark.parametrize("size", [(224, 224), (97, 301)])
-def test_a_4k_frame_resized_matches_torch_to_float32_rounding_at_the_far_edge(size, rng):
+def test_a_4k_frame_resized_matches_torch_to_float32_rounding_at_the_far_edge(size, device, rng):
     """Sample positions far from the origin (thousands of pixels) magnify an ulp of the scale: ember's must be
     torch's to float32 rounding, so its scale is the same quotient."""
     img = image(rng, 2160, 3840)
-    got = V.resize(ember.tensor(img), size).numpy()
+    got = V.resize(ember.tensor(img, device=device), size).numpy()
     theirs = torch.nn.functional.interpolate(torch.from_numpy(img).permute(2, 0, 1)[None].float(), size=size,
                                              mode="bilinear", align_corners=False, antialias=False)
     # the blend rounds differently (a few thousandths at 255); a scale an ulp off costs a tenth of a level

@@ -68,7 +68,7 @@ def _sample(images: Tensor, which: Tensor, boxes: Tensor, size: tuple[int, int],
     xs = ember.arange(w, device=device, dtype=ember.float32)[None, :]
     inside = None
     # source pixels per output pixel, divided as torch's interpolate divides them (a product with the
-    # reciprocal is an ulp off at times: 0.3 levels at a 4K frame's far edge, on noise)
+    # reciprocal is an ulp off at times: a tenth of a level at a 4K frame's far edge, on noise)
     if keep_aspect is None:  # the box stretched over the whole output
         sy, sx = bh / h, bw / w
     else:  # the box scaled to fit, the rest background
@@ -107,7 +107,8 @@ def _sample(images: Tensor, which: Tensor, boxes: Tensor, size: tuple[int, int],
 
 
 def _axis(d: Tensor, start: Tensor, extent: Tensor, scale: Tensor, interpolation: str):
-    """_coordinates for content positions d (a [B, out] tensor, not a range)."""
+    """The two source positions and the weight of the second, along one axis, for content positions d ([B, out],
+    or [1, out] when every box's content fills the output)."""
     last = (extent - 1)[:, None]
     if interpolation == "nearest":
         first = ember.minimum((d * scale[:, None]).floor(), last)

@@ -80,7 +80,8 @@ STRUCTURAL = {
     Op.CONV2D: "the vendor's convolution",
     Op.CONV2D_INPUT_GRAD: "the vendor's convolution backward to the input (cuDNN's backward-data)",
     Op.CONV2D_WEIGHT_GRAD: "the vendor's convolution backward to the weight (cuDNN's backward-filter)",
-    Op.GATHER: "a load at a clamped, checked position", Op.SCATTER_ADD: "an atomic add at a clamped position",
+    Op.GATHER: "a load at a clamped, checked position (zero where the index is out of range)",
+    Op.SCATTER_ADD: "an atomic add at a clamped position",
     Op.COPY: "a transfer between devices, made by the runtime at a plan's edges",
 }
 
@@ -224,8 +225,9 @@ class Emitter:
         out = ZERO
         for term in reversed(terms):
             out = add(out, term)
-        # a reshape that flattens and one that unflattens back (around a gather) then cost no divisions
-        self.unravelled.setdefault((out, shape), idx.dims)
+        # a reshape that flattens and one that unflattens back (around a gather) then cost no divisions; the
+        # positions are in range wherever the kernel's mask holds (a gather clamps its index)
+        self.unravelled.setdefault((out, shape), tuple(ZERO if s == 1 else d for d, s in zip(idx.dims, shape)))
         return out
 
     def reshape_dims(self, dims: tuple[Expr, ...], shape: tuple[int, ...],
@@ -445,14 +447,10 @@ class Emitter:
         size = source.shape[axis]
         valid = self.define(self.in_range(picked, size), "ok")
         dims = list(self.dims(idx, node.shape))
-        mask = idx.mask
-        if picked.is_tile:  # the loads beneath are masked off where the index is out of range
-            dims[axis] = picked
-            mask = self.define(both(idx.mask, valid), "m") if idx.mask is not None else valid
-        else:  # a position every lane shares is loaded unmasked: it is forced into range
-            dims[axis] = self.clamp(picked, size)
+        # clamped, so every position beneath is in range (other nodes may reuse them, see linear())
+        dims[axis] = self.clamp(picked, size)
         source_level = input_level(node, idx.level, self.kernel.space, self.kernel.axes, 0)
-        value, dt = self.value(source, Index(tuple(dims), None, mask, source_level))
+        value, dt = self.value(source, Index(tuple(dims), None, idx.mask, source_level))
         return self.define(call("where", valid, value, ZERO)), dt
 
     # -- stores ------------------------------------------------------------------------------
@@ -825,8 +823,9 @@ def _gemm(ctx: Context, kernel: FusedKernel) -> list[Function]:
     loop = Loop(Var("start"), k_begin, k_end, block_k)
     mainloop.emit(loop)
     mainloop.block = loop.body
-    ka = mainloop.bind("ka", Bin("+", loop.var, Range(GEMM_BLOCK["ka"], 1, 2)))
-    kb = mainloop.bind("kb", Bin("+", loop.var, Range(GEMM_BLOCK["kb"], 0, 2)))
+    start = _wide(mainloop, loop.var)  # K times a row's stride may pass int32 in a big kernel
+    ka = mainloop.bind("ka", Bin("+", start, Range(GEMM_BLOCK["ka"], 1, 2)))
+    kb = mainloop.bind("kb", Bin("+", start, Range(GEMM_BLOCK["kb"], 0, 2)))
     mask_ka = mainloop.bind("mask_ka", Bin("<", ka, k_end))
     mask_kb = mainloop.bind("mask_kb", Bin("<", kb, k_end))
     mask_a = mainloop.bind("mask_a", Bin("&", mask_m, mask_ka))
@@ -861,7 +860,7 @@ def _gemm(ctx: Context, kernel: FusedKernel) -> list[Function]:
         _add_partials(Emitter(ctx, kernel, body), splits, acc, tile, summed, sums, first, partials)
     epilogue = Emitter(ctx, kernel, body)
     epilogue.count = mainloop.count
-    epilogue.unravelled = before_loop
+    epilogue.unravelled = before_loop if splits == 1 else {}  # names of the partials' function are not in scope
     epilogue.accumulator = acc
     epilogue.mask_parts = masks
     epilogue.tile_axes = frozenset({"rm", "rn"})

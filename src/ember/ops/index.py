@@ -45,8 +45,10 @@ def gather(x: Tensor, dim: int, index: Tensor) -> Tensor:
     if index.ndim != x.ndim or any(i > s for d, (i, s) in enumerate(zip(index.shape, x.shape)) if d != axis):
         raise ShapeError(f"gather: index of shape {index.shape} does not fit input of shape {x.shape} along "
                          f"dim {dim} (same number of dims, no larger outside dim {axis})")
-    # int32 positions stay int32 (cheaper index arithmetic on the GPU); other integer types are widened
-    return apply(Op.GATHER, x, index if index.dtype is dtypes.int32 else cast(index, dtypes.int64), axis=axis)
+    # int32 positions stay int32 (cheaper index arithmetic on the GPU) where every offset into x fits in int32;
+    # other integer types, or a larger x, are widened
+    small = index.dtype is dtypes.int32 and x.numel() < 2**31
+    return apply(Op.GATHER, x, index if small else cast(index, dtypes.int64), axis=axis)
 
 
 def take_along_dim(x: Tensor, indices: Tensor, dim: int) -> Tensor:

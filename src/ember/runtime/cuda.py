@@ -95,7 +95,7 @@ def compile_context(device: Device) -> CompileContext:
 def split_k() -> bool:
     """GEMMs with few output tiles and a long K split it over several programs per tile, unless
     EMBER_SPLIT_K=0."""
-    return os.environ.get("EMBER_SPLIT_K", "1").strip() not in ("", "0")
+    return os.environ.get("EMBER_SPLIT_K", "1").strip() != "0"
 
 
 # -- memory ------------------------------------------------------------------------------------

@@ -254,6 +254,27 @@ def test_different_pipelines_realized_together_share_one_launch(cuda_backend, rn
 
 
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_gradients_flow_through_crop_resize_and_normalize_as_through_torchs_interpolate(device, rng):
+    """A float image's gradient through crops resized and normalised: the gathers' transpose (a scatter-add of
+    the interpolation weights), as torch's interpolate backward computes it."""
+    img = rng.standard_normal((21, 26, 3)).astype(np.float32)
+    boxes = [(0, 0, 26, 21), (3, 2, 11, 15), (10, 5, 5, 4)]
+    mean, std = (0.1, 0.2, 0.3), (1.5, 2.0, 2.5)
+    x = ember.tensor(img, device=device, requires_grad=True)
+    out = V.normalize(V.crop_resize(x, boxes, (7, 9)), mean, std)
+    g = rng.standard_normal(tuple(out.shape)).astype(np.float32)
+    (out * ember.tensor(g, device=device)).sum().backward()
+    tx = torch.from_numpy(img).clone().requires_grad_()
+    crops = [torch.nn.functional.interpolate(tx[y:y + h, x0:x0 + w].permute(2, 0, 1)[None], size=(7, 9),
+                                             mode="bilinear", align_corners=False, antialias=False)[0]
+             for x0, y, w, h in boxes]
+    want = (torch.stack(crops).permute(0, 2, 3, 1) - torch.tensor(mean)) / torch.tensor(std)
+    (want * torch.from_numpy(g)).sum().backward()
+    np.testing.assert_allclose(out.numpy(), want.detach().numpy(), atol=1e-5)
+    np.testing.assert_allclose(x.grad.numpy(), tx.grad.numpy(), atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
 def test_degenerate_sizes_no_boxes_and_one_pixel_sources(device, rng):
     img = image(rng, 10, 12)
     x = ember.tensor(img, device=device)

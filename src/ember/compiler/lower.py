@@ -804,7 +804,8 @@ def _gemm(ctx: Context, kernel: FusedKernel) -> list[Function]:
     mainloop = Emitter(ctx, kernel, body)
     M, N, K = ctx.size(m), ctx.size(n), ctx.size(k)
     block_k = GEMM_BLOCK["ka"]
-    pid, (pid_m, pid_n), (rm, mask_m), (rn, mask_n) = _gemm_tile(mainloop, M, N, Block("GROUP_M", ""))
+    tile = _gemm_tile(mainloop, M, N, Block("GROUP_M", ""))
+    rm, rn, mask_m, mask_n = tile.rm, tile.rn, tile.mask_m, tile.mask_n
     batch_dims: tuple[Expr, ...] = ()
     if batch:
         batch_dims = mainloop.unravel(mainloop.bind("batch", _wide(mainloop, call("program_id", axis=1))),
@@ -840,24 +841,21 @@ def _gemm(ctx: Context, kernel: FusedKernel) -> list[Function]:
     precision = {"precision": dot} if core.dtype is dtypes.float32 else {}
     mainloop.emit(Assign((acc,), call("dot", tile_a, tile_b, acc, **precision)))
     for key, position in summed.items():
-        axis, tile, drop = (1, tile_a, "ka") if position == 0 else (0, tile_b, "kb")
-        part = call("reduce", call("cast", tile, dtype=dtypes.float32), combine="sum", axis=axis, drop=drop)
+        axis, operand, drop = (1, tile_a, "ka") if position == 0 else (0, tile_b, "kb")
+        part = call("reduce", call("cast", operand, dtype=dtypes.float32), combine="sum", axis=axis, drop=drop)
         mainloop.emit(Assign((sums[key],), Bin("+", sums[key], part)))
     functions = []
-    tile = ((rm, M, mask_m), (rn, N, mask_n))
-    first = {0: Bin("==", pid_n, ZERO), 1: Bin("==", pid_m, ZERO)}  # the programs that keep a row's/column's sum
     if splits > 1:
-        partials = _store_partials(ctx, Emitter(ctx, kernel, body), splits, acc, tile, summed, sums, first)
+        partials = _store_partials(ctx, Emitter(ctx, kernel, body), splits, acc, tile, summed, sums)
         functions.append(ctx.function("_partials", body, {"BLOCK_M": 0, "BLOCK_N": 0, "BLOCK_K": 0, "GROUP_M": 0},
                                       0, 4))
         functions[0].gemm, functions[0].splits = (1, m, n, k), splits
         functions[0].layout, functions[0].precision = layout_a + layout_b, dot
         body = []
-        pid, (pid_m, pid_n), (rm, mask_m), (rn, mask_n) = _gemm_tile(Emitter(ctx, kernel, body), M, N, None)
-        tile = ((rm, M, mask_m), (rn, N, mask_n))
-        first = {0: Bin("==", pid_n, ZERO), 1: Bin("==", pid_m, ZERO)}
+        tile = _gemm_tile(Emitter(ctx, kernel, body), M, N, None)
+        rm, rn, mask_m, mask_n = tile.rm, tile.rn, tile.mask_m, tile.mask_n
         masks = {mask: {"rm": mask_m, "rn": mask_n}}
-        _add_partials(Emitter(ctx, kernel, body), splits, acc, tile, summed, sums, first, partials)
+        _add_partials(Emitter(ctx, kernel, body), splits, acc, tile, summed, sums, partials)
     epilogue = Emitter(ctx, kernel, body)
     epilogue.count = mainloop.count
     epilogue.unravelled = before_loop if splits == 1 else {}  # names of the partials' function are not in scope
@@ -868,10 +866,10 @@ def _gemm(ctx: Context, kernel: FusedKernel) -> list[Function]:
         r = summed_output(kernel, o)
         if r is None or id(r) not in summed:
             continue
-        position, bound = (rm, M) if summed[id(r)] == 0 else (rn, N)
+        position, keep = tile.keeps(summed[id(r)])
         pointer = ctx.param("write", o, "out")  # a reshape of the sum: the same positions
         epilogue.emit(Effect(call("store", Bin("+", pointer, position), call("cast", sums[id(r)], dtype=o.dtype),
-                                  mask=Bin("&", Bin("<", position, bound), first[summed[id(r)]]))))
+                                  mask=keep)))
     epilogue.bind("mask", Bin("&", mask_m, mask_n))
     for o in kernel.outputs:
         if summed_output(kernel, o) is None:
@@ -895,9 +893,29 @@ def _wide(emitter: Emitter, x: Expr) -> Expr:
     return call("cast", x, dtype=dtypes.int64) if emitter.big else x
 
 
-def _gemm_tile(emitter: Emitter, M: Expr, N: Expr, group: Expr | None) -> tuple:
-    """The program's output tile: (pid, (pid_m, pid_n), (rm, mask_m), (rn, mask_n)), tiles visited in groups
-    of `group` rows (or row by row)."""
+@dataclass(frozen=True)
+class _Tile:
+    """A GEMM program's output tile of the M x N output: its rows rm and columns rn, and their masks."""
+
+    pid_m: Var
+    pid_n: Var
+    rm: Var
+    rn: Var
+    mask_m: Var
+    mask_n: Var
+    M: Expr
+    N: Expr
+
+    def keeps(self, position: int) -> tuple[Var, Expr]:
+        """Where a sum along K of operand `position` (0: per row, 1: per column) is kept, and the mask of the
+        programs that store it: one column of tiles stores the row sums, one row of tiles the column sums."""
+        if position == 0:
+            return self.rm, Bin("&", Bin("<", self.rm, self.M), Bin("==", self.pid_n, ZERO))
+        return self.rn, Bin("&", Bin("<", self.rn, self.N), Bin("==", self.pid_m, ZERO))
+
+
+def _gemm_tile(emitter: Emitter, M: Expr, N: Expr, group: Expr | None) -> _Tile:
+    """The program's output tile, tiles visited in groups of `group` rows (or row by row)."""
     bind = emitter.bind
     pid = _program(emitter)
     tiles_n = bind("tiles_n", call("cdiv", N, GEMM_BLOCK["rn"]))
@@ -912,7 +930,7 @@ def _gemm_tile(emitter: Emitter, M: Expr, N: Expr, group: Expr | None) -> tuple:
         pid_n = bind("pid_n", Bin("//", Bin("%", pid, group_size), group_rows))
     rm = bind("rm", Bin("+", Bin("*", _wide(emitter, pid_m), GEMM_BLOCK["rm"]), Range(GEMM_BLOCK["rm"], 0, 2)))
     rn = bind("rn", Bin("+", Bin("*", _wide(emitter, pid_n), GEMM_BLOCK["rn"]), Range(GEMM_BLOCK["rn"], 1, 2)))
-    return pid, (pid_m, pid_n), (rm, bind("mask_m", Bin("<", rm, M))), (rn, bind("mask_n", Bin("<", rn, N)))
+    return _Tile(pid_m, pid_n, rm, rn, bind("mask_m", Bin("<", rm, M)), bind("mask_n", Bin("<", rn, N)), M, N)
 
 
 def _sum_shape(position: int) -> tuple:
@@ -938,34 +956,38 @@ def gemm_splits(m: int, n: int, k: int, multiprocessors: int) -> int:
     return splits if splits >= SPLIT_MIN else 1
 
 
-def _store_partials(ctx: Context, emitter: Emitter, splits: int, acc: Var, tile: tuple, summed: dict[int, int],
-                    sums: dict[int, Var], first: dict[int, Expr]) -> dict:
+def _store_partials(ctx: Context, emitter: Emitter, splits: int, acc: Var, tile: _Tile, summed: dict[int, int],
+                    sums: dict[int, Var]) -> dict:
     """A split program stores its partial tile, and its partial operand sums, in float32 scratch at its
     split's place: [splits, M, N] and [splits, M or N]. Every program stores its whole tile (zeros for an
     empty share of K), so nothing needs clearing between runs. Returns the scratch buffers by key."""
-    (rm, M, mask_m), (rn, N, mask_n) = tile
-    rows_n, cols_n = emitter.kernel.core.shape
     split = emitter.bind("split", call("program_id", axis=1))
-    partial = ctx.param("scratch", ("partial", splits * rows_n * cols_n), "scratch")
-    at = Bin("+", Bin("*", split, Lit(rows_n * cols_n)), Bin("+", Bin("*", rm, N), rn))
-    emitter.emit(Effect(call("store", Bin("+", partial, at), acc, mask=Bin("&", mask_m, mask_n))))
-    buffers = {"partial": partial}
-    for key, position in summed.items():
-        position_of, bound, size = (rm, M, rows_n) if position == 0 else (rn, N, cols_n)
-        buffers[key] = ctx.param("scratch", ("sum", splits * size, key), "scratch")
-        keep = Bin("&", Bin("<", position_of, bound), first[position])
-        emitter.emit(Effect(call("store", Bin("+", buffers[key], Bin("+", Bin("*", split, Lit(size)), position_of)),
-                                 sums[key], mask=keep)))
+    buffers = {}
+    for key, size, position, mask in _partial_parts(emitter, tile, summed):
+        buffers[key] = ctx.param("scratch", ("partial" if key == "partial" else "sum", splits * size, key),
+                                 "scratch")
+        value = acc if key == "partial" else sums[key]
+        emitter.emit(Effect(call("store", Bin("+", buffers[key], Bin("+", Bin("*", split, Lit(size)), position)),
+                                 value, mask=mask)))
     return buffers
 
 
-def _add_partials(emitter: Emitter, splits: int, acc: Var, tile: tuple, summed: dict[int, int],
-                  sums: dict[int, Var], first: dict[int, Expr], buffers: dict) -> None:
+def _partial_parts(emitter: Emitter, tile: _Tile, summed: dict[int, int]) -> list[tuple]:
+    """What a split GEMM's programs keep per split, as (key, elements per split, position, mask): the tile
+    ("partial", [M, N]), and each operand sum (its key, [M] or [N])."""
+    rows_n, cols_n = emitter.kernel.core.shape
+    parts = [("partial", rows_n * cols_n, Bin("+", Bin("*", tile.rm, tile.N), tile.rn),
+              Bin("&", tile.mask_m, tile.mask_n))]
+    for key, position in summed.items():
+        parts.append((key, rows_n if position == 0 else cols_n, *tile.keeps(position)))
+    return parts
+
+
+def _add_partials(emitter: Emitter, splits: int, acc: Var, tile: _Tile, summed: dict[int, int],
+                  sums: dict[int, Var], buffers: dict) -> None:
     """The finishing program's tile: the sum of its splits' partial tiles (and partial operand sums). Its tile
     is one row (BLOCK_M = 1): SPLIT_BLOCK splits of it load as one [SPLIT_BLOCK, BLOCK_N] block, so many
     loads are in flight, and their sum along the splits is the row."""
-    (rm, M, mask_m), (rn, N, mask_n) = tile
-    rows_n, cols_n = emitter.kernel.core.shape
     emitter.emit(Assign((acc,), call("zeros", shape=GEMM_TILE, dtype=dtypes.float32)))
     for key, position in summed.items():
         emitter.emit(Assign((sums[key],), call("zeros", shape=_sum_shape(position), dtype=dtypes.float32)))
@@ -975,15 +997,11 @@ def _add_partials(emitter: Emitter, splits: int, acc: Var, tile: tuple, summed: 
     split = emitter.bind("split", Bin("+", loop.var, Range(SPLIT_BLOCK, 0, 2)))
     mask_split = emitter.bind("mask_split", Bin("<", split, Lit(splits)))
 
-    def added(total: Var, buffer: Var, size: int, position: Expr, mask: Expr) -> None:
-        part = call("load", Bin("+", buffer, Bin("+", Bin("*", split, Lit(size)), position)),
+    for key, size, position, mask in _partial_parts(emitter, tile, summed):
+        total = acc if key == "partial" else sums[key]
+        part = call("load", Bin("+", buffers[key], Bin("+", Bin("*", split, Lit(size)), position)),
                     mask=Bin("&", mask_split, mask), other=Lit(0.0))
         emitter.emit(Assign((total,), Bin("+", total, call("reduce", part, combine="sum", axis=0, drop="s"))))
-
-    added(acc, buffers["partial"], rows_n * cols_n, Bin("+", Bin("*", rm, N), rn), Bin("&", mask_m, mask_n))
-    for key, position in summed.items():
-        position_of, bound, size = (rm, M, rows_n) if position == 0 else (rn, N, cols_n)
-        added(sums[key], buffers[key], size, position_of, Bin("&", Bin("<", position_of, bound), first[position]))
 
 
 # Weights a persistent MLP program keeps on chip across its row tiles: up to the first size with 128-row

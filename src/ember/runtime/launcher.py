@@ -235,6 +235,7 @@ class _GemmStep:
         self.configs: list[autotune.Config] = []  # best first, known once the problem is tuned
         self.launches: dict[autotune.Config, list] = {}
         self.fused: list = []
+        self.scratch: dict = {}  # a split GEMM's scratch, one set for every configuration (they run one at a time)
         self.split = [_step(c) for c in ck.split]
         self.workspace = ck.kernel.split_stored_nodes()
         self.atomic = [(id(o), identity) for o, identity in ck.atomic_outputs]
@@ -249,8 +250,7 @@ class _GemmStep:
 
     def _prepare(self, config: autotune.Config) -> None:
         """The kernel's launches under `config`: the GEMM's, then (a split GEMM) the one that finishes it."""
-        scratch: dict = {}
-        self.launches[config] = [_prepared_launch(self.module, launch, self.device, config, scratch)
+        self.launches[config] = [_prepared_launch(self.module, launch, self.device, config, self.scratch)
                                  for launch in self.ck.source.launches]
 
     def compile_jobs(self, buffers: dict[int, torch.Tensor], sig: Signature) -> list:

@@ -59,35 +59,32 @@ def _float(x: Tensor) -> Tensor:
 
 def _sample(images: Tensor, which: Tensor, boxes: Tensor, size: tuple[int, int], interpolation: str,
             keep_aspect: str | None, background) -> Tensor:
-    """[B, h, w, C] float32: box b of image which[b] resized to `size`."""
+    """[B, h, w, C] float32: box b (whole pixels, int) of image which[b] resized to `size`."""
     n, height, width, channels = images.shape
     h, w = size
     device = images.device
-    x0, y0, bw, bh = (boxes[:, i] for i in range(4))
-    ys = ember.arange(h, device=device, dtype=ember.float32)[None, :]
-    xs = ember.arange(w, device=device, dtype=ember.float32)[None, :]
-    inside = None
-    # source pixels per output pixel, divided as torch's interpolate divides them (a product with the
-    # reciprocal is an ulp off at times: a tenth of a level at a 4K frame's far edge, on noise)
-    if keep_aspect is None:  # the box stretched over the whole output
-        sy, sx = bh / h, bw / w
-    else:  # the box scaled to fit, the rest background
-        s = ember.maximum(bh / h, bw / w)
-        ch, cw = (bh / s).round().clamp(min=1.0), (bw / s).round().clamp(min=1.0)
-        sy, sx = bh / ch, bw / cw  # the box resized to the content's whole pixels, as cv2.resize to (cw, ch)
-        if keep_aspect == "center":
-            oy, ox = ((h - ch) / 2).floor(), ((w - cw) / 2).floor()
-            ys, xs = ys - oy[:, None], xs - ox[:, None]  # positions inside the content
-        inside = ((ys >= 0) & (ys < ch[:, None]))[:, :, None] & ((xs >= 0) & (xs < cw[:, None]))[:, None, :]
-        ys, xs = ys.clamp(min=0.0), xs.clamp(min=0.0)
-    ya, yb, wy = _axis(ys, y0, bh, sy, interpolation)
-    xa, xb, wx = _axis(xs, x0, bw, sx, interpolation)
     flat = images.reshape(-1)
-    positions = ember.int32 if flat.numel() < 2**31 else ember.int64  # int32 index arithmetic where it suffices
-    base = (which.to(positions) * (height * width))[:, None, None]
-    ya, yb, xa, xb = (v.to(positions) for v in (ya, yb, xa, xb))
-
-    lanes = ember.arange(channels, device=device, dtype=positions)
+    # index arithmetic in int32 where every intermediate fits: the gather offsets, and the doubled sample
+    # positions (2 out + 1) * extent of _axis, for boxes inside the frame
+    small = flat.numel() < 2**31 and (2 * max(h, w) + 1) * max(height, width, 1) < 2**31
+    ints = ember.int32 if small else ember.int64
+    x0, y0, bw, bh = (boxes[:, i].to(ints) for i in range(4))
+    ys = ember.arange(h, device=device, dtype=ints)[None, :]
+    xs = ember.arange(w, device=device, dtype=ints)[None, :]
+    inside = None
+    ch, cw = h, w  # the content's size: the whole output, or the box scaled to fit inside it
+    if keep_aspect is not None:
+        fh, fw = bh.to(ember.float32), bw.to(ember.float32)
+        s = ember.maximum(fh / h, fw / w)
+        ch, cw = ((v / s).round().clamp(min=1.0).to(ints) for v in (fh, fw))  # as cv2.resize to (cw, ch)
+        if keep_aspect == "center":
+            ys, xs = ys - ((h - ch) // 2)[:, None], xs - ((w - cw) // 2)[:, None]  # positions inside the content
+        inside = ((ys >= 0) & (ys < ch[:, None]))[:, :, None] & ((xs >= 0) & (xs < cw[:, None]))[:, None, :]
+        ys, xs = ys.clamp(min=0), xs.clamp(min=0)
+    ya, yb, wy = _axis(ys, y0, bh, ch, interpolation)
+    xa, xb, wx = _axis(xs, x0, bw, cw, interpolation)
+    base = (which.to(ints) * (height * width))[:, None, None]
+    lanes = ember.arange(channels, device=device, dtype=ints)
 
     def at(yy, xx):  # [B, h, w, C]: rows yy [B, h], columns xx [B, w]; a gather reads only these samples
         index = ((base + yy[:, :, None] * width + xx[:, None, :]) * channels)[..., None] + lanes
@@ -106,24 +103,36 @@ def _sample(images: Tensor, which: Tensor, boxes: Tensor, size: tuple[int, int],
     return ember.where(inside[:, :, :, None], top, fill)
 
 
-def _axis(d: Tensor, start: Tensor, extent: Tensor, scale: Tensor, interpolation: str):
-    """The two source positions and the weight of the second, along one axis, for content positions d ([B, out],
-    or [1, out] when every box's content fills the output)."""
+def _axis(d: Tensor, start: Tensor, extent: Tensor, out, interpolation: str):
+    """The two source positions and the weight of the second, along one axis: output positions d ([B, out] or
+    [1, out], int) of a box `start` + [0, extent) resized to `out` samples (an int, or per box [B]).
+
+    Exact, in integers: output d samples the source at ((2 d + 1) extent - out) / (2 out), whose floor is the
+    first position and whose fraction the weight, correctly rounded to float32 (OpenCV's IPP-accelerated
+    float path computes the same; torch's interpolate rounds the position to float32 first, which moves a
+    weight by up to an ulp of the position: a few hundredths of a level at a 4K frame's far edge)."""
     last = (extent - 1)[:, None]
-    if interpolation == "nearest":
-        first = ember.minimum((d * scale[:, None]).floor(), last)
-        return start[:, None] + first, start[:, None] + first, ember.zeros_like(first)
-    f = ((d + 0.5) * scale[:, None] - 0.5).clamp(min=0.0)
-    first = ember.minimum(f.floor(), last)
-    second = ember.minimum(first + 1, last)
-    return start[:, None] + first, start[:, None] + second, f - first
+    per_box = isinstance(out, Tensor)
+    o = out[:, None] if per_box else out
+    if interpolation == "nearest":  # OpenCV's INTER_NEAREST, float64 rounding included: floor(d * (1 / (out / extent)))
+        f64 = ember.float64
+        numerator = o.to(f64) if per_box else ember.full((1, 1), float(o), dtype=f64, device=d.device)
+        scale = (numerator / extent[:, None].to(f64)).reciprocal()  # a tensor's quotient: number / tensor is not one
+        first = ember.minimum((d.to(f64) * scale).floor().to(d.dtype), last)
+        return start[:, None] + first, start[:, None] + first, None
+    twice = 2 * o
+    n = ((2 * d + 1) * extent[:, None] - o).clamp(min=0)
+    first = n // twice
+    fraction = (n - first * twice).to(ember.float32)
+    weight = fraction / twice.to(ember.float32) if per_box else fraction * np.float32(1 / twice)
+    return start[:, None] + ember.minimum(first, last), start[:, None] + ember.minimum(first + 1, last), weight
 
 
 def _boxes(boxes, device) -> Tensor:
-    if isinstance(boxes, Tensor):
-        b = boxes.to(ember.float32)
-    else:
-        b = ember.tensor(np.asarray(boxes, dtype=np.float32).reshape(-1, 4), device=device)
+    """Boxes as a tensor [N, 4] on `device`. A tensor's values are runtime data (a float one is cut to whole
+    pixels); boxes given on the host are checked against the frame by the caller."""
+    b = boxes if isinstance(boxes, Tensor) else ember.tensor(np.asarray(boxes, dtype=np.int64).reshape(-1, 4),
+                                                             device=device)
     if b.ndim != 2 or b.shape[1] != 4:
         raise ShapeError(f"ember.vision: boxes must be (x, y, width, height) rows, shape [N, 4]; got "
                          f"{list(b.shape)}")
@@ -140,7 +149,7 @@ def resize(x: Tensor, size, interpolation: str = "bilinear", keep_aspect: str | 
                          f"of {KEEP_ASPECT}; got {interpolation!r}, {keep_aspect!r}")
     batch = x if x.ndim == 4 else x[None]
     n, height, width, _ = batch.shape
-    boxes = ember.tensor(np.tile(np.float32([0, 0, width, height]), (n, 1)), device=x.device)
+    boxes = ember.tensor(np.tile(np.int64([0, 0, width, height]), (n, 1)), device=x.device)
     which = ember.arange(n, device=x.device)
     out = _sample(batch, which, boxes, _size(size, "resize"), interpolation, keep_aspect, background)
     return out if x.ndim == 4 else out[0]
@@ -152,14 +161,24 @@ def crop(images: Tensor, boxes) -> list[Tensor]:
     if images.ndim != 3:
         raise ShapeError(f"ember.vision.crop: expected one image [H, W, C], got {list(images.shape)}; "
                          "crop_resize takes a batch")
-    height, width = images.shape[:2]
-    out = []
-    for x, y, w, h in np.asarray(boxes, dtype=np.int64).reshape(-1, 4).tolist():
+    return [images[y:y + h, x:x + w] for x, y, w, h in _host_boxes(boxes, images.shape, "crop").tolist()]
+
+
+def _host_boxes(boxes, shape, op: str) -> np.ndarray:
+    """Boxes given on the host as whole-pixel rows [N, 4], each checked to lie inside the frame."""
+    height, width = shape[-3:-1]
+    b = np.asarray(boxes)
+    if b.size % 4 or (b.ndim == 2 and b.shape[1] != 4) or b.ndim > 2:
+        raise ShapeError(f"ember.vision.{op}: boxes must be (x, y, width, height) rows, got shape {list(b.shape)}")
+    rows = b.reshape(-1, 4)
+    if rows.size and not np.array_equal(rows, np.round(rows)):
+        raise ValueError(f"ember.vision.{op}: boxes are whole pixels, got {rows[(rows != np.round(rows)).any(1)][0]}")
+    rows = rows.astype(np.int64)
+    for x, y, w, h in rows.tolist():
         if w <= 0 or h <= 0 or x < 0 or y < 0 or x + w > width or y + h > height:
-            raise ValueError(f"ember.vision.crop: box (x={x}, y={y}, width={w}, height={h}) is not inside the "
+            raise ValueError(f"ember.vision.{op}: box (x={x}, y={y}, width={w}, height={h}) is not inside the "
                              f"{width}x{height} image")
-        out.append(images[y:y + h, x:x + w])
-    return out
+    return rows
 
 
 def crop_resize(images: Tensor, boxes, size, interpolation: str = "bilinear", keep_aspect: str | None = None,
@@ -172,7 +191,8 @@ def crop_resize(images: Tensor, boxes, size, interpolation: str = "bilinear", ke
         raise ValueError(f"ember.vision.crop_resize: interpolation must be one of {INTERPOLATIONS} and keep_aspect "
                          f"one of {KEEP_ASPECT}; got {interpolation!r}, {keep_aspect!r}")
     batch = images if images.ndim == 4 else images[None]
-    b = _boxes(boxes, images.device)
+    b = _boxes(boxes if isinstance(boxes, Tensor) else _host_boxes(boxes, images.shape, "crop_resize"),
+               images.device)
     if indices is None:
         which = ember.zeros(b.shape[0], dtype=ember.int64, device=images.device) if images.ndim == 3 else \
             ember.arange(b.shape[0], device=images.device)

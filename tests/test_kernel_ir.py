@@ -215,3 +215,39 @@ def test_a_gemm_over_more_than_int32_elements_walks_k_in_int64(cuda_backend):
     p = ember.explain.plan(g, x, g.mT @ x)
     (gemm,) = [k for k in p.kernels if k.core is not None]
     assert "ka = start.to(tl.int64)" in p.sources[id(gemm)].text
+
+
+def _heavy(x, depth: int = 30):
+    """x times a long chain over its last axis's positions: a pointwise kernel of over POINTWISE_HEAVY nodes
+    whose chain does not vary along the other axes."""
+    t = ember.arange(x.shape[-1], dtype=ember.float32, device=x.device)
+    for _ in range(depth):
+        t = (t * 1.01 + 0.3).sin()
+    return x * t
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 5, 7), (4, 9), (1, 3, 1, 1), (0, 3, 5, 7), (2, 3, 0, 7), (5, 7)])
+def test_a_heavy_kernel_computes_a_short_axis_whole_in_each_thread_sharing_what_does_not_vary_along_it(shape):
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal(shape).astype(np.float32)
+    out = _heavy(ember.tensor(a, device="cuda"))
+    (kernel,) = ember.explain.plan(out).kernels
+    axis = lower.unrolled_axis(kernel)
+    short = [d for d, s in enumerate(shape) if 2 <= s <= lower.POINTWISE_UNROLL]
+    assert axis == (short[-1] if short else None)
+    (source,) = ember.explain.plan(out).sources.values()
+    # the chain along the last axis once per thread, not once per position along the unrolled one
+    code = source.text.split("@triton.jit")[1]
+    assert code.count("sin(") == 30, source.text
+    np.testing.assert_allclose(out.numpy(), _heavy(ember.tensor(a)).numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_segments_of_one_launch_unroll_their_own_short_axes(cuda_backend):
+    rng = np.random.default_rng(4)
+    a, b = rng.standard_normal((3, 2, 6)).astype(np.float32), rng.standard_normal((5, 11)).astype(np.float32)
+    outs = _heavy(ember.tensor(a, device="cuda")), _heavy(ember.tensor(b, device="cuda"), depth=25)
+    p = ember.explain.plan(*outs)
+    assert p.launches == 1, str(p)
+    for got, x in zip(outs, (a, b)):
+        np.testing.assert_allclose(got.numpy(), _heavy(ember.tensor(x), depth=30 if x is a else 25).numpy(),
+                                   rtol=1e-5, atol=1e-6)

@@ -518,19 +518,48 @@ def _program(emitter: Emitter, axis: int = 0, name: str = "pid") -> Var:
 
 def _pointwise_body(ctx: Context, kernel: FusedKernel, block: list, tag: str, first_block: Expr) -> None:
     emitter = Emitter(ctx, kernel, block, tag)
-    numel = math.prod(kernel.space)
+    axis = unrolled_axis(kernel)
     start = call("cast", first_block, dtype=dtypes.int64) if emitter.big else first_block
     offs = emitter.bind(f"offs{tag}", Bin("+", Bin("*", start, BLOCK), Range(BLOCK)))
-    mask = emitter.bind(f"mask{tag}", Bin("<", offs, ctx.size(numel)))
-    for out in kernel.outputs:
-        emitter.store(out, Index(None, offs, mask, FULL), (BLOCK,))
+    mask = emitter.bind(f"mask{tag}", Bin("<", offs, ctx.size(_threads(kernel))))
+    if axis is None:
+        for out in kernel.outputs:
+            emitter.store(out, Index(None, offs, mask, FULL), (BLOCK,))
+        return
+    # each element of offs is a position along the other axes, computed for every position along `axis`: what
+    # does not vary along it is memoized under the same index, so emitted once
+    other = emitter.unravel(offs, kernel.space[:axis] + kernel.space[axis + 1:])
+    for position in range(kernel.space[axis]):
+        at = Index(other[:axis] + (Lit(position),) + other[axis:], None, mask, FULL)
+        for out in kernel.outputs:
+            emitter.store(out, at, (BLOCK,))
+
+
+# A heavy pointwise kernel (more nodes than POINTWISE_HEAVY) computes all positions along an axis this short in
+# one thread (an image's channels): what does not vary along that axis (sample positions, the index arithmetic
+# of gathers) is then computed once for all of them
+POINTWISE_UNROLL = 4
+
+
+def unrolled_axis(kernel: FusedKernel) -> int | None:
+    """The axis of a pointwise kernel's space that each thread computes whole, or None."""
+    if len(kernel.covers) <= POINTWISE_HEAVY or any(o.shape != kernel.space for o in kernel.outputs):
+        return None
+    short = [d for d, s in enumerate(kernel.space) if 2 <= s <= POINTWISE_UNROLL]
+    return short[-1] if short else None
+
+
+def _threads(kernel: FusedKernel) -> int:
+    """The positions a pointwise kernel's programs cover: its elements, less an unrolled axis."""
+    axis = unrolled_axis(kernel)
+    return math.prod(kernel.space) // (1 if axis is None else kernel.space[axis])
 
 
 def _pointwise(ctx: Context, kernel: FusedKernel) -> Function:
     body: list = []
     pid = _program(Emitter(ctx, kernel, body))
     _pointwise_body(ctx, kernel, body, "", pid)
-    numel = math.prod(kernel.space)
+    numel = _threads(kernel)
     block = pointwise_block(numel, len(kernel.covers), ctx.settings.multiprocessors)
     return ctx.function("", body, {"BLOCK": block}, -(-numel // block), 4)
 
@@ -556,10 +585,10 @@ def _segmented(ctx: Context, kernel: FusedKernel) -> Function:
     pid = _program(Emitter(ctx, kernel, body))
     total = 0
     branches = body
-    block = pointwise_block(sum(math.prod(part.space) for part in kernel.segments),
+    block = pointwise_block(sum(_threads(part) for part in kernel.segments),
                             max(len(part.covers) for part in kernel.segments), ctx.settings.multiprocessors)
     for k, part in enumerate(kernel.segments):
-        blocks = -(-math.prod(part.space) // block)
+        blocks = -(-_threads(part) // block)
         begin = total
         total += blocks
         bound = ctx.param("bound", total, "end")

@@ -322,3 +322,18 @@ def test_degenerate_sizes_no_boxes_and_one_pixel_sources(device, rng):
                                   np.broadcast_to(img[7:8, 4:5].astype(np.float32), (2, 2, 3)))
     with pytest.raises(ValueError, match=r"resize: size must be positive"):
         V.resize(x, (0, 4))
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_normalize_takes_per_sample_means_and_stds_as_runtime_tensors(device, rng):
+    img = image(rng, 40, 50)
+    boxes = [(0, 0, 50, 40), (5, 3, 20, 30), (30, 10, 7, 9)]
+    mean = rng.uniform(50, 150, (3, 1, 1, 3)).astype(np.float32)
+    std = rng.uniform(20, 70, (3, 1, 1, 3)).astype(np.float32)
+    crops = V.crop_resize(ember.tensor(img, device=device), boxes, (8, 10))
+    out = V.normalize(crops, ember.tensor(mean, device=device), ember.tensor(std, device=device))
+    if device == "cuda":
+        assert len(ember.explain.plan(out).kernels) == 1, str(ember.explain.plan(out))
+    np.testing.assert_allclose(out.numpy(), (crops.numpy() - mean) / std, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ember.ShapeError, match=r"normalize: mean \[2, 1, 1, 3\]"):
+        V.normalize(crops, ember.tensor(mean[:2], device=device), 1.0)

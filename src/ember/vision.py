@@ -275,9 +275,19 @@ def _from_nv(x, code: str, standard: str, rng: str) -> Tensor:
 # -- values and layout -----------------------------------------------------------------------------
 
 def normalize(x: Tensor, mean, std) -> Tensor:
-    """(x - mean) / std per channel (the last axis), in float32: (x - mean) times 1 / std, the reciprocal
-    computed in float64 once (within an ulp of dividing, without a division per element)."""
+    """(x - mean) / std in float32. Numbers or sequences are per channel (the last axis): x - mean times 1 / std,
+    the reciprocal computed in float64 once (within an ulp of dividing, without a division per element).
+    Tensors are runtime data broadcast against x (per sample: [N, 1, 1, C]), divided as written."""
     f = _float(x)
+    if isinstance(mean, Tensor) or isinstance(std, Tensor):
+        m, s = (v.to(ember.float32) if isinstance(v, Tensor) else
+                ember.tensor(np.broadcast_to(np.asarray(v, np.float32), (f.shape[-1],)).copy(), device=f.device)
+                for v in (mean, std))
+        try:
+            return (f - m) / s
+        except ShapeError as error:
+            raise ShapeError(f"ember.vision.normalize: mean {list(m.shape)} and std {list(s.shape)} must broadcast "
+                             f"against the image {list(f.shape)}") from error
     c = f.shape[-1]
     m = ember.tensor(np.broadcast_to(np.asarray(mean, np.float32), (c,)).copy(), device=f.device)
     scale = (1.0 / np.broadcast_to(np.asarray(std, np.float64), (c,))).astype(np.float32)

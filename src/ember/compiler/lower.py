@@ -547,12 +547,14 @@ UNROLL_SHARE = 0.9
 
 
 def unrolled_axis(ctx: Context, kernel: FusedKernel) -> int | None:
-    """The axis of a pointwise kernel's space that each thread computes whole, or None: the last short axis,
-    where unrolling it pays (both forms are emitted and their statements counted)."""
+    """The axis of a pointwise kernel's space that each thread computes whole, or None: the last short axis
+    but the innermost, where unrolling it pays (both forms are emitted and their statements counted)."""
     key = ("unrolled", id(kernel))
     if key in ctx.decisions:
         return ctx.decisions[key]
-    short = [d for d, s in enumerate(kernel.space) if 2 <= s <= POINTWISE_UNROLL]
+    # not the innermost axis: positions along it are neighbours in memory, which threads side by side store at once
+    inner = max((d for d, s in enumerate(kernel.space) if s != 1), default=0)
+    short = [d for d, s in enumerate(kernel.space) if 2 <= s <= POINTWISE_UNROLL and d < inner]
     axis = None
     if short and len(kernel.covers) > POINTWISE_HEAVY and all(o.shape == kernel.space for o in kernel.outputs):
         params, names = list(ctx.params), dict(ctx.names)  # the trial's parameters are not the kernel's

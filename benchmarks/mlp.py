@@ -15,7 +15,7 @@ kernels its plan of one inference has (1: the whole network is one kernel), or o
     python benchmarks/mlp.py --rows I64d5,T64     # some rows
     python benchmarks/mlp.py --variants "torch eager,ember lazy,ember.jit"
     python benchmarks/mlp.py --cpu-smoke          # no GPU: tiny sizes, every code path
-    EMBER_SPLIT_K=1 python benchmarks/mlp.py --rows T64   # training with split-K weight gradients
+    EMBER_SPLIT_K=0 python benchmarks/mlp.py --rows T64   # training with unsplit weight-gradient GEMMs
 """
 
 from __future__ import annotations

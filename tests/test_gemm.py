@@ -788,8 +788,11 @@ def split_k(monkeypatch):
 
 
 @pytest.mark.parametrize(("mnk", "sms", "splits"), [
-    ((64, 64, 2**18), 132, 264),  # a weight gradient of a 64-wide layer over 2^18 rows: two programs per SM
-    ((16, 64, 4096), 132, 8),  # K bounds the split: each program walks at least SPLIT_MIN_DEPTH
+    ((64, 64, 2**18), 132, 256),  # a weight gradient of a 64-wide layer over 2^18 rows: K bounds the split
+    ((128, 128, 2**18), 132, 132),  # 4 tiles: SPLIT_PROGRAMS_PER_SM programs per SM in all
+    ((16, 64, 8192), 132, 8),  # K bounds the split: each program walks SPLIT_DEPTH
+    ((16, 64, 3000), 132, 4),  # too short for SPLIT_MIN shares of SPLIT_DEPTH: SPLIT_MIN of at least SPLIT_MIN_DEPTH
+    ((16, 64, 2000), 132, 1),  # too short for SPLIT_MIN shares at all
     ((64, 64, 1024), 132, 1),  # too short to share
     ((2048, 2048, 2**18), 132, 1),  # enough tiles to fill the GPU
     ((64, 64, 2**18), 0, 1),  # the SM count unknown (off the GPU)

@@ -4,6 +4,8 @@ fused plan: a whole pipeline from the source frame is one kernel."""
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import numpy as np
 import pytest
 import torch
@@ -28,6 +30,12 @@ def position_tol(extent: int) -> float:
     """torch's interpolate rounds each sample position to float32 before weighing: off by up to an ulp of the
     position, so by that times the 255 levels between neighbours."""
     return max(FLOAT_TOL, 2 * 255 * float(np.spacing(np.float32(extent))))
+
+
+def content_size(h: int, w: int, size) -> tuple[int, int]:
+    """A box's size scaled to fit `size` keeping its aspect: exact, each side rounded half to even, at least 1."""
+    scale = min(Fraction(size[0], h), Fraction(size[1], w))
+    return max(1, round(h * scale)), max(1, round(w * scale))
 
 
 def exact_resize(img: np.ndarray, size) -> np.ndarray:
@@ -113,8 +121,7 @@ def test_keep_aspect_resizes_a_box_to_its_rounded_content_size_as_opencv_would(b
     img = image(rng, 60, 50)
     x, y, w, h = box
     got = V.crop_resize(ember.tensor(img), [box], (30, 30), keep_aspect="center").numpy()[0]
-    s = max(h / 30, w / 30)
-    ch, cw = max(1, round(h / s)), max(1, round(w / s))
+    ch, cw = content_size(h, w, (30, 30))
     top, left = (30 - ch) // 2, (30 - cw) // 2
     want = cv2.resize(img[y:y + h, x:x + w].astype(np.float32), (cw, ch), interpolation=cv2.INTER_LINEAR)
     np.testing.assert_allclose(got[top:top + ch, left:left + cw], want.reshape(ch, cw, 3), atol=opencv_tol(60))
@@ -337,3 +344,27 @@ def test_normalize_takes_per_sample_means_and_stds_as_runtime_tensors(device, rn
     np.testing.assert_allclose(out.numpy(), (crops.numpy() - mean) / std, rtol=1e-6, atol=1e-6)
     with pytest.raises(ember.ShapeError, match=r"normalize: mean \[2, 1, 1, 3\]"):
         V.normalize(crops, ember.tensor(mean[:2], device=device), 1.0)
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_boxes_with_a_side_of_one_pixel_are_sampled_exactly_too(device, rng):
+    """OpenCV resizes a source one pixel wide or high without IPP, at sample positions rounded to float32 first:
+    there it is off the exact result by up to an ulp of a position, as torch is; ember samples exactly."""
+    img = image(rng, 50, 90)
+    boxes = [(3, 7, 81, 1), (40, 2, 1, 45), (0, 0, 90, 50), (5, 5, 1, 1), (10, 20, 77, 2)]
+    got = V.crop_resize(ember.tensor(img, device=device), boxes, (37, 119)).numpy()
+    for i, (bx, by, bw, bh) in enumerate(boxes):
+        crop = img[by:by + bh, bx:bx + bw]
+        np.testing.assert_allclose(got[i], exact_resize(crop, (37, 119)), atol=FLOAT_TOL, err_msg=f"box {i}")
+        want = cv2.resize(crop.astype(np.float32), (119, 37), interpolation=cv2.INTER_LINEAR).reshape(got[i].shape)
+        np.testing.assert_allclose(got[i], want, atol=position_tol(90), err_msg=f"box {i}")
+
+
+@pytest.mark.parametrize(("box", "size"), [((0, 0, 126, 21), (216, 117)), ((0, 0, 60, 150), (228, 87)),
+                                           ((0, 0, 78, 9), (166, 65)), ((0, 0, 138, 20), (35, 254))])
+def test_keep_aspect_rounds_the_content_size_exactly_at_ties(box, size, rng):
+    """Contents whose exact scaled side ends in .5 (where float arithmetic rounds either way)."""
+    img = image(rng, 150, 140)
+    got = V.crop_resize(ember.tensor(img), [box], size, keep_aspect="left", background=-1.0).numpy()[0]
+    ch, cw = content_size(box[3], box[2], size)
+    assert (got[:ch, :cw] >= 0).all() and (got[ch:] == -1).all() and (got[:, cw:] == -1).all()

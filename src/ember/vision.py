@@ -74,9 +74,11 @@ def _sample(images: Tensor, which: Tensor, boxes: Tensor, size: tuple[int, int],
     inside = None
     ch, cw = h, w  # the content's size: the whole output, or the box scaled to fit inside it
     if keep_aspect is not None:
-        fh, fw = bh.to(ember.float32), bw.to(ember.float32)
-        s = ember.maximum(fh / h, fw / w)
-        ch, cw = ((v / s).round().clamp(min=1.0).to(ints) for v in (fh, fw))  # as cv2.resize to (cw, ch)
+        # the box scaled by min(h / bh, w / bw), each side rounded (half to even) to whole pixels, exactly: the
+        # limiting side fills the output, the other is round(side * out / limiting side), at least 1
+        # (the limiting side's ratio rounds to at least its output size, so a clamp picks it)
+        ch = _round_ratio(bh * w, bw).clamp(min=1, max=h)
+        cw = _round_ratio(bw * h, bh).clamp(min=1, max=w)
         if keep_aspect == "center":
             ys, xs = ys - ((h - ch) // 2)[:, None], xs - ((w - cw) // 2)[:, None]  # positions inside the content
         inside = ((ys >= 0) & (ys < ch[:, None]))[:, :, None] & ((xs >= 0) & (xs < cw[:, None]))[:, None, :]
@@ -103,14 +105,22 @@ def _sample(images: Tensor, which: Tensor, boxes: Tensor, size: tuple[int, int],
     return ember.where(inside[:, :, :, None], top, fill)
 
 
+def _round_ratio(p: Tensor, q: Tensor) -> Tensor:
+    """p / q rounded half to even, for p >= 0 and q > 0 (ints), exactly."""
+    quotient = p // q
+    twice = 2 * (p - quotient * q)
+    return quotient + ((twice > q) | ((twice == q) & (quotient % 2 == 1))).to(quotient.dtype)
+
+
 def _axis(d: Tensor, start: Tensor, extent: Tensor, out, interpolation: str):
     """The two source positions and the weight of the second, along one axis: output positions d ([B, out] or
     [1, out], int) of a box `start` + [0, extent) resized to `out` samples (an int, or per box [B]).
 
     Exact, in integers: output d samples the source at ((2 d + 1) extent - out) / (2 out), whose floor is the
-    first position and whose fraction the weight, correctly rounded to float32 (OpenCV's IPP-accelerated
-    float path computes the same; torch's interpolate rounds the position to float32 first, which moves a
-    weight by up to an ulp of the position: a few hundredths of a level at a 4K frame's far edge)."""
+    first position and whose fraction the weight, correctly rounded to float32, as OpenCV's IPP-accelerated
+    float path computes them (torch's interpolate rounds the position to float32 first, which moves a weight by
+    up to an ulp of the position: a few hundredths of a level at a 4K frame's far edge; so does OpenCV where it
+    does not use IPP: a source one pixel wide or high, or 2 channels)."""
     last = (extent - 1)[:, None]
     per_box = isinstance(out, Tensor)
     o = out[:, None] if per_box else out

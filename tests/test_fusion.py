@@ -488,3 +488,20 @@ def test_a_shared_widening_cast_is_stored_as_its_half_precision_input(rng):
     assert [(n.op.label, n.dtype) for n in intermediates] == [("tanh", ember.bfloat16)]
     for out, ref in zip(outs, refs):  # the fused chain rounds to bfloat16 once, the reference after each op
         assert_close(out, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_a_tiny_shared_producer_is_recomputed_by_its_readers_not_stored_by_a_launch_of_its_own(cuda_backend):
+    """Per-box values read by several ops (a test on a box's width): storing them saves a few bytes and costs
+    a launch, so each reader recomputes them; a large shared producer is still weighed by its bytes."""
+    boxes = np.int64([(0, 0, 20, 30), (10, 5, 1, 20), (1, 1, 5, 5)])
+
+    def build(device):
+        b = ember.tensor(boxes, device=device)
+        thin = (b[:, 2].to(ember.int32) < 2)[:, None]
+        a = ember.arange(8, device=device, dtype=ember.float32)[None, :]
+        return ember.where(thin, 1.0, 2.0) * a + ember.where(thin, 3.0, 4.0) * a * a + ember.where(thin, 5.0, 6.0)
+
+    out = build("cuda")
+    p = plan(out)
+    assert p.launches == 1, str(p)
+    np.testing.assert_array_equal(out.numpy(), build("cpu").numpy())

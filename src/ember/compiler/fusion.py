@@ -58,6 +58,11 @@ MAINLOOP = "mainloop"  # the level of a GEMM kernel's operand reductions: no oth
 OPAQUE = (Op.MATMUL, Op.CONV2D, Op.CONV2D_INPUT_GRAD, Op.CONV2D_WEIGHT_GRAD)  # the vendor's, or a GEMM core
 MAX_SEGMENTS = 64  # pointwise kernels fused into one launch at most
 MAX_RECOMPUTE_OPS = 48  # a shared producer with a larger cone is stored, not recomputed
+# A shared producer whose recomputation reads at most this many bytes, and whose readers' elements times its ops
+# come to at most TINY_RECOMPUTE_WORK, is recomputed: storing it would save a few bytes but could take a launch
+# of its own (a few microseconds, megabytes' worth of traffic); per-box or per-channel values
+TINY_RECOMPUTE_BYTES = 16 * 1024
+TINY_RECOMPUTE_WORK = 1 << 22
 RAND_OPS = 8  # a random number (Philox rounds), in pointwise ops
 GEMM_DTYPES = (dtypes.float16, dtypes.bfloat16, dtypes.float32)  # matmuls generated as Triton GEMMs
 MLP_MAX_WIDTH = 128  # widths of a chained MLP's layers (padded to powers of two) whose tiles stay on chip
@@ -327,6 +332,9 @@ class Planner:
         passes = sum(min(1.0, u.numel / node.numel) if u.op is Op.GATHER and u.inputs[0] is node and node.numel
                      else 1.0 for u in self.users[id(node)])
         store, recompute = own_bytes * (1 + k) + input_bytes, passes * input_bytes
+        work = ops * sum(u.numel for u in self.users[id(node)])
+        if recompute <= TINY_RECOMPUTE_BYTES and work <= TINY_RECOMPUTE_WORK:
+            store = recompute + 1  # a launch outweighs these bytes
         verdict = "stored" if store < recompute else "recomputed by each reader"
         self.shared[id(node)] = (f"{what} {verdict}: storing moves {_mib(store)}, recomputing reads "
                                  f"{_mib(recompute)}")

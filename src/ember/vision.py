@@ -58,8 +58,9 @@ def _float(x: Tensor) -> Tensor:
 # -- sampling --------------------------------------------------------------------------------------
 
 def _sample(images: Tensor, which: Tensor, boxes: Tensor, size: tuple[int, int], interpolation: str,
-            keep_aspect: str | None, background) -> Tensor:
-    """[B, h, w, C] float32: box b (whole pixels, int) of image which[b] resized to `size`."""
+            keep_aspect: str | None, background, thin: bool | None = None) -> Tensor:
+    """[B, h, w, C] float32: box b (whole pixels, int) of image which[b] resized to `size`. `thin`: whether every
+    box has a side of one pixel (None: it depends on the box, at runtime)."""
     n, height, width, channels = images.shape
     h, w = size
     device = images.device
@@ -83,8 +84,12 @@ def _sample(images: Tensor, which: Tensor, boxes: Tensor, size: tuple[int, int],
             ys, xs = ys - ((h - ch) // 2)[:, None], xs - ((w - cw) // 2)[:, None]  # positions inside the content
         inside = ((ys >= 0) & (ys < ch[:, None]))[:, :, None] & ((xs >= 0) & (xs < cw[:, None]))[:, None, :]
         ys, xs = ys.clamp(min=0), xs.clamp(min=0)
-    ya, yb, wy = _axis(ys, y0, bh, ch, interpolation)
-    xa, xb, wx = _axis(xs, x0, bw, cw, interpolation)
+    # OpenCV resizes a source one pixel wide or high without IPP, at positions rounded to float32 first (which
+    # matters along its other side): per box, at runtime, or for all when the source is one image
+    ya, yb, wy = _axis(ys, y0, bh, ch, interpolation, (bw < 2)[:, None] if thin is None else thin,
+                       (2 * h + 1) * height)
+    xa, xb, wx = _axis(xs, x0, bw, cw, interpolation, (bh < 2)[:, None] if thin is None else thin,
+                       (2 * w + 1) * width)
     base = (which.to(ints) * (height * width))[:, None, None]
     lanes = ember.arange(channels, device=device, dtype=ints)
 
@@ -112,15 +117,17 @@ def _round_ratio(p: Tensor, q: Tensor) -> Tensor:
     return quotient + ((twice > q) | ((twice == q) & (quotient % 2 == 1))).to(quotient.dtype)
 
 
-def _axis(d: Tensor, start: Tensor, extent: Tensor, out, interpolation: str):
+def _axis(d: Tensor, start: Tensor, extent: Tensor, out, interpolation: str, rounded: Tensor | bool = False,
+          bound: int = 0):
     """The two source positions and the weight of the second, along one axis: output positions d ([B, out] or
     [1, out], int) of a box `start` + [0, extent) resized to `out` samples (an int, or per box [B]).
 
     Exact, in integers: output d samples the source at ((2 d + 1) extent - out) / (2 out), whose floor is the
     first position and whose fraction the weight, correctly rounded to float32, as OpenCV's IPP-accelerated
     float path computes them (torch's interpolate rounds the position to float32 first, which moves a weight by
-    up to an ulp of the position: a few hundredths of a level at a 4K frame's far edge; so does OpenCV where it
-    does not use IPP: a source one pixel wide or high, or 2 channels)."""
+    up to an ulp of the position: a few hundredths of a level at a 4K frame's far edge). Where `rounded` holds
+    (per box, [B, 1], or for all), the position is rounded to float32 first, as OpenCV's own path does where it
+    does not use IPP. `bound`: at least (2 out + 1) extent, for the rounded position's precision."""
     last = (extent - 1)[:, None]
     per_box = isinstance(out, Tensor)
     o = out[:, None] if per_box else out
@@ -135,6 +142,16 @@ def _axis(d: Tensor, start: Tensor, extent: Tensor, out, interpolation: str):
     first = n // twice
     fraction = (n - first * twice).to(ember.float32)
     weight = fraction / twice.to(ember.float32) if per_box else fraction * np.float32(1 / twice)
+    if rounded is not False:
+        # the position n / (2 out) correctly rounded to float32 (through float64 where n may pass 2^24)
+        wide = ember.float32 if bound <= 2**24 else ember.float64
+        position = (n.to(wide) / (twice.to(wide) if per_box else float(twice))).to(ember.float32)
+        floor = position.floor()
+        if rounded is True:
+            first, weight = floor.to(first.dtype), position - floor
+        else:
+            first = ember.where(rounded, floor.to(first.dtype), first)
+            weight = ember.where(rounded, position - floor, weight)
     return start[:, None] + ember.minimum(first, last), start[:, None] + ember.minimum(first + 1, last), weight
 
 
@@ -161,7 +178,8 @@ def resize(x: Tensor, size, interpolation: str = "bilinear", keep_aspect: str | 
     n, height, width, _ = batch.shape
     boxes = ember.tensor(np.tile(np.int64([0, 0, width, height]), (n, 1)), device=x.device)
     which = ember.arange(n, device=x.device)
-    out = _sample(batch, which, boxes, _size(size, "resize"), interpolation, keep_aspect, background)
+    out = _sample(batch, which, boxes, _size(size, "resize"), interpolation, keep_aspect, background,
+                  thin=height < 2 or width < 2)
     return out if x.ndim == 4 else out[0]
 
 

@@ -438,8 +438,9 @@ class _Builder:
         programs = outputs if trailing else -(-outputs // 128)
         if programs >= SPLIT_MIN_PROGRAMS or n < SPLIT_MIN_LENGTH or n * outputs < SPLIT_MIN_ELEMENTS:
             return None
-        # a column reduction splits until its partial results fill SPLIT_MIN_PROGRAMS blocks of outputs
-        wanted = SPLIT_PARTS if trailing else max(SPLIT_PARTS, -(-SPLIT_MIN_PROGRAMS // programs))
+        # the partial results fill SPLIT_MIN_PROGRAMS programs (rows) or blocks of outputs (columns), so the
+        # partial stage is not split again: two kernels, the second reducing a few thousand partials at most
+        wanted = max(SPLIT_PARTS, -(-SPLIT_MIN_PROGRAMS // programs))
         parts = min(wanted, n // SPLIT_MIN_PART)
         padded = -(-n // parts) * parts
         if padded != n:  # pad with the reduction's identity, so the padding changes nothing

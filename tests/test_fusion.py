@@ -505,3 +505,15 @@ def test_a_tiny_shared_producer_is_recomputed_by_its_readers_not_stored_by_a_lau
     p = plan(out)
     assert p.launches == 1, str(p)
     np.testing.assert_array_equal(out.numpy(), build("cpu").numpy())
+
+
+@pytest.mark.parametrize("shape", [(2**22,), (2**18, 16), (4, 2**20)])
+def test_a_long_reduction_into_few_outputs_takes_two_kernels_not_a_tree_of_three(shape, cuda_backend):
+    rng = np.random.default_rng(8)
+    a = rng.standard_normal(shape).astype(np.float32)
+    x = ember.tensor(a, device="cuda")
+    out = x.sum() if len(shape) < 2 or shape[0] > 4 else x.sum(-1)
+    p = plan(out)
+    assert [k.kind.value for k in p.kernels] == ["reduce", "reduce"], str(p)
+    want = a.sum(dtype=np.float64) if out.ndim == 0 else a.sum(-1, dtype=np.float64)
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-4, atol=1e-2)

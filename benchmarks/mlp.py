@@ -224,6 +224,7 @@ def main(argv: list[str] | None = None) -> None:
                       *[cell(times.get(v), "{:.3f}") if v in variants else "-" for v in VARIANTS],
                       *[gpu_cell(gpu.get(v), "{:.3f}") if v in variants else "-" for v in DEVICE_TIMED],
                       cell(kernels, "{}"),
+                      "-" if "torch eager" not in variants else
                       cell(eager / best_ember if eager and best_ember else None, "{:.2f}"),
                       "-" if not any(v.startswith("torch.compile") for v in variants) else
                       cell(best_torch / best_ember if best_torch and best_ember else None, "{:.2f}"), check])

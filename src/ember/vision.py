@@ -307,18 +307,21 @@ def normalize(x: Tensor, mean, std) -> Tensor:
     the reciprocal computed in float64 once (within an ulp of dividing, without a division per element).
     Tensors are runtime data broadcast against x (per sample: [N, 1, 1, C]), divided as written."""
     f = _float(x)
-    if isinstance(mean, Tensor) or isinstance(std, Tensor):
-        m, s = (v.to(ember.float32) if isinstance(v, Tensor) else
-                ember.tensor(np.broadcast_to(np.asarray(v, np.float32), (f.shape[-1],)).copy(), device=f.device)
-                for v in (mean, std))
+
+    def per_channel(v, dtype=np.float32) -> np.ndarray:
+        return np.broadcast_to(np.asarray(v, dtype), (f.shape[-1],))
+
+    m = mean.to(ember.float32) if isinstance(mean, Tensor) else ember.tensor(per_channel(mean).copy(),
+                                                                              device=f.device)
+    if isinstance(std, Tensor) or isinstance(mean, Tensor):
+        s = std.to(ember.float32) if isinstance(std, Tensor) else ember.tensor(per_channel(std).copy(),
+                                                                               device=f.device)
         try:
             return (f - m) / s
         except ShapeError as error:
             raise ShapeError(f"ember.vision.normalize: mean {list(m.shape)} and std {list(s.shape)} must broadcast "
                              f"against the image {list(f.shape)}") from error
-    c = f.shape[-1]
-    m = ember.tensor(np.broadcast_to(np.asarray(mean, np.float32), (c,)).copy(), device=f.device)
-    scale = (1.0 / np.broadcast_to(np.asarray(std, np.float64), (c,))).astype(np.float32)
+    scale = (1.0 / per_channel(std, np.float64)).astype(np.float32)
     return (f - m) * ember.tensor(scale, device=f.device)
 
 

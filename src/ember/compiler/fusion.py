@@ -332,13 +332,13 @@ class Planner:
         passes = sum(min(1.0, u.numel / node.numel) if u.op is Op.GATHER and u.inputs[0] is node and node.numel
                      else 1.0 for u in self.users[id(node)])
         store, recompute = own_bytes * (1 + k) + input_bytes, passes * input_bytes
-        work = ops * sum(u.numel for u in self.users[id(node)])
-        if recompute <= TINY_RECOMPUTE_BYTES and work <= TINY_RECOMPUTE_WORK:
-            store = recompute + 1  # a launch outweighs these bytes
-        verdict = "stored" if store < recompute else "recomputed by each reader"
+        tiny = recompute <= TINY_RECOMPUTE_BYTES and \
+            ops * sum(u.numel for u in self.users[id(node)]) <= TINY_RECOMPUTE_WORK
+        stored = store < recompute and not tiny
+        verdict = "stored" if stored else "recomputed by each reader"
         self.shared[id(node)] = (f"{what} {verdict}: storing moves {_mib(store)}, recomputing reads "
-                                 f"{_mib(recompute)}")
-        return store < recompute
+                                 f"{_mib(recompute)}" + (" (less than a launch costs)" if tiny else ""))
+        return stored
 
     # -- step 2: one kernel per stored node ----------------------------------------------
     def root_kernels(self) -> list[FusedKernel]:

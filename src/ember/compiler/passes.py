@@ -439,7 +439,8 @@ class _Builder:
         if programs >= SPLIT_MIN_PROGRAMS or n < SPLIT_MIN_LENGTH or n * outputs < SPLIT_MIN_ELEMENTS:
             return None
         # the partial results fill SPLIT_MIN_PROGRAMS programs (rows) or blocks of outputs (columns), so the
-        # partial stage is not split again: two kernels, the second reducing a few thousand partials at most
+        # partial stage is not split again: two kernels, the second reducing at most SPLIT_MIN_PROGRAMS partials
+        # (or SPLIT_PARTS) per output
         wanted = max(SPLIT_PARTS, -(-SPLIT_MIN_PROGRAMS // programs))
         parts = min(wanted, n // SPLIT_MIN_PART)
         padded = -(-n // parts) * parts

@@ -199,6 +199,84 @@ def test_a_training_step_fuses_its_forward_and_backward_chains_and_its_gradients
         assert relative(g, w) < max(tol, 2 * relative(t, w)), f"value {i} (0: the loss, then the gradients)"
 
 
+ABSORBED_CASES = [  # widths, rows, activation, dtype: every row count, padded widths, each type
+    ([16, 32, 32, 32, 8], 1, "relu", "float16"),
+    ([16, 32, 32, 32, 8], 127, "tanh", "bfloat16"),
+    ([24, 24, 24, 5], 128, "silu", "float32"),
+    ([8, 100, 24, 3], 1000, "gelu", "float16"),
+    ([64, 64, 64, 64, 64, 16], FUSED_TRAINING_BATCH + 3, "relu", "float16"),
+    ([5, 40, 40, 40, 7], 3 * FUSED_TRAINING_BATCH + 1, "leaky_relu", "bfloat16"),
+]
+
+
+@pytest.mark.parametrize("widths,rows,activation,dtype", ABSORBED_CASES,
+                         ids=[f"{'-'.join(map(str, c[0]))}x{c[1]}-{c[2]}-{c[3]}" for c in ABSORBED_CASES])
+def test_weight_gradients_summed_inside_mlp_kernels_match_torch(widths, rows, activation, dtype, monkeypatch):
+    """A weight gradient whose operands an MLP kernel computes (or loads) for each row tile is summed inside it,
+    per program, and finished by a function of the kernel's own: one launch more per gradient, no GEMM. The
+    gradients match torch whatever the kernel absorbed (below FUSED_TRAINING_BATCH, a layer that sums its bias
+    gradient in its epilogue stops the chain)."""
+    monkeypatch.setenv("EMBER_SPLIT_K", "1")
+    kernels, got, want, theirs = training_step(widths, rows, activation, dtype, seed=rows + len(widths))
+    absorbing = [k for k in kernels if k.kind is KernelKind.MLP and k.absorbed]
+    for k in absorbing:
+        assert sum(1 for d in k.decisions if d.startswith("sums the weight gradient")) == len(k.absorbed)
+        for g in k.absorbed:  # a [fan_out, fan_in] product over the kernel's rows, read from its layers
+            assert g.core.inputs[0].inputs[0].shape[0] == k.cores[0].shape[0] == rows
+    if rows >= FUSED_TRAINING_BATCH:
+        assert absorbing, [(k.kind, len(k.cores)) for k in kernels]
+    tol = {"float32": 1e-5, "float16": 2e-2, "bfloat16": 5e-2}[dtype]
+    for i, (g, w, t) in enumerate(zip(got, want, theirs)):
+        assert relative(g, w) < max(tol, 2 * relative(t, w)), f"value {i} (0: the loss, then the gradients)"
+
+
+def test_an_mlp_kernel_sums_gradients_in_registers_for_only_as_many_as_fit(monkeypatch):
+    """A 64-wide chain's backward kernel keeps two 64 x 64 gradient accumulators (MLP_GRADIENT_ELEMENTS); the
+    other two gradients stay split-K GEMMs reading the intermediates it writes; the output layer's gradient
+    joins the forward kernel, which computes both its operands. Explain shows each gradient and its finish."""
+    monkeypatch.setenv("EMBER_SPLIT_K", "1")
+    model = rounded(torch_mlp([64, 64, 64, 64, 64, 16], "relu", seed=40), "float16")
+    x, y = inputs(FUSED_TRAINING_BATCH, 64, "float16", seed=41), inputs(FUSED_TRAINING_BATCH, 16, "float16", seed=42)
+    em = ember.from_torch(model).to("cuda").to(ember.float16)
+    loss = ((em(ember.tensor(x, device="cuda")).float() - ember.tensor(y, device="cuda").float()) ** 2).mean()
+    loss.backward()
+    p = plan(loss, *[q.grad for q in em.parameters()])
+    forward, backward = [k for k in p.kernels if k.kind is KernelKind.MLP]
+    assert [list(g.core.shape) for g in forward.absorbed] == [[16, 64]]
+    assert [list(g.core.shape) for g in backward.absorbed] == [[64, 64], [64, 64]]
+    assert [k.kind for k in p.kernels].count(KernelKind.MATMUL) == 2
+    assert len(p.sources[id(backward)].launches) == 3  # the layers, then one finishing function per gradient
+    text = str(p)
+    assert text.count("  gradient  ") == 3 and "sums the weight gradient [64, 64] over its 2048 rows" in text
+
+
+def test_an_mlp_kernel_summing_gradients_streams_its_weights_on_a_smaller_gpu(monkeypatch):
+    """The streamed form of a kernel that sums gradients still walks row tiles (one partial per program), its
+    loop unpipelined since it loads the weights in it; it computes the same gradients."""
+    from ember.errors import CompileError
+    from ember.runtime import cuda, launcher
+
+    monkeypatch.setenv("EMBER_SPLIT_K", "1")
+    monkeypatch.setattr(cuda, "multiprocessors", lambda device: 4)  # fewer programs than row tiles: they walk
+    case = ([32, 48, 48, 48, 10], FUSED_TRAINING_BATCH + 5, "relu", "float16")
+    _, want, _, _ = training_step(*case, seed=23)
+    real = launcher._run_launches
+    refused, ran = [], []
+
+    def small_gpu(launches, ck, buffers, sig):
+        if ck.kernel.kind is KernelKind.MLP and ck.kernel.absorbed and ck.fallback is not None:
+            refused.append(ck.source.text)
+            raise CompileError("kernel failed: out of resource: shared memory, Required: 300000")
+        ran.append(ck.source.text)
+        return real(launches, ck, buffers, sig)
+
+    monkeypatch.setattr(launcher, "_run_launches", small_gpu)
+    _, got, _, _ = training_step(*case, seed=23)  # the same plan, its kernel refused: the streamed form runs
+    assert refused and any("num_stages=1" in text for text in ran)
+    for i, (a, b) in enumerate(zip(got, want)):  # rows summed in other tiles: float32 sums in another order
+        assert relative(a, b) < 1e-2, f"value {i}"
+
+
 def test_a_fused_training_step_equals_the_unfused_one(monkeypatch):
     from ember.compiler import fusion
 

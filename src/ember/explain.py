@@ -126,8 +126,9 @@ class Plan:
         how = ""
         if k.core is not None:
             how = self._gemm_how(k)
-        elif id(k) in self.sources:
-            launch = self.sources[id(k)].launches[-1]
+        elif id(k) in self.sources:  # a row kernel's last stage; an MLP kernel's layers (its first launch)
+            launches = self.sources[id(k)].launches
+            launch = launches[0] if k.kind is KernelKind.MLP else launches[-1]
             blocks = "x".join(str(v) for v in launch.constexprs.values())
             how = f"(triton, BLOCK {blocks}, {launch.num_warps} warps)"
         else:
@@ -140,11 +141,20 @@ class Plan:
             shown = {id(n) for n in part.covers if _is_work(n) or n.op is Op.RAND or n in part.outputs}
             mainloop = [n for n in part.covers if id(n) in shown and any(n in p for p in part.prologues)]
             epilogue = [n for n in part.epilogue if id(n) in shown]
-            if part.kind is KernelKind.MLP:  # layer by layer: a core, then what its result goes through
+            if part.kind is KernelKind.MLP:  # layer by layer: a core, then what its result goes through; each
+                # gradient it sums, then its finishing epilogue
                 sections = [(mainloop, "mainloop")]
+                gradients = {id(g.core): g for g in part.absorbed}
+                summed = {id(r): [] for g in part.absorbed for r in g.reductions}  # a bias gradient: with its own
                 for n in part.covers:
                     if n in part.cores:
                         sections += [([n], f"layer {part.cores.index(n)}"), ([], "epilogue")]
+                    elif id(n) in gradients:
+                        sections += [([n], "gradient"), ([], "finish")]
+                        for r in gradients[id(n)].reductions:
+                            summed[id(r)] = sections[-2][0]
+                    elif id(n) in summed:
+                        summed[id(n)].append(n)
                     elif n in epilogue and len(sections) > 1:
                         sections[-1][0].append(n)
             else:

@@ -136,6 +136,7 @@ FUNCTIONS = {
     "reduce2": "two tiles (value, position) reduced together along one axis by an arg combine",
     "combine": "two partial results merged by a combine (max, min; argmax, argmin take four values)",
     "dot": "acc + a @ b on the matrix units (option `precision`)",
+    "trans": "a 2-d tile transposed",
 }
 
 
@@ -210,6 +211,7 @@ class Loop:
     step: Expr
     body: list = field(default_factory=list)
     prelude: list = field(default_factory=list)
+    stages: int | None = None  # loads kept in flight across iterations (None: the target's default pipelining)
 
 
 @dataclass

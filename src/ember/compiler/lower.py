@@ -24,6 +24,7 @@ from ember.compiler.fusion import (
     FusedKernel,
     KernelKind,
     input_level,
+    mlp_blocks,
     operand_sums,
     summed_operand,
     summed_output,
@@ -494,7 +495,7 @@ def lower(kernel: FusedKernel, stored: set[int], context: CompileContext) -> Ker
     elif kernel.kind is KernelKind.MATMUL and kernel.core is not None:
         functions = _gemm(ctx, kernel)
     elif kernel.kind is KernelKind.MLP:
-        functions = [_mlp(ctx, kernel)]
+        functions = _mlp(ctx, kernel)
     else:
         raise CompileError(f"no generated code for {kernel.kind} kernels")
     return KernelIR(str(kernel.kind), _header(kernel), functions)
@@ -899,23 +900,32 @@ def _gemm(ctx: Context, kernel: FusedKernel) -> list[Function]:
         axis, operand, drop = (1, tile_a, "ka") if position == 0 else (0, tile_b, "kb")
         part = call("reduce", call("cast", operand, dtype=dtypes.float32), combine="sum", axis=axis, drop=drop)
         mainloop.emit(Assign((sums[key],), Bin("+", sums[key], part)))
-    functions = []
     if splits > 1:
         partials = _store_partials(ctx, Emitter(ctx, kernel, body), splits, acc, tile, summed, sums)
-        functions.append(ctx.function("_partials", body, {"BLOCK_M": 0, "BLOCK_N": 0, "BLOCK_K": 0, "GROUP_M": 0},
-                                      0, 4))
-        functions[0].gemm, functions[0].splits = (1, m, n, k), splits
-        functions[0].layout, functions[0].precision = layout_a + layout_b, dot
-        body = []
-        tile = _gemm_tile(Emitter(ctx, kernel, body), M, N, None)
-        rm, rn, mask_m, mask_n = tile.rm, tile.rn, tile.mask_m, tile.mask_n
-        masks = {mask: {"rm": mask_m, "rn": mask_n}}
-        _add_partials(Emitter(ctx, kernel, body), splits, acc, tile, summed, sums, partials)
-    epilogue = Emitter(ctx, kernel, body)
-    epilogue.count = mainloop.count
-    epilogue.unravelled = before_loop if splits == 1 else {}  # names of the partials' function are not in scope
+        first = ctx.function("_partials", body, {"BLOCK_M": 0, "BLOCK_N": 0, "BLOCK_K": 0, "GROUP_M": 0}, 0, 4)
+        first.gemm, first.splits = (1, m, n, k), splits
+        first.layout, first.precision = layout_a + layout_b, dot
+        return [first, _finishing(ctx, kernel, splits, partials, "")]
+    _epilogue(ctx, kernel, Emitter(ctx, kernel, body), tile, acc, sums, batch_dims, before_loop, mainloop.count)
+    function = ctx.function("", body, {"BLOCK_M": 0, "BLOCK_N": 0, "BLOCK_K": 0, "GROUP_M": 0}, 0, 4)
+    function.gemm = (math.prod(batch), m, n, k)
+    function.layout = layout_a + layout_b
+    function.precision = dot
+    return [function]
+
+
+def _epilogue(ctx: Context, kernel: FusedKernel, epilogue: Emitter, tile: _Tile, acc: Var, sums: dict[int, Var],
+              batch_dims: tuple[Expr, ...] = (), unravelled: dict | None = None, count: int = 0) -> None:
+    """A GEMM kernel's epilogue over its output tile, the core's value in `acc` and its operand sums in `sums`:
+    the sums' outputs, the outputs (stored from registers) and the epilogue's reductions across tiles."""
+    core = kernel.core
+    summed = {id(r): summed_operand(core, r) for r in operand_sums(kernel)}
+    rm, rn, mask_m, mask_n = tile.rm, tile.rn, tile.mask_m, tile.mask_n
+    mask = Var("mask", frozenset({"rm", "rn"}))
+    epilogue.count = count
+    epilogue.unravelled = dict(unravelled or {})  # names defined inside a mainloop are out of scope after it
     epilogue.accumulator = acc
-    epilogue.mask_parts = masks
+    epilogue.mask_parts = {mask: {"rm": mask_m, "rn": mask_n}}
     epilogue.tile_axes = frozenset({"rm", "rn"})
     for o in kernel.outputs:  # one row of programs stores what every row of them summed
         r = summed_output(kernel, o)
@@ -933,15 +943,33 @@ def _gemm(ctx: Context, kernel: FusedKernel) -> list[Function]:
     at = Index((*batch_dims, rm, rn), None, mask, FULL)
     _epilogue_reductions(ctx, kernel, epilogue, at, [r for r in kernel.reductions if id(r) not in summed],
                          {1: (rm, mask_m), 0: (rn, mask_n)})
-    if splits > 1:  # one program per row and up to 64 columns: the partials spread over many programs
-        block_n = min(max(next_pow2(n), 16), 64)
-        blocks = {"BLOCK_M": 1, "BLOCK_N": block_n, "SPLIT_BLOCK": min(next_pow2(splits), 8192 // block_n)}
-        return [*functions, ctx.function("", body, blocks, m * -(-n // block_n), 4)]
-    function = ctx.function("", body, {"BLOCK_M": 0, "BLOCK_N": 0, "BLOCK_K": 0, "GROUP_M": 0}, 0, 4)
-    function.gemm = (math.prod(batch), m, n, k)
-    function.layout = layout_a + layout_b
-    function.precision = dot
-    return [function]
+
+
+# a finishing function's rows narrow (down to 16 columns) until its programs fill this many per SM (H100: a 64 x 64
+# gradient's 264 partials took 14 us as 64 programs of 64 columns)
+FINISHING_PROGRAMS_PER_SM = 2
+
+
+def _finishing(ctx: Context, kernel: FusedKernel, splits: int, partials: dict, suffix: str) -> Function:
+    """The function finishing a GEMM whose K was summed in `splits` parts (partial tiles and operand sums in
+    the scratch buffers `partials`): one program per row and up to 64 columns adds them, then runs the
+    epilogue, so the partials' loads spread over many programs (narrower rows where few would run)."""
+    core = kernel.core
+    m, n = core.shape
+    body: list = []
+    em = Emitter(ctx, kernel, body)
+    tile = _gemm_tile(em, ctx.size(m), ctx.size(n), None)
+    acc = Var("acc", frozenset({"rm", "rn"}))
+    summed = {id(r): summed_operand(core, r) for r in operand_sums(kernel)}
+    sums = {key: Var(f"sum{i}", frozenset({"rm" if position == 0 else "rn"}))
+            for i, (key, position) in enumerate(summed.items())}
+    _add_partials(em, splits, acc, tile, summed, sums, partials)
+    _epilogue(ctx, kernel, Emitter(ctx, kernel, body), tile, acc, sums)
+    block_n = min(max(next_pow2(n), 16), 64)
+    while block_n > 16 and m * -(-n // block_n) < FINISHING_PROGRAMS_PER_SM * ctx.settings.multiprocessors:
+        block_n //= 2
+    blocks = {"BLOCK_M": 1, "BLOCK_N": block_n, "SPLIT_BLOCK": min(next_pow2(splits), 8192 // block_n)}
+    return ctx.function(suffix, body, blocks, m * -(-n // block_n), 4)
 
 
 def _wide(emitter: Emitter, x: Expr) -> Expr:
@@ -1024,12 +1052,16 @@ def _store_partials(ctx: Context, emitter: Emitter, splits: int, acc: Var, tile:
     split = emitter.bind("split", call("program_id", axis=1))
     buffers = {}
     for key, size, position, mask in _partial_parts(emitter, tile, summed):
-        buffers[key] = ctx.param("scratch", ("partial" if key == "partial" else "sum", splits * size, key),
-                                 "scratch")
+        buffers[key] = _scratch(ctx, emitter.kernel, key, splits * size)
         value = acc if key == "partial" else sums[key]
         emitter.emit(Effect(call("store", Bin("+", buffers[key], Bin("+", Bin("*", split, Lit(size)), position)),
                                  value, mask=mask)))
     return buffers
+
+
+def _scratch(ctx: Context, kernel: FusedKernel, key, elements: int) -> Var:
+    """The float32 scratch buffer of a GEMM's partials: its tiles' ("partial") or an operand sum's (its key)."""
+    return ctx.param("scratch", ("partial" if key == "partial" else "sum", elements, key, id(kernel.core)), "scratch")
 
 
 def _partial_parts(emitter: Emitter, tile: _Tile, summed: dict[int, int]) -> list[tuple]:
@@ -1064,46 +1096,36 @@ def _add_partials(emitter: Emitter, splits: int, acc: Var, tile: _Tile, summed: 
         emitter.emit(Assign((total,), Bin("+", total, call("reduce", part, combine="sum", axis=0, drop="s"))))
 
 
-# Weights a persistent MLP program keeps on chip across its row tiles: up to the first size with 128-row
-# tiles, up to the second with 64-row tiles (measured on H100/H200, 227 KiB of shared memory per block)
-MLP_RESIDENT_BYTES = (48 * 1024, 144 * 1024)
 MLP_PROGRAMS_PER_SM = 2
+MLP_UNKNOWN_MULTIPROCESSORS = 132  # programs of a kernel summing gradients where the GPU's size is not known
 
 
-def mlp_blocks(widths: list[int], itemsize: int, written: int = 0, streamed: bool = False
-               ) -> tuple[list[int], int, int, bool]:
-    """An MLP kernel's widths padded for the matrix units (powers of two, at least 16), its rows per tile, its
-    warps, and whether its programs are persistent (each loads the weights once and walks row tiles).
-    `written`: the intermediate tiles it also stores, each of which may take a tile of shared memory to lay
-    out for its store; `streamed`: hold no weights (the form that fits any GPU; the runtime falls back on it
-    when a GPU cannot hold them)."""
-    padded = [max(16, next_pow2(w)) for w in widths]
-    weight_bytes = sum(a * b for a, b in zip(padded, padded[1:])) * itemsize
-    if streamed:
-        return padded, 128, 4, False
-    for rows, budget in ((128, MLP_RESIDENT_BYTES[0]), (64, MLP_RESIDENT_BYTES[1])):
-        if weight_bytes + written * rows * max(padded) * itemsize <= budget:
-            return padded, rows, 4, True
-    return padded, 128, 4, False
-
-
-def _mlp(ctx: Context, kernel: FusedKernel) -> Function:
+def _mlp(ctx: Context, kernel: FusedKernel) -> list[Function]:
     """A chain of narrow GEMMs in one kernel: a program takes BLOCK_M rows through every layer. A layer's
     whole weight is one tile (its widths padded to W0, W1, ...; zeros outside), so each dot is one step; its
     epilogue (bias, activation) runs on the accumulator in registers and, cast to the operand type, is the
     next layer's operand. Only the input rows, the weights, the last layer's outputs and the intermediates
     other kernels read (kernel.layers says which layer writes each) touch memory. When the weights fit on
-    chip, programs are persistent: each loads the weights once, then walks row tiles."""
+    chip, programs are persistent: each loads the weights once, then walks row tiles.
+
+    The weight gradients the kernel absorbed (dot(P^T, Q) over its rows) are summed by every program over
+    the row tiles it walks, in registers, each as soon as the layers it reads are computed, then stored as
+    one partial per program; a function per gradient adds the partials and runs its epilogue."""
     cores = kernel.cores
     m = cores[0].shape[0]
     widths = [cores[0].inputs[0].shape[-1]] + [c.shape[-1] for c in cores]
-    written = sum(1 for o in kernel.outputs if kernel.layers[id(o)] < len(cores) - 1)
-    padded, rows, warps, persistent = mlp_blocks(widths, cores[0].dtype.itemsize, written, kernel.streamed)
+    last = len(cores) - 1
+    written = sum(1 for o in kernel.outputs if kernel.layers.get(id(o), last) < last)
+    # each gradient's dot lays its two operand tiles out in shared memory, as a written intermediate does
+    padded, rows, warps, hold = mlp_blocks(widths, cores[0].dtype.itemsize, written + 2 * len(kernel.absorbed),
+                                           kernel.streamed)
     tiles = -(-m // rows)
     programs = tiles
-    if persistent and ctx.settings.multiprocessors:  # as many programs as the GPU holds at once, no more
-        programs = min(tiles, MLP_PROGRAMS_PER_SM * ctx.settings.multiprocessors)
-    persistent = programs < tiles
+    sms = ctx.settings.multiprocessors
+    if (hold and sms) or kernel.absorbed:  # as many programs as the GPU holds at once, no more
+        programs = min(tiles, MLP_PROGRAMS_PER_SM * (sms or MLP_UNKNOWN_MULTIPROCESSORS))
+    walks = programs < tiles
+    hold = hold and walks
     body: list = []
     em = Emitter(ctx, kernel, body)
     block_m = GEMM_BLOCK["rm"]
@@ -1135,12 +1157,24 @@ def _mlp(ctx: Context, kernel: FusedKernel) -> Function:
         em.mask_parts = masks
         return em.operand(core.inputs[1], Index((k, c[layer + 1]), None, mask_w, OTHER), core.dtype)[0]
 
-    # persistent: every weight tile loaded once, before the row tiles are walked; else each before its dot
-    # (so only one is held on chip at a time)
-    weights = [weight(layer) for layer in range(len(cores))] if persistent else []
+    # held: every weight tile loaded once, before the row tiles are walked; else each before its dot (so only
+    # one is held on chip at a time)
+    weights = [weight(layer) for layer in range(len(cores))] if hold else []
+    placed = _gradient_placement(kernel, widths)
+    gradients = []  # per absorbed gradient: its accumulator, its operand sums and their column ranges
+    for j, (g, _, p_column, q_column) in enumerate(placed):
+        a_block = Block(f"W{p_column}", f"ga{j}")  # the gradient's tile: P's columns by Q's
+        b_block = Block(f"W{q_column}", f"gb{j}")
+        acc = em.bind(f"grad{j}", call("zeros", shape=(a_block, b_block), dtype=dtypes.float32))
+        sums = {}
+        for r in operand_sums(g):
+            column = p_column if summed_operand(g.core, r) == 0 else q_column
+            sums[id(r)] = em.bind(f"grad{j}_sum{len(sums)}", call("zeros", shape=(1, cols[column]),
+                                                                  dtype=dtypes.float32))
+        gradients.append((acc, sums, a_block, b_block))
     tile_index: Expr = pid
-    if persistent:
-        loop = Loop(Var("tile"), pid, Lit(tiles), Lit(programs))
+    if walks:  # pipelined when the weights are held; else the weights' loads would be buffered per stage
+        loop = Loop(Var("tile"), pid, Lit(tiles), Lit(programs), stages=None if hold else 1)
         em.emit(loop)
         em.block = loop.body
         tile_index = loop.var
@@ -1148,12 +1182,25 @@ def _mlp(ctx: Context, kernel: FusedKernel) -> Function:
     rm = em.bind("rm", Bin("+", Bin("*", start, block_m), Range(block_m, 0, 2)))
     mask_m = em.bind("mask_m", Bin("<", rm, M))
     masks[mask_m] = {"rm": mask_m}
-    layer_mask: dict[int, Expr] = {}  # the mask of layer i's output tile, by i (1 for the first layer)
+    # the mask of the tile of width i (the input's, then each layer's output's), by i
+    layer_mask = {0: tile_mask("mask_x", {"rm": mask_m, "c0": mask_c[0]})}
+    for i in range(1, len(widths)):
+        layer_mask[i] = tile_mask(f"mask{i}", {"rm": mask_m, f"c{i}": mask_c[i]})
+    em.mask_parts = masks
+    first_tile: Var | None = None
+
+    def gradient_operand(x: Node, column: int, dtype: DType) -> Var:
+        """x's tile at the tile's rows and column range `column`, zero outside it (the input: its tile)."""
+        if x is cores[0].inputs[0]:
+            return first_tile
+        value, _ = em.value(x, Index((rm, c[column]), None, layer_mask[column], FULL))
+        return em.define(call("cast", call("where", layer_mask[column], value, ZERO), dtype=dtype), "g")
+
     for layer, core in enumerate(cores):
         a, dtype = core.inputs[0], core.dtype
         if layer == 0:  # the input rows, with the ops producing them applied as they are loaded
-            mask_a = tile_mask("mask_x", {"rm": mask_m, "c0": mask_c[0]})
-            tile, _ = em.operand(a, Index((rm, c[0]), None, mask_a, OTHER), dtype)
+            tile, _ = em.operand(a, Index((rm, c[0]), None, layer_mask[0], OTHER), dtype)
+            first_tile = tile
         else:  # the previous layer's epilogue, in registers; padded columns zeroed (the weights' are too)
             value, _ = em.value(a, Index((rm, c[layer]), None, layer_mask[layer], FULL))
             if mask_c[layer] is not None:
@@ -1161,16 +1208,95 @@ def _mlp(ctx: Context, kernel: FusedKernel) -> Function:
             tile = em.define(call("cast", value, dtype=dtype), "x")
         acc = em.bind(f"acc{layer}", call("zeros", shape=(block_m, cols[layer + 1]), dtype=dtypes.float32))
         precision = {"precision": ctx.settings.dot_precision(dtype)} if dtype is dtypes.float32 else {}
-        w = weights[layer] if persistent else weight(layer)
+        w = weights[layer] if hold else weight(layer)
         em.emit(Assign((acc,), call("dot", tile, w, acc, **precision)))
         em.accumulators[id(core)] = acc
-        layer_mask[layer + 1] = tile_mask(f"mask{layer + 1}", {"rm": mask_m, f"c{layer + 1}": mask_c[layer + 1]})
         em.tile_axes = frozenset({"rm", f"c{layer + 1}"})
         for o in kernel.outputs:  # what this layer writes: an intermediate other kernels read, or the result
-            if kernel.layers[id(o)] == layer:
+            if kernel.layers.get(id(o)) == layer:
                 em.store(o, Index((rm, c[layer + 1]), None, layer_mask[layer + 1], FULL), (block_m, cols[layer + 1]))
+        for (g, ready, p_column, q_column), (total, sums, _, _) in zip(placed, gradients):
+            if ready != layer:
+                continue
+            p, q = g.core.inputs[0].inputs[0], g.core.inputs[1]
+            tile_p = gradient_operand(p, p_column, g.core.dtype)
+            tile_q = gradient_operand(q, q_column, g.core.dtype)
+            exact = {"precision": ctx.settings.dot_precision(dtype)} if g.core.dtype is dtypes.float32 else {}
+            em.emit(Assign((total,), call("dot", call("trans", tile_p), tile_q, total, **exact)))
+            for r in operand_sums(g):
+                operand = tile_p if summed_operand(g.core, r) == 0 else tile_q
+                part = call("reduce", call("cast", operand, dtype=dtypes.float32), combine="sum", axis=0, drop="rm")
+                em.emit(Assign((sums[id(r)],), Bin("+", sums[id(r)], part)))
     constexprs = {"BLOCK_M": rows, **{f"W{i}": p for i, p in enumerate(padded)}}
-    return ctx.function("", body, constexprs, programs, warps)
+    em.block = body
+    finishing = []
+    for (g, _, p_column, q_column), (total, sums, a_block, b_block) in zip(placed, gradients):
+        a, b = g.core.shape
+        ra, rb = Range(a_block, 0, 2), Range(b_block, 1, 2)
+        partials = {"partial": _scratch(ctx, g, "partial", programs * a * b)}
+        em.emit(Effect(call("store", add(partials["partial"], add(mul(pid, Lit(a * b)), add(mul(ra, Lit(b)), rb))),
+                            total, mask=Bin("&", Bin("<", ra, Lit(a)), Bin("<", rb, Lit(b))))))
+        for r in operand_sums(g):
+            column = p_column if summed_operand(g.core, r) == 0 else q_column
+            size = widths[column]
+            partials[id(r)] = _scratch(ctx, g, id(r), programs * size)
+            em.emit(Effect(call("store", add(partials[id(r)], add(mul(pid, Lit(size)), c[column])), sums[id(r)],
+                                mask=Bin("<", c[column], Lit(size)))))
+        finishing.append((g, partials))
+    functions = [ctx.function("", body, constexprs, programs, warps)]
+    return functions + [_finishing(ctx, g, programs, partials, f"_finish{j}")
+                        for j, (g, partials) in enumerate(finishing)]
+
+
+def _gradient_placement(kernel: FusedKernel, widths: list[int]) -> list[tuple[FusedKernel, int, int, int]]:
+    """Where an MLP kernel sums each gradient it absorbed: (gradient, the layer after which its operands are
+    all computed, P's and Q's column ranges). An operand is evaluated along the column range of the layer
+    whose result it is elementwise connected to (so it shares that layer's values and masks), else along
+    the first of its width; the kernel's input is its first tile (column 0)."""
+    cores = kernel.cores
+    layer_of = {id(core): i for i, core in enumerate(cores)}
+    covered = {id(n) for n in kernel.covers}
+    users: dict[int, list[Node]] = {}
+    for n in kernel.covers:
+        for i in n.inputs:
+            users.setdefault(id(i), []).append(n)
+
+    def elementwise(n: Node) -> bool:
+        return n.op.kind in (Kind.UNARY, Kind.BINARY, Kind.TERNARY)
+
+    def place(x: Node) -> tuple[int, int]:
+        if x is cores[0].inputs[0]:
+            return 0, 0
+        ready, stack, seen = 0, [x], set()
+        while stack:  # the layers whose results computing x reads
+            n = stack.pop()
+            if id(n) in seen or id(n) not in covered:
+                continue
+            seen.add(id(n))
+            if id(n) in layer_of:
+                ready = max(ready, layer_of[id(n)])
+                continue
+            stack.extend(n.inputs)
+        joined, stack, seen = [], [x], set()
+        while stack:  # the layers x is elementwise connected to, at its own shape
+            n = stack.pop()
+            if id(n) in seen:
+                continue
+            seen.add(id(n))
+            if id(n) in layer_of:
+                joined.append(layer_of[id(n)])
+            near = list(n.inputs) if elementwise(n) else []
+            near += [u for u in users.get(id(n), []) if elementwise(u)]
+            # not through a constant: one zero may feed every layer's activation
+            stack.extend(v for v in near if id(v) in covered and v.shape == x.shape and v.op.kind is not Kind.LEAF)
+        column = max(joined) + 1 if joined else widths.index(x.shape[1])
+        return ready, column
+
+    placed = []
+    for g in kernel.absorbed:
+        (ready_p, p_column), (ready_q, q_column) = place(g.core.inputs[0].inputs[0]), place(g.core.inputs[1])
+        placed.append((g, max(ready_p, ready_q), p_column, q_column))
+    return placed
 
 
 def _epilogue_index(emitter: Emitter, core: Node, shape: tuple[int, ...], batch_dims: tuple[Expr, ...],

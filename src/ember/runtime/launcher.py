@@ -138,13 +138,15 @@ def _step(ck: CompiledKernel):
 
 
 class _KernelStep:
-    """A generated kernel (one launch, or a few for a staged reduction)."""
+    """A generated kernel (one launch, or a few for a staged reduction or an MLP kernel's gradients)."""
 
     def __init__(self, ck: CompiledKernel):
         self.ck = ck
+        self.scratch: dict = {}  # what one launch leaves for the next (an MLP kernel's gradient partials)
         module = disk.load_source(ck.source)
         device = ck.kernel.outputs[0].device
-        self.launches = [_prepared_launch(module, launch, device) for launch in ck.source.launches if launch.grid]
+        self.launches = [_prepared_launch(module, launch, device, scratch=self.scratch)
+                         for launch in ck.source.launches if launch.grid]
 
     def __call__(self, buffers: dict[int, torch.Tensor], sig: Signature) -> None:
         try:
@@ -155,8 +157,8 @@ class _KernelStep:
                 raise
             # an MLP kernel holding its weights on chip needs more shared memory than this GPU has: stream them
             self.ck = dataclasses.replace(self.ck, source=fallback, fallback=None)
-            self.launches = [_prepared_launch(disk.load_source(fallback), launch, self.ck.kernel.outputs[0].device)
-                             for launch in fallback.launches if launch.grid]
+            self.launches = [_prepared_launch(disk.load_source(fallback), launch, self.ck.kernel.outputs[0].device,
+                                              scratch=self.scratch) for launch in fallback.launches if launch.grid]
             _run_launches(self.launches, self.ck, buffers, sig)
 
     def compile_jobs(self, buffers: dict[int, torch.Tensor], sig: Signature) -> list:

@@ -217,6 +217,8 @@ class Renderer:
                    "keep_dims=True)"
         if fn == "combine":
             return f"lib.{options['combine']}_combine({', '.join(args)})"
+        if fn == "trans":
+            return f"tl.trans({args[0]})"
         if fn == "dot":
             precision = f", input_precision=\"{options['precision']}\"" if "precision" in options else ""
             return f"tl.dot({', '.join(args)}{precision})"
@@ -242,7 +244,11 @@ class Renderer:
             self.line(self.call(s.value))
         elif isinstance(s, Loop):
             self.statements(s.prelude)
-            self.line(f"for {s.var.name} in range({self.expr(s.start)}, {self.expr(s.stop)}, {self.expr(s.step)}):")
+            bounds = f"{self.expr(s.start)}, {self.expr(s.stop)}, {self.expr(s.step)}"
+            if s.stages is None:
+                self.line(f"for {s.var.name} in range({bounds}):")
+            else:
+                self.line(f"for {s.var.name} in tl.range({bounds}, num_stages={s.stages}):")
             self.nested(s.body)
         elif isinstance(s, Branch):
             self.branch(s, "if")

@@ -511,7 +511,8 @@ def test_the_split_weight_gradient_sums_the_bias_gradient_in_a_kernel_of_its_own
     from ember.runtime import cuda
 
     monkeypatch.setattr(cuda, "gemm_backend", backend)
-    # narrow enough to chain the forward and input-gradient GEMMs, which would sum the weight gradient themselves
+    # no MLP chains: the forward and input-gradient GEMMs would chain and sum the weight gradient themselves,
+    # leaving no split-K GEMM to test
     monkeypatch.setattr(fusion, "MLP_MAX_WIDTH", 0)
     p = _linear_grads(rng, activation=True)
     (summing,) = [k for k in p.kernels if k.reductions]
@@ -850,7 +851,8 @@ def test_a_split_k_weight_gradient_with_its_epilogue_and_bias_sum_splits_k(mnk, 
 def test_a_linear_layers_gradients_over_a_long_batch_split_k_and_match_torch(rng, split_k, monkeypatch):
     from ember.compiler import fusion
 
-    # narrow enough to chain the forward and input-gradient GEMMs, which would sum the weight gradient themselves
+    # no MLP chains: the forward and input-gradient GEMMs would chain and sum the weight gradient themselves,
+    # leaving no split-K GEMM to test
     monkeypatch.setattr(fusion, "MLP_MAX_WIDTH", 0)
     xs, ws, bs, gs = random(rng, 3000, 24), random(rng, 17, 24), random(rng, 17), random(rng, 3000, 17)
     x, w, b = on("cuda", xs, ws, bs, grad=True)

@@ -213,7 +213,7 @@ ABSORBED_CASES = [  # widths, rows, activation, dtype: every row count, padded w
                          ids=[f"{'-'.join(map(str, c[0]))}x{c[1]}-{c[2]}-{c[3]}" for c in ABSORBED_CASES])
 def test_weight_gradients_summed_inside_mlp_kernels_match_torch(widths, rows, activation, dtype, monkeypatch):
     """A weight gradient whose operands an MLP kernel computes (or loads) for each row tile is summed inside it,
-    per program, and finished by a function of the kernel's own: one launch more per gradient, no GEMM. The
+    per program, and finished by a second launch of the kernel's own (one for all its gradients), no GEMM. The
     gradients match torch whatever the kernel absorbed (below FUSED_TRAINING_BATCH, a layer that sums its bias
     gradient in its epilogue stops the chain)."""
     monkeypatch.setenv("EMBER_SPLIT_K", "1")
@@ -245,9 +245,42 @@ def test_an_mlp_kernel_sums_gradients_in_registers_for_only_as_many_as_fit(monke
     assert [list(g.core.shape) for g in forward.absorbed] == [[16, 64]]
     assert [list(g.core.shape) for g in backward.absorbed] == [[64, 64], [64, 64]]
     assert [k.kind for k in p.kernels].count(KernelKind.MATMUL) == 2
-    assert len(p.sources[id(backward)].launches) == 3  # the layers, then one finishing function per gradient
     text = str(p)
     assert text.count("  gradient  ") == 3 and "sums the weight gradient [64, 64] over its 2048 rows" in text
+    assert len(p.sources[id(backward)].launches) == 2  # the layers, then one launch finishing both gradients
+
+
+def test_a_gradient_is_not_summed_by_a_kernel_that_reads_its_update(monkeypatch):
+    """Two SGD steps in one graph: the second forward reads W - lr * dW. Its kernel must not sum dW itself (the
+    update would be written by its finishing launch, after its layers read it): the loss matches torch."""
+    monkeypatch.setenv("EMBER_SPLIT_K", "1")
+    widths, rows = [32, 64, 64, 64, 64, 16], FUSED_TRAINING_BATCH
+    model = rounded(torch_mlp(widths, "relu", seed=50, bias=False), "float16")
+    x, y = inputs(rows, 32, "float16", seed=51), inputs(rows, 16, "float16", seed=52)
+    em = ember.from_torch(model).to("cuda").to(ember.float16)
+    ex, ey = ember.tensor(x, device="cuda"), ember.tensor(y, device="cuda").float()
+    ((em(ex).float() - ey) ** 2).mean().backward()
+    h = ex * 0.5
+    for i, w in enumerate(em.parameters()):
+        h = h @ (w - 0.1 * w.grad).T
+        h = h.relu() if i < len(widths) - 2 else h
+    loss = ((h.float() - ey) ** 2).mean()
+    kernels = plan(loss).kernels
+    for k in kernels:  # no kernel sums a gradient whose update its own layers read
+        updates = {id(o) for g in k.absorbed for o in g.outputs}
+        assert not any(id(n) in updates for n in k.reads), k.index
+
+    ref = torch_mlp(widths, "relu", seed=50, bias=False).double()
+    ref.load_state_dict({key: v.double() for key, v in model.state_dict().items()})
+    tx, ty = torch.from_numpy(x.astype(np.float64)), torch.from_numpy(y.astype(np.float64))
+    ((ref(tx) - ty) ** 2).mean().backward()
+    th = tx * 0.5
+    linears = [m for m in ref if isinstance(m, torch.nn.Linear)]
+    for i, m in enumerate(linears):
+        th = th @ (m.weight - 0.1 * m.weight.grad).T
+        th = th.relu() if i < len(linears) - 1 else th
+    want = ((th - ty) ** 2).mean().item()
+    assert abs(float(loss.item()) - want) < 2e-2 * abs(want)
 
 
 def test_an_mlp_kernel_summing_gradients_streams_its_weights_on_a_smaller_gpu(monkeypatch):
@@ -275,6 +308,39 @@ def test_an_mlp_kernel_summing_gradients_streams_its_weights_on_a_smaller_gpu(mo
     assert refused and any("num_stages=1" in text for text in ran)
     for i, (a, b) in enumerate(zip(got, want)):  # rows summed in other tiles: float32 sums in another order
         assert relative(a, b) < 1e-2, f"value {i}"
+
+
+def test_jit_replays_a_training_step_whose_mlp_kernels_sum_and_update_the_weights(monkeypatch):
+    """Under ember.jit, an MLP kernel's finishing launch writes Adam's updates (parameters, moments) in place:
+    three replayed steps leave the same parameters as three steps run lazily."""
+    monkeypatch.setenv("EMBER_SPLIT_K", "1")
+    widths, rows = [16, 32, 32, 32, 8], FUSED_TRAINING_BATCH + 7
+    model = rounded(torch_mlp(widths, "relu", seed=60), "float16")
+    x = ember.tensor(inputs(rows, 16, "float16", seed=61), device="cuda")
+    y = ember.tensor(inputs(rows, 8, "float16", seed=62), device="cuda")
+    finals = []
+    for jitted in (False, True):
+        em = ember.from_torch(model).to("cuda").to(ember.float16)
+        opt = ember.optim.Adam(em.parameters(), lr=1e-2, eps=1e-4)  # eps 1e-8 rounds to 0 in float16
+
+        def step(x, y, em=em, opt=opt):
+            opt.zero_grad()
+            loss = ((em(x).float() - y.float()) ** 2).mean()
+            loss.backward()
+            opt.step()
+            return loss
+
+        run = ember.jit(step) if jitted else step
+        if jitted:
+            with ember.explain.capture() as plans:
+                step(x, y).realize()  # the plan of one step, run once lazily: the replays below start after it
+            assert any(k.absorbed for p in plans for k in p.kernels)
+        losses = [float(run(x, y).item()) for _ in range(3 - jitted)]
+        finals.append((losses[-1], [q.numpy().astype(np.float64) for q in em.parameters()]))
+    (lazy_loss, lazy), (jit_loss, jitted_params) = finals
+    assert abs(lazy_loss - jit_loss) <= 1e-3 * abs(lazy_loss)
+    for a, b in zip(lazy, jitted_params):
+        np.testing.assert_allclose(b, a, rtol=1e-2, atol=1e-3)
 
 
 def test_a_fused_training_step_equals_the_unfused_one(monkeypatch):

@@ -144,17 +144,15 @@ class Plan:
             if part.kind is KernelKind.MLP:  # layer by layer: a core, then what its result goes through; each
                 # gradient it sums, then its finishing epilogue
                 sections = [(mainloop, "mainloop")]
-                gradients = {id(g.core): g for g in part.absorbed}
-                summed = {id(r): [] for g in part.absorbed for r in g.reductions}  # a bias gradient: with its own
+                gradients = {id(g.core): [g.core] for g in part.absorbed}
+                summed = {id(r): gradients[id(g.core)] for g in part.absorbed for r in g.reductions}  # bias sums
                 for n in part.covers:
                     if n in part.cores:
                         sections += [([n], f"layer {part.cores.index(n)}"), ([], "epilogue")]
                     elif id(n) in gradients:
-                        sections += [([n], "gradient"), ([], "finish")]
-                        for r in gradients[id(n)].reductions:
-                            summed[id(r)] = sections[-2][0]
+                        sections += [(gradients[id(n)], "gradient"), ([], "finish")]
                     elif id(n) in summed:
-                        summed[id(n)].append(n)
+                        summed[id(n)].append(n)  # with its gradient, wherever that is listed
                     elif n in epilogue and len(sections) > 1:
                         sections[-1][0].append(n)
             else:

@@ -723,8 +723,9 @@ class Planner:
             mlp.reductions += g.reductions
             kernels.remove(g)
             mlp.decisions.append(
-                f"sums the weight gradient {list(g.core.shape)} over its {p.shape[0]} rows per program: reads "
-                f"{_mib(self._operand_bytes(g))} fewer bytes than a GEMM, partials added by a kernel of its own")
+                f"sums the weight gradient {list(g.core.shape)} over its {p.shape[0]} rows (each program its row "
+                f"tiles, one partial each) from values its tiles hold, instead of a GEMM reading "
+                f"{_mib(self._operand_bytes(g))}; a second launch adds the partials")
             self._unstore_intermediates(mlp, kernels)
         return self._kernel_order(kernels, {id(k): self.references(k) for k in kernels})
 
@@ -749,17 +750,23 @@ class Planner:
         return sum(n.numel * n.dtype.itemsize for n in self._operand_reads(g))
 
     def _operand_reads(self, g: FusedKernel) -> list[Node]:
+        """The stored values and inputs a GEMM kernel's operands load (an operand stored itself included)."""
         reads: dict[int, Node] = {}
         for operand in g.core.inputs:
-            reads.update((id(n), n) for n in self._inside(operand)[1])
+            if id(operand) in self.stored or operand.op is Op.BUFFER:
+                reads[id(operand)] = operand
+            else:
+                reads.update((id(n), n) for n in self._inside(operand)[1])
         return list(reads.values())
 
     def _absorb_score(self, mlp: FusedKernel, g: FusedKernel, kernels: list[FusedKernel], refs: dict,
                       room: int) -> int:
-        """The bytes of `g`'s reads that `mlp` computes (counted twice: their stores go too) or loads anyway;
-        0 where `g` cannot join it: other rows or dtype, a width no layer has, no accumulator room left, weights
-        that would no longer fit on chip, an operand needing a layer's value other than elementwise, or a cycle
-        through a third kernel."""
+        """The bytes of `g`'s operand reads that `mlp` computes (counted twice: their stores may go too) or loads
+        anyway; 0 where `g` cannot join it: other rows or dtype, a width no layer has, no accumulator room left,
+        weights that would no longer fit on chip, an operand needing a layer's value other than elementwise,
+        `mlp` reading what `g` writes (its finishing launch runs after the layers), `g` and a gradient `mlp`
+        already sums reading each other's results (one launch finishes both), or a cycle through a third
+        kernel."""
         p, q = self._gradient_operands(g)
         core = mlp.cores[0]
         widths = {core.inputs[0].shape[1]} | {c.shape[1] for c in mlp.cores}
@@ -778,6 +785,13 @@ class Planner:
         score = sum((2 if id(n) in computed else 1 if id(n) in loaded else 0) * n.numel * n.dtype.itemsize
                     for n in self._operand_reads(g))
         if not score or not all(self._elementwise_over_layers(mlp, x) for x in (p, q)):
+            return 0
+        if id(g) in self._dependencies(kernels, refs)[id(mlp)]:
+            return 0
+        finished = {id(o) for a in mlp.absorbed for o in a.outputs}
+        if {id(n) for n in self._operand_reads(g)} & finished or self._epilogue_reads(g) & finished:
+            return 0
+        if any({id(o) for o in g.outputs} & self._epilogue_reads(a) for a in mlp.absorbed):
             return 0
         return score if self._acyclic(mlp, g, kernels, refs) else 0
 
@@ -832,7 +846,7 @@ class Planner:
         stack = [o for o in g.outputs if o is not g.core and summed_output(g, o) is None]
         while stack:
             n = stack.pop()
-            if id(n) in seen or n is g.core:
+            if id(n) in seen or n is g.core or n in g.reductions:  # the accumulator and the operand sums
                 continue
             seen.add(id(n))
             if n not in g.outputs and (id(n) in self.stored or n.op is Op.BUFFER):

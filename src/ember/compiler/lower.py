@@ -905,7 +905,7 @@ def _gemm(ctx: Context, kernel: FusedKernel) -> list[Function]:
         first = ctx.function("_partials", body, {"BLOCK_M": 0, "BLOCK_N": 0, "BLOCK_K": 0, "GROUP_M": 0}, 0, 4)
         first.gemm, first.splits = (1, m, n, k), splits
         first.layout, first.precision = layout_a + layout_b, dot
-        return [first, _finishing(ctx, kernel, splits, partials, "")]
+        return [first, _finishing(ctx, [kernel], splits, [partials], "")]
     _epilogue(ctx, kernel, Emitter(ctx, kernel, body), tile, acc, sums, batch_dims, before_loop, mainloop.count)
     function = ctx.function("", body, {"BLOCK_M": 0, "BLOCK_N": 0, "BLOCK_K": 0, "GROUP_M": 0}, 0, 4)
     function.gemm = (math.prod(batch), m, n, k)
@@ -950,26 +950,52 @@ def _epilogue(ctx: Context, kernel: FusedKernel, epilogue: Emitter, tile: _Tile,
 FINISHING_PROGRAMS_PER_SM = 2
 
 
-def _finishing(ctx: Context, kernel: FusedKernel, splits: int, partials: dict, suffix: str) -> Function:
-    """The function finishing a GEMM whose K was summed in `splits` parts (partial tiles and operand sums in
-    the scratch buffers `partials`): one program per row and up to 64 columns adds them, then runs the
-    epilogue, so the partials' loads spread over many programs (narrower rows where few would run)."""
+def _finishing(ctx: Context, kernels: list[FusedKernel], splits: int, partials: list[dict], suffix: str) -> Function:
+    """The function finishing GEMMs whose K was summed in `splits` parts (partial tiles and operand sums in the
+    scratch buffers `partials`, one dict per GEMM): one program per row and up to 64 columns adds them, then
+    runs the epilogue, so the partials' loads spread over many programs (narrower rows where few would run).
+    Several GEMMs (an MLP kernel's gradients) share one launch, each its own range of programs."""
+    block_n = 64
+    for kernel in kernels:
+        m, n = kernel.core.shape
+        width = min(max(next_pow2(n), 16), 64)
+        while width > 16 and m * -(-n // width) < FINISHING_PROGRAMS_PER_SM * ctx.settings.multiprocessors:
+            width //= 2
+        block_n = min(block_n, width)
+    body: list = []
+    program = _program(Emitter(ctx, kernels[0], body), name="program") if len(kernels) > 1 else None
+    branches, total = body, 0
+    for j, (kernel, scratch) in enumerate(zip(kernels, partials)):
+        m, n = kernel.core.shape
+        begin, total = total, total + m * -(-n // block_n)
+        part = branches  # the last GEMM's programs: the last else
+        if program is not None and j < len(kernels) - 1:
+            branch = Branch(Bin("<", program, Lit(total)), comment=f"GEMM {j}: {list(kernel.core.shape)}")
+            branches.append(branch)
+            part, branches = branch.body, branch.orelse
+        first = None if program is None else Bin("-", program, Lit(begin)) if begin else program
+        _finish_tiles(ctx, kernel, splits, scratch, part, first, f"_{j}" if program is not None else "")
+    blocks = {"BLOCK_M": 1, "BLOCK_N": block_n, "SPLIT_BLOCK": min(next_pow2(splits), 8192 // block_n)}
+    return ctx.function(suffix, body, blocks, total, 4)
+
+
+def _finish_tiles(ctx: Context, kernel: FusedKernel, splits: int, partials: dict, body: list, first: Expr | None,
+                  tag: str) -> None:
+    """One GEMM's finishing programs: program `first` (or the program id) adds its row's partials and runs the
+    epilogue. Its indices stay 32-bit: the partials and the outputs are the GEMM's [M, N], never big."""
     core = kernel.core
     m, n = core.shape
-    body: list = []
-    em = Emitter(ctx, kernel, body)
-    tile = _gemm_tile(em, ctx.size(m), ctx.size(n), None)
+    em = Emitter(ctx, kernel, body, tag)
+    em.big = False
+    tile = _gemm_tile(em, ctx.size(m), ctx.size(n), None, first)
     acc = Var("acc", frozenset({"rm", "rn"}))
     summed = {id(r): summed_operand(core, r) for r in operand_sums(kernel)}
-    sums = {key: Var(f"sum{i}", frozenset({"rm" if position == 0 else "rn"}))
+    sums = {key: Var(f"sum{tag}{i}", frozenset({"rm" if position == 0 else "rn"}))
             for i, (key, position) in enumerate(summed.items())}
     _add_partials(em, splits, acc, tile, summed, sums, partials)
-    _epilogue(ctx, kernel, Emitter(ctx, kernel, body), tile, acc, sums)
-    block_n = min(max(next_pow2(n), 16), 64)
-    while block_n > 16 and m * -(-n // block_n) < FINISHING_PROGRAMS_PER_SM * ctx.settings.multiprocessors:
-        block_n //= 2
-    blocks = {"BLOCK_M": 1, "BLOCK_N": block_n, "SPLIT_BLOCK": min(next_pow2(splits), 8192 // block_n)}
-    return ctx.function(suffix, body, blocks, m * -(-n // block_n), 4)
+    epilogue = Emitter(ctx, kernel, body, tag)
+    epilogue.big = False
+    _epilogue(ctx, kernel, epilogue, tile, acc, sums)
 
 
 def _wide(emitter: Emitter, x: Expr) -> Expr:
@@ -997,10 +1023,11 @@ class _Tile:
         return self.rn, Bin("&", Bin("<", self.rn, self.N), Bin("==", self.pid_m, ZERO))
 
 
-def _gemm_tile(emitter: Emitter, M: Expr, N: Expr, group: Expr | None) -> _Tile:
-    """The program's output tile, tiles visited in groups of `group` rows (or row by row)."""
+def _gemm_tile(emitter: Emitter, M: Expr, N: Expr, group: Expr | None, program: Expr | None = None) -> _Tile:
+    """The program's output tile, tiles visited in groups of `group` rows (or row by row); `program`: the
+    program's index among the GEMM's (default: its id)."""
     bind = emitter.bind
-    pid = _program(emitter)
+    pid = _program(emitter) if program is None else bind("pid", program)
     tiles_n = bind("tiles_n", call("cdiv", N, GEMM_BLOCK["rn"]))
     if group is None:
         pid_m, pid_n = bind("pid_m", Bin("//", pid, tiles_n)), bind("pid_n", Bin("%", pid, tiles_n))
@@ -1110,7 +1137,7 @@ def _mlp(ctx: Context, kernel: FusedKernel) -> list[Function]:
 
     The weight gradients the kernel absorbed (dot(P^T, Q) over its rows) are summed by every program over
     the row tiles it walks, in registers, each as soon as the layers it reads are computed, then stored as
-    one partial per program; a function per gradient adds the partials and runs its epilogue."""
+    one partial per program; a second function adds each gradient's partials and runs its epilogue."""
     cores = kernel.cores
     m = cores[0].shape[0]
     widths = [cores[0].inputs[0].shape[-1]] + [c.shape[-1] for c in cores]
@@ -1221,8 +1248,9 @@ def _mlp(ctx: Context, kernel: FusedKernel) -> list[Function]:
             p, q = g.core.inputs[0].inputs[0], g.core.inputs[1]
             tile_p = gradient_operand(p, p_column, g.core.dtype)
             tile_q = gradient_operand(q, q_column, g.core.dtype)
-            exact = {"precision": ctx.settings.dot_precision(dtype)} if g.core.dtype is dtypes.float32 else {}
-            em.emit(Assign((total,), call("dot", call("trans", tile_p), tile_q, total, **exact)))
+            kind = g.core.dtype
+            precision = {"precision": ctx.settings.dot_precision(kind)} if kind is dtypes.float32 else {}
+            em.emit(Assign((total,), call("dot", call("trans", tile_p), tile_q, total, **precision)))
             for r in operand_sums(g):
                 operand = tile_p if summed_operand(g.core, r) == 0 else tile_q
                 part = call("reduce", call("cast", operand, dtype=dtypes.float32), combine="sum", axis=0, drop="rm")
@@ -1244,8 +1272,9 @@ def _mlp(ctx: Context, kernel: FusedKernel) -> list[Function]:
                                 mask=Bin("<", c[column], Lit(size)))))
         finishing.append((g, partials))
     functions = [ctx.function("", body, constexprs, programs, warps)]
-    return functions + [_finishing(ctx, g, programs, partials, f"_finish{j}")
-                        for j, (g, partials) in enumerate(finishing)]
+    if finishing:  # every gradient's partials added, and its epilogue run, by one launch
+        functions.append(_finishing(ctx, [g for g, _ in finishing], programs, [p for _, p in finishing], "_finish"))
+    return functions
 
 
 def _gradient_placement(kernel: FusedKernel, widths: list[int]) -> list[tuple[FusedKernel, int, int, int]]:

@@ -632,15 +632,11 @@ def writes_in_place(plan, input_index: int, output_index: int) -> bool | None:
     kernel = kernels[writer]
     if source not in kernel.reads:
         return True
-    if kernel.kind is KernelKind.MLP:
-        # a gradient the MLP kernel sums is finished by a launch after its layers': only that launch's use counts,
-        # and no other gradient it finishes may read the source
-        owner = next((g for g in kernel.absorbed if result in g.outputs), None)
-        if owner is None or any(source in g.reads for g in kernel.absorbed if g is not owner):
-            return False
-        return _elementwise_use(owner, source)
-    part = next((s for s in kernel.segments if result in s.outputs), kernel)
-    if any(source in s.reads for s in kernel.segments if s is not part):
+    # the part writing it: a segment of a segmented launch, or a gradient an MLP kernel sums (its finishing launch
+    # runs after the layers', so only the finishing use counts); no other part may read the source
+    parts = kernel.segments + kernel.absorbed
+    part = next((s for s in parts if result in s.outputs), kernel)
+    if any(source in s.reads for s in parts if s is not part):
         return False
     # a GEMM's epilogue (an optimizer update fused after a weight gradient) reads element for element too;
     # a value read by its mainloop is used at other positions, which _elementwise_use rejects

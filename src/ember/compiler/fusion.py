@@ -613,7 +613,6 @@ class Planner:
             last = chain[-1]
             members = {id(k) for k in chain}
             mlp = FusedKernel(KernelKind.MLP, last.space, (), [], {})
-            written = 0  # intermediates other kernels read
             for layer, k in enumerate(chain):
                 for o in k.outputs:
                     read_elsewhere = any(id(o) in r for key, r in refs.items() if key not in members)
@@ -621,14 +620,11 @@ class Planner:
                         mlp.outputs.append(o)
                         mlp.levels[id(o)] = FULL
                         mlp.layers[id(o)] = layer
-                        written += k is not last
                     else:
                         self.stored.discard(id(o))
             mlp.cores = [k.core for k in chain]
             mlp.decisions = [f"one kernel: {len(chain)} layers, widths {text}"]
-            if written:
-                mlp.decisions.append(f"also writes {written} intermediate{'s' if written > 1 else ''} "
-                                     "that other kernels read, from registers")
+            _note_written(mlp)
             at = kernels.index(last)
             kernels[at] = mlp
             for k in chain[:-1]:
@@ -769,27 +765,25 @@ class Planner:
         kernel."""
         p, q = self._gradient_operands(g)
         core = mlp.cores[0]
-        widths = {core.inputs[0].shape[1]} | {c.shape[1] for c in mlp.cores}
-        if p.shape[0] != core.shape[0] or g.core.dtype is not core.dtype or not {p.shape[1], q.shape[1]} <= widths:
+        widths = mlp_widths(mlp)
+        if p.shape[0] != core.shape[0] or g.core.dtype is not core.dtype or not {p.shape[1], q.shape[1]} <= set(widths):
             return 0
         if _padded(p.shape[1]) * _padded(q.shape[1]) > room:
             return 0
         # its programs walk row tiles holding the weights on chip, beside the gradient's two operand tiles
-        last = len(mlp.cores) - 1
-        written = sum(1 for o in mlp.outputs if mlp.layers.get(id(o), last) < last)
-        widths_in_order = [core.inputs[0].shape[1]] + [c.shape[1] for c in mlp.cores]
-        if not mlp_blocks(widths_in_order, core.dtype.itemsize, written + 2 * (len(mlp.absorbed) + 1))[3]:
+        if not mlp_blocks(widths, core.dtype.itemsize, written_intermediates(mlp) + 2 * (len(mlp.absorbed) + 1))[3]:
             return 0
         computed = {id(o) for o in mlp.outputs}
         loaded = set(refs[id(mlp)])
+        reads = self._operand_reads(g)
         score = sum((2 if id(n) in computed else 1 if id(n) in loaded else 0) * n.numel * n.dtype.itemsize
-                    for n in self._operand_reads(g))
+                    for n in reads)
         if not score or not all(self._elementwise_over_layers(mlp, x) for x in (p, q)):
             return 0
         if id(g) in self._dependencies(kernels, refs)[id(mlp)]:
             return 0
         finished = {id(o) for a in mlp.absorbed for o in a.outputs}
-        if {id(n) for n in self._operand_reads(g)} & finished or self._epilogue_reads(g) & finished:
+        if {id(n) for n in reads} & finished or self._epilogue_reads(g) & finished:
             return 0
         if any({id(o) for o in g.outputs} & self._epilogue_reads(a) for a in mlp.absorbed):
             return 0
@@ -825,7 +819,6 @@ class Planner:
                 readers |= set(self.references(k))
         for g in mlp.absorbed:
             readers |= self._epilogue_reads(g)
-        last = len(mlp.cores) - 1
         for o in list(mlp.outputs):
             if id(o) in mlp.layers and id(o) not in readers and id(o) not in self.output_ids:
                 mlp.outputs.remove(o)
@@ -834,11 +827,7 @@ class Planner:
                 if id(o) in self.shared:
                     self.shared[id(o)] = (f"{o.op.label} {list(o.shape)} {o.dtype.name}, read by "
                                           f"{len(self.users[id(o)])} ops, kept in registers: only this kernel reads it")
-        written = sum(1 for o in mlp.outputs if mlp.layers.get(id(o), last) < last)
-        mlp.decisions = [d for d in mlp.decisions if not d.startswith("also writes")]
-        if written:
-            mlp.decisions.insert(1, f"also writes {written} intermediate{'s' if written > 1 else ''} "
-                                    "that other kernels read, from registers")
+        _note_written(mlp)
 
     def _epilogue_reads(self, g: FusedKernel) -> set[int]:
         """Stored nodes a GEMM kernel's epilogue reads (not through its operands)."""
@@ -1059,6 +1048,26 @@ def summed_operand(core: Node, reduction: Node) -> int | None:
         if reduction.attrs["axes"] == ((1 - k_axis) if transposed else k_axis,):
             return position
     return None
+
+
+def mlp_widths(kernel: FusedKernel) -> list[int]:
+    """An MLP kernel's widths: its input's, then each layer's output's."""
+    return [kernel.cores[0].inputs[0].shape[-1]] + [c.shape[-1] for c in kernel.cores]
+
+
+def written_intermediates(kernel: FusedKernel) -> int:
+    """How many values other than the last layer's result an MLP kernel writes (for other kernels to read)."""
+    last = len(kernel.cores) - 1
+    return sum(1 for o in kernel.outputs if kernel.layers.get(id(o), last) < last)
+
+
+def _note_written(mlp: FusedKernel) -> None:
+    """The decision saying which intermediates an MLP kernel writes, kept second, after the chain's own."""
+    mlp.decisions = [d for d in mlp.decisions if not d.startswith("also writes")]
+    written = written_intermediates(mlp)
+    if written:
+        mlp.decisions.insert(1, f"also writes {written} intermediate{'s' if written > 1 else ''} that other kernels "
+                                "read, from registers")
 
 
 def mlp_blocks(widths: list[int], itemsize: int, written: int = 0, streamed: bool = False

@@ -13,7 +13,7 @@ constants that change between steps (a learning rate) and random seeds are param
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ember import dtypes
 from ember.compiler.context import CompileContext
@@ -25,9 +25,11 @@ from ember.compiler.fusion import (
     KernelKind,
     input_level,
     mlp_blocks,
+    mlp_widths,
     operand_sums,
     summed_operand,
     summed_output,
+    written_intermediates,
 )
 from ember.compiler.kernel import (
     Assign,
@@ -973,7 +975,7 @@ def _finishing(ctx: Context, kernels: list[FusedKernel], splits: int, partials: 
             branch = Branch(Bin("<", program, Lit(total)), comment=f"GEMM {j}: {list(kernel.core.shape)}")
             branches.append(branch)
             part, branches = branch.body, branch.orelse
-        first = None if program is None else Bin("-", program, Lit(begin)) if begin else program
+        first = Bin("-", program, Lit(begin)) if begin else program  # None: one GEMM, its program id
         _finish_tiles(ctx, kernel, splits, scratch, part, first, f"_{j}" if program is not None else "")
     blocks = {"BLOCK_M": 1, "BLOCK_N": block_n, "SPLIT_BLOCK": min(next_pow2(splits), 8192 // block_n)}
     return ctx.function(suffix, body, blocks, total, 4)
@@ -1140,12 +1142,10 @@ def _mlp(ctx: Context, kernel: FusedKernel) -> list[Function]:
     one partial per program; a second function adds each gradient's partials and runs its epilogue."""
     cores = kernel.cores
     m = cores[0].shape[0]
-    widths = [cores[0].inputs[0].shape[-1]] + [c.shape[-1] for c in cores]
-    last = len(cores) - 1
-    written = sum(1 for o in kernel.outputs if kernel.layers.get(id(o), last) < last)
+    widths = mlp_widths(kernel)
     # each gradient's dot lays its two operand tiles out in shared memory, as a written intermediate does
-    padded, rows, warps, hold = mlp_blocks(widths, cores[0].dtype.itemsize, written + 2 * len(kernel.absorbed),
-                                           kernel.streamed)
+    padded, rows, warps, hold = mlp_blocks(widths, cores[0].dtype.itemsize,
+                                           written_intermediates(kernel) + 2 * len(kernel.absorbed), kernel.streamed)
     tiles = -(-m // rows)
     programs = tiles
     sms = ctx.settings.multiprocessors
@@ -1187,18 +1187,13 @@ def _mlp(ctx: Context, kernel: FusedKernel) -> list[Function]:
     # held: every weight tile loaded once, before the row tiles are walked; else each before its dot (so only
     # one is held on chip at a time)
     weights = [weight(layer) for layer in range(len(cores))] if hold else []
-    placed = _gradient_placement(kernel, widths)
-    gradients = []  # per absorbed gradient: its accumulator, its operand sums and their column ranges
-    for j, (g, _, p_column, q_column) in enumerate(placed):
-        a_block = Block(f"W{p_column}", f"ga{j}")  # the gradient's tile: P's columns by Q's
-        b_block = Block(f"W{q_column}", f"gb{j}")
-        acc = em.bind(f"grad{j}", call("zeros", shape=(a_block, b_block), dtype=dtypes.float32))
-        sums = {}
-        for r in operand_sums(g):
-            column = p_column if summed_operand(g.core, r) == 0 else q_column
-            sums[id(r)] = em.bind(f"grad{j}_sum{len(sums)}", call("zeros", shape=(1, cols[column]),
-                                                                  dtype=dtypes.float32))
-        gradients.append((acc, sums, a_block, b_block))
+    gradients = _gradient_placement(kernel, widths)
+    for j, grad in enumerate(gradients):  # each gradient's accumulator ([P's columns, Q's]) and operand sums
+        grad.blocks = (Block(f"W{grad.columns[0]}", f"ga{j}"), Block(f"W{grad.columns[1]}", f"gb{j}"))
+        grad.total = em.bind(f"grad{j}", call("zeros", shape=grad.blocks, dtype=dtypes.float32))
+        for r in operand_sums(grad.kernel):
+            grad.sums[id(r)] = em.bind(f"grad{j}_sum{len(grad.sums)}",
+                                       call("zeros", shape=(1, cols[grad.summed_column(r)]), dtype=dtypes.float32))
     tile_index: Expr = pid
     if walks:  # pipelined when the weights are held; else the weights' loads would be buffered per stage
         loop = Loop(Var("tile"), pid, Lit(tiles), Lit(programs), stages=None if hold else 1)
@@ -1234,52 +1229,76 @@ def _mlp(ctx: Context, kernel: FusedKernel) -> list[Function]:
                 value = call("where", mask_c[layer], value, ZERO)
             tile = em.define(call("cast", value, dtype=dtype), "x")
         acc = em.bind(f"acc{layer}", call("zeros", shape=(block_m, cols[layer + 1]), dtype=dtypes.float32))
-        precision = {"precision": ctx.settings.dot_precision(dtype)} if dtype is dtypes.float32 else {}
         w = weights[layer] if hold else weight(layer)
-        em.emit(Assign((acc,), call("dot", tile, w, acc, **precision)))
+        em.emit(Assign((acc,), call("dot", tile, w, acc, **_precision(ctx, dtype))))
         em.accumulators[id(core)] = acc
         em.tile_axes = frozenset({"rm", f"c{layer + 1}"})
         for o in kernel.outputs:  # what this layer writes: an intermediate other kernels read, or the result
             if kernel.layers.get(id(o)) == layer:
                 em.store(o, Index((rm, c[layer + 1]), None, layer_mask[layer + 1], FULL), (block_m, cols[layer + 1]))
-        for (g, ready, p_column, q_column), (total, sums, _, _) in zip(placed, gradients):
-            if ready != layer:
+        for grad in gradients:
+            if grad.ready != layer:
                 continue
-            p, q = g.core.inputs[0].inputs[0], g.core.inputs[1]
-            tile_p = gradient_operand(p, p_column, g.core.dtype)
-            tile_q = gradient_operand(q, q_column, g.core.dtype)
-            kind = g.core.dtype
-            precision = {"precision": ctx.settings.dot_precision(kind)} if kind is dtypes.float32 else {}
-            em.emit(Assign((total,), call("dot", call("trans", tile_p), tile_q, total, **precision)))
-            for r in operand_sums(g):
-                operand = tile_p if summed_operand(g.core, r) == 0 else tile_q
+            core = grad.kernel.core
+            tiles = [gradient_operand(x, column, core.dtype) for x, column in zip(grad.operands, grad.columns)]
+            em.emit(Assign((grad.total,), call("dot", call("trans", tiles[0]), tiles[1], grad.total,
+                                               **_precision(ctx, core.dtype))))
+            for r in operand_sums(grad.kernel):
+                operand = tiles[summed_operand(core, r)]
                 part = call("reduce", call("cast", operand, dtype=dtypes.float32), combine="sum", axis=0, drop="rm")
-                em.emit(Assign((sums[id(r)],), Bin("+", sums[id(r)], part)))
+                em.emit(Assign((grad.sums[id(r)],), Bin("+", grad.sums[id(r)], part)))
     constexprs = {"BLOCK_M": rows, **{f"W{i}": p for i, p in enumerate(padded)}}
     em.block = body
-    finishing = []
-    for (g, _, p_column, q_column), (total, sums, a_block, b_block) in zip(placed, gradients):
-        a, b = g.core.shape
-        ra, rb = Range(a_block, 0, 2), Range(b_block, 1, 2)
-        partials = {"partial": _scratch(ctx, g, "partial", programs * a * b)}
-        em.emit(Effect(call("store", add(partials["partial"], add(mul(pid, Lit(a * b)), add(mul(ra, Lit(b)), rb))),
-                            total, mask=Bin("&", Bin("<", ra, Lit(a)), Bin("<", rb, Lit(b))))))
-        for r in operand_sums(g):
-            column = p_column if summed_operand(g.core, r) == 0 else q_column
+    partials = []  # each gradient's scratch: one partial tile (and operand sums) per program
+    for grad in gradients:
+        a, b = grad.kernel.core.shape
+        ra, rb = (Range(block, position, 2) for position, block in enumerate(grad.blocks))
+        scratch = {"partial": _scratch(ctx, grad.kernel, "partial", programs * a * b)}
+        em.emit(Effect(call("store", add(scratch["partial"], add(mul(pid, Lit(a * b)), add(mul(ra, Lit(b)), rb))),
+                            grad.total, mask=Bin("&", Bin("<", ra, Lit(a)), Bin("<", rb, Lit(b))))))
+        for r in operand_sums(grad.kernel):
+            column = grad.summed_column(r)
             size = widths[column]
-            partials[id(r)] = _scratch(ctx, g, id(r), programs * size)
-            em.emit(Effect(call("store", add(partials[id(r)], add(mul(pid, Lit(size)), c[column])), sums[id(r)],
+            scratch[id(r)] = _scratch(ctx, grad.kernel, id(r), programs * size)
+            em.emit(Effect(call("store", add(scratch[id(r)], add(mul(pid, Lit(size)), c[column])), grad.sums[id(r)],
                                 mask=Bin("<", c[column], Lit(size)))))
-        finishing.append((g, partials))
+        partials.append(scratch)
     functions = [ctx.function("", body, constexprs, programs, warps)]
-    if finishing:  # every gradient's partials added, and its epilogue run, by one launch
-        functions.append(_finishing(ctx, [g for g, _ in finishing], programs, [p for _, p in finishing], "_finish"))
+    if gradients:  # every gradient's partials added, and its epilogue run, by one launch
+        functions.append(_finishing(ctx, [grad.kernel for grad in gradients], programs, partials, "_finish"))
     return functions
 
 
-def _gradient_placement(kernel: FusedKernel, widths: list[int]) -> list[tuple[FusedKernel, int, int, int]]:
-    """Where an MLP kernel sums each gradient it absorbed: (gradient, the layer after which its operands are
-    all computed, P's and Q's column ranges). An operand is evaluated along the column range of the layer
+def _precision(ctx: Context, dtype: DType) -> dict:
+    """A dot's precision option: float32 tiles take the user's setting (TF32 or exact)."""
+    return {"precision": ctx.settings.dot_precision(dtype)} if dtype is dtypes.float32 else {}
+
+
+@dataclass
+class _Gradient:
+    """A weight gradient an MLP kernel sums: the GEMM kernel it absorbed, the layer after which its operands
+    are computed, the column ranges (layer widths) P and Q are evaluated along, and, once emitted, its
+    accumulator (its tile's blocks) and operand sums."""
+
+    kernel: FusedKernel
+    ready: int
+    columns: tuple[int, int]
+    blocks: tuple[Block, Block] | None = None
+    total: Var | None = None
+    sums: dict[int, Var] = field(default_factory=dict)
+
+    @property
+    def operands(self) -> tuple[Node, Node]:
+        return self.kernel.core.inputs[0].inputs[0], self.kernel.core.inputs[1]
+
+    def summed_column(self, reduction: Node) -> int:
+        """The column range of the operand a sum reduces (a bias gradient: P's)."""
+        return self.columns[summed_operand(self.kernel.core, reduction)]
+
+
+def _gradient_placement(kernel: FusedKernel, widths: list[int]) -> list[_Gradient]:
+    """Where an MLP kernel sums each gradient it absorbed: the layer after which its operands are all
+    computed, and P's and Q's column ranges. An operand is evaluated along the column range of the layer
     whose result it is elementwise connected to (so it shares that layer's values and masks), else along
     the first of its width; the kernel's input is its first tile (column 0)."""
     cores = kernel.cores
@@ -1324,7 +1343,7 @@ def _gradient_placement(kernel: FusedKernel, widths: list[int]) -> list[tuple[Fu
     placed = []
     for g in kernel.absorbed:
         (ready_p, p_column), (ready_q, q_column) = place(g.core.inputs[0].inputs[0]), place(g.core.inputs[1])
-        placed.append((g, max(ready_p, ready_q), p_column, q_column))
+        placed.append(_Gradient(g, max(ready_p, ready_q), (p_column, q_column)))
     return placed
 
 

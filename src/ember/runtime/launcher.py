@@ -143,10 +143,12 @@ class _KernelStep:
     def __init__(self, ck: CompiledKernel):
         self.ck = ck
         self.scratch: dict = {}  # what one launch leaves for the next (an MLP kernel's gradient partials)
-        module = disk.load_source(ck.source)
-        device = ck.kernel.outputs[0].device
-        self.launches = [_prepared_launch(module, launch, device, scratch=self.scratch)
-                         for launch in ck.source.launches if launch.grid]
+        self.launches = self._prepare(ck.source)
+
+    def _prepare(self, source) -> list:
+        module, device = disk.load_source(source), self.ck.kernel.outputs[0].device
+        return [_prepared_launch(module, launch, device, scratch=self.scratch) for launch in source.launches
+                if launch.grid]
 
     def __call__(self, buffers: dict[int, torch.Tensor], sig: Signature) -> None:
         try:
@@ -157,8 +159,7 @@ class _KernelStep:
                 raise
             # an MLP kernel holding its weights on chip needs more shared memory than this GPU has: stream them
             self.ck = dataclasses.replace(self.ck, source=fallback, fallback=None)
-            self.launches = [_prepared_launch(disk.load_source(fallback), launch, self.ck.kernel.outputs[0].device,
-                                              scratch=self.scratch) for launch in fallback.launches if launch.grid]
+            self.launches = self._prepare(fallback)
             _run_launches(self.launches, self.ck, buffers, sig)
 
     def compile_jobs(self, buffers: dict[int, torch.Tensor], sig: Signature) -> list:

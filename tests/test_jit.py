@@ -239,9 +239,9 @@ def test_steady_replays_copy_nothing_for_the_state():
     step = ember.jit(step_fn(model, opt))
     train(step, BATCHES[:4])
     (entry,) = step._entries.values()
-    shown = [id(node) for _, node in entry.program.states]  # ids: holding the nodes would count as a use
+    shown = [id(node) for node in entry.program.state_nodes]  # ids: holding the nodes would count as a use
     train(step, BATCHES[4:])
-    assert shown == [id(node) for _, node in entry.program.states]
+    assert shown == [id(node) for node in entry.program.state_nodes]
 
 
 def test_values_kept_from_before_a_replay_keep_their_value():
@@ -481,6 +481,28 @@ def test_switching_to_eval_mode_records_again():
         step(x)
     model.eval()
     assert_same_values(step(x).numpy(), model(x).numpy())
+
+
+@pytest.mark.parametrize("how", ["assign", "register", "delete and assign"])
+def test_replacing_a_parameter_between_replays_records_again(how):
+    model, _ = make()
+    step = ember.jit(lambda x: model(x))
+    x = ember.tensor(BATCHES[0][0], device="cuda")
+    for _ in range(3):
+        step(x)
+    assert step.stats["replays"] == 1
+    new = nn.Parameter(ember.tensor(RNG.standard_normal((16, 8)).astype(np.float32), device="cuda"))
+    if how == "assign":
+        model[0].weight = new
+    elif how == "register":
+        model[0].register_parameter("weight", new)
+    else:
+        del model[0].weight
+        model[0].weight = new
+    assert_same_values(step(x).numpy(), model(x).numpy())
+    assert step.stats["captures"] == 2 and step.stats["replays"] == 1  # recorded anew, not replayed
+    assert_same_values(step(x).numpy(), model(x).numpy())
+    assert step.stats["replays"] == 2
 
 
 def test_a_recorded_step_reads_what_another_recorded_step_updated():

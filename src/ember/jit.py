@@ -60,6 +60,7 @@ the step read (guards). A program re-runs the same plans on fixed buffers:
 from __future__ import annotations
 
 import functools
+import operator
 import sys
 import warnings
 import weakref
@@ -69,6 +70,7 @@ from dataclasses import dataclass, field
 from ember import nested
 from ember.compiler import KernelKind, Signature
 from ember.ir import Kind, Node, Op
+from ember.nn import module as nn_module
 from ember.ops.random import take_offsets
 from ember.runtime import executor
 from ember.runtime.executor import deferred_interrupt, from_host, transient
@@ -91,12 +93,21 @@ class JitFunction:
 
     def __call__(self, *args, **kwargs):
         self.stats["calls"] += 1
-        leaves = nested.leaves((args, kwargs))
-        tensors = [x for x in leaves if isinstance(x, Tensor)]
+        if not kwargs and all(type(x) is Tensor for x in args):  # the usual call: Tensors only, no nesting
+            tensors, leaves = list(args), args
+            described = tuple([_describe(t) for t in tensors])
+            structure = len(args)
+        else:
+            leaves = nested.leaves((args, kwargs))
+            tensors = [x for x in leaves if isinstance(x, Tensor)]
+            described = tuple(_describe(x) for x in leaves)
+            structure = nested.structure((args, kwargs))
         first = {}  # the same Tensor passed twice is a different step from two Tensors
-        aliases = tuple(first.setdefault(id(t._node), i) for i, t in enumerate(tensors))
-        key = tuple(_describe(x) for x in leaves), aliases, nested.structure((args, kwargs))
-        entry = self._entries.setdefault(key, _Entry())
+        aliases = tuple([first.setdefault(id(t._node), i) for i, t in enumerate(tensors)])
+        key = described, aliases, structure
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = _Entry()
         if entry.failure is None and any(d is None for d in key[0]):
             entry.failure = (f"{self.__name__} is not replayed: an argument is neither a Tensor nor hashable "
                              "(a NumPy array?); pass such values as ember Tensors")
@@ -160,8 +171,8 @@ class _Entry:
 
 GRAPHS_KEPT = 8  # CUDA graphs a program captures (argument buffers x result set), before it copies arguments
 
-# references to a state's node held by a program and by the check itself (`states` entry, loop variable,
-# getrefcount's argument); more means something outside refers to the node
+# references to a state's node held by a program and by the check itself (its `state_nodes` entry, the
+# check's variable or list, getrefcount's argument); more means something outside refers to the node
 _OWN_REFERENCES = 3
 
 
@@ -206,11 +217,20 @@ class Recorder:
     draws: list[tuple[int, int, int]] = field(default_factory=list)  # (seed, offset, count) per random draw
     arguments: set[int] = field(default_factory=set)  # ids of the step's argument nodes
     grads: dict[int, tuple] = field(default_factory=dict)  # id(tensor) -> (tensor, .grad before, first new)
+    modules: dict[int, tuple] = field(default_factory=dict)  # id(module) -> (module, its mode, parameters,
+    # which of them train), as its first call in the step found them
     failure: str | None = None
 
     def guard(self, read: Callable[[], object]) -> None:
         """Make the recording depend on `read()`: a replay re-reads it and records again on a change."""
         self.guards.append((read, read()))
+
+    def note_module(self, module) -> None:
+        """The step calls `module`: a replay depends on its train/eval mode, its parameters and which of them
+        train (a change records the step again)."""
+        if id(module) not in self.modules:
+            params = [p for p in module._parameters.values() if p is not None]
+            self.modules[id(module)] = (module, module.training, params, [p.requires_grad for p in params])
 
     def refresh(self, update: Callable[[], None]) -> None:
         """Run `update()` before each replay: it brings Tensors the step reads up to date with Python
@@ -288,6 +308,27 @@ class _Slots:
     written: set[int] = field(default_factory=set)  # state buffers already updated by an earlier plan
 
 
+class _Modes:
+    """What a replay depends on in the modules a step calls, read back as flat lists: each module's
+    train/eval mode, its parameters (the same objects) and which of them train."""
+
+    def __init__(self, recorded: list[tuple]):
+        self.modules = [m for m, _, _, _ in recorded]
+        self.training = [training for _, training, _, _ in recorded]
+        self.parameters = [p for _, _, params, _ in recorded for p in params]
+        self.trains = [t for _, _, _, trains in recorded for t in trains]
+        self.generation = nn_module.generation
+
+    def unchanged(self) -> bool:
+        if self.generation != nn_module.generation:  # some module's parameters changed: are these the same?
+            params = [p for m in self.modules for p in m._parameters.values() if p is not None]
+            if len(params) != len(self.parameters) or not all(map(operator.is_, params, self.parameters)):
+                return False
+            self.generation = nn_module.generation
+        return ([m.training for m in self.modules] == self.training
+                and [p.requires_grad for p in self.parameters] == self.trains)
+
+
 class _Program:
     """A recorded step bound to fixed buffers, with what must hold for a replay to be valid."""
 
@@ -299,6 +340,7 @@ class _Program:
                                 "op by op and has nothing to replay)")
         self.result_structure = nested.structure(result)
         self.guards, self.refreshers = rec.guards, rec.refreshers
+        self.modes = _Modes(list(rec.modules.values()))
         self.draw_counts = [count for _, _, count in rec.draws]
         self.constants: list[tuple] = []  # (tensor, its node, buffer read) for values the step only reads
         self.uploads: list[tuple[int, object, object]] = []  # (argument, device buffer, device) for host data
@@ -319,6 +361,9 @@ class _Program:
         steps = [self._bind(r, slots, finals, uploaded, returned - gradients, draw_index) for r in rec.plans]
         self.out_slots = self._returns(rec, out_leaves, arg_nodes)
         self.grads = self._gradients(rec, produced_ids)
+        self.none_before = [ref for ref, _, needs_none in self.grads if needs_none]
+        self.constant_refs = [ref for ref, _, _ in self.constants]
+        self.constant_buffers = [buffer for _, _, buffer in self.constants]
         self.plans = graphs.Replay(steps)
         self.handed_at = [0]  # per set of result buffers: the replay that last returned them
         self.calls = 0
@@ -348,7 +393,8 @@ class _Program:
         ids of their final nodes. Replays read and update the state's new buffer; the old value's
         buffer is never written, so a Tensor still showing it (a detached copy) keeps it."""
         finals = set()
-        self.states: list[tuple] = []  # (tensor ref, node it must still show)
+        self.state_refs: list[weakref.ref] = []  # the state Tensors
+        self.state_nodes: list[Node] = []  # ... and the node each must still show
         for ref, old in rec.rebound.values():
             t = ref()
             if t is None or t._node is old or old.buffer is None or id(old.buffer) in produced_ids:
@@ -358,7 +404,8 @@ class _Program:
                 continue  # set to a value from outside the step's plans: a value it reads, followed as such
             slots.state_in[id(old.buffer)] = final.buffer
             finals.add(id(final))
-            self.states.append((ref, final))
+            self.state_refs.append(ref)
+            self.state_nodes.append(final)
         return finals
 
     def _bind(self, r: RecordedPlan, slots: _Slots, finals: set[int], uploaded: dict, returned: set[int],
@@ -464,21 +511,43 @@ class _Program:
         buffers the replay updates."""
         for update in self.refreshers:  # first: what the step itself sets (a mode) is then as it will be
             update()
-        if not all(read() == value for read, value in self.guards):
+        if not self.modes.unchanged() or not all(read() == value for read, value in self.guards):
             return False
-        for constant in self.constants:
-            if not self._follow(constant):
-                return False
-        if not all((p := ref()) is None or p.grad is None for ref, _, needs_none in self.grads if needs_none):
+        if not self._constants_shown() and not all(self._follow(constant) for constant in self.constants):
+            return False
+        if not all((p := ref()) is None or p.grad is None for ref in self.none_before):
             return False  # the step would add to a gradient left from before: a different step
-        for k, (ref, node) in enumerate(self.states):
-            t = ref()
+        return self._states_shown() or self._show_states()
+
+    def _constants_shown(self) -> bool:
+        """The usual case, checked at once: every value the step only reads is still shown by its Tensor."""
+        try:
+            shown = [ref()._node.buffer for ref in self.constant_refs]
+        except AttributeError:  # a Tensor gone (nothing to follow): the case by case check
+            return False
+        return all(map(operator.is_, shown, self.constant_buffers))
+
+    def _states_shown(self) -> bool:
+        """The usual case, checked at once: every state Tensor shows its node, and nothing else refers to
+        the node (the list here, `shown`, the Tensor, getrefcount's argument), so the replay may update it."""
+        try:
+            shown = [ref()._node for ref in self.state_refs]
+        except AttributeError:
+            return False
+        return (all(map(operator.is_, shown, self.state_nodes))
+                and max(map(sys.getrefcount, shown), default=0) <= _OWN_REFERENCES + 1)
+
+    def _show_states(self) -> bool:
+        """Each state Tensor shows a node of its own that the replay updates: a value set from outside is
+        taken, a node something else refers to is left to it; False where a state is gone or changed shape."""
+        for k, ref in enumerate(self.state_refs):
+            t, node = ref(), self.state_nodes[k]
             if t is None:  # replaced wholesale (an optimizer's load_state_dict): record again
                 return False
             if t._node is node:
                 if sys.getrefcount(node) <= _OWN_REFERENCES + 1:  # + 1: the Tensor showing it
                     continue
-                self.states[k] = (ref, self._detach_state(t, node))
+                self.state_nodes[k] = self._detach_state(t, node)
                 continue
             current = t._node  # set from outside, e.g. by another shape's replay: take its value
             if current.buffer is None or (current.shape, current.dtype, current.device) != (
@@ -487,7 +556,7 @@ class _Program:
             fresh = self._detach_state(t, node)  # first, so whatever else shows `node` keeps its value
             fresh.buffer.copy_(current.buffer)
             del current
-            self.states[k] = (ref, fresh)
+            self.state_nodes[k] = fresh
         return True
 
     @staticmethod
@@ -569,11 +638,11 @@ class _Program:
         """A set of result buffers nothing outside the program refers to (no returned Tensor, nothing derived
         from one without a copy, no argument of this call): the first such; else a second set; else the oldest
         set is left to what shows it and replaced by new buffers (its graphs go with it)."""
+        for s, buffers in enumerate(self.results):
+            if max(map(sys.getrefcount, buffers), default=0) <= _RESULT_REFERENCES:
+                return s
         from ember.runtime import graphs  # torch is imported only once a step is replayed
 
-        for s, buffers in enumerate(self.results):
-            if not any(_shown(b) for b in buffers):
-                return s
         fresh = [graphs.torch.empty_like(b) for b in self.results[0]]
         if len(self.results) < 2:
             self.results.append(fresh)
@@ -602,13 +671,9 @@ def _addresses(buffers: list) -> tuple[int, ...]:
     return tuple(b.data_ptr() for b in buffers)
 
 
-# references to a result buffer held by the program (its set's list) and by the check itself (the loop variable,
-# _shown's parameter, getrefcount's argument); more means something else shows the buffer
-_RESULT_REFERENCES = 4
-
-
-def _shown(buffer) -> bool:
-    return sys.getrefcount(buffer) > _RESULT_REFERENCES
+# references to a result buffer held by the program (its set's list) and by the check (getrefcount's argument);
+# more means something else shows the buffer
+_RESULT_REFERENCES = 2
 
 
 # -- in-place writes ---------------------------------------------------------------------------

@@ -46,6 +46,10 @@ class Parameter(Tensor):
 
 _IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
 
+# counts changes to any module's registered parameters, buffers or submodules: a replayed step (ember.jit)
+# compares the parameters it read one by one only after one
+generation = 0
+
 
 class Module:
     """Base class of every layer and model: subclass it, assign layers in `__init__`, write `forward`."""
@@ -64,12 +68,8 @@ class Module:
 
     def __call__(self, *args, **kwargs):
         if executor.recorder is not None:  # a recorded step depends on train/eval mode and on which parameters train
-            executor.recorder.guard(functools.partial(getattr, self, "training"))
-            executor.recorder.guard(self._trainable)
+            executor.recorder.note_module(self)
         return self.forward(*args, **kwargs)
-
-    def _trainable(self) -> tuple[bool, ...]:
-        return tuple(p.requires_grad for p in self._parameters.values() if p is not None)
 
     # -- registration -------------------------------------------------------------------
     def __setattr__(self, name: str, value) -> None:
@@ -86,6 +86,7 @@ class Module:
             if value is not None:
                 raise TypeError(f"cannot assign {type(value).__name__} as parameter {name!r} "
                                 "(ember.nn.Parameter or None expected)")
+            self._forget(name)
             self._parameters[name] = None
         elif name in self._modules:
             if value is not None:
@@ -100,6 +101,8 @@ class Module:
             object.__setattr__(self, name, value)
 
     def _forget(self, name: str) -> None:
+        global generation
+        generation += 1
         self.__dict__.pop(name, None)
         for registry in (self._parameters, self._buffers, self._modules):
             registry.pop(name, None)

@@ -11,7 +11,7 @@ what the host reads and computes and what it uploads; the launcher, the plans it
 
 from __future__ import annotations
 
-import signal
+import _signal
 import threading
 import weakref
 from collections.abc import Iterable
@@ -174,8 +174,8 @@ class deferred_interrupt:
     def __enter__(self):
         self.caught = None
         self.active = threading.current_thread() is threading.main_thread()
-        if self.active:
-            self.previous = signal.signal(signal.SIGINT, self._hold)
+        if self.active:  # _signal: signal.signal's enum conversions cost more than the swap itself
+            self.previous = _signal.signal(_signal.SIGINT, self._hold)
         return self
 
     def _hold(self, signum, frame) -> None:
@@ -183,6 +183,6 @@ class deferred_interrupt:
 
     def __exit__(self, *exc) -> None:
         if self.active:
-            signal.signal(signal.SIGINT, self.previous)
+            _signal.signal(_signal.SIGINT, self.previous)
             if self.caught is not None and callable(self.previous):
                 self.previous(*self.caught)

@@ -266,3 +266,52 @@ def test_segments_of_one_launch_unroll_their_own_short_axes(cuda_backend):
     for got, x in zip(outs, (a, b)):
         np.testing.assert_allclose(got.numpy(), _heavy(ember.tensor(x), depth=30 if x is a else 25).numpy(),
                                    rtol=1e-5, atol=1e-6)
+
+
+def _load(address: Expr) -> Call:
+    return Call("load", (address,))
+
+
+def _store(address: Expr, value: Expr) -> Effect:
+    return Effect(Call("store", (address, value)))
+
+
+def test_loads_after_a_store_are_hoisted_above_it_where_their_addresses_are_known():
+    a, b, c, d, t = (Var(n) for n in "abcdt")
+    body = [Assign((a,), _load(Var("in0"))),
+            _store(Var("out0"), a),
+            Assign((t,), Bin("+", a, Lit(1))),
+            Assign((b,), Call("cast", (_load(Bin("+", Var("in1"), a)),))),  # address known before the store
+            Assign((c,), _load(Bin("+", Var("in2"), t))),  # address computed after it: stays
+            Assign((d,), _load(Bin("+", Var("in3"), b))),  # its address reads a hoisted load: follows it
+            _store(Var("out1"), Bin("+", b, Bin("+", c, d)))]
+    hoisted = lower.hoist_loads(body)
+    assert hoisted == [body[0], body[3], body[5], body[1], body[2], body[4], body[6]]
+
+
+def test_a_load_reading_a_name_assigned_again_after_the_store_stays_below_it():
+    a, b = Var("a"), Var("b")
+    body = [Assign((a,), _load(Var("in0"))), _store(Var("out0"), a),
+            Assign((a,), Bin("*", a, Lit(2))), Assign((b,), _load(Bin("+", Var("in1"), a))), _store(Var("out1"), b)]
+    assert lower.hoist_loads(body) == body
+
+
+def test_only_kernels_too_small_to_fill_the_gpu_hoist_their_loads():
+    def first_store_after_loads(size):
+        def build():
+            xs = [ember.randn(size, device="cuda") for _ in range(3)]
+            return xs[0] * 2, xs[1] + xs[2]
+        outs = build()
+        order = toposort([o._node for o in outs])
+        keep = {id(o._node) for o in outs}
+        lowered = passes.lower(order, keep, passes.signature(order, keep))
+        kernels, stored = fusion.plan(lowered.nodes, lowered.outputs, CompileContext(), fusion.NOMINAL_GPU)
+        (kernel,) = [k for k in kernels if k.kind is fusion.KernelKind.POINTWISE]
+        body = lower.lower(kernel, stored, CompileContext()).functions[0].body
+        kinds = ["store" if isinstance(s, Effect) else "load" if isinstance(s, Assign) and lower._loads(s.value)
+                 else "" for s in body]
+        kinds = [k for k in kinds if k]
+        return kinds.index("store") > max(i for i, k in enumerate(kinds) if k == "load")
+
+    assert first_store_after_loads(100)
+    assert not first_store_after_loads(1 << 22)

@@ -13,6 +13,7 @@ constants that change between steps (a learning rate) and random seeds are param
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 from ember import dtypes
@@ -36,6 +37,7 @@ from ember.compiler.kernel import (
     Bin,
     Block,
     Branch,
+    Call,
     Effect,
     Expr,
     Function,
@@ -589,7 +591,54 @@ def _pointwise(ctx: Context, kernel: FusedKernel) -> Function:
     _pointwise_body(ctx, kernel, body, "", pid, axis)
     numel = _threads(kernel, axis)
     block = pointwise_block(numel, len(kernel.covers), ctx.settings.multiprocessors)
-    return ctx.function("", body, {"BLOCK": block}, -(-numel // block), 4)
+    grid = -(-numel // block)
+    if _latency_bound(ctx, grid):
+        body[:] = hoist_loads(body)
+    return ctx.function("", body, {"BLOCK": block}, grid, 4)
+
+
+def _latency_bound(ctx: Context, programs: int) -> bool:
+    """Whether a kernel's programs are too few to fill the GPU: no other programs' warps hide a load's
+    latency, so each load paid in turn adds up (an optimizer's update of a few small tensors)."""
+    return programs < (ctx.settings.multiprocessors or UNKNOWN_MULTIPROCESSORS)
+
+
+def hoist_loads(block: list) -> list:
+    """The statements of `block` with every load that follows its first store moved above it, where its
+    address and mask are computed before: the loads are then in flight together. The target's compiler may
+    not move a load above a store itself (it cannot tell the pointers apart), but in a kernel of one element
+    per position no load reads what a store wrote: outputs are new values, and an input updated in place is
+    read at the element its store writes, by the same thread, which a hoisted load reads first anyway."""
+    first = next((i for i, s in enumerate(block) if isinstance(s, Effect)), None)
+    if first is None or any(isinstance(s, Effect) and s.value.fn != "store" for s in block) \
+            or any(isinstance(s, (Loop, Branch)) for s in block):
+        return block
+    assigned = Counter(t.name for s in block[first:] if isinstance(s, Assign) for t in s.targets)
+    later = set(assigned)
+    moved, rest = [], []
+    touched: set[str] = set()  # names the statements left in place read or assign, so far
+    for s in block[first:]:
+        targets = {t.name for t in s.targets} if isinstance(s, Assign) else set()
+        if (isinstance(s, Assign) and _loads(s.value) and not _names(s.value) & later and not targets & touched
+                and all(assigned[t] == 1 for t in targets)):
+            moved.append(s)
+            later -= targets  # what reads it may move up too
+        else:
+            rest.append(s)
+            touched |= targets | _names(s.value)
+    return block[:first] + moved + rest
+
+
+def _loads(e: Expr) -> bool:
+    """Whether `e` loads from memory (a load, or a value computed from one)."""
+    return (isinstance(e, Call) and e.fn == "load") or any(_loads(c) for c in e.children())
+
+
+def _names(e: Expr) -> set[str]:
+    """The names of the variables `e` reads."""
+    if isinstance(e, Var):
+        return {e.name}
+    return set().union(*(_names(c) for c in e.children()))
 
 
 # A pointwise kernel computing more nodes than this per element (gathers and the index arithmetic that places
@@ -627,6 +676,8 @@ def _segmented(ctx: Context, kernel: FusedKernel) -> Function:
         branches = branch.orelse
         first = pid if begin == 0 else Bin("-", pid, ctx.param("bound", begin, "end"))
         _pointwise_body(ctx, part, branch.body, f"_{k}", first, axes[k])
+        if _latency_bound(ctx, total):
+            branch.body[:] = hoist_loads(branch.body)
     return ctx.function("", body, {"BLOCK": block}, total, 4)
 
 
@@ -1126,7 +1177,7 @@ def _add_partials(emitter: Emitter, splits: int, acc: Var, tile: _Tile, summed: 
 
 
 MLP_PROGRAMS_PER_SM = 2
-MLP_UNKNOWN_MULTIPROCESSORS = 132  # programs of a kernel summing gradients where the GPU's size is not known
+UNKNOWN_MULTIPROCESSORS = 132  # the SMs a kernel plans for where the GPU's size is not known
 
 
 def _mlp(ctx: Context, kernel: FusedKernel) -> list[Function]:
@@ -1150,7 +1201,7 @@ def _mlp(ctx: Context, kernel: FusedKernel) -> list[Function]:
     programs = tiles
     sms = ctx.settings.multiprocessors
     if (hold and sms) or kernel.absorbed:  # as many programs as the GPU holds at once, no more
-        programs = min(tiles, MLP_PROGRAMS_PER_SM * (sms or MLP_UNKNOWN_MULTIPROCESSORS))
+        programs = min(tiles, MLP_PROGRAMS_PER_SM * (sms or UNKNOWN_MULTIPROCESSORS))
     walks = programs < tiles
     hold = hold and walks
     body: list = []

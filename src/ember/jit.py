@@ -108,10 +108,10 @@ class JitFunction:
         entry = self._entries.get(key)
         if entry is None:
             entry = self._entries[key] = _Entry()
-        if entry.failure is None and any(d is None for d in key[0]):
-            entry.failure = (f"{self.__name__} is not replayed: an argument is neither a Tensor nor hashable "
-                             "(a NumPy array?); pass such values as ember Tensors")
-            warnings.warn(f"ember.jit: {entry.failure}", stacklevel=2)
+            if any(d is None for d in described):
+                entry.failure = (f"{self.__name__} is not replayed: an argument is neither a Tensor nor hashable "
+                                 "(a NumPy array?); pass such values as ember Tensors")
+                warnings.warn(f"ember.jit: {entry.failure}", stacklevel=2)
         if entry.program is not None:
             if entry.program.still_valid():
                 self.stats["replays"] += 1
@@ -511,13 +511,13 @@ class _Program:
         buffers the replay updates."""
         for update in self.refreshers:  # first: what the step itself sets (a mode) is then as it will be
             update()
-        if not self.modes.unchanged() or not all(read() == value for read, value in self.guards):
+        if not self.modes.unchanged() or (self.guards and not all(read() == value for read, value in self.guards)):
             return False
-        if not self._constants_shown() and not all(self._follow(constant) for constant in self.constants):
+        if self.constants and not self._constants_shown() and not all(map(self._follow, self.constants)):
             return False
-        if not all((p := ref()) is None or p.grad is None for ref in self.none_before):
+        if self.none_before and not all((p := ref()) is None or p.grad is None for ref in self.none_before):
             return False  # the step would add to a gradient left from before: a different step
-        return self._states_shown() or self._show_states()
+        return not self.state_refs or self._states_shown() or self._show_states()
 
     def _constants_shown(self) -> bool:
         """The usual case, checked at once: every value the step only reads is still shown by its Tensor."""

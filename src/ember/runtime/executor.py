@@ -173,7 +173,7 @@ class deferred_interrupt:
 
     def __enter__(self):
         self.caught = None
-        self.active = threading.current_thread() is threading.main_thread()
+        self.active = threading.get_ident() == threading.main_thread().ident
         if self.active:  # _signal: signal.signal's enum conversions cost more than the swap itself
             self.previous = _signal.signal(_signal.SIGINT, self._hold)
         return self

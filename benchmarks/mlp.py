@@ -10,6 +10,8 @@ The floor is the larger of the FLOPs at the measured cuBLAS float16 rate and the
 (input rows and outputs; for training also the parameters and Adam's state) at the measured copy rate.
 Times: median of single steps, call to GPU done, the GPU idle at the start. ember's kernels: how many fused
 kernels its plan of one inference has (1: the whole network is one kernel), or of one training step.
+"first step": each variant's first call in the process, until the GPU is done (compiling included; point
+EMBER_CACHE_DIR and TRITON_CACHE_DIR at empty directories for a cold start).
 
     python benchmarks/mlp.py                      # every row, appended to RESULTS.md
     python benchmarks/mlp.py --rows I64d5,T64     # some rows
@@ -21,6 +23,7 @@ kernels its plan of one inference has (1: the whole network is one kernel), or o
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -38,6 +41,7 @@ from common import (  # noqa: E402
     parse_options,
     publish,
     release_memory,
+    sync,
     to_ember,
     to_torch,
 )
@@ -93,6 +97,16 @@ def floor_ms(kind: str, w: int, d: int, batch: int, tflops: float | None, gbs: f
     return max(flops / tflops / 1e9, nbytes / gbs / 1e6)
 
 
+def first_call(fn: Callable[[], object], cpu: bool) -> tuple[object, float]:
+    """fn's value and the seconds from the call until the GPU is done: a variant's first step, compiling
+    included."""
+    sync(cpu)
+    start = time.perf_counter()
+    out = fn()
+    sync(cpu)
+    return out, time.perf_counter() - start
+
+
 def inference(w: int, d: int, batch: int, dev: str, cpu: bool, variants: list[str], warmup: int, reps: int):
     model = torch_model(w, d, dev).eval()
     x = torch.randn(batch, w, device=dev, dtype=torch.float16)
@@ -106,7 +120,7 @@ def inference(w: int, d: int, batch: int, dev: str, cpu: bool, variants: list[st
             return em(x)
 
     kernels = guarded("ember plan", lambda: len(plan(forward(ex)).kernels))  # planned, not run
-    times, errors, gpu = {}, {}, {}
+    times, errors, gpu, firsts = {}, {}, {}, {}
     for variant in variants:
         if variant.startswith("torch"):
             fn = compiled(model, variant, cpu)
@@ -114,7 +128,8 @@ def inference(w: int, d: int, batch: int, dev: str, cpu: bool, variants: list[st
 
             def timed(step=step, variant=variant):
                 with torch.no_grad():
-                    out = step().clone()  # reduce-overhead's output is overwritten by the next replay
+                    # reduce-overhead's output is overwritten by the next replay
+                    out, firsts[variant] = first_call(lambda: step().clone(), cpu)
                     times[variant] = median_ms(step, warmup, reps, cpu)
                     if variant in DEVICE_TIMED:
                         gpu[variant] = device_ms(step, warmup, reps)
@@ -123,7 +138,7 @@ def inference(w: int, d: int, batch: int, dev: str, cpu: bool, variants: list[st
         else:
             fn = ember.jit(forward) if variant == "ember.jit" else forward
             step = lambda fn=fn: fn(ex).realize()  # noqa: E731
-            out = guarded(variant, step)
+            out, firsts[variant] = guarded(variant, lambda step=step: first_call(step, cpu)) or (None, None)
             if out is not None:
                 out = to_torch(out)
                 times[variant] = guarded(variant, lambda step=step: median_ms(step, warmup, reps, cpu))
@@ -132,14 +147,14 @@ def inference(w: int, d: int, batch: int, dev: str, cpu: bool, variants: list[st
         if out is not None:
             errors[variant] = guarded(f"{variant} check", lambda out=out: (
                 (out.float() - reference).norm() / reference.norm()).item())
-    return times, errors, kernels, gpu
+    return times, errors, kernels, gpu, firsts
 
 
 def training(w: int, d: int, batch: int, dev: str, cpu: bool, variants: list[str], warmup: int, reps: int):
     base = torch_model(w, d, dev, torch.float32)
     x = torch.randn(batch, w, device=dev, dtype=torch.float16)
     y = torch.randn(batch, OUT_WIDTH, device=dev, dtype=torch.float16)
-    times, losses, gpu = {}, {}, {}
+    times, losses, gpu, firsts = {}, {}, {}, {}
     kernels = None
     for variant in variants:
         if variant.startswith("torch"):
@@ -170,7 +185,7 @@ def training(w: int, d: int, batch: int, dev: str, cpu: bool, variants: list[str
                 return loss
             fn = ember.jit(ember_step) if variant == "ember.jit" else ember_step
             step = lambda fn=fn, ex=ex, ey=ey: fn(ex, ey).realize()  # noqa: E731
-        first = guarded(variant, step)
+        first, firsts[variant] = guarded(variant, lambda step=step: first_call(step, cpu)) or (None, None)
         if first is not None:
             losses[variant] = float(first.item())
             if variant.startswith("ember") and kernels is None:  # a steady-state step's plan (one realization)
@@ -182,7 +197,7 @@ def training(w: int, d: int, batch: int, dev: str, cpu: bool, variants: list[str
             times[variant] = guarded(variant, lambda step=step: median_ms(step, warmup, reps, cpu))
             if variant in DEVICE_TIMED:
                 gpu[variant] = guarded(f"{variant} (profiler)", lambda step=step: device_ms(step, warmup, reps))
-    return times, losses, kernels, gpu
+    return times, losses, kernels, gpu, firsts
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -212,10 +227,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"row {row}", flush=True)
         floor = floor_ms(kind, w, d, batch, tflops, gbs)
         if kind == "I":
-            times, errors, kernels, gpu = inference(w, d, batch, dev, cpu, variants, args.warmup, args.reps)
+            times, errors, kernels, gpu, firsts = inference(w, d, batch, dev, cpu, variants, args.warmup, args.reps)
             check = ", ".join(f"{v}: {cell(e, '{:.1e}')}" for v, e in errors.items() if v.startswith("ember"))
         else:
-            times, losses, kernels, gpu = training(w, d, batch, dev, cpu, variants, args.warmup, args.reps)
+            times, losses, kernels, gpu, firsts = training(w, d, batch, dev, cpu, variants, args.warmup, args.reps)
             check = "first loss " + ", ".join(f"{v}: {loss_:.4g}" for v, loss_ in losses.items())
         eager = times.get("torch eager")
         best_torch = min((t for v, t in times.items() if v.startswith("torch.compile") and t), default=None)
@@ -227,11 +242,12 @@ def main(argv: list[str] | None = None) -> None:
                       "-" if "torch eager" not in variants else
                       cell(eager / best_ember if eager and best_ember else None, "{:.2f}"),
                       "-" if not any(v.startswith("torch.compile") for v in variants) else
-                      cell(best_torch / best_ember if best_torch and best_ember else None, "{:.2f}"), check])
+                      cell(best_torch / best_ember if best_torch and best_ember else None, "{:.2f}"),
+                      ", ".join(f"{v} {cell(t, '{:.1f}')}" for v, t in firsts.items()), check])
         release_memory(cpu)
     head = ["row", "network x batch", "floor ms", *[f"{v} ms" for v in VARIANTS],
             *[f"{v} GPU ms" for v in DEVICE_TIMED], "ember kernels",
-            "eager / ember", "best compile / ember", "check"]
+            "eager / ember", "best compile / ember", "first step s", "check"]
     notes = [f"floor: max(FLOPs at the measured cuBLAS float16 rate {cell(tflops, '{:.0f}')} TFLOP/s, bytes at the "
              f"measured copy rate {cell(gbs, '{:.0f}')} GB/s)",
              "ember / torch ratios use the faster ember variant and the fastest torch.compile mode",

@@ -19,9 +19,9 @@ What may change between replays, and how it is handled:
   combination is recorded on its own, as a new step;
 - the learning rate: the optimizer reads it from a 0-d tensor that each replay brings up
   to date (a scheduler stepped every iteration, outside the function, costs nothing);
-- other hyper-parameters, train/eval mode and which parameters require gradients:
-  re-read before each replay, and a change records the step again (a mode the step sets
-  itself is set by its replays too);
+- other hyper-parameters, train/eval mode, the modules' parameters (one replaced) and which
+  of them require gradients: re-read before each replay, and a change records the step again
+  (a mode the step sets itself is set by its replays too);
 - values set from outside (`load_state_dict`, a parameter updated by an optimizer outside
   the step): the replay follows them, or records again when it cannot;
 - copies of a parameter kept from before a replay keep their value.

@@ -505,6 +505,43 @@ def test_replacing_a_parameter_between_replays_records_again(how):
     assert step.stats["replays"] == 2
 
 
+def test_a_submodule_replaced_or_removed_between_replays_records_again():
+    model, _ = make()
+    head = model[2]
+    step = ember.jit(lambda x: model(x) + head.weight.sum())  # also reads a weight without calling its module
+    x = ember.tensor(BATCHES[0][0], device="cuda")
+    for _ in range(3):
+        step(x)
+    model[2] = nn.Linear(16, 4).to("cuda")  # the layer the Sequential calls
+    assert_same_values(step(x).numpy(), (model(x) + head.weight.sum()).numpy())
+    with ember.no_grad():
+        head.weight = nn.Parameter(head.weight * 2)  # read, its module not called
+    for _ in range(2):
+        assert_same_values(step(x).numpy(), (model(x) + head.weight.sum()).numpy())
+    del model[1]  # the ReLU: no parameters change
+    model.append(nn.ReLU())
+    for _ in range(2):
+        assert_same_values(step(x).numpy(), (model(x) + head.weight.sum()).numpy())
+
+
+def test_a_step_replacing_a_parameter_itself_is_never_replayed_stale():
+    def run(use_jit):
+        ember.manual_seed(0)
+        model = nn.Linear(8, 4).to("cuda")
+
+        def step(x):
+            y = model(x)
+            with ember.no_grad():
+                model.weight = nn.Parameter(model.weight * 0.5)
+            return y
+        step = ember.jit(step) if use_jit else step
+        x = ember.tensor(BATCHES[0][0], device="cuda")
+        return [step(x).numpy() for _ in range(5)]
+
+    for a, b in zip(run(True), run(False)):
+        assert_same_values(a, b)
+
+
 def test_a_recorded_step_reads_what_another_recorded_step_updated():
     def run(use_jit):
         model, opt = make()

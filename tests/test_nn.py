@@ -610,3 +610,16 @@ def test_loss_dtype_errors_name_the_function_and_dtypes():
         F.binary_cross_entropy_with_logits(ember.randn(4), ember.rand(3))
     with pytest.raises(ValueError, match="reduction"):
         F.mse_loss(ember.randn(3), ember.randn(3), reduction="avg")
+
+
+def test_replacing_a_layer_or_a_parameter_keeps_its_place():
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    model[0] = nn.Linear(3, 4)
+    assert [type(m).__name__ for m in model] == ["Linear", "ReLU", "Linear"]
+    assert list(model._modules) == ["0", "1", "2"]
+    lin = model[0]
+    names = [n for n, _ in lin.named_parameters()]
+    lin.weight = nn.Parameter(ember.zeros(4, 3))
+    lin.register_parameter("weight", nn.Parameter(ember.ones(4, 3)))
+    assert [n for n, _ in lin.named_parameters()] == names
+    np.testing.assert_array_equal(model(ember.ones(5, 3)).shape, (5, 2))

@@ -19,9 +19,10 @@ What may change between replays, and how it is handled:
   combination is recorded on its own, as a new step;
 - the learning rate: the optimizer reads it from a 0-d tensor that each replay brings up
   to date (a scheduler stepped every iteration, outside the function, costs nothing);
-- other hyper-parameters, train/eval mode, the modules' parameters (one replaced) and which
-  of them require gradients: re-read before each replay, and a change records the step again
-  (a mode the step sets itself is set by its replays too);
+- other hyper-parameters, train/eval mode, the parameters and submodules of the modules it
+  calls (one replaced or removed) and which parameters require gradients: re-read before each
+  replay, and a change records the step again (a mode the step sets itself is set by its
+  replays too);
 - values set from outside (`load_state_dict`, a parameter updated by an optimizer outside
   the step): the replay follows them, or records again when it cannot;
 - copies of a parameter kept from before a replay keep their value.
@@ -218,7 +219,8 @@ class Recorder:
     arguments: set[int] = field(default_factory=set)  # ids of the step's argument nodes
     grads: dict[int, tuple] = field(default_factory=dict)  # id(tensor) -> (tensor, .grad before, first new)
     modules: dict[int, tuple] = field(default_factory=dict)  # id(module) -> (module, its mode, parameters,
-    # which of them train), as its first call in the step found them
+    # its own and its submodules', which of them train, its children), as its first call in the step found them
+    generation: int = field(default_factory=lambda: nn_module.generation)  # modules' registries at the start
     failure: str | None = None
 
     def guard(self, read: Callable[[], object]) -> None:
@@ -226,11 +228,13 @@ class Recorder:
         self.guards.append((read, read()))
 
     def note_module(self, module) -> None:
-        """The step calls `module`: a replay depends on its train/eval mode, its parameters and which of them
-        train (a change records the step again)."""
+        """The step calls `module`: a replay depends on its train/eval mode, its parameters and its submodules'
+        (a forward may read a child's weight without calling it) and which of them train (a change records
+        the step again)."""
         if id(module) not in self.modules:
-            params = [p for p in module._parameters.values() if p is not None]
-            self.modules[id(module)] = (module, module.training, params, [p.requires_grad for p in params])
+            params = list(module.parameters())
+            self.modules[id(module)] = (module, module.training, params, [p.requires_grad for p in params],
+                                        list(module._modules.values()))
 
     def refresh(self, update: Callable[[], None]) -> None:
         """Run `update()` before each replay: it brings Tensors the step reads up to date with Python
@@ -310,23 +314,36 @@ class _Slots:
 
 class _Modes:
     """What a replay depends on in the modules a step calls, read back as flat lists: each module's
-    train/eval mode, its parameters (the same objects) and which of them train."""
+    train/eval mode, children, parameters and its submodules' (the same objects) and which of them train."""
 
-    def __init__(self, recorded: list[tuple]):
-        self.modules = [m for m, _, _, _ in recorded]
-        self.training = [training for _, training, _, _ in recorded]
-        self.parameters = [p for _, _, params, _ in recorded for p in params]
-        self.trains = [t for _, _, _, trains in recorded for t in trains]
-        self.generation = nn_module.generation
+    def __init__(self, recorded: list[tuple], generation: int):
+        self.modules = [m for m, _, _, _, _ in recorded]
+        self.training = [training for _, training, _, _, _ in recorded]
+        self.children = [c for _, _, _, _, children in recorded for c in children]
+        trains = {id(p): t for _, _, params, flags, _ in reversed(recorded) for p, t in zip(params, flags)}
+        self.parameters = _unique(p for _, _, params, _, _ in recorded for p in params)  # a child's: once
+        self.trains = [trains[id(p)] for p in self.parameters]
+        self.generation = generation  # as the recording started: a step replacing a parameter is compared
 
     def unchanged(self) -> bool:
-        if self.generation != nn_module.generation:  # some module's parameters changed: are these the same?
-            params = [p for m in self.modules for p in m._parameters.values() if p is not None]
-            if len(params) != len(self.parameters) or not all(map(operator.is_, params, self.parameters)):
+        if self.generation != nn_module.generation:  # some module's registries changed: are these the same?
+            params = _unique(p for m in self.modules for p in m.parameters())
+            children = [c for m in self.modules for c in m._modules.values()]
+            if not (_same(params, self.parameters) and _same(children, self.children)):
                 return False
             self.generation = nn_module.generation
         return ([m.training for m in self.modules] == self.training
                 and [p.requires_grad for p in self.parameters] == self.trains)
+
+
+def _same(a: list, b: list) -> bool:
+    """Whether two lists hold the same objects, in order."""
+    return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
+def _unique(items) -> list:
+    """`items` without repeats (by identity), in order."""
+    return list({id(x): x for x in items}.values())
 
 
 class _Program:
@@ -340,7 +357,7 @@ class _Program:
                                 "op by op and has nothing to replay)")
         self.result_structure = nested.structure(result)
         self.guards, self.refreshers = rec.guards, rec.refreshers
-        self.modes = _Modes(list(rec.modules.values()))
+        self.modes = _Modes(list(rec.modules.values()), rec.generation)
         self.draw_counts = [count for _, _, count in rec.draws]
         self.constants: list[tuple] = []  # (tensor, its node, buffer read) for values the step only reads
         self.uploads: list[tuple[int, object, object]] = []  # (argument, device buffer, device) for host data

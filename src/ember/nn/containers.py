@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 
-from ember.nn.module import Module
+from ember.nn.module import Module, structure_changed
 
 
 def _index(i: int, n: int, container: str) -> int:
@@ -50,6 +50,7 @@ class Sequential(Module):
         keys = list(self._modules)
         for key in (keys[index] if isinstance(index, slice) else [keys[_index(index, len(keys), "Sequential")]]):
             del self._modules[key]
+        structure_changed()
 
     def append(self, module: Module) -> Sequential:
         self.add_module(str(len(self)), module)
@@ -66,6 +67,7 @@ class ModuleList(Module):
 
     def _renumber(self, modules: list[Module]) -> None:
         self._modules.clear()
+        structure_changed()
         for i, module in enumerate(modules):
             self.add_module(str(i), module)
 
@@ -129,6 +131,7 @@ class ModuleDict(Module):
 
     def __delitem__(self, key: str) -> None:
         del self._modules[key]
+        structure_changed()
 
     def keys(self):
         return self._modules.keys()

@@ -51,6 +51,13 @@ _IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_
 generation = 0
 
 
+def structure_changed() -> None:
+    """Note that some module's parameters, buffers or submodules changed (every edit of those registries
+    calls this)."""
+    global generation
+    generation += 1
+
+
 class Module:
     """Base class of every layer and model: subclass it, assign layers in `__init__`, write `forward`."""
 
@@ -77,21 +84,22 @@ class Module:
             raise AttributeError(f"cannot assign {name!r} before Module.__init__() is called "
                                  f"(call super().__init__() first in {type(self).__name__}.__init__)")
         if isinstance(value, Parameter):
-            self._forget(name)
+            self._forget(name, keep=self._parameters)
             self._parameters[name] = value
         elif isinstance(value, Module):
-            self._forget(name)
+            self._forget(name, keep=self._modules)
             self._modules[name] = value
         elif name in self._parameters:
             if value is not None:
                 raise TypeError(f"cannot assign {type(value).__name__} as parameter {name!r} "
                                 "(ember.nn.Parameter or None expected)")
-            self._forget(name)
+            self._forget(name, keep=self._parameters)
             self._parameters[name] = None
         elif name in self._modules:
             if value is not None:
                 raise TypeError(f"cannot assign {type(value).__name__} as child module {name!r} "
                                 "(ember.nn.Module or None expected)")
+            self._forget(name, keep=self._modules)
             self._modules[name] = None
         elif name in self._buffers:
             if value is not None and not isinstance(value, Tensor):
@@ -100,12 +108,14 @@ class Module:
         else:
             object.__setattr__(self, name, value)
 
-    def _forget(self, name: str) -> None:
-        global generation
-        generation += 1
+    def _forget(self, name: str, keep: dict | None = None) -> None:
+        """Unregister `name` everywhere but `keep`, the registry about to take it again (where it keeps its
+        place, as a dict's assignment does: a Sequential's replaced layer stays where it was)."""
+        structure_changed()
         self.__dict__.pop(name, None)
         for registry in (self._parameters, self._buffers, self._modules):
-            registry.pop(name, None)
+            if registry is not keep:
+                registry.pop(name, None)
         self._non_persistent.discard(name)
 
     def __getattr__(self, name: str):
@@ -129,7 +139,7 @@ class Module:
         if param is not None and not isinstance(param, Parameter):
             raise TypeError(f"register_parameter: {name!r} must be a Parameter or None, got {type(param).__name__}")
         self._check_name(name)
-        self._forget(name)
+        self._forget(name, keep=self._parameters)
         self._parameters[name] = param
 
     def register_buffer(self, name: str, tensor: Tensor | None, persistent: bool = True) -> None:
@@ -137,7 +147,7 @@ class Module:
         if tensor is not None and not isinstance(tensor, Tensor):
             raise TypeError(f"register_buffer: {name!r} must be a Tensor or None, got {type(tensor).__name__}")
         self._check_name(name)
-        self._forget(name)
+        self._forget(name, keep=self._buffers)
         self._buffers[name] = tensor
         if not persistent:
             self._non_persistent.add(name)
@@ -146,7 +156,7 @@ class Module:
         if module is not None and not isinstance(module, Module):
             raise TypeError(f"add_module: {name!r} must be a Module or None, got {type(module).__name__}")
         self._check_name(name)
-        self._forget(name)
+        self._forget(name, keep=self._modules)
         self._modules[name] = module
 
     register_module = add_module

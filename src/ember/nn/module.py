@@ -46,8 +46,8 @@ class Parameter(Tensor):
 
 _IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
 
-# counts changes to any module's registered parameters, buffers or submodules: a replayed step (ember.jit)
-# compares the parameters it read one by one only after one
+# counts changes to what any module registers (which parameters, buffers and submodules; not a buffer's new
+# value): a replayed step (ember.jit) compares the parameters and submodules it recorded one by one only after one
 generation = 0
 
 

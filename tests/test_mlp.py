@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -228,6 +230,92 @@ def test_weight_gradients_summed_inside_mlp_kernels_match_torch(widths, rows, ac
     tol = {"float32": 1e-5, "float16": 2e-2, "bfloat16": 5e-2}[dtype]
     for i, (g, w, t) in enumerate(zip(got, want, theirs)):
         assert relative(g, w) < max(tol, 2 * relative(t, w)), f"value {i} (0: the loss, then the gradients)"
+
+
+SUM_CASES = [  # widths, rows, activation, dtype, what is summed over the rows: every row count, staged sums, padding
+    ([16, 32, 32, 8], 1, "relu", "float16", "mse"),
+    ([16, 32, 32, 8], 127, "tanh", "bfloat16", "columns"),
+    ([24, 24, 24, 5], 1000, "silu", "float32", "mse"),
+    ([3, 24, 100, 1], 129, "gelu", "float16", "sum"),
+    ([64, 64, 64, 16], 2**14 + 3, "relu", "float16", "mse"),  # long enough that the sum is staged in two
+    ([8, 40, 40, 64], 2**12 + 5, "softplus", "float16", "column mean"),  # per column, staged
+]
+
+
+def summed(out, target, what: str):
+    """`what` of an MLP's output (ember or torch): a mean squared error, a sum of every element, column sums or
+    means (keeping the row axis)."""
+    if what == "mse":
+        return ((out.float() - target) ** 2).mean()
+    if what == "sum":
+        return (out.float() * 0.3).sum()
+    if what == "columns":
+        return out.float().sum(0)
+    return out.float().mean(0, keepdim=True)
+
+
+def sum_step(widths, rows, activation, dtype, what, seed):
+    """The sum `what` of a no-grad forward in ember (with its plan), in torch float64 and in torch in the MLP's
+    own type (both on the same rounded weights)."""
+    model = rounded(torch_mlp(widths, activation, seed=seed), dtype)
+    x, t = inputs(rows, widths[0], dtype, seed=seed + 1), inputs(rows, widths[-1], "float32", seed=seed + 2)
+    em = ember.from_torch(model).to("cuda").to(DTYPES[dtype][1])
+    with ember.no_grad():
+        value = summed(em(ember.tensor(x, device="cuda")), ember.tensor(t, device="cuda"), what)
+        kernels = plan(value).kernels
+        got = value.numpy().astype(np.float64)
+    results = []
+    for torch_dtype in (torch.float64, DTYPES[dtype][0]):
+        with torch.no_grad():
+            out = copy.deepcopy(model).to(torch_dtype)(torch.from_numpy(x.astype(np.float64)).to(torch_dtype))
+            results.append(summed(out.double(), torch.from_numpy(t.astype(np.float64)), what).numpy())
+    return kernels, got, *results
+
+
+@pytest.mark.parametrize("widths,rows,activation,dtype,what", SUM_CASES,
+                         ids=[f"{'-'.join(map(str, c[0]))}x{c[1]}-{c[2]}-{c[3]}-{c[4]}" for c in SUM_CASES])
+def test_a_sum_over_an_mlps_rows_is_taken_inside_its_kernel_and_matches_torch(widths, rows, activation, dtype, what):
+    """A loss over the MLP's output (or a sum of every element, or of each column) is summed by the MLP kernel's
+    programs as their row tiles pass, one partial each, and finished by its second launch: one kernel in all,
+    whose output layer is not written."""
+    kernels, got, want, theirs = sum_step(widths, rows, activation, dtype, what, seed=rows + len(widths))
+    assert [k.kind for k in kernels] == [KernelKind.MLP]
+    (mlp,) = kernels
+    assert len(mlp.summed) == 1 and any(d.startswith(f"sums [{rows}, {widths[-1]}]") for d in mlp.decisions)
+    assert not mlp.layers, "the output layer's values are summed in registers, never written"
+    assert got.shape == want.shape
+    assert relative(got, want) < max(TOL[dtype], 2 * relative(theirs, want))
+
+
+def test_a_sum_taken_inside_an_mlp_kernel_equals_the_separate_reduction(monkeypatch):
+    from ember.compiler import fusion
+
+    case = ([32, 48, 48, 10], 2**12 + 7, "relu", "float16", "mse")
+    fused_kernels, fused, _, _ = sum_step(*case, seed=61)
+    monkeypatch.setattr(fusion, "MLP_MAX_SUMS", 0)
+    separate_kernels, separate, _, _ = sum_step(*case, seed=61)
+    assert [k.kind for k in fused_kernels] == [KernelKind.MLP]
+    assert KernelKind.REDUCE in [k.kind for k in separate_kernels]
+    np.testing.assert_allclose(fused, separate, rtol=1e-5)
+
+
+def test_a_sum_of_values_that_need_another_sum_of_the_kernel_stays_a_kernel_of_its_own():
+    """The column sums of the output are taken inside the MLP kernel; a sum of the output weighted by them needs
+    them before the kernel's finishing launch has them, so it is summed by a row kernel after it."""
+    model = rounded(torch_mlp([16, 32, 32, 8], "relu", seed=70), "float16")
+    x = inputs(3000, 16, "float16", seed=71)
+    em = ember.from_torch(model).to("cuda").to(ember.float16)
+    with ember.no_grad():
+        out = em(ember.tensor(x, device="cuda")).float()
+        columns = out.sum(0)
+        weighted = (out * columns).mean()
+        kernels = plan(columns, weighted).kernels
+        got = [columns.numpy().astype(np.float64), weighted.numpy().astype(np.float64)]
+    mlps = [k for k in kernels if k.kind is KernelKind.MLP]
+    assert len(mlps) == 1 and len(mlps[0].summed) == 1 and KernelKind.REDUCE in [k.kind for k in kernels]
+    ref = reference(model, x)
+    assert relative(got[0], ref.sum(0)) < TOL["float16"]
+    assert relative(got[1], (ref * ref.sum(0)).mean()) < TOL["float16"]
 
 
 def test_an_mlp_kernel_sums_gradients_in_registers_for_only_as_many_as_fit(monkeypatch):

@@ -10,7 +10,7 @@ import contextlib
 import dataclasses
 
 from ember.compiler import CompileContext, compile, signature
-from ember.compiler.fusion import VENDOR_KINDS, FusedKernel, KernelKind
+from ember.compiler.fusion import VENDOR_KINDS, FusedKernel, KernelKind, summed_views
 from ember.device import get_conv_memory_format, get_matmul_precision
 from ember.ir import Kind, Node, Op
 from ember.runtime import executor
@@ -146,11 +146,22 @@ class Plan:
                 sections = [(mainloop, "mainloop")]
                 gradients = {id(g.core): [g.core] for g in part.absorbed}
                 summed = {id(r): gradients[id(g.core)] for g in part.absorbed for r in g.reductions}  # bias sums
+                sums, stages = {}, {}  # each sum over its rows, and its first stage's (a staged sum's) with it
+                for f in part.summed:
+                    (r,) = f.reductions
+                    sums[id(r)] = []
+                    first = summed_views(r)[2]
+                    if first is not None:
+                        stages[id(first)] = sums[id(r)]
                 for n in part.covers:
                     if n in part.cores:
                         sections += [([n], f"layer {part.cores.index(n)}"), ([], "epilogue")]
                     elif id(n) in gradients:
                         sections += [(gradients[id(n)], "gradient"), ([], "finish")]
+                    elif id(n) in stages:
+                        stages[id(n)].append(n)
+                    elif id(n) in sums:
+                        sections += [(sums[id(n)] + [n], "sum"), ([], "finish")]
                     elif id(n) in summed:
                         summed[id(n)].append(n)  # with its gradient, wherever that is listed
                     elif n in epilogue and len(sections) > 1:

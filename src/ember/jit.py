@@ -716,7 +716,7 @@ def writes_in_place(plan, input_index: int, output_index: int) -> bool | None:
         return True
     # the part writing it: a segment of a segmented launch, or a gradient an MLP kernel sums (its finishing launch
     # runs after the layers', so only the finishing use counts); no other part may read the source
-    parts = kernel.segments + kernel.absorbed
+    parts = kernel.segments + kernel.absorbed + kernel.summed
     part = next((s for s in parts if result in s.outputs), kernel)
     if any(source in s.reads for s in parts if s is not part):
         return False

@@ -34,7 +34,8 @@ Planning goes in six steps:
 6. GEMM kernels that feed each other through narrow activations (an MLP) become
    one kernel that keeps the activations on chip, writing only those other kernels
    read; a GEMM summing over such a kernel's rows (a weight gradient) joins it, its
-   products summed per program as the rows pass; then the pointwise kernels left are
+   products summed per program as the rows pass, and so does a sum over its rows
+   of values its layers compute (a loss); then the pointwise kernels left are
    grouped, level by level, into segmented launches (one launch, many tensors).
 
 Each GEMM kernel also carries its *split* form: the same nodes planned with the
@@ -75,6 +76,7 @@ MLP_GRADIENT_ELEMENTS = 2 * 64 * 64 + 64 * 16
 # Weights a persistent MLP program keeps on chip across its row tiles: up to the first size with 128-row
 # tiles, up to the second with 64-row tiles (measured on H100/H200, 227 KiB of shared memory per block)
 MLP_RESIDENT_BYTES = (48 * 1024, 144 * 1024)
+MLP_MAX_SUMS = 8  # sums over its rows (see absorb_sums) an MLP kernel takes at most
 
 
 
@@ -141,6 +143,10 @@ class FusedKernel:
     # an MLP kernel's weight-gradient GEMMs (dot(P^T, Q) over its rows), summed per program beside its layers and
     # finished (partials added, epilogue run) by a function of their own
     absorbed: list[FusedKernel] = field(default_factory=list)
+    # an MLP kernel's sums over its rows of values its layers compute (a loss, a column sum): row kernels whose
+    # single sum it takes per program beside its layers; its finishing launch adds the partials and runs their
+    # epilogues (see `row_sum`)
+    summed: list[FusedKernel] = field(default_factory=list)
     streamed: bool = False  # an MLP kernel's form that holds no weights on chip: its fallback on a smaller GPU
     split: list[FusedKernel] = field(default_factory=list)  # a GEMM's vendor form: same nodes, several kernels
     split_stored: set[int] = field(default_factory=set)  # the intermediates the split form stores
@@ -613,8 +619,18 @@ class Planner:
             last = chain[-1]
             members = {id(k) for k in chain}
             mlp = FusedKernel(KernelKind.MLP, last.space, (), [], {})
+            sum_decisions = []
             for layer, k in enumerate(chain):
+                for f in self._column_sums(k):
+                    self.describe(f)
+                    sum_decisions.append(_sum_decision(f, "adding each row tile's sums atomically"))
+                    mlp.summed.append(f)
+                    mlp.reductions += f.reductions
+                    mlp.outputs += f.outputs
+                    mlp.levels.update(f.levels)
                 for o in k.outputs:
+                    if summed_output(k, o) is not None:
+                        continue
                     read_elsewhere = any(id(o) in r for key, r in refs.items() if key not in members)
                     if k is last or read_elsewhere or id(o) in self.output_ids:
                         mlp.outputs.append(o)
@@ -623,7 +639,7 @@ class Planner:
                     else:
                         self.stored.discard(id(o))
             mlp.cores = [k.core for k in chain]
-            mlp.decisions = [f"one kernel: {len(chain)} layers, widths {text}"]
+            mlp.decisions = [f"one kernel: {len(chain)} layers, widths {text}"] + sum_decisions
             _note_written(mlp)
             at = kernels.index(last)
             kernels[at] = mlp
@@ -635,9 +651,28 @@ class Planner:
         return self._kernel_order(kernels, {id(k): self.references(k) for k in kernels})
 
     def _chainable(self, k: FusedKernel) -> bool:
+        """A 2-d GEMM kernel whose outputs are its epilogue's values, or sums of them over its rows (each column's,
+        which a chain takes per program: see `_column_sums`)."""
         core = k.core
-        return (k.kind is KernelKind.MATMUL and core is not None and len(core.shape) == 2 and not k.reductions
-                and core.shape[0] > 0 and all(o.shape == core.shape for o in k.outputs))
+        if k.kind is not KernelKind.MATMUL or core is None or len(core.shape) != 2 or core.shape[0] == 0:
+            return False
+        sums = self._column_sums(k)
+        return sums is not None and len(sums) <= MLP_MAX_SUMS and all(
+            o.shape == core.shape or summed_output(k, o) is not None for o in k.outputs)
+
+    def _column_sums(self, k: FusedKernel) -> list[FusedKernel] | None:
+        """A GEMM kernel's epilogue sums over its rows (one per column, which it would add across its row tiles
+        atomically), each as a row kernel of its own that an MLP kernel takes per program (`absorb_sums`); None
+        if it has other reductions."""
+        found = []
+        for r in k.reductions:
+            if r.op is not Op.SUM or tuple(r.attrs["axes"]) != (0,) or not r.dtype.is_floating_point or (
+                    r.inputs[0].shape != k.core.shape or summed_operand(k.core, r) is not None):
+                return None
+            outputs = [o for o in k.outputs if summed_output(k, o) is r]
+            found.append(FusedKernel(KernelKind.REDUCE, k.core.shape, (0,), outputs, {id(o): ROW for o in outputs},
+                                     [r]))
+        return found
 
     def _feeds(self, k: FusedKernel, nxt: FusedKernel) -> bool:
         """Whether `nxt`'s first operand is computed from `k`'s outputs, element for element (pointwise ops
@@ -811,13 +846,13 @@ class Planner:
         return True
 
     def _unstore_intermediates(self, mlp: FusedKernel, kernels: list[FusedKernel]) -> None:
-        """An MLP kernel's layer values that only its absorbed gradients read (through their operands) stay
-        in registers: no longer written."""
+        """An MLP kernel's layer values that only its absorbed gradients and sums read (through their operands,
+        the values summed) stay in registers: no longer written."""
         readers = set()
         for k in kernels:
             if k is not mlp:
                 readers |= set(self.references(k))
-        for g in mlp.absorbed:
+        for g in mlp.absorbed + mlp.summed:
             readers |= self._epilogue_reads(g)
         for o in list(mlp.outputs):
             if id(o) in mlp.layers and id(o) not in readers and id(o) not in self.output_ids:
@@ -843,6 +878,134 @@ class Planner:
                 continue
             stack.extend(n.inputs)
         return reads
+
+    # -- step 6c: sums over an MLP kernel's rows (a loss) taken per program beside its layers --
+    def absorb_sums(self, kernels: list[FusedKernel]) -> list[FusedKernel]:
+        """A row kernel whose one reduction sums, over an MLP kernel's rows (all of its elements, or each
+        column), a value the MLP kernel's tiles compute elementwise from its layers (a mean squared error of
+        its output) joins that kernel: each program adds its row tiles' values into a partial in registers, the
+        finishing launch adds the partials and runs the row kernel's epilogue. The value is then neither
+        computed again nor, where nothing else reads them, are the layer results it came from written. A sum
+        staged in two kernels (`passes`' split of a long reduction) joins with both."""
+        mlps = [k for k in kernels if k.kind is KernelKind.MLP]
+        if not mlps:
+            return kernels
+        for f in [k for k in kernels if k.kind is KernelKind.REDUCE]:
+            refs = {id(k): self.references(k) for k in kernels}
+            found = self._row_sum(f, kernels, refs)
+            if found is None:
+                continue
+            value, first = found
+            group = [f] + ([first] if first is not None else [])
+            mlp = next((m for m in mlps if self._sums_inside(m, f, value, group, kernels, refs)), None)
+            if mlp is None:
+                continue
+            if first is not None:  # its partials are the MLP kernel's own now
+                kernels.remove(first)
+                self.stored.discard(id(first.outputs[0]))
+            kernels.remove(f)
+            self.describe(f)  # what its epilogue reads, as its finishing computes it
+            mlp.summed.append(f)
+            for o in f.outputs:
+                mlp.outputs.append(o)
+                mlp.levels[id(o)] = f.levels[id(o)]
+            mlp.reductions += f.reductions
+            mlp.decisions.append(_sum_decision(f, f"{len(group)} reduction kernel{'s' if len(group) > 1 else ''}"))
+            self._unstore_intermediates(mlp, kernels)
+        return self._kernel_order(kernels, {id(k): self.references(k) for k in kernels})
+
+    def _row_sum(self, f: FusedKernel, kernels: list[FusedKernel], refs: dict
+                 ) -> tuple[Node, FusedKernel | None] | None:
+        """(V, the first stage's kernel or None) when row kernel `f` computes, with its one reduction, the sum of
+        a 2-d value V over every element, or over its rows for each column, and writes only values of one per
+        output of that sum (ROW level); None otherwise. The sum may be staged: `f` sums the partial sums that
+        another row kernel (only `f` reads them) took of V reshaped or zero-padded (each column kept apart, for
+        a sum per column). Summing V's elements in another grouping gives the same sum."""
+        if f.segments or len(f.reductions) != 1 or any(f.levels[id(o)] != ROW for o in f.outputs):
+            return None
+        r = f.reductions[0]
+        if r.op is not Op.SUM or not r.dtype.is_floating_point:
+            return None
+        value, views, s = summed_views(r)
+        first = None
+        if s is not None:
+            first = next((k for k in kernels if k.outputs == [s]), None)
+            readers = [k for k in kernels if id(s) in refs[id(k)]]
+            if (first is None or first.kind is not KernelKind.REDUCE or first.reductions != [s] or readers != [f]
+                    or id(s) in self.output_ids):
+                return None
+        if any(v.op is Op.PAD and v.attrs["value"] != 0 for v in views):
+            return None
+        if len(value.shape) != 2 or id(value) in self.stored or value.op.kind is Kind.LEAF:
+            return None
+        if r.numel == 1:
+            return value, first
+        # a sum per column: each view keeps the column as its last axis, unpadded, and no sum reduces it
+        width = value.shape[1]
+        kept = all(v.shape[-1] == width for v in views) and all(
+            v.attrs["pads"][-1] == (0, 0) for v in views if v.op is Op.PAD)
+        if s is not None and s.shape[-1] != width:
+            return None
+        sums = [r] + ([s] if s is not None else [])
+        summed_last = any(n.inputs[0].shape[-1] != width or len(n.shape) - 1 in n.attrs["axes"] for n in sums)
+        if r.numel != width or not kept or summed_last:
+            return None
+        return value, first
+
+    def _sums_inside(self, mlp: FusedKernel, f: FusedKernel, value: Node, group: list[FusedKernel],
+                     kernels: list[FusedKernel], refs: dict) -> bool:
+        """Whether `mlp` can take the sum of `value` that row kernel `f` (with the rest of `group`) computes: the
+        same rows, a width one of its layers has, `value` computed elementwise from its layers' results (at least
+        one), `mlp` not reading what the group writes, the group not reading what `mlp`'s finishing launch writes
+        nor that launch's other parts reading what `f` writes (it finishes all at once), and no cycle through
+        another kernel."""
+        core = mlp.cores[0]
+        widths = mlp_widths(mlp)
+        if value.shape[0] != core.shape[0] or value.shape[1] not in widths or len(mlp.summed) >= MLP_MAX_SUMS:
+            return False
+        if not self._reaches_layer(mlp, value) or not self._elementwise_over_layers(mlp, value):
+            return False
+        written = {id(o) for k in group for o in k.outputs}
+        if written & set(refs[id(mlp)]):
+            return False
+        finished = {id(o) for g in mlp.absorbed + mlp.summed for o in g.outputs}
+        reads = set().union(*(refs[id(k)] for k in group))
+        if reads & finished or any(written & self._epilogue_reads(g) for g in mlp.absorbed + mlp.summed):
+            return False
+        return self._group_acyclic([mlp] + group, kernels, refs)
+
+    def _reaches_layer(self, mlp: FusedKernel, value: Node) -> bool:
+        """Whether computing `value` inside `mlp` reads one of its layers' results (not a stored copy)."""
+        cores = {id(c) for c in mlp.cores}
+        outputs = {id(o) for o in mlp.outputs}
+        stack, seen = [value], set()
+        while stack:
+            n = stack.pop()
+            if id(n) in seen:
+                continue
+            seen.add(id(n))
+            if id(n) in cores:
+                return True
+            if n.op is Op.BUFFER or (id(n) in self.stored and id(n) not in outputs):
+                continue
+            stack.extend(n.inputs)
+        return False
+
+    def _group_acyclic(self, group: list[FusedKernel], kernels: list[FusedKernel], refs: dict) -> bool:
+        """Whether the kernels of `group`, made one, leave the kernel graph acyclic: nothing they need waits on
+        a kernel that needs one of them."""
+        deps = self._dependencies(kernels, refs)
+        members = {id(k) for k in group}
+        frontier = [d for k in group for d in deps[id(k)] if d not in members]
+        seen = set(frontier)
+        while frontier:
+            d = frontier.pop()
+            if d in members:
+                return False
+            for e in deps[d] - seen:
+                seen.add(e)
+                frontier.append(e)
+        return True
 
     # -- step 5: merge kernels over one space, then segment pointwise launches -----------
     def merge(self, kernels: list[FusedKernel]) -> list[FusedKernel]:
@@ -1050,6 +1213,29 @@ def summed_operand(core: Node, reduction: Node) -> int | None:
     return None
 
 
+def summed_views(r: Node) -> tuple[Node, list[Node], Node | None]:
+    """For a sum `r`: the value it adds up (below reshapes, zero pads and a first stage's sum), the views between
+    (reshapes and pads), and that first stage, if any (`passes` splits a long reduction in two)."""
+    x = _under_reshapes(r.inputs[0])
+    first = x if x.op is Op.SUM else None
+    if first is not None:
+        x = first.inputs[0]
+    views = []
+    while x.op in (Op.RESHAPE, Op.PAD):
+        views.append(x)
+        x = x.inputs[0]
+    return x, views, first
+
+
+def _sum_decision(f: FusedKernel, instead: str) -> str:
+    """What explain says of a sum over an MLP kernel's rows that it takes."""
+    (r,) = f.reductions
+    value = summed_views(r)[0]
+    return (f"sums {list(value.shape)} into {list(r.shape)} over its {value.shape[0]} rows (each program its row "
+            f"tiles, one partial each) from values its tiles hold, instead of {instead}; its second launch adds the "
+            "partials")
+
+
 def mlp_widths(kernel: FusedKernel) -> list[int]:
     """An MLP kernel's widths: its input's, then each layer's output's."""
     return [kernel.cores[0].inputs[0].shape[-1]] + [c.shape[-1] for c in kernel.cores]
@@ -1113,10 +1299,11 @@ def plan(nodes: list[Node], outputs: list[Node], context: CompileContext, costs:
     kernels = planner.merge(kernels)
     kernels = planner.chain_mlps(kernels)
     kernels = planner.absorb_gradients(kernels)
+    kernels = planner.absorb_sums(kernels)
     kernels = planner.segment(kernels)
     for i, k in enumerate(kernels):
         k.index = i
-        for g in k.absorbed:
+        for g in k.absorbed + k.summed:
             g.index = i
         planner.describe(k)
     for k in kernels:

@@ -30,6 +30,7 @@ from ember.compiler.fusion import (
     operand_sums,
     summed_operand,
     summed_output,
+    summed_views,
     written_intermediates,
 )
 from ember.compiler.kernel import (
@@ -1003,11 +1004,13 @@ def _epilogue(ctx: Context, kernel: FusedKernel, epilogue: Emitter, tile: _Tile,
 FINISHING_PROGRAMS_PER_SM = 2
 
 
-def _finishing(ctx: Context, kernels: list[FusedKernel], splits: int, partials: list[dict], suffix: str) -> Function:
+def _finishing(ctx: Context, kernels: list[FusedKernel], splits: int, partials: list[dict], suffix: str,
+               sums: list[tuple[_Sum, Var]] = ()) -> Function:
     """The function finishing GEMMs whose K was summed in `splits` parts (partial tiles and operand sums in the
     scratch buffers `partials`, one dict per GEMM): one program per row and up to 64 columns adds them, then
     runs the epilogue, so the partials' loads spread over many programs (narrower rows where few would run).
-    Several GEMMs (an MLP kernel's gradients) share one launch, each its own range of programs."""
+    Several GEMMs (an MLP kernel's gradients) share one launch, each its own range of programs; so do an MLP
+    kernel's sums over its rows (`sums`, each with its partials), one program each, after them."""
     block_n = 64
     for kernel in kernels:
         m, n = kernel.core.shape
@@ -1016,20 +1019,71 @@ def _finishing(ctx: Context, kernels: list[FusedKernel], splits: int, partials: 
             width //= 2
         block_n = min(block_n, width)
     body: list = []
-    program = _program(Emitter(ctx, kernels[0], body), name="program") if len(kernels) > 1 else None
+    parts = [(kernel, scratch) for kernel, scratch in zip(kernels, partials)] + list(sums)
+    first_kernel = kernels[0] if kernels else sums[0][0].kernel
+    program = _program(Emitter(ctx, first_kernel, body), name="program") if len(parts) > 1 else None
     branches, total = body, 0
-    for j, (kernel, scratch) in enumerate(zip(kernels, partials)):
-        m, n = kernel.core.shape
-        begin, total = total, total + m * -(-n // block_n)
-        part = branches  # the last GEMM's programs: the last else
-        if program is not None and j < len(kernels) - 1:
-            branch = Branch(Bin("<", program, Lit(total)), comment=f"GEMM {j}: {list(kernel.core.shape)}")
-            branches.append(branch)
-            part, branches = branch.body, branch.orelse
-        first = Bin("-", program, Lit(begin)) if begin else program  # None: one GEMM, its program id
-        _finish_tiles(ctx, kernel, splits, scratch, part, first, f"_{j}" if program is not None else "")
     blocks = {"BLOCK_M": 1, "BLOCK_N": block_n, "SPLIT_BLOCK": min(next_pow2(splits), 8192 // block_n)}
+    for j, (part, scratch) in enumerate(parts):
+        is_sum = isinstance(part, _Sum)
+        if is_sum:
+            shape, count = [part.kernel.reductions[0].numel], 1
+        else:
+            m, n = part.core.shape
+            shape, count = [m, n], m * -(-n // block_n)
+        begin, total = total, total + count
+        block = branches  # the last part's programs: the last else
+        if program is not None and j < len(parts) - 1:
+            what = "sum" if is_sum else "GEMM"
+            branch = Branch(Bin("<", program, Lit(total)), comment=f"{what} {j}: {shape}")
+            branches.append(branch)
+            block, branches = branch.body, branch.orelse
+        first = Bin("-", program, Lit(begin)) if begin else program  # None: one GEMM, its program id
+        tag = f"_{j}" if program is not None else ""
+        if is_sum:
+            blocks[f"SUM_BLOCK{tag}"] = _padded_width(part)
+            _finish_sum(ctx, part, splits, scratch, block, tag)
+        else:
+            _finish_tiles(ctx, part, splits, scratch, block, first, tag)
     return ctx.function(suffix, body, blocks, total, 4)
+
+
+def _padded_width(total: _Sum) -> int:
+    return max(16, next_pow2(total.value.shape[1]))
+
+
+def _finish_sum(ctx: Context, total: _Sum, splits: int, scratch: Var, body: list, tag: str) -> None:
+    """One program adds a sum's partials (`splits` rows of its value's columns, SPLIT_BLOCK rows at a time),
+    sums the columns too for a sum of every element, and runs the row kernel's epilogue at its one output row
+    (or its row of columns)."""
+    f = total.kernel
+    (r,) = f.reductions
+    width = total.value.shape[1]
+    em = Emitter(ctx, f, body, tag)
+    em.big = False
+    block = Block(f"SUM_BLOCK{tag}", "sc")
+    column = em.bind(f"column{tag}", Range(block, 1, 2))
+    mask_c = em.bind(f"mask_column{tag}", Bin("<", column, Lit(width)))
+    acc = em.bind(f"acc{tag}", call("zeros", shape=(1, block), dtype=dtypes.float32))
+    loop = Loop(Var("first_split"), ZERO, Lit(splits), SPLIT_BLOCK)
+    em.emit(loop)
+    em.block = loop.body
+    split = em.bind("split", Bin("+", loop.var, Range(SPLIT_BLOCK, 0, 2)))
+    part = call("load", Bin("+", scratch, Bin("+", Bin("*", split, Lit(width)), column)),
+                mask=Bin("&", Bin("<", split, Lit(splits)), mask_c), other=Lit(0.0))
+    em.emit(Assign((acc,), Bin("+", acc, call("reduce", part, combine="sum", axis=0, drop="s"))))
+    em.block = body
+    if total.per_column:
+        em.reduced[id(r)] = acc
+        at = Index(None, column, mask_c, ROW)
+        tile = (1, block)
+    else:
+        em.reduced[id(r)] = em.define(call("reduce", acc, combine="sum", axis=1, drop="sc"), "total")
+        at = Index(None, ZERO, None, ROW)
+        tile = (1, 1)
+    em.row_index = at
+    for o in f.outputs:
+        em.store(o, at, tile)
 
 
 def _finish_tiles(ctx: Context, kernel: FusedKernel, splits: int, partials: dict, body: list, first: Expr | None,
@@ -1200,7 +1254,7 @@ def _mlp(ctx: Context, kernel: FusedKernel) -> list[Function]:
     tiles = -(-m // rows)
     programs = tiles
     sms = ctx.settings.multiprocessors
-    if (hold and sms) or kernel.absorbed:  # as many programs as the GPU holds at once, no more
+    if (hold and sms) or kernel.absorbed or kernel.summed:  # as many programs as the GPU holds at once, no more
         programs = min(tiles, MLP_PROGRAMS_PER_SM * (sms or UNKNOWN_MULTIPROCESSORS))
     walks = programs < tiles
     hold = hold and walks
@@ -1245,6 +1299,9 @@ def _mlp(ctx: Context, kernel: FusedKernel) -> list[Function]:
         for r in operand_sums(grad.kernel):
             grad.sums[id(r)] = em.bind(f"grad{j}_sum{len(grad.sums)}",
                                        call("zeros", shape=(1, cols[grad.summed_column(r)]), dtype=dtypes.float32))
+    sums = _sum_placement(kernel, widths)
+    for j, total in enumerate(sums):  # each sum's accumulator: one per column of its range
+        total.total = em.bind(f"sum{j}", call("zeros", shape=(1, cols[total.column]), dtype=dtypes.float32))
     tile_index: Expr = pid
     if walks:  # pipelined when the weights are held; else the weights' loads would be buffered per stage
         loop = Loop(Var("tile"), pid, Lit(tiles), Lit(programs), stages=None if hold else 1)
@@ -1298,6 +1355,14 @@ def _mlp(ctx: Context, kernel: FusedKernel) -> list[Function]:
                 operand = tiles[summed_operand(core, r)]
                 part = call("reduce", call("cast", operand, dtype=dtypes.float32), combine="sum", axis=0, drop="rm")
                 em.emit(Assign((grad.sums[id(r)],), Bin("+", grad.sums[id(r)], part)))
+        for total in sums:
+            if total.ready != layer:
+                continue
+            column = total.column
+            value, _ = em.value(total.value, Index((rm, c[column]), None, layer_mask[column], FULL))
+            value = call("cast", call("where", layer_mask[column], value, ZERO), dtype=dtypes.float32)
+            part = call("reduce", value, combine="sum", axis=0, drop="rm")
+            em.emit(Assign((total.total,), Bin("+", total.total, part)))
     constexprs = {"BLOCK_M": rows, **{f"W{i}": p for i, p in enumerate(padded)}}
     em.block = body
     partials = []  # each gradient's scratch: one partial tile (and operand sums) per program
@@ -1314,9 +1379,17 @@ def _mlp(ctx: Context, kernel: FusedKernel) -> list[Function]:
             em.emit(Effect(call("store", add(scratch[id(r)], add(mul(pid, Lit(size)), c[column])), grad.sums[id(r)],
                                 mask=Bin("<", c[column], Lit(size)))))
         partials.append(scratch)
+    sum_partials = []  # each sum's scratch: its columns' partials, one row per program
+    for total in sums:
+        size = widths[total.column]
+        scratch = _scratch(ctx, total.kernel, id(total.kernel.reductions[0]), programs * size)
+        em.emit(Effect(call("store", add(scratch, add(mul(pid, Lit(size)), c[total.column])), total.total,
+                            mask=Bin("<", c[total.column], Lit(size)))))
+        sum_partials.append(scratch)
     functions = [ctx.function("", body, constexprs, programs, warps)]
-    if gradients:  # every gradient's partials added, and its epilogue run, by one launch
-        functions.append(_finishing(ctx, [grad.kernel for grad in gradients], programs, partials, "_finish"))
+    if gradients or sums:  # every gradient's and sum's partials added, and its epilogue run, by one launch
+        functions.append(_finishing(ctx, [grad.kernel for grad in gradients], programs, partials, "_finish",
+                                    list(zip(sums, sum_partials))))
     return functions
 
 
@@ -1349,9 +1422,47 @@ class _Gradient:
 
 def _gradient_placement(kernel: FusedKernel, widths: list[int]) -> list[_Gradient]:
     """Where an MLP kernel sums each gradient it absorbed: the layer after which its operands are all
-    computed, and P's and Q's column ranges. An operand is evaluated along the column range of the layer
-    whose result it is elementwise connected to (so it shares that layer's values and masks), else along
-    the first of its width; the kernel's input is its first tile (column 0)."""
+    computed, and P's and Q's column ranges (see `_placer`)."""
+    place = _placer(kernel, widths)
+    placed = []
+    for g in kernel.absorbed:
+        (ready_p, p_column), (ready_q, q_column) = place(g.core.inputs[0].inputs[0]), place(g.core.inputs[1])
+        placed.append(_Gradient(g, max(ready_p, ready_q), (p_column, q_column)))
+    return placed
+
+
+@dataclass
+class _Sum:
+    """A sum over an MLP kernel's rows that it absorbed (`fusion.Planner.absorb_sums`): the row kernel whose
+    reduction it is, the value summed, the layer after which that value is computed, its column range, whether
+    the sum keeps each column apart, and, once emitted, its accumulator."""
+
+    kernel: FusedKernel
+    value: Node
+    ready: int
+    column: int
+    per_column: bool
+    total: Var | None = None
+
+
+def _sum_placement(kernel: FusedKernel, widths: list[int]) -> list[_Sum]:
+    """Where an MLP kernel sums each value over its rows: after the layers it reads, along the column range of
+    the layer it is elementwise connected to."""
+    place = _placer(kernel, widths)
+    placed = []
+    for f in kernel.summed:
+        (r,) = f.reductions
+        value, _, _ = summed_views(r)
+        ready, column = place(value)
+        placed.append(_Sum(f, value, ready, column, r.numel > 1))
+    return placed
+
+
+def _placer(kernel: FusedKernel, widths: list[int]):
+    """The function placing a value an MLP kernel computes at its rows: (the last layer whose result computing
+    it reads, the column range it is evaluated along). A value is evaluated along the column range of the layer
+    whose result it is elementwise connected to (so it shares that layer's values and masks), else along the
+    first of its width; the kernel's input is its first tile (column 0)."""
     cores = kernel.cores
     layer_of = {id(core): i for i, core in enumerate(cores)}
     covered = {id(n) for n in kernel.covers}
@@ -1391,11 +1502,7 @@ def _gradient_placement(kernel: FusedKernel, widths: list[int]) -> list[_Gradien
         column = max(joined) + 1 if joined else widths.index(x.shape[1])
         return ready, column
 
-    placed = []
-    for g in kernel.absorbed:
-        (ready_p, p_column), (ready_q, q_column) = place(g.core.inputs[0].inputs[0]), place(g.core.inputs[1])
-        placed.append(_Gradient(g, max(ready_p, ready_q), (p_column, q_column)))
-    return placed
+    return place
 
 
 def _epilogue_index(emitter: Emitter, core: Node, shape: tuple[int, ...], batch_dims: tuple[Expr, ...],

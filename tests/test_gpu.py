@@ -110,6 +110,32 @@ def test_narrow_mlp_is_one_kernel_and_matches_torch_at_scale(width, depth, dtype
     assert ((got - ref).norm() / ref.norm()).item() < (2e-2 if dtype is torch.float16 else 5e-2)
 
 
+def test_sums_over_a_narrow_mlps_rows_are_taken_inside_its_kernel_at_scale():
+    """A mean squared error and column means of an MLP's output over 2^18 + 3 rows (both staged in two
+    reductions by the passes) are summed by the MLP kernel's programs: one kernel, values as torch's."""
+    from ember.compiler.fusion import KernelKind
+    from ember.explain import plan
+
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 16)).to("cuda", torch.float16).eval()
+    x = torch.randn(2**18 + 3, 64, device="cuda", dtype=torch.float16)
+    y = torch.randn(2**18 + 3, 16, device="cuda", dtype=torch.float16)
+    em = ember.from_torch(model)
+    with ember.no_grad():
+        out = em(ember.from_dlpack(x)).float()
+        loss = ((out - ember.from_dlpack(y).float()) ** 2).mean()
+        columns = out.mean(0)
+        kernels = plan(loss, columns).kernels
+        assert [k.kind for k in kernels] == [KernelKind.MLP] and len(kernels[0].summed) == 2
+        got = [torch.from_dlpack(t.realize()).double() for t in (loss, columns)]
+    with torch.no_grad():
+        ref = model.double()(x.double())
+    want = [((ref - y.double()) ** 2).mean(), ref.mean(0)]
+    for g, w in zip(got, want):
+        assert ((g - w).norm() / w.norm()).item() < 2e-3
+
+
 @pytest.mark.parametrize("width,activation,dtype", [(64, torch.nn.ReLU, torch.float16),
                                                     (32, torch.nn.SiLU, torch.bfloat16),
                                                     (128, torch.nn.Tanh, torch.float16)])

@@ -936,7 +936,7 @@ class Planner:
                 return None
         if any(v.op is Op.PAD and v.attrs["value"] != 0 for v in views):
             return None
-        if len(value.shape) != 2 or id(value) in self.stored or value.op.kind is Kind.LEAF:
+        if len(value.shape) != 2 or value.op.kind is Kind.LEAF:
             return None
         if r.numel == 1:
             return value, first
@@ -956,12 +956,14 @@ class Planner:
                      kernels: list[FusedKernel], refs: dict) -> bool:
         """Whether `mlp` can take the sum of `value` that row kernel `f` (with the rest of `group`) computes: the
         same rows, a width one of its layers has, `value` computed elementwise from its layers' results (at least
-        one), `mlp` not reading what the group writes, the group not reading what `mlp`'s finishing launch writes
-        nor that launch's other parts reading what `f` writes (it finishes all at once), and no cycle through
-        another kernel."""
+        one; if it is stored, `mlp` writes it), `mlp` not reading what the group writes, the group not reading
+        what `mlp`'s finishing launch writes nor that launch's other parts reading what `f` writes (it finishes
+        all at once), and no cycle through another kernel."""
         core = mlp.cores[0]
         widths = mlp_widths(mlp)
         if value.shape[0] != core.shape[0] or value.shape[1] not in widths or len(mlp.summed) >= MLP_MAX_SUMS:
+            return False
+        if id(value) in self.stored and value not in mlp.outputs:  # another kernel computes it
             return False
         if not self._reaches_layer(mlp, value) or not self._elementwise_over_layers(mlp, value):
             return False

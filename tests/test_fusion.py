@@ -517,3 +517,20 @@ def test_a_long_reduction_into_few_outputs_takes_two_kernels_not_a_tree_of_three
     assert [k.kind.value for k in p.kernels] == ["reduce", "reduce"], str(p)
     want = a.sum(dtype=np.float64) if out.ndim == 0 else a.sum(-1, dtype=np.float64)
     np.testing.assert_allclose(out.numpy(), want, rtol=1e-4, atol=1e-2)
+
+
+def test_pointwise_kernels_nothing_reads_share_the_last_launch(rng):
+    """An update nothing else in the graph reads (an optimizer's, of a small parameter) waits for the deepest
+    level, so the updates computed early and late share one launch; the values are the reference's."""
+    (x, xc), (y, yc) = pair(rng, 100), pair(rng, 37)
+
+    def build(a, b):
+        early = a * 2 + 1  # reads inputs only: ready at once
+        late = b * (a * a).sum()  # after a reduction
+        return early, late
+
+    outs, refs = build(x, y), build(xc, yc)
+    p = plan(*outs)
+    assert [k.kind.value for k in p.kernels] == ["reduce", "segmented"], str(p)
+    for out, ref in zip(outs, refs):
+        assert_close(out, ref, rtol=1e-5, atol=1e-5)

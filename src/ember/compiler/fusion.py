@@ -1088,12 +1088,19 @@ class Planner:
         return ordered
 
     def segment(self, kernels: list[FusedKernel]) -> list[FusedKernel]:
-        """Group independent pointwise kernels (same depth in the kernel graph) into one launch each."""
+        """Group independent pointwise kernels (same depth in the kernel graph) into one launch each. A pointwise
+        kernel that no other kernel reads (an optimizer's update of a parameter) waits for the deepest level, so
+        all such kernels share the last launches."""
         refs = {id(k): self.references(k) for k in kernels}
         deps = self._dependencies(kernels, refs)
         depth: dict[int, int] = {}
         for k in kernels:  # kernels come in launch order
             depth[id(k)] = 1 + max((depth[d] for d in deps[id(k)]), default=-1)
+        read = set().union(*deps.values()) if deps else set()
+        deepest = max(depth.values(), default=0)
+        for k in kernels:
+            if k.kind is KernelKind.POINTWISE and id(k) not in read:
+                depth[id(k)] = deepest
         out: list[tuple[int, FusedKernel]] = []
         open_groups: dict[int, FusedKernel] = {}
         for k in kernels:

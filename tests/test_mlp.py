@@ -332,6 +332,9 @@ def test_an_mlp_kernel_sums_gradients_in_registers_for_only_as_many_as_fit(monke
     forward, backward = [k for k in p.kernels if k.kind is KernelKind.MLP]
     assert [list(g.core.shape) for g in forward.absorbed] == [[16, 64]]
     assert [list(g.core.shape) for g in backward.absorbed] == [[64, 64], [64, 64]]
+    # it sums the gradients of its later layers and writes its first layer's result for a GEMM (ties are broken
+    # that way: see absorb_gradients)
+    assert sorted(set(backward.layers.values())) == [0, 3]
     assert [k.kind for k in p.kernels].count(KernelKind.MATMUL) == 2
     text = str(p)
     assert text.count("  gradient  ") == 3 and "sums the weight gradient [64, 64] over its 2048 rows" in text

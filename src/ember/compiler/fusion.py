@@ -764,10 +764,11 @@ class Planner:
             self._unstore_intermediates(mlp, kernels)
         return self._kernel_order(kernels, {id(k): self.references(k) for k in kernels})
 
-    def _chain_layer(self, x: Node, mlps: list[FusedKernel]) -> int:
-        """The latest layer of an MLP kernel whose result computing `x` reads (not through a stored copy); -1 for
-        none."""
+    def _chain_layer(self, x: Node, mlps: list[FusedKernel], through_outputs: bool = False) -> int:
+        """The latest layer of the MLP kernels `mlps` whose result computing `x` reads, not through a stored value
+        (but through the values they write, with `through_outputs`); -1 for none."""
         layers = {id(c): i for mlp in mlps for i, c in enumerate(mlp.cores)}
+        computed = {id(o) for mlp in mlps for o in mlp.outputs} if through_outputs else set()
         latest, stack, seen = -1, [x], set()
         while stack:
             n = stack.pop()
@@ -777,7 +778,7 @@ class Planner:
             if id(n) in layers:
                 latest = max(latest, layers[id(n)])
                 continue
-            if n.op is Op.BUFFER or id(n) in self.stored:
+            if n.op is Op.BUFFER or (id(n) in self.stored and id(n) not in computed):
                 continue
             stack.extend(n.inputs)
         return latest
@@ -987,7 +988,7 @@ class Planner:
             return False
         if id(value) in self.stored and value not in mlp.outputs:  # another kernel computes it
             return False
-        if not self._reaches_layer(mlp, value) or not self._elementwise_over_layers(mlp, value):
+        if self._chain_layer(value, [mlp], through_outputs=True) < 0 or not self._elementwise_over_layers(mlp, value):
             return False
         written = {id(o) for k in group for o in k.outputs}
         if written & set(refs[id(mlp)]):
@@ -997,23 +998,6 @@ class Planner:
         if reads & finished or any(written & self._epilogue_reads(g) for g in mlp.absorbed + mlp.summed):
             return False
         return self._group_acyclic([mlp] + group, kernels, refs)
-
-    def _reaches_layer(self, mlp: FusedKernel, value: Node) -> bool:
-        """Whether computing `value` inside `mlp` reads one of its layers' results (not a stored copy)."""
-        cores = {id(c) for c in mlp.cores}
-        outputs = {id(o) for o in mlp.outputs}
-        stack, seen = [value], set()
-        while stack:
-            n = stack.pop()
-            if id(n) in seen:
-                continue
-            seen.add(id(n))
-            if id(n) in cores:
-                return True
-            if n.op is Op.BUFFER or (id(n) in self.stored and id(n) not in outputs):
-                continue
-            stack.extend(n.inputs)
-        return False
 
     def _group_acyclic(self, group: list[FusedKernel], kernels: list[FusedKernel], refs: dict) -> bool:
         """Whether the kernels of `group`, made one, leave the kernel graph acyclic: nothing they need waits on

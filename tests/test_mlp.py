@@ -145,9 +145,8 @@ TRAINING_CASES = [  # widths, rows, activation, dtype
     ([16, 16], 33, "relu", "float16"),  # one layer: nothing to chain
 ]
 # From this batch on, with split-K on (the default), the weight-gradient GEMMs split their K (the batch)
-# and the bias gradients are summed in their mainloops; below it, a layer's GEMM may
-# sum its bias gradient in its epilogue, across its row tiles (atomically), which an MLP kernel does not do:
-# the chain then stops at that layer.
+# and the bias gradients are summed in their mainloops; below it, a layer's GEMM may sum its bias gradient
+# in its epilogue, across its row tiles, which a chain's MLP kernel takes per program instead (absorb_sums).
 FUSED_TRAINING_BATCH = 2**11
 
 
@@ -216,8 +215,8 @@ ABSORBED_CASES = [  # widths, rows, activation, dtype: every row count, padded w
 def test_weight_gradients_summed_inside_mlp_kernels_match_torch(widths, rows, activation, dtype, monkeypatch):
     """A weight gradient whose operands an MLP kernel computes (or loads) for each row tile is summed inside it,
     per program, and finished by a second launch of the kernel's own (one for all its gradients), no GEMM. The
-    gradients match torch whatever the kernel absorbed (below FUSED_TRAINING_BATCH, a layer that sums its bias
-    gradient in its epilogue stops the chain)."""
+    gradients match torch whatever the kernel absorbed (below FUSED_TRAINING_BATCH, a bias gradient a layer sums
+    in its epilogue is the MLP kernel's sum over its rows)."""
     monkeypatch.setenv("EMBER_SPLIT_K", "1")
     kernels, got, want, theirs = training_step(widths, rows, activation, dtype, seed=rows + len(widths))
     absorbing = [k for k in kernels if k.kind is KernelKind.MLP and k.absorbed]
@@ -316,6 +315,28 @@ def test_a_sum_of_values_that_need_another_sum_of_the_kernel_stays_a_kernel_of_i
     ref = reference(model, x)
     assert relative(got[0], ref.sum(0)) < TOL["float16"]
     assert relative(got[1], (ref * ref.sum(0)).mean()) < TOL["float16"]
+
+
+def test_a_gradient_reading_a_sum_of_the_same_kernel_is_not_finished_beside_it():
+    """Column sums of a layer's output are the MLP kernel's (its epilogue summed them); a product over its rows
+    scaled by those sums reads them in its epilogue, so it is not finished by the same launch that writes them."""
+    model = rounded(torch_mlp([16, 32, 16], "relu", seed=80, bias=False), "float16")
+    x = inputs(300, 16, "float16", seed=81)
+    em = ember.from_torch(model).to("cuda").to(ember.float16)
+    with ember.no_grad():
+        h = em[1](em[0](ember.tensor(x, device="cuda")))
+        out = em[2](h)
+        columns = out.float().sum(0)
+        scaled = (h.transpose(0, 1) @ out).float() * columns
+        kernels = plan(columns, scaled).kernels
+        got = [t.numpy().astype(np.float64) for t in (columns, scaled)]
+    mlps = [k for k in kernels if k.kind is KernelKind.MLP]
+    assert len(mlps) == 1 and len(mlps[0].summed) == 1 and not mlps[0].absorbed
+    with torch.no_grad():
+        hd = model.double()[1](model.double()[0](torch.from_numpy(x.astype(np.float64))))
+        od = model.double()[2](hd)
+    assert relative(got[0], od.sum(0).numpy()) < TOL["float16"]
+    assert relative(got[1], ((hd.T @ od) * od.sum(0)).numpy()) < TOL["float16"]
 
 
 def test_an_mlp_kernel_sums_gradients_in_registers_for_only_as_many_as_fit(monkeypatch):

@@ -622,7 +622,6 @@ class Planner:
             sum_decisions = []
             for layer, k in enumerate(chain):
                 for f in self._column_sums(k):
-                    self.describe(f)
                     sum_decisions.append(_sum_decision(f, "adding each row tile's sums atomically"))
                     mlp.summed.append(f)
                     mlp.reductions += f.reductions
@@ -638,6 +637,8 @@ class Planner:
                         mlp.layers[id(o)] = layer
                     else:
                         self.stored.discard(id(o))
+            for f in mlp.summed:  # what each sum's finishing reads, now that the chain's values stay on chip
+                self.describe(f)
             mlp.cores = [k.core for k in chain]
             mlp.decisions = [f"one kernel: {len(chain)} layers, widths {text}"] + sum_decisions
             _note_written(mlp)
@@ -840,7 +841,7 @@ class Planner:
             return 0
         if id(g) in self._dependencies(kernels, refs)[id(mlp)]:
             return 0
-        finished = {id(o) for a in mlp.absorbed for o in a.outputs}
+        finished = {id(o) for a in mlp.absorbed + mlp.summed for o in a.outputs}
         if {id(n) for n in reads} & finished or self._epilogue_reads(g) & finished:
             return 0
         if any({id(o) for o in g.outputs} & self._epilogue_reads(a) for a in mlp.absorbed):
@@ -914,6 +915,8 @@ class Planner:
         if not mlps:
             return kernels
         for f in [k for k in kernels if k.kind is KernelKind.REDUCE]:
+            if f not in kernels:  # a first stage taken with its second
+                continue
             refs = {id(k): self.references(k) for k in kernels}
             found = self._row_sum(f, kernels, refs)
             if found is None:

@@ -1040,8 +1040,9 @@ def _finishing(ctx: Context, kernels: list[FusedKernel], splits: int, partials: 
             block, branches = branch.body, branch.orelse
         first = Bin("-", program, Lit(begin)) if begin else program  # None: one GEMM, its program id
         tag = f"_{j}" if program is not None else ""
-        if is_sum:
+        if is_sum:  # its own blocks: a wide sum's partials load SUM_SPLIT rows at a time, 8192 elements at most
             blocks[f"SUM_BLOCK{tag}"] = _padded_width(part)
+            blocks[f"SUM_SPLIT{tag}"] = min(next_pow2(splits), 8192 // _padded_width(part))
             _finish_sum(ctx, part, splits, scratch, block, tag)
         else:
             _finish_tiles(ctx, part, splits, scratch, block, first, tag)
@@ -1053,7 +1054,7 @@ def _padded_width(total: _Sum) -> int:
 
 
 def _finish_sum(ctx: Context, total: _Sum, splits: int, scratch: Var, body: list, tag: str) -> None:
-    """One program adds a sum's partials (`splits` rows of its value's columns, SPLIT_BLOCK rows at a time),
+    """One program adds a sum's partials (`splits` rows of its value's columns, SUM_SPLIT rows at a time),
     sums the columns too for a sum of every element, and runs the row kernel's epilogue at its one output row
     (or its row of columns)."""
     f = total.kernel
@@ -1065,10 +1066,11 @@ def _finish_sum(ctx: Context, total: _Sum, splits: int, scratch: Var, body: list
     column = em.bind(f"column{tag}", Range(block, 1, 2))
     mask_c = em.bind(f"mask_column{tag}", Bin("<", column, Lit(width)))
     acc = em.bind(f"acc{tag}", call("zeros", shape=(1, block), dtype=dtypes.float32))
-    loop = Loop(Var("first_split"), ZERO, Lit(splits), SPLIT_BLOCK)
+    rows = Block(f"SUM_SPLIT{tag}", "s")
+    loop = Loop(Var("first_split"), ZERO, Lit(splits), rows)
     em.emit(loop)
     em.block = loop.body
-    split = em.bind("split", Bin("+", loop.var, Range(SPLIT_BLOCK, 0, 2)))
+    split = em.bind("split", Bin("+", loop.var, Range(rows, 0, 2)))
     part = call("load", Bin("+", scratch, Bin("+", Bin("*", split, Lit(width)), column)),
                 mask=Bin("&", Bin("<", split, Lit(splits)), mask_c), other=Lit(0.0))
     em.emit(Assign((acc,), Bin("+", acc, call("reduce", part, combine="sum", axis=0, drop="s"))))

@@ -145,7 +145,7 @@ class FusedKernel:
     absorbed: list[FusedKernel] = field(default_factory=list)
     # an MLP kernel's sums over its rows of values its layers compute (a loss, a column sum): row kernels whose
     # single sum it takes per program beside its layers; its finishing launch adds the partials and runs their
-    # epilogues (see `row_sum`)
+    # epilogues (see `Planner.absorb_sums`)
     summed: list[FusedKernel] = field(default_factory=list)
     streamed: bool = False  # an MLP kernel's form that holds no weights on chip: its fallback on a smaller GPU
     split: list[FusedKernel] = field(default_factory=list)  # a GEMM's vendor form: same nodes, several kernels
@@ -619,14 +619,9 @@ class Planner:
             last = chain[-1]
             members = {id(k) for k in chain}
             mlp = FusedKernel(KernelKind.MLP, last.space, (), [], {})
-            sum_decisions = []
+            sums = []
             for layer, k in enumerate(chain):
-                for f in self._column_sums(k):
-                    sum_decisions.append(_sum_decision(f, "adding each row tile's sums atomically"))
-                    mlp.summed.append(f)
-                    mlp.reductions += f.reductions
-                    mlp.outputs += f.outputs
-                    mlp.levels.update(f.levels)
+                sums += self._column_sums(k)
                 for o in k.outputs:
                     if summed_output(k, o) is not None:
                         continue
@@ -637,10 +632,10 @@ class Planner:
                         mlp.layers[id(o)] = layer
                     else:
                         self.stored.discard(id(o))
-            for f in mlp.summed:  # what each sum's finishing reads, now that the chain's values stay on chip
-                self.describe(f)
             mlp.cores = [k.core for k in chain]
-            mlp.decisions = [f"one kernel: {len(chain)} layers, widths {text}"] + sum_decisions
+            mlp.decisions = [f"one kernel: {len(chain)} layers, widths {text}"]
+            for f in sums:  # described now that the chain's values stay on chip
+                self._take_sum(mlp, f, "adding each row tile's sums atomically")
             _note_written(mlp)
             at = kernels.index(last)
             kernels[at] = mlp
@@ -750,7 +745,7 @@ class Planner:
                 continue
             _, mlp = max(scored, key=lambda s: s[0])
             p, q = self._gradient_operands(g)
-            room[id(mlp)] -= _padded(p.shape[1]) * _padded(q.shape[1])
+            room[id(mlp)] -= padded_width(p.shape[1]) * padded_width(q.shape[1])
             self.describe(g)  # its epilogue, as planned alone: the finishing function's
             mlp.absorbed.append(g)
             for o in g.outputs:
@@ -827,7 +822,7 @@ class Planner:
         widths = mlp_widths(mlp)
         if p.shape[0] != core.shape[0] or g.core.dtype is not core.dtype or not {p.shape[1], q.shape[1]} <= set(widths):
             return 0
-        if _padded(p.shape[1]) * _padded(q.shape[1]) > room:
+        if padded_width(p.shape[1]) * padded_width(q.shape[1]) > room:
             return 0
         # its programs walk row tiles holding the weights on chip, beside the gradient's two operand tiles
         if not mlp_blocks(widths, core.dtype.itemsize, written_intermediates(mlp) + 2 * (len(mlp.absorbed) + 1))[3]:
@@ -914,10 +909,10 @@ class Planner:
         mlps = [k for k in kernels if k.kind is KernelKind.MLP]
         if not mlps:
             return kernels
+        refs = {id(k): self.references(k) for k in kernels}
         for f in [k for k in kernels if k.kind is KernelKind.REDUCE]:
             if f not in kernels:  # a first stage taken with its second
                 continue
-            refs = {id(k): self.references(k) for k in kernels}
             found = self._row_sum(f, kernels, refs)
             if found is None:
                 continue
@@ -930,15 +925,26 @@ class Planner:
                 kernels.remove(first)
                 self.stored.discard(id(first.outputs[0]))
             kernels.remove(f)
-            self.describe(f)  # what its epilogue reads, as its finishing computes it
-            mlp.summed.append(f)
-            for o in f.outputs:
-                mlp.outputs.append(o)
-                mlp.levels[id(o)] = f.levels[id(o)]
-            mlp.reductions += f.reductions
-            mlp.decisions.append(_sum_decision(f, f"{len(group)} reduction kernel{'s' if len(group) > 1 else ''}"))
+            self._take_sum(mlp, f, f"{len(group)} reduction kernel{'s' if len(group) > 1 else ''}")
             self._unstore_intermediates(mlp, kernels)
-        return self._kernel_order(kernels, {id(k): self.references(k) for k in kernels})
+            refs = {id(k): self.references(k) for k in kernels}
+        return self._kernel_order(kernels, refs)
+
+    def _take_sum(self, mlp: FusedKernel, f: FusedKernel, instead: str) -> None:
+        """MLP kernel `mlp` takes row kernel `f`'s sum over its rows: its outputs and reduction become the kernel's,
+        finished by its second launch; explain says what it replaces (`instead`)."""
+        self.describe(f)  # what its epilogue reads, as the finishing launch computes it
+        mlp.summed.append(f)
+        mlp.reductions += f.reductions
+        for o in f.outputs:
+            mlp.outputs.append(o)
+            mlp.levels[id(o)] = f.levels[id(o)]
+        (r,) = f.reductions
+        value = summed_views(r)[0]
+        mlp.decisions.append(
+            f"sums {list(value.shape)} into {list(r.shape)} over its {value.shape[0]} rows (each program its row "
+            f"tiles, one partial each) from values its tiles hold, instead of {instead}; its second launch adds the "
+            "partials")
 
     def _row_sum(self, f: FusedKernel, kernels: list[FusedKernel], refs: dict
                  ) -> tuple[Node, FusedKernel | None] | None:
@@ -970,8 +976,6 @@ class Planner:
         width = value.shape[1]
         kept = all(v.shape[-1] == width for v in views) and all(
             v.attrs["pads"][-1] == (0, 0) for v in views if v.op is Op.PAD)
-        if s is not None and s.shape[-1] != width:
-            return None
         sums = [r] + ([s] if s is not None else [])
         summed_last = any(n.inputs[0].shape[-1] != width or len(n.shape) - 1 in n.attrs["axes"] for n in sums)
         if r.numel != width or not kept or summed_last:
@@ -1245,15 +1249,6 @@ def summed_views(r: Node) -> tuple[Node, list[Node], Node | None]:
     return x, views, first
 
 
-def _sum_decision(f: FusedKernel, instead: str) -> str:
-    """What explain says of a sum over an MLP kernel's rows that it takes."""
-    (r,) = f.reductions
-    value = summed_views(r)[0]
-    return (f"sums {list(value.shape)} into {list(r.shape)} over its {value.shape[0]} rows (each program its row "
-            f"tiles, one partial each) from values its tiles hold, instead of {instead}; its second launch adds the "
-            "partials")
-
-
 def mlp_widths(kernel: FusedKernel) -> list[int]:
     """An MLP kernel's widths: its input's, then each layer's output's."""
     return [kernel.cores[0].inputs[0].shape[-1]] + [c.shape[-1] for c in kernel.cores]
@@ -1281,7 +1276,7 @@ def mlp_blocks(widths: list[int], itemsize: int, written: int = 0, streamed: boo
     `written`: the intermediate tiles it also stores, each of which may take a tile of shared memory to lay
     out for its store; `streamed`: hold no weights (the form that fits any GPU; the runtime falls back on it
     when a GPU cannot hold them)."""
-    padded = [_padded(w) for w in widths]
+    padded = [padded_width(w) for w in widths]
     weight_bytes = sum(a * b for a, b in zip(padded, padded[1:])) * itemsize
     if streamed:
         return padded, 128, 4, False
@@ -1291,7 +1286,7 @@ def mlp_blocks(widths: list[int], itemsize: int, written: int = 0, streamed: boo
     return padded, 128, 4, False
 
 
-def _padded(width: int) -> int:
+def padded_width(width: int) -> int:
     """A width as an MLP kernel lays it along a tile: a power of two, at least 16."""
     return max(16, 1 << (width - 1).bit_length())
 

@@ -28,6 +28,7 @@ from ember.compiler.fusion import (
     mlp_blocks,
     mlp_widths,
     operand_sums,
+    padded_width,
     summed_operand,
     summed_output,
     summed_views,
@@ -1041,16 +1042,13 @@ def _finishing(ctx: Context, kernels: list[FusedKernel], splits: int, partials: 
         first = Bin("-", program, Lit(begin)) if begin else program  # None: one GEMM, its program id
         tag = f"_{j}" if program is not None else ""
         if is_sum:  # its own blocks: a wide sum's partials load SUM_SPLIT rows at a time, 8192 elements at most
-            blocks[f"SUM_BLOCK{tag}"] = _padded_width(part)
-            blocks[f"SUM_SPLIT{tag}"] = min(next_pow2(splits), 8192 // _padded_width(part))
+            width = padded_width(part.value.shape[1])
+            blocks[f"SUM_BLOCK{tag}"] = width
+            blocks[f"SUM_SPLIT{tag}"] = min(next_pow2(splits), 8192 // width)
             _finish_sum(ctx, part, splits, scratch, block, tag)
         else:
             _finish_tiles(ctx, part, splits, scratch, block, first, tag)
     return ctx.function(suffix, body, blocks, total, 4)
-
-
-def _padded_width(total: _Sum) -> int:
-    return max(16, next_pow2(total.value.shape[1]))
 
 
 def _finish_sum(ctx: Context, total: _Sum, splits: int, scratch: Var, body: list, tag: str) -> None:
@@ -1066,13 +1064,9 @@ def _finish_sum(ctx: Context, total: _Sum, splits: int, scratch: Var, body: list
     column = em.bind(f"column{tag}", Range(block, 1, 2))
     mask_c = em.bind(f"mask_column{tag}", Bin("<", column, Lit(width)))
     acc = em.bind(f"acc{tag}", call("zeros", shape=(1, block), dtype=dtypes.float32))
-    rows = Block(f"SUM_SPLIT{tag}", "s")
-    loop = Loop(Var("first_split"), ZERO, Lit(splits), rows)
-    em.emit(loop)
-    em.block = loop.body
-    split = em.bind("split", Bin("+", loop.var, Range(rows, 0, 2)))
+    split, mask_split = _over_splits(em, splits, Block(f"SUM_SPLIT{tag}", "s"))
     part = call("load", Bin("+", scratch, Bin("+", Bin("*", split, Lit(width)), column)),
-                mask=Bin("&", Bin("<", split, Lit(splits)), mask_c), other=Lit(0.0))
+                mask=Bin("&", mask_split, mask_c), other=Lit(0.0))
     em.emit(Assign((acc,), Bin("+", acc, call("reduce", part, combine="sum", axis=0, drop="s"))))
     em.block = body
     if total.per_column:
@@ -1219,17 +1213,23 @@ def _add_partials(emitter: Emitter, splits: int, acc: Var, tile: _Tile, summed: 
     emitter.emit(Assign((acc,), call("zeros", shape=GEMM_TILE, dtype=dtypes.float32)))
     for key, position in summed.items():
         emitter.emit(Assign((sums[key],), call("zeros", shape=_sum_shape(position), dtype=dtypes.float32)))
-    loop = Loop(Var("first_split"), ZERO, Lit(splits), SPLIT_BLOCK)
-    emitter.emit(loop)
-    emitter.block = loop.body
-    split = emitter.bind("split", Bin("+", loop.var, Range(SPLIT_BLOCK, 0, 2)))
-    mask_split = emitter.bind("mask_split", Bin("<", split, Lit(splits)))
+    split, mask_split = _over_splits(emitter, splits, SPLIT_BLOCK)
 
     for key, size, position, mask in _partial_parts(emitter, tile, summed):
         total = acc if key == "partial" else sums[key]
         part = call("load", Bin("+", buffers[key], Bin("+", Bin("*", split, Lit(size)), position)),
                     mask=Bin("&", mask_split, mask), other=Lit(0.0))
         emitter.emit(Assign((total,), Bin("+", total, call("reduce", part, combine="sum", axis=0, drop="s"))))
+
+
+def _over_splits(emitter: Emitter, splits: int, block: Block) -> tuple[Var, Var]:
+    """A loop over a finishing program's `splits` partials, `block` of them at a time, entered (the emitter's
+    block is its body): the splits of this step, and their mask."""
+    loop = Loop(Var("first_split"), ZERO, Lit(splits), block)
+    emitter.emit(loop)
+    emitter.block = loop.body
+    split = emitter.bind("split", Bin("+", loop.var, Range(block, 0, 2)))
+    return split, emitter.bind("mask_split", Bin("<", split, Lit(splits)))
 
 
 MLP_PROGRAMS_PER_SM = 2

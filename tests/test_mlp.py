@@ -488,6 +488,77 @@ def test_an_ember_sequential_fuses_too():
     assert relative(got, ref.numpy()) < TOL["float16"]
 
 
+CLAMPS = {  # an activation ending in clamps at constants, and whether the operand type holds every constant
+    "relu": (nn.functional.relu, True),  # where(x <= 0, 0, x)
+    "at least 0": (lambda h: h.clamp(min=0), True),  # where(x < 0, 0, x)
+    "at most 0": (lambda h: h.clamp(max=0), True),  # where(x > 0, 0, x)
+    "relu then at most 0": (lambda h: nn.functional.relu(h).clamp(max=0), True),  # two clamps
+    # a constant other than 0 and 1 is a kernel argument, not known when the kernel is generated
+    "relu6": (nn.functional.relu6, False),
+}
+
+
+def _layers(seed: int, widths: list[int], dtype) -> list:
+    ember.manual_seed(seed)
+    return [nn.Linear(a, b).to("cuda").to(dtype) for a, b in zip(widths, widths[1:])]
+
+
+def _run_layers(layers, activation, x):
+    with ember.no_grad():
+        h = x
+        for i, layer in enumerate(layers):
+            h = layer(h)
+            if i < len(layers) - 1:
+                h = activation(h)
+        p = plan(h)
+        return h.numpy().astype(np.float64), p
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("name", sorted(CLAMPS))
+def test_clamps_ending_a_layer_apply_to_its_half_operand_and_keep_nan(name, dtype, monkeypatch):
+    """An MLP kernel clamps the next dot's float16 operand after casting it (the same values: rounding is
+    monotonic), where float16 holds the constants; NaN still passes through, as in torch. bfloat16 operands
+    are clamped before the cast."""
+    from ember.compiler import fusion
+
+    activation, rewritten = CLAMPS[name]
+    layers = _layers(31, [24, 40, 40, 8], DTYPES[dtype][1])
+    x = inputs(300, 24, dtype, seed=32)
+    x[7, 3] = np.nan  # a row of NaN from the first layer on
+    x[11] = 0  # a row of the first layer's biases: some land exactly on a clamp's constant after rounding
+    got, p = _run_layers(layers, activation, ember.tensor(x, device="cuda"))
+    assert [k.kind for k in p.kernels] == [KernelKind.MLP]
+    text = p.sources[id(p.kernels[0])].text
+    assert ("_combine(h_" in text) == (rewritten and dtype == "float16")
+    monkeypatch.setattr(fusion, "MLP_MAX_WIDTH", 0)
+    want, unfused = _run_layers(layers, activation, ember.tensor(x, device="cuda"))
+    assert KernelKind.MLP not in [k.kind for k in unfused.kernels]
+    assert np.isnan(got[7]).all() and np.isnan(want[7]).all()
+    rest = np.arange(300) != 7
+    np.testing.assert_allclose(got[rest], want[rest], rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def test_a_persistent_mlp_kernel_loads_its_biases_once_before_walking_row_tiles(monkeypatch):
+    from ember.runtime import cuda
+
+    monkeypatch.setattr(cuda, "multiprocessors", lambda device: 1)  # 2 programs for 8 row tiles: they walk
+    model = rounded(torch_mlp([32, 48, 48, 16], "relu", seed=33), "float16")
+    x = inputs(1000, 32, "float16", seed=34)
+    got, kernels = run_ember(model, x, "float16")
+    text = plan_text(model, x)
+    loop = text[text.index("for tile"):]
+    assert loop.count("tl.load(") == 1  # the rows; the weights and the 3 biases load before the loop
+    assert relative(got, reference(model, x)) < TOL["float16"]
+
+
+def plan_text(model: torch.nn.Sequential, x: np.ndarray) -> str:
+    em = ember.from_torch(model).to("cuda").to(ember.float16)
+    with ember.no_grad():
+        p = plan(em(ember.tensor(x, device="cuda")))
+    return "\n".join(p.sources[id(k)].text for k in p.kernels)
+
+
 def test_explain_names_the_layers():
     model = rounded(torch_mlp([64, 64, 64, 64, 64, 16], "relu", seed=12), "float16")
     em = ember.from_torch(model).to("cuda").half()

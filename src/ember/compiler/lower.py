@@ -158,6 +158,7 @@ class Emitter:
         self.hoisting = False
         self.hoisted: set[tuple] = set()  # memo keys of values computed before a loop
         self.count = 0
+        self.definitions: dict[str, Expr] = {}  # each bound name's value
         self.accumulator: Var | None = None  # a GEMM epilogue's name for the core's value
         self.accumulators: dict[int, Var] = {}  # an MLP kernel's: id(core) -> its accumulator, once computed
         self.blocks: dict[str, Block] = GEMM_BLOCK  # the block laid along each tile axis of a GEMM's tiles
@@ -181,6 +182,7 @@ class Emitter:
 
     def bind(self, name: str, value: Expr) -> Var:
         var = Var(name, value.axes)
+        self.definitions[name] = value
         self.emit(Assign((var,), value))
         return var
 
@@ -629,6 +631,61 @@ def hoist_loads(block: list) -> list:
             rest.append(s)
             touched |= targets | _names(s.value)
     return block[:first] + moved + rest
+
+
+def hoist_invariant_loads(loop: Loop) -> None:
+    """Move the loads in `loop`'s body that read the same elements on every iteration (a bias, a per-column
+    scale: nothing they read is assigned in the loop) into its prelude. The target's compiler leaves them in
+    place (it cannot tell them from the elements the loop stores), so every iteration would wait on each
+    again; in an MLP kernel that is a load's latency per layer and row tile, on the chain's critical path.
+    Such a load reads no element the loop writes: the loop's stores are at its tiles' rows, and an output
+    written in place over an input is one read at the element each store writes, never a row-independent
+    view of it."""
+    assigned = Counter(t.name for s in _flat(loop.body) if isinstance(s, Assign) for t in s.targets)
+    variant = set(assigned) | {loop.var.name}
+    kept = []
+    for s in loop.body:
+        if (isinstance(s, Assign) and _loads(s.value) and not _names(s.value) & variant
+                and all(assigned[t.name] == 1 for t in s.targets)):
+            loop.prelude.append(s)
+            variant -= {t.name for t in s.targets}  # what reads it alone may move too
+        else:
+            kept.append(s)
+    loop.body[:] = kept
+
+
+def drop_unread(block: list) -> None:
+    """Remove from `block` (and the loops and branches in it) every assignment of values nothing reads."""
+    while True:
+        read: set[str] = set()
+        for s in _flat(block):
+            parts = ((s.value,) if isinstance(s, (Assign, Effect)) else (s.start, s.stop, s.step)
+                     if isinstance(s, Loop) else (s.condition,))
+            read.update(*map(_names, parts))
+        if not _prune(block, read):
+            return
+
+
+def _prune(block: list, read: set[str]) -> bool:
+    kept = [s for s in block if not isinstance(s, Assign) or any(t.name in read for t in s.targets)]
+    pruned = len(kept) < len(block)
+    block[:] = kept
+    for s in block:
+        inner = (s.prelude, s.body) if isinstance(s, Loop) else (s.body, s.orelse) if isinstance(s, Branch) else ()
+        pruned = any([_prune(b, read) for b in inner]) or pruned
+    return pruned
+
+
+def _flat(block: list) -> list:
+    """The statements of `block`, those inside its loops and branches too."""
+    out = []
+    for s in block:
+        out.append(s)
+        if isinstance(s, Loop):
+            out += _flat(s.prelude) + _flat(s.body)
+        elif isinstance(s, Branch):
+            out += _flat(s.body) + _flat(s.orelse)
+    return out
 
 
 def _loads(e: Expr) -> bool:
@@ -1335,9 +1392,7 @@ def _mlp(ctx: Context, kernel: FusedKernel) -> list[Function]:
             first_tile = tile
         else:  # the previous layer's epilogue, in registers; padded columns zeroed (the weights' are too)
             value, _ = em.value(a, Index((rm, c[layer]), None, layer_mask[layer], FULL))
-            if mask_c[layer] is not None:
-                value = call("where", mask_c[layer], value, ZERO)
-            tile = em.define(call("cast", value, dtype=dtype), "x")
+            tile = _operand_cast(em, value, dtype, (block_m, cols[layer]), mask_c[layer])
         acc = em.bind(f"acc{layer}", call("zeros", shape=(block_m, cols[layer + 1]), dtype=dtypes.float32))
         w = weights[layer] if hold else weight(layer)
         em.emit(Assign((acc,), call("dot", tile, w, acc, **_precision(ctx, dtype))))
@@ -1366,6 +1421,9 @@ def _mlp(ctx: Context, kernel: FusedKernel) -> list[Function]:
             part = call("reduce", value, combine="sum", axis=0, drop="rm")
             em.emit(Assign((total.total,), Bin("+", total.total, part)))
     constexprs = {"BLOCK_M": rows, **{f"W{i}": p for i, p in enumerate(padded)}}
+    drop_unread(body)  # the values a clamp after the cast left unread
+    if walks and not gradients:  # hoisted values hold registers across the loop, which summed gradients need
+        hoist_invariant_loads(loop)
     em.block = body
     partials = []  # each gradient's scratch: one partial tile (and operand sums) per program
     for grad in gradients:
@@ -1393,6 +1451,51 @@ def _mlp(ctx: Context, kernel: FusedKernel) -> list[Function]:
         functions.append(_finishing(ctx, [grad.kernel for grad in gradients], programs, partials, "_finish",
                                     list(zip(sums, sum_partials))))
     return functions
+
+
+def _operand_cast(em: Emitter, value: Expr, dtype: DType, shape: tuple, mask: Expr | None) -> Var:
+    """A layer's epilogue value cast to the next dot's operand type. Clamps at constants that end it (a ReLU,
+    where(x <= 0, 0, x); clamp's where(x < lo, lo, x) and where(x > hi, hi, x); maximum or minimum with a
+    constant) are applied after the cast, to half values, two to a register: half the instructions. Rounding
+    is monotonic and keeps a constant the type holds, so the values are the same, NaN included; only a zero's
+    sign may differ, which a dot's sums cannot show, and the tile feeds only the dot. float16 only: Triton's
+    interpreter, which runs these kernels without a GPU, computes bfloat16 minimum and maximum wrongly.
+    `mask`: the columns of a padded width, outside which the tile is zero (the weights' rows are too)."""
+    clamps = []
+    while dtype is dtypes.float16 and (clamp := _clamp(em, value)) is not None and _representable(clamp[2], dtype):
+        clamps.append(clamp)
+        value = clamp[1]
+    if not clamps:
+        return em.define(call("cast", value if mask is None else call("where", mask, value, ZERO), dtype=dtype), "x")
+    tile: Expr = em.define(call("cast", value, dtype=dtype), "h")
+    for combine, _, bound in reversed(clamps):
+        limit = call("full", Lit(float(bound)), shape=shape, dtype=dtype)
+        tile = call("combine", tile, limit, combine=combine)
+    return em.define(tile if mask is None else call("where", mask, tile, ZERO), "x")
+
+
+def _clamp(em: Emitter, value: Expr) -> tuple[str, Expr, object] | None:
+    """("max" or "min", x, c) where `value` is the larger or the smaller of x and a constant c (NaN wins)."""
+    e = em.definitions.get(value.name) if isinstance(value, Var) else None
+    if not isinstance(e, Prim):
+        return None
+    if e.op in (Op.MAXIMUM, Op.MINIMUM):
+        x, c = e.args if isinstance(e.args[1], Lit) else e.args[::-1]
+        return ("max" if e.op is Op.MAXIMUM else "min", x, c.value) if isinstance(c, Lit) else None
+    if e.op is not Op.WHERE:
+        return None
+    test, c, x = e.args
+    compare = em.definitions.get(test.name) if isinstance(test, Var) else None
+    if not isinstance(c, Lit) or not isinstance(compare, Prim) or compare.op not in (Op.LE, Op.LT):
+        return None
+    if compare.args == (x, c):  # where(x <= c, c, x): at least c (NaN compares false: x)
+        return "max", x, c.value
+    return ("min", x, c.value) if compare.args == (c, x) else None  # where(c <= x, c, x): at most c
+
+
+def _representable(value, dtype: DType) -> bool:
+    """Whether the number `value` is exactly a value of the floating-point `dtype`."""
+    return type(value) in (int, float) and not math.isnan(value) and float(dtype.np.type(value)) == value
 
 
 def _precision(ctx: Context, dtype: DType) -> dict:

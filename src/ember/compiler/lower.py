@@ -1290,6 +1290,10 @@ def _over_splits(emitter: Emitter, splits: int, block: Block) -> tuple[Var, Var]
 
 
 MLP_PROGRAMS_PER_SM = 2
+# An MLP kernel hoists the loads every row tile repeats (biases) out of its loop only while the weight gradients
+# it sums in registers hold at most this many elements: a 64-wide backward kernel's two 64 x 64 gradients take
+# every register there is (255 a thread), and hoisting made it spill
+MLP_HOIST_GRADIENT_ELEMENTS = 2048
 UNKNOWN_MULTIPROCESSORS = 132  # the SMs a kernel plans for where the GPU's size is not known
 
 
@@ -1383,7 +1387,7 @@ def _mlp(ctx: Context, kernel: FusedKernel) -> list[Function]:
         if x is cores[0].inputs[0]:
             return first_tile
         value, _ = em.value(x, Index((rm, c[column]), None, layer_mask[column], FULL))
-        return em.define(call("cast", call("where", layer_mask[column], value, ZERO), dtype=dtype), "g")
+        return _operand_cast(em, value, dtype, (block_m, cols[column]), layer_mask[column], "g")
 
     for layer, core in enumerate(cores):
         a, dtype = core.inputs[0], core.dtype
@@ -1422,7 +1426,8 @@ def _mlp(ctx: Context, kernel: FusedKernel) -> list[Function]:
             em.emit(Assign((total.total,), Bin("+", total.total, part)))
     constexprs = {"BLOCK_M": rows, **{f"W{i}": p for i, p in enumerate(padded)}}
     drop_unread(body)  # the values a clamp after the cast left unread
-    if walks and not gradients:  # hoisted values hold registers across the loop, which summed gradients need
+    # hoisted values hold registers across the loop, as the accumulators of summed gradients do
+    if walks and sum(math.prod(g.kernel.core.shape) for g in gradients) <= MLP_HOIST_GRADIENT_ELEMENTS:
         hoist_invariant_loads(loop)
     em.block = body
     partials = []  # each gradient's scratch: one partial tile (and operand sums) per program
@@ -1453,25 +1458,28 @@ def _mlp(ctx: Context, kernel: FusedKernel) -> list[Function]:
     return functions
 
 
-def _operand_cast(em: Emitter, value: Expr, dtype: DType, shape: tuple, mask: Expr | None) -> Var:
-    """A layer's epilogue value cast to the next dot's operand type. Clamps at constants that end it (a ReLU,
-    where(x <= 0, 0, x); clamp's where(x < lo, lo, x) and where(x > hi, hi, x); maximum or minimum with a
-    constant) are applied after the cast, to half values, two to a register: half the instructions. Rounding
-    is monotonic and keeps a constant the type holds, so the values are the same, NaN included; only a zero's
-    sign may differ, which a dot's sums cannot show, and the tile feeds only the dot. float16 only: Triton's
-    interpreter, which runs these kernels without a GPU, computes bfloat16 minimum and maximum wrongly.
-    `mask`: the columns of a padded width, outside which the tile is zero (the weights' rows are too)."""
+def _operand_cast(em: Emitter, value: Expr, dtype: DType, shape: tuple, mask: Expr | None,
+                  stem: str = "x") -> Var:
+    """A layer's epilogue value cast to a dot's operand type (the next layer's, or a summed gradient's). Clamps
+    at constants that end it (a ReLU, where(x <= 0, 0, x); clamp's where(x < lo, lo, x) and where(x > hi, hi,
+    x); maximum or minimum with a constant) are applied after the cast, to half values, two to a register: half
+    the instructions. Rounding is monotonic and keeps a constant the type holds, so the values are the same, NaN
+    included; only a zero's sign may differ, which the sums the tile feeds (dots; a bias gradient's column
+    sums; each from +0) cannot show. float16 only: Triton's interpreter, which runs these kernels without a
+    GPU, computes bfloat16 minimum and maximum wrongly. `mask`: the rows and columns in range, outside which
+    the tile is zero."""
     clamps = []
     while dtype is dtypes.float16 and (clamp := _clamp(em, value)) is not None and _representable(clamp[2], dtype):
         clamps.append(clamp)
         value = clamp[1]
     if not clamps:
-        return em.define(call("cast", value if mask is None else call("where", mask, value, ZERO), dtype=dtype), "x")
+        return em.define(call("cast", value if mask is None else call("where", mask, value, ZERO), dtype=dtype), stem)
     tile: Expr = em.define(call("cast", value, dtype=dtype), "h")
     for combine, _, bound in reversed(clamps):
         limit = call("full", Lit(float(bound)), shape=shape, dtype=dtype)
         tile = call("combine", tile, limit, combine=combine)
-    return em.define(tile if mask is None else call("where", mask, tile, ZERO), "x")
+    return em.define(tile if mask is None else call("where", mask, tile, call("zeros", shape=shape, dtype=dtype)),
+                     stem)
 
 
 def _clamp(em: Emitter, value: Expr) -> tuple[str, Expr, object] | None:

@@ -539,16 +539,19 @@ def test_clamps_ending_a_layer_apply_to_its_half_operand_and_keep_nan(name, dtyp
     np.testing.assert_allclose(got[rest], want[rest], rtol=TOL[dtype], atol=TOL[dtype])
 
 
-def test_a_persistent_mlp_kernel_loads_its_biases_once_before_walking_row_tiles(monkeypatch):
+@pytest.mark.parametrize("widths,hoisted", [([32, 48, 48, 16], True), ([128, 128, 128, 128, 16], False)])
+def test_a_persistent_mlp_kernel_loads_its_biases_once_before_walking_row_tiles(widths, hoisted, monkeypatch):
+    """Unless they would take too many registers across the loop (MLP_HOISTED_ELEMENTS)."""
     from ember.runtime import cuda
 
     monkeypatch.setattr(cuda, "multiprocessors", lambda device: 1)  # 2 programs for 8 row tiles: they walk
-    model = rounded(torch_mlp([32, 48, 48, 16], "relu", seed=33), "float16")
-    x = inputs(1000, 32, "float16", seed=34)
+    model = rounded(torch_mlp(widths, "relu", seed=33), "float16")
+    x = inputs(1000, widths[0], "float16", seed=34)
     got, kernels = run_ember(model, x, "float16")
     text = plan_text(model, x)
     loop = text[text.index("for tile"):]
-    assert loop.count("tl.load(") == 1  # the rows; the weights and the 3 biases load before the loop
+    # the rows; the weights, and the biases if hoisted, load before the loop
+    assert loop.count("tl.load(") == (1 if hoisted else len(widths))
     assert relative(got, reference(model, x)) < TOL["float16"]
 
 

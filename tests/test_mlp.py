@@ -80,6 +80,17 @@ def relative(got: np.ndarray, ref: np.ndarray) -> float:
 
 TOL = {"float16": 2e-2, "bfloat16": 5e-2, "float32": 1e-5}
 
+
+def plan_unfused(monkeypatch, tmp_path) -> None:
+    """From here on, plan without MLP kernels: a fresh plan cache, in memory and on disk, so that no plan made
+    with them is found again (a plan's key does not hold the planner's settings)."""
+    from ember.compiler import fusion
+    from ember.runtime import plan_cache
+
+    monkeypatch.setattr(fusion, "MLP_MAX_WIDTH", 0)
+    monkeypatch.setattr(plan_cache, "_plans", {})
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+
 CASES = [  # widths, rows, activation, dtype
     ([32, 64, 64, 16], 300, "relu", "float16"),
     ([64, 64, 64, 64, 64, 16], 1000, "relu", "float16"),
@@ -113,14 +124,12 @@ def test_each_activation_fuses_and_matches_torch(activation):
     assert relative(got, reference(model, x)) < TOL["float16"]
 
 
-def test_fused_equals_unfused_on_the_same_device(monkeypatch):
+def test_fused_equals_unfused_on_the_same_device(monkeypatch, tmp_path):
     """The MLP kernel computes what the per-layer GEMMs compute (both round activations to the operand type)."""
-    from ember.compiler import fusion
-
     model = rounded(torch_mlp([32, 64, 64, 10], "relu", seed=5), "float16")
     x = inputs(333, 32, "float16", seed=6)
     fused, kernels = run_ember(model, x, "float16")
-    monkeypatch.setattr(fusion, "MLP_MAX_WIDTH", 0)
+    plan_unfused(monkeypatch, tmp_path)
     unfused, per_layer = run_ember(model, x, "float16")
     assert KernelKind.MLP not in [k.kind for k in per_layer] and len(per_layer) == 3
     np.testing.assert_allclose(fused, unfused, rtol=2e-2, atol=2e-2)
@@ -455,13 +464,11 @@ def test_jit_replays_a_training_step_whose_mlp_kernels_sum_and_update_the_weight
         np.testing.assert_allclose(b, a, rtol=1e-2, atol=1e-3)
 
 
-def test_a_fused_training_step_equals_the_unfused_one(monkeypatch):
-    from ember.compiler import fusion
-
+def test_a_fused_training_step_equals_the_unfused_one(monkeypatch, tmp_path):
     monkeypatch.setenv("EMBER_SPLIT_K", "1")
     case = ([32, 48, 48, 48, 10], FUSED_TRAINING_BATCH + 5, "relu", "float16")
     fused_kernels, fused, _, _ = training_step(*case, seed=21)
-    monkeypatch.setattr(fusion, "MLP_MAX_WIDTH", 0)
+    plan_unfused(monkeypatch, tmp_path)
     unfused_kernels, unfused, _, _ = training_step(*case, seed=21)
     assert KernelKind.MLP in [k.kind for k in fused_kernels]
     assert KernelKind.MLP not in [k.kind for k in unfused_kernels]
@@ -493,7 +500,8 @@ CLAMPS = {  # an activation ending in clamps at constants, and whether the opera
     "at least 0": (lambda h: h.clamp(min=0), True),  # where(x < 0, 0, x)
     "at most 0": (lambda h: h.clamp(max=0), True),  # where(x > 0, 0, x)
     "relu then at most 0": (lambda h: nn.functional.relu(h).clamp(max=0), True),  # two clamps
-    # a constant other than 0 and 1 is a kernel argument, not known when the kernel is generated
+    "hardtanh": (nn.functional.hardtanh, True),  # where(x > 1, 1, where(x < -1, -1, x))
+    # constants other than 0, +-1, 2, 0.5 and +-inf are kernel arguments, not known when the kernel is generated
     "relu6": (nn.functional.relu6, False),
 }
 
@@ -516,12 +524,10 @@ def _run_layers(layers, activation, x):
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("name", sorted(CLAMPS))
-def test_clamps_ending_a_layer_apply_to_its_half_operand_and_keep_nan(name, dtype, monkeypatch):
+def test_clamps_ending_a_layer_apply_to_its_half_operand_and_keep_nan(name, dtype, monkeypatch, tmp_path):
     """An MLP kernel clamps the next dot's float16 operand after casting it (the same values: rounding is
     monotonic), where float16 holds the constants; NaN still passes through, as in torch. bfloat16 operands
     are clamped before the cast."""
-    from ember.compiler import fusion
-
     activation, rewritten = CLAMPS[name]
     layers = _layers(31, [24, 40, 40, 8], DTYPES[dtype][1])
     x = inputs(300, 24, dtype, seed=32)
@@ -531,7 +537,7 @@ def test_clamps_ending_a_layer_apply_to_its_half_operand_and_keep_nan(name, dtyp
     assert [k.kind for k in p.kernels] == [KernelKind.MLP]
     text = p.sources[id(p.kernels[0])].text
     assert ("_combine(h_" in text) == (rewritten and dtype == "float16")
-    monkeypatch.setattr(fusion, "MLP_MAX_WIDTH", 0)
+    plan_unfused(monkeypatch, tmp_path)
     want, unfused = _run_layers(layers, activation, ember.tensor(x, device="cuda"))
     assert KernelKind.MLP not in [k.kind for k in unfused.kernels]
     assert np.isnan(got[7]).all() and np.isnan(want[7]).all()

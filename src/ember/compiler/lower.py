@@ -646,13 +646,16 @@ def hoist_invariant_loads(loop: Loop, fits: Callable[[list[Assign]], bool]) -> N
     assigned = Counter(t.name for s in _flat(loop.body) if isinstance(s, Assign) for t in s.targets)
     variant = set(assigned) | {loop.var.name}
     moved, kept = [], []
+    touched: set[str] = set()  # the names the statements left in the loop read or assign, so far
     for s in loop.body:
+        targets = {t.name for t in s.targets} if isinstance(s, Assign) else set()
         if (isinstance(s, Assign) and _loads(s.value) and not _names(s.value) & variant
-                and all(assigned[t.name] == 1 for t in s.targets)):
+                and all(assigned[t] == 1 for t in targets) and not targets & touched):
             moved.append(s)
-            variant -= {t.name for t in s.targets}  # what reads it alone may move too
+            variant -= targets  # what reads it alone may move too
         else:
             kept.append(s)
+            touched |= targets | set().union(*map(_names, _flat_exprs(s)))
     if moved and fits(moved):
         loop.prelude += moved
         loop.body[:] = kept
@@ -661,11 +664,7 @@ def hoist_invariant_loads(loop: Loop, fits: Callable[[list[Assign]], bool]) -> N
 def drop_unread(block: list) -> None:
     """Remove from `block` (and the loops and branches in it) every assignment of values nothing reads."""
     while True:
-        read: set[str] = set()
-        for s in _flat(block):
-            parts = ((s.value,) if isinstance(s, (Assign, Effect)) else (s.start, s.stop, s.step)
-                     if isinstance(s, Loop) else (s.condition,))
-            read.update(*map(_names, parts))
+        read = set().union(*(_names(e) for s in block for e in _flat_exprs(s)))
         if not _prune(block, read):
             return
 
@@ -678,6 +677,15 @@ def _prune(block: list, read: set[str]) -> bool:
         inner = (s.prelude, s.body) if isinstance(s, Loop) else (s.body, s.orelse) if isinstance(s, Branch) else ()
         pruned = any([_prune(b, read) for b in inner]) or pruned
     return pruned
+
+
+def _flat_exprs(s) -> list[Expr]:
+    """The expressions statement `s` evaluates, those of the statements inside it too."""
+    out = []
+    for t in [s] + _flat(getattr(s, "prelude", []) + getattr(s, "body", []) + getattr(s, "orelse", [])):
+        out += [t.value] if isinstance(t, (Assign, Effect)) else [t.start, t.stop, t.step] if isinstance(
+            t, Loop) else [t.condition]
+    return out
 
 
 def _flat(block: list) -> list:
@@ -1434,13 +1442,6 @@ def _mlp(ctx: Context, kernel: FusedKernel) -> list[Function]:
             part = call("reduce", value, combine="sum", axis=0, drop="rm")
             em.emit(Assign((total.total,), Bin("+", total.total, part)))
     constexprs = {"BLOCK_M": rows, **{f"W{i}": p for i, p in enumerate(padded)}}
-    drop_unread(body)  # the values a clamp after the cast left unread
-    # hoisted values hold registers across the loop, as the accumulators of summed gradients do
-    if walks and sum(math.prod(g.kernel.core.shape) for g in gradients) <= MLP_HOIST_GRADIENT_ELEMENTS:
-        def fits(moved: list[Assign]) -> bool:
-            held = sum(math.prod(padded[int(axis[1:])] for axis in s.targets[0].axes) for s in moved)
-            return held <= MLP_HOISTED_ELEMENTS
-        hoist_invariant_loads(loop, fits)
     em.block = body
     partials = []  # each gradient's scratch: one partial tile (and operand sums) per program
     for grad in gradients:
@@ -1463,6 +1464,16 @@ def _mlp(ctx: Context, kernel: FusedKernel) -> list[Function]:
         em.emit(Effect(call("store", add(scratch, add(mul(pid, Lit(size)), c[total.column])), total.total,
                             mask=Bin("<", c[total.column], Lit(size)))))
         sum_partials.append(scratch)
+    drop_unread(body)  # the values a clamp after the cast left unread
+    # hoisted values hold registers across the loop, as the accumulators of summed gradients do
+    if walks and sum(padded[a] * padded[b] for a, b in (g.columns for g in gradients)) <= MLP_HOIST_GRADIENT_ELEMENTS:
+        def fits(moved: list[Assign]) -> bool:
+            axes = [s.targets[0].axes for s in moved]
+            if not all(axis in widths_of for a in axes for axis in a):
+                return False
+            return sum(math.prod(widths_of[axis] for axis in a) for a in axes) <= MLP_HOISTED_ELEMENTS
+        widths_of = {f"c{i}": p for i, p in enumerate(padded)}  # a column axis's padded width
+        hoist_invariant_loads(loop, fits)
     functions = [ctx.function("", body, constexprs, programs, warps)]
     if gradients or sums:  # every gradient's and sum's partials added, and its epilogue run, by one launch
         functions.append(_finishing(ctx, [grad.kernel for grad in gradients], programs, partials, "_finish",

@@ -321,3 +321,14 @@ def _is_f64(x) -> bool:
 
 def _wrapped(items) -> list:
     return [ember.tensor(x) if isinstance(x, np.ndarray) else x for x in items]
+
+
+def plan_unfused(monkeypatch, tmp_path) -> None:
+    """From here on, plan without MLP kernels: a fresh plan cache, in memory and on disk, so that no plan made
+    with them is found again (a plan's key does not hold the planner's settings)."""
+    from ember.compiler import fusion
+    from ember.runtime import plan_cache
+
+    monkeypatch.setattr(fusion, "MLP_MAX_WIDTH", 0)
+    monkeypatch.setattr(plan_cache, "_plans", {})
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))

@@ -17,6 +17,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from conftest import plan_unfused
 
 import ember
 import ember.nn.functional as F
@@ -506,14 +507,14 @@ def test_every_gemm_backend_computes_the_same_fused_graph(backend, rng, monkeypa
 
 
 @pytest.mark.parametrize("backend", ["triton", "cublas"])
-def test_the_split_weight_gradient_sums_the_bias_gradient_in_a_kernel_of_its_own(backend, rng, monkeypatch):
-    from ember.compiler import fusion
+def test_the_split_weight_gradient_sums_the_bias_gradient_in_a_kernel_of_its_own(backend, rng, monkeypatch,
+                                                                                   tmp_path):
     from ember.runtime import cuda
 
     monkeypatch.setattr(cuda, "gemm_backend", backend)
     # no MLP chains: the forward and input-gradient GEMMs would chain and sum the weight gradient themselves,
     # leaving no split-K GEMM to test
-    monkeypatch.setattr(fusion, "MLP_MAX_WIDTH", 0)
+    plan_unfused(monkeypatch, tmp_path)
     p = _linear_grads(rng, activation=True)
     (summing,) = [k for k in p.kernels if k.reductions]
     assert "reduce" in [k.kind.value for k in summing.split], str(p)
@@ -848,12 +849,10 @@ def test_a_split_k_weight_gradient_with_its_epilogue_and_bias_sum_splits_k(mnk, 
         assert_matches(again_sum, t64(xs).sum(0), dtype, what="sum")
 
 
-def test_a_linear_layers_gradients_over_a_long_batch_split_k_and_match_torch(rng, split_k, monkeypatch):
-    from ember.compiler import fusion
-
+def test_a_linear_layers_gradients_over_a_long_batch_split_k_and_match_torch(rng, split_k, monkeypatch, tmp_path):
     # no MLP chains: the forward and input-gradient GEMMs would chain and sum the weight gradient themselves,
     # leaving no split-K GEMM to test
-    monkeypatch.setattr(fusion, "MLP_MAX_WIDTH", 0)
+    plan_unfused(monkeypatch, tmp_path)
     xs, ws, bs, gs = random(rng, 3000, 24), random(rng, 17, 24), random(rng, 17), random(rng, 3000, 17)
     x, w, b = on("cuda", xs, ws, bs, grad=True)
     F.gelu(F.linear(x, w, b)).backward(on("cuda", gs)[0])

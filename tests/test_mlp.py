@@ -10,6 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from conftest import plan_unfused
 
 import ember
 import ember.nn as nn
@@ -80,16 +81,6 @@ def relative(got: np.ndarray, ref: np.ndarray) -> float:
 
 TOL = {"float16": 2e-2, "bfloat16": 5e-2, "float32": 1e-5}
 
-
-def plan_unfused(monkeypatch, tmp_path) -> None:
-    """From here on, plan without MLP kernels: a fresh plan cache, in memory and on disk, so that no plan made
-    with them is found again (a plan's key does not hold the planner's settings)."""
-    from ember.compiler import fusion
-    from ember.runtime import plan_cache
-
-    monkeypatch.setattr(fusion, "MLP_MAX_WIDTH", 0)
-    monkeypatch.setattr(plan_cache, "_plans", {})
-    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
 
 CASES = [  # widths, rows, activation, dtype
     ([32, 64, 64, 16], 300, "relu", "float16"),

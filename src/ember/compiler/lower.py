@@ -681,11 +681,8 @@ def _prune(block: list, read: set[str]) -> bool:
 
 def _flat_exprs(s) -> list[Expr]:
     """The expressions statement `s` evaluates, those of the statements inside it too."""
-    out = []
-    for t in [s] + _flat(getattr(s, "prelude", []) + getattr(s, "body", []) + getattr(s, "orelse", [])):
-        out += [t.value] if isinstance(t, (Assign, Effect)) else [t.start, t.stop, t.step] if isinstance(
-            t, Loop) else [t.condition]
-    return out
+    return [e for t in _flat([s]) for e in ((t.value,) if isinstance(t, (Assign, Effect)) else
+                                            (t.start, t.stop, t.step) if isinstance(t, Loop) else (t.condition,))]
 
 
 def _flat(block: list) -> list:
@@ -1307,9 +1304,9 @@ MLP_PROGRAMS_PER_SM = 2
 # every register there is (255 a thread), and hoisting made it spill
 MLP_HOIST_GRADIENT_ELEMENTS = 2048
 # ... and only while what it hoists holds at most this many elements: a bias is held across the loop in the
-# accumulators' layout, about a sixth of its width in registers of each thread. On an H100, a 64-wide network's
-# 272 bias elements took 168 -> 212 registers and the kernel 0.17 -> 0.14 ms; a 128-wide one's 528 took
-# 164 -> 252 registers and made it 9% slower
+# accumulators' layout, about a sixth of its width in registers of each thread (as Triton compiles for sm_90). A
+# 64-wide network's 272 bias elements took 168 -> 212 registers and, on an H100, the kernel 0.172 -> 0.146 ms; a
+# 128-wide one's 528 took 164 -> 252 registers and made it 9% slower
 MLP_HOISTED_ELEMENTS = 320
 UNKNOWN_MULTIPROCESSORS = 132  # the SMs a kernel plans for where the GPU's size is not known
 
@@ -1467,12 +1464,13 @@ def _mlp(ctx: Context, kernel: FusedKernel) -> list[Function]:
     drop_unread(body)  # the values a clamp after the cast left unread
     # hoisted values hold registers across the loop, as the accumulators of summed gradients do
     if walks and sum(padded[a] * padded[b] for a, b in (g.columns for g in gradients)) <= MLP_HOIST_GRADIENT_ELEMENTS:
+        widths_of = {f"c{i}": p for i, p in enumerate(padded)}  # a column axis's padded width
+
         def fits(moved: list[Assign]) -> bool:
             axes = [s.targets[0].axes for s in moved]
             if not all(axis in widths_of for a in axes for axis in a):
                 return False
             return sum(math.prod(widths_of[axis] for axis in a) for a in axes) <= MLP_HOISTED_ELEMENTS
-        widths_of = {f"c{i}": p for i, p in enumerate(padded)}  # a column axis's padded width
         hoist_invariant_loads(loop, fits)
     functions = [ctx.function("", body, constexprs, programs, warps)]
     if gradients or sums:  # every gradient's and sum's partials added, and its epilogue run, by one launch

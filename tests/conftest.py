@@ -332,3 +332,40 @@ def plan_unfused(monkeypatch, tmp_path) -> None:
     monkeypatch.setattr(fusion, "MLP_MAX_WIDTH", 0)
     monkeypatch.setattr(plan_cache, "_plans", {})
     monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+
+
+def check_relu_rounding(rows: int) -> None:
+    """A float16 MLP's ReLU at the values where rounding and the clamp meet: tiny values of either sign that
+    round to a zero or a subnormal, negative zeros, ties, the largest finite values, NaN. The first layer
+    scales each column by 1 or 1/2 and adds a bias, the second is the identity, so the kernel's output is
+    exactly max(round(x * s + b), 0), computed here in NumPy."""
+    import torch
+
+    from ember.compiler.fusion import KernelKind
+    from ember.explain import plan
+
+    tiny = 2.0**-24  # float16's smallest subnormal
+    values = np.array([0.0, -0.0, tiny, -tiny, 3 * tiny, -3 * tiny, 2**-14, -(2**-14), 65504, -65504, 1, -1,
+                       0.1, -0.1, 1000.0, -7.0], np.float16)
+    scale = np.where(np.arange(16) % 2 == 1, 0.5, 1.0).astype(np.float16)
+    bias = np.array([0, 0, tiny, -tiny, 2 * tiny, -2 * tiny, 0.25, -0.25] * 2, np.float16)
+    bias[8:10] = -0.0
+    x = values[(np.arange(rows)[:, None] + np.arange(16)[None, :]) % 16]
+    x[min(5, rows - 1), 2] = np.nan  # a row of NaN
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16)).half()
+    with torch.no_grad():
+        model[0].weight.copy_(torch.diag(torch.from_numpy(scale)))
+        model[0].bias.copy_(torch.from_numpy(bias))
+        model[2].weight.copy_(torch.eye(16, dtype=torch.float16))
+        model[2].bias.zero_()
+    em = ember.from_torch(model).to("cuda")
+    with ember.no_grad():
+        out = em(ember.tensor(x, device="cuda"))
+        p = plan(out)
+        assert [k.kind for k in p.kernels] == [KernelKind.MLP]
+        assert "relu_to_f16(" in p.sources[id(p.kernels[0])].text
+        got = out.numpy()
+    hidden = (x.astype(np.float32) * scale.astype(np.float32) + bias.astype(np.float32)).astype(np.float16)
+    want = np.maximum(hidden, np.float16(0))  # NaN kept
+    want[np.isnan(want).any(axis=1)] = np.nan  # NaN times the identity's zeros: the whole row
+    np.testing.assert_array_equal(got, want)

@@ -8,6 +8,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from conftest import check_relu_rounding
 
 import ember
 import ember.nn.functional as F
@@ -115,6 +116,12 @@ def test_narrow_mlp_is_one_kernel_and_matches_torch_at_scale(width, depth, dtype
     assert got[5].isnan().all() and ref[5].isnan().all()
     got[5], ref[5] = 0, 0
     assert ((got - ref).norm() / ref.norm()).item() < (2e-2 if dtype is torch.float16 else 5e-2)
+
+
+@pytest.mark.parametrize("rows", [37, 2**16 + 3])
+def test_relu_in_an_mlp_operands_conversion_rounds_and_clamps_as_torch(rows):
+    """The ReLU the float16 conversion applies (cvt.rn.relu.f16x2.f32), on the values where it could differ."""
+    check_relu_rounding(rows)
 
 
 def test_sums_over_a_narrow_mlps_rows_are_taken_inside_its_kernel_at_scale():

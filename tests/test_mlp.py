@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from conftest import plan_unfused
+from conftest import check_relu_rounding, plan_unfused
 
 import ember
 import ember.nn as nn
@@ -517,8 +517,8 @@ def _run_layers(layers, activation, x):
 @pytest.mark.parametrize("name", sorted(CLAMPS))
 def test_clamps_ending_a_layer_apply_to_its_half_operand_and_keep_nan(name, dtype, monkeypatch, tmp_path):
     """An MLP kernel clamps the next dot's float16 operand after casting it (the same values: rounding is
-    monotonic), where float16 holds the constants; NaN still passes through, as in torch. bfloat16 operands
-    are clamped before the cast."""
+    monotonic), where float16 holds the constants, a ReLU in the conversion itself; NaN still passes through,
+    as in torch. bfloat16 operands are clamped before the cast."""
     activation, rewritten = CLAMPS[name]
     layers = _layers(31, [24, 40, 40, 8], DTYPES[dtype][1])
     x = inputs(300, 24, dtype, seed=32)
@@ -527,13 +527,21 @@ def test_clamps_ending_a_layer_apply_to_its_half_operand_and_keep_nan(name, dtyp
     got, p = _run_layers(layers, activation, ember.tensor(x, device="cuda"))
     assert [k.kind for k in p.kernels] == [KernelKind.MLP]
     text = p.sources[id(p.kernels[0])].text
-    assert ("_combine(h_" in text) == (rewritten and dtype == "float16")
+    half = rewritten and dtype == "float16"
+    assert ("relu_to_f16(" in text or "_combine(h_" in text) == half
+    # a ReLU applied first is the conversion's own
+    assert ("relu_to_f16(" in text) == (half and name in ("relu", "at least 0", "relu then at most 0"))
     plan_unfused(monkeypatch, tmp_path)
     want, unfused = _run_layers(layers, activation, ember.tensor(x, device="cuda"))
     assert KernelKind.MLP not in [k.kind for k in unfused.kernels]
     assert np.isnan(got[7]).all() and np.isnan(want[7]).all()
     rest = np.arange(300) != 7
     np.testing.assert_allclose(got[rest], want[rest], rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.parametrize("rows", [1, 37])
+def test_relu_in_the_operands_conversion_rounds_and_clamps_as_torch(rows):
+    check_relu_rounding(rows)
 
 
 @pytest.mark.parametrize("widths,hoisted", [([32, 48, 48, 16], True), ([128, 128, 128, 128, 16], False)])

@@ -131,6 +131,7 @@ FUNCTIONS = {
     "cdiv": "ceil(a / b) of two sizes",
     "full": "a tile of `shape` filled with a value, of `dtype`", "zeros": "a tile of zeros",
     "cast": "a value converted to `dtype`",
+    "relu_cast": "a value converted to `dtype` (float16) and clamped from below at 0, NaN kept: max(cast(x), 0)",
     "rand": "Philox uniform floats at (seed, offset)", "randn": "Philox normal floats at (seed, offset)",
     "reduce": "a tile reduced along one axis by a combine (keeping it as size 1)",
     "reduce2": "two tiles (value, position) reduced together along one axis by an arg combine",

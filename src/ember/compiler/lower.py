@@ -1484,18 +1484,22 @@ def _operand_cast(em: Emitter, value: Expr, dtype: DType, shape: tuple, mask: Ex
     """A layer's epilogue value cast to a dot's operand type (the next layer's, or a summed gradient's). Clamps
     at constants that end it (a ReLU, where(x <= 0, 0, x); clamp's where(x < lo, lo, x) and where(x > hi, hi,
     x); maximum or minimum with a constant) are applied after the cast, to half values, two to a register: half
-    the instructions. Rounding is monotonic and keeps a constant the type holds, so the values are the same, NaN
-    included; only a zero's sign may differ, which the sums the tile feeds (dots; a bias gradient's column
-    sums; each from +0) cannot show. float16 only: Triton's interpreter, which runs these kernels without a
-    GPU, computes bfloat16 minimum and maximum wrongly. `mask`: the rows and columns in range, outside which
-    the tile is zero."""
+    the instructions; a ReLU applied first is the conversion's own (lib.relu_to_f16): none. Rounding is
+    monotonic and keeps a constant the type holds, so the values are the same, NaN included; only a zero's sign
+    may differ, which the sums the tile feeds (dots; a bias gradient's column sums; each from +0) cannot show.
+    float16 only: Triton's interpreter, which runs these kernels without a GPU, computes bfloat16 minimum and
+    maximum wrongly. `mask`: the rows and columns in range, outside which the tile is zero."""
     clamps = []
     while dtype is dtypes.float16 and (clamp := _clamp(em, value)) is not None and _representable(clamp[2], dtype):
         clamps.append(clamp)
         value = clamp[1]
     if not clamps:
         return em.define(call("cast", value if mask is None else call("where", mask, value, ZERO), dtype=dtype), stem)
-    tile: Expr = em.define(call("cast", value, dtype=dtype), "h")
+    relu_first = clamps[-1][0] == "max" and clamps[-1][2] == 0  # the conversion's own: one instruction
+    tile: Expr = call("relu_cast" if relu_first else "cast", value, dtype=dtype)
+    clamps = clamps[:-1] if relu_first else clamps
+    if clamps:
+        tile = em.define(tile, "h")
     for combine, _, bound in reversed(clamps):
         limit = call("full", Lit(float(bound)), shape=shape, dtype=dtype)
         tile = call("combine", tile, limit, combine=combine)

@@ -187,6 +187,10 @@ class Renderer:
         if fn == "cast":
             text, strength = self._expr(c.args[0])
             return f"{text if strength == ATOM else f'({text})'}.to({TL[c.dtype]})"
+        if fn == "relu_cast":
+            if c.dtype is not dtypes.float16:
+                raise CompileError(f"the Triton renderer has relu_cast to float16 only, not {c.dtype.name}")
+            return f"lib.relu_to_f16({args[0]})"
         if fn in ("full", "zeros"):
             shape = ", ".join(d.name if isinstance(d, Block) else str(d) for d in c.shape)
             value = f"{args[0]}, " if fn == "full" else ""

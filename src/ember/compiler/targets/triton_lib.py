@@ -1,10 +1,10 @@
 """Math helpers that generated Triton kernels import.
 
 They are written with core `tl` operations, so the same kernels run on the GPU and
-under Triton's CPU interpreter, which is how CI tests generated code. fmod and div_rn
-alone have two bodies: libdevice's on the GPU, and `<name>_interpreted` for the
-interpreter, which cannot run libdevice (the interpret target binds it as `<name>`, see
-`ember.runtime.triton_interpreter`).
+under Triton's CPU interpreter, which is how CI tests generated code. fmod, div_rn and relu_to_f16
+alone have two bodies: libdevice's or inline PTX on the GPU, and `<name>_interpreted`
+for the interpreter, which can run neither (the interpret target binds it as `<name>`,
+see `ember.runtime.triton_interpreter`).
 """
 
 import triton
@@ -33,6 +33,20 @@ def div_rn(a, b):
 @triton.jit
 def div_rn_interpreted(a, b):
     return a / b  # NumPy's division, exact
+
+
+@triton.jit
+def relu_to_f16(x):
+    """max(x as float16, 0), NaN kept: one instruction per two elements (the conversion's own ReLU) where a cast
+    and a maximum take two. Rounding is monotonic and keeps 0, so clamping before or after it is the same."""
+    return tl.inline_asm_elementwise("cvt.rn.relu.f16x2.f32 $0, $2, $1;", "=r,r,r", [x.to(tl.float32)],
+                                     dtype=tl.float16, is_pure=True, pack=2)
+
+
+@triton.jit
+def relu_to_f16_interpreted(x):
+    h = x.to(tl.float16)
+    return tl.maximum(h, tl.zeros_like(h), propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit

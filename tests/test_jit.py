@@ -88,6 +88,14 @@ def test_state_is_updated_in_place_without_copies():
     assert all(not s.copies for s in entry.program.plans.steps)
 
 
+def test_nodes_compare_by_identity():
+    """A replay checks its state Tensors' nodes with one list comparison: only right while nodes compare as
+    objects do."""
+    from ember.ir import Node
+
+    assert Node.__eq__ is object.__eq__ and Node.__ne__ is object.__ne__
+
+
 def test_returned_tensors_are_new_each_call():
     model, opt = make()
     step = ember.jit(step_fn(model, opt))

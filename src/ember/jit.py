@@ -551,8 +551,8 @@ class _Program:
             shown = [ref()._node for ref in self.state_refs]
         except AttributeError:
             return False
-        return (all(map(operator.is_, shown, self.state_nodes))
-                and max(map(sys.getrefcount, shown), default=0) <= _OWN_REFERENCES + 1)
+        # a Node compares by identity, so the lists' == is an identity check, in C
+        return shown == self.state_nodes and max(map(sys.getrefcount, shown), default=0) <= _OWN_REFERENCES + 1
 
     def _show_states(self) -> bool:
         """Each state Tensor shows a node of its own that the replay updates: a value set from outside is

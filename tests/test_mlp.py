@@ -643,3 +643,50 @@ def test_an_mlp_kernel_that_cannot_hold_its_weights_on_this_gpu_streams_them(mon
     assert refused and "for tile in range(" in refused[0]  # the persistent form: programs walk row tiles
     assert ran and "for tile in range(" not in ran[-1]  # the streamed form: one row tile per program
     np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("width", [32, 64])
+def test_a_training_steps_plan_does_not_depend_on_object_addresses(width, monkeypatch):
+    """The planner never orders by id(): run to run, objects land at other addresses, and the launch order decides
+    which weight gradients an MLP kernel sums. The same step planned with every ember module's id() scrambled two
+    ways (bijections, so identity still holds) gives the same kernels."""
+    import builtins
+    import sys
+
+    from ember.explain import Plan
+    from ember.runtime import executor, plan_cache
+
+    def planned(scramble) -> str:
+        for name, module in list(sys.modules.items()):
+            if name == "ember" or name.startswith("ember."):
+                monkeypatch.setattr(module, "id", scramble, raising=False)
+        monkeypatch.setattr(plan_cache, "_plans", {})
+        monkeypatch.setattr(executor, "observers", [])
+        ember.manual_seed(5)
+        model = nn.Sequential(*[m for i in range(4) for m in (nn.Linear(width, 16 if i == 3 else width),)
+                                + ((nn.ReLU(),) if i < 3 else ())]).to("cuda").to(ember.float16)
+        opt = ember.optim.Adam(model.parameters(), lr=1e-3)
+        x = ember.tensor(inputs(2**18, width, "float16", seed=6), device="cuda")
+        y = ember.tensor(inputs(2**18, 16, "float16", seed=7), device="cuda")
+        ember.realize(x, y, *model.parameters())
+        texts = []
+
+        class Planned(Exception):
+            pass
+
+        def observe(order, keep):
+            p = Plan(order, keep)
+            texts.extend(p.sources[scramble(k)].text for k in p.kernels)
+            raise Planned
+
+        monkeypatch.setattr(executor, "observers", [observe])
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x).float(), y.float()).backward()
+        with pytest.raises(Planned):
+            opt.step()
+        return "\n".join(texts)
+
+    forward = planned(builtins.id)
+    assert "ember_mlp" in forward
+    assert planned(lambda x: -builtins.id(x)) == forward
+    assert planned(lambda x: builtins.id(x) ^ 0x5A5A50) == forward

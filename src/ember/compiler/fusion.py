@@ -1082,9 +1082,12 @@ class Planner:
     def _kernel_order(self, kernels: list[FusedKernel], refs: dict) -> list[FusedKernel]:
         deps = self._dependencies(kernels, refs)
         by_id = {id(k): k for k in kernels}
+        # by the graph position of a kernel's first output, never by id(): addresses differ from run to run, and the
+        # order decides later choices (which weight gradients an MLP kernel sums), so the plan would too
+        first = {id(k): min(self.position[id(o)] for o in k.outputs) for k in kernels}
         ordered, done = [], set()
-        for start in sorted(kernels, key=lambda k: min(self.position[id(o)] for o in k.outputs)):
-            stack = [(start, iter(sorted(deps[id(start)])))]
+        for start in sorted(kernels, key=lambda k: first[id(k)]):
+            stack = [(start, iter(sorted(deps[id(start)], key=first.__getitem__)))]
             if id(start) in done:
                 continue
             done.add(id(start))
@@ -1093,7 +1096,7 @@ class Planner:
                 for d in it:
                     if d not in done:
                         done.add(d)
-                        stack.append((by_id[d], iter(sorted(deps[d]))))
+                        stack.append((by_id[d], iter(sorted(deps[d], key=first.__getitem__))))
                         break
                 else:
                     stack.pop()

@@ -135,6 +135,46 @@ def test_a_wide_layer_keeps_per_layer_gemms_and_says_why():
     assert relative(got, reference(model, x)) < TOL["float16"]
 
 
+WIDE_CHAINS = [  # widths, the layers (start, stop) that share an MLP kernel
+    ([200, 64, 64, 48, 256, 16], [(1, 3)]),  # a wide input, narrow layers, a wide hidden layer
+    ([32, 64, 64, 256, 256, 24, 24, 8], [(0, 2), (5, 7)]),  # two narrow runs apart
+    ([784, 64, 10], []),  # one narrow layer: nothing to share a kernel with
+]
+
+
+@pytest.mark.parametrize("widths,runs", WIDE_CHAINS, ids=["-".join(map(str, c[0])) for c in WIDE_CHAINS])
+def test_the_narrow_layers_of_a_chain_with_wide_ones_share_a_kernel(widths, runs, monkeypatch, tmp_path):
+    model = rounded(torch_mlp(widths, "gelu", seed=len(widths)), "float16")
+    x = inputs(150, widths[0], "float16", seed=9)
+    got, kernels = run_ember(model, x, "float16")
+    layers = len(widths) - 1
+    fused = sum(stop - start for start, stop in runs)
+    assert sorted(len(k.cores) for k in kernels if k.kind is KernelKind.MLP) == sorted(
+        stop - start for start, stop in runs)
+    assert len([k for k in kernels if k.kind is KernelKind.MATMUL]) == layers - fused
+    text = lambda ws: "-".join(map(str, ws))  # noqa: E731
+    said = [d for k in kernels if k.kind is KernelKind.MLP for d in k.decisions]
+    assert sorted(said) == sorted(f"one kernel: {stop - start} layers, widths {text(widths[start:stop + 1])} (layers "
+                                  f"{start + 1}-{stop} of a chain of {layers}, widths {text(widths)})"
+                                  for start, stop in runs)
+    assert sum(d.startswith("per-layer GEMM: layer") for k in kernels for d in k.decisions) == layers - fused
+    assert relative(got, reference(model, x)) < TOL["float16"]
+    plan_unfused(monkeypatch, tmp_path)
+    unfused, _ = run_ember(model, x, "float16")
+    np.testing.assert_allclose(got, unfused, rtol=2e-2, atol=2e-2)
+
+
+def test_a_training_step_through_wide_layers_fuses_the_narrow_ones_and_matches_torch(monkeypatch):
+    monkeypatch.setenv("EMBER_SPLIT_K", "1")
+    widths = [150, 48, 48, 48, 200, 8]
+    kernels, got, want, theirs = training_step(widths, FUSED_TRAINING_BATCH + 7, "silu", "float16", seed=31)
+    # the forward's layers 2-3 (48-48-48) are one kernel, and so is the input gradient's walk back through them
+    # (the walk stops at the first layer's output: the input needs no gradient)
+    assert [len(k.cores) for k in kernels if k.kind is KernelKind.MLP] == [2, 2]
+    for i, (g, w, t) in enumerate(zip(got, want, theirs)):
+        assert relative(g, w) < max(2e-2, 2 * relative(t, w)), f"value {i} (0: the loss, then the gradients)"
+
+
 TRAINING_CASES = [  # widths, rows, activation, dtype
     ([16, 32, 32, 4], 50, "tanh", "float32"),
     ([64, 64, 64, 64, 64, 16], 1000, "relu", "float16"),

@@ -607,15 +607,24 @@ class Planner:
                 chain.append(nxt)
             if len(chain) > 1:
                 chains.append(chain)
+        parts = []  # (the layers of one MLP kernel, what it says)
         for chain in chains:
             widths = [chain[0].core.inputs[0].shape[-1]] + [k.core.shape[-1] for k in chain]
-            wide = [i for i, w in enumerate(widths) if w > MLP_MAX_WIDTH]
             text = "-".join(map(str, widths))
-            if wide:
-                for k in chain:
-                    k.decisions.append(f"per-layer GEMMs: a chain of {len(chain)} layers, widths {text}; width "
-                                       f"{widths[wide[0]]} is over {MLP_MAX_WIDTH}, more than fits on chip")
-                continue
+            runs = _narrow_runs(widths)
+            for i, k in enumerate(chain):
+                if any(start <= i < stop for start, stop in runs):
+                    continue
+                wide = max(widths[i], widths[i + 1])
+                why = (f"width {wide} is over {MLP_MAX_WIDTH}, more than fits on chip" if wide > MLP_MAX_WIDTH
+                       else "no narrow layer beside it to share a kernel with")
+                k.decisions.append(f"per-layer GEMM: layer {i + 1} of a chain of {len(chain)}, widths {text}; {why}")
+            for start, stop in runs:
+                said = f"one kernel: {stop - start} layers, widths {'-'.join(map(str, widths[start:stop + 1]))}"
+                if stop - start < len(chain):
+                    said += f" (layers {start + 1}-{stop} of a chain of {len(chain)}, widths {text})"
+                parts.append((chain[start:stop], said))
+        for chain, said in parts:
             last = chain[-1]
             members = {id(k) for k in chain}
             mlp = FusedKernel(KernelKind.MLP, last.space, (), [], {})
@@ -633,7 +642,7 @@ class Planner:
                     else:
                         self.stored.discard(id(o))
             mlp.cores = [k.core for k in chain]
-            mlp.decisions = [f"one kernel: {len(chain)} layers, widths {text}"]
+            mlp.decisions = [said]
             for f in sums:  # described now that the chain's values stay on chip
                 self._take_sum(mlp, f, "adding each row tile's sums atomically")
             _note_written(mlp)
@@ -641,7 +650,7 @@ class Planner:
             kernels[at] = mlp
             for k in chain[:-1]:
                 kernels.remove(k)
-        if not chains:
+        if not parts:
             return kernels
         # an intermediate's readers may have come before the last layer: launch in dependency order again
         return self._kernel_order(kernels, {id(k): self.references(k) for k in kernels})
@@ -1250,6 +1259,21 @@ def summed_views(r: Node) -> tuple[Node, list[Node], Node | None]:
         views.append(x)
         x = x.inputs[0]
     return x, views, first
+
+
+def _narrow_runs(widths: list[int]) -> list[tuple[int, int]]:
+    """The runs of two or more consecutive layers (start, stop) of a chain with these widths whose inputs and
+    outputs are all at most MLP_MAX_WIDTH wide: the parts of the chain that fit on chip."""
+    runs, start = [], None
+    for i in range(len(widths)):  # layer i reads widths[i] and writes widths[i + 1]; i == len - 1 ends the last run
+        narrow = i + 1 < len(widths) and max(widths[i], widths[i + 1]) <= MLP_MAX_WIDTH
+        if narrow and start is None:
+            start = i
+        elif not narrow and start is not None:
+            if i - start > 1:
+                runs.append((start, i))
+            start = None
+    return runs
 
 
 def mlp_widths(kernel: FusedKernel) -> list[int]:

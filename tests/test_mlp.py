@@ -106,6 +106,28 @@ def test_a_narrow_chain_is_one_kernel_and_matches_torch(widths, rows, activation
     assert relative(got, reference(model, x)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("setting,dots", [("highest", "ieee"), ("high", "tf32")])
+def test_a_float32_chain_multiplies_in_tf32_where_the_matmul_precision_allows_it(setting, dots):
+    model = torch_mlp([20, 48, 48, 12], "tanh", seed=12)
+    x = inputs(90, 20, "float32", seed=13)
+    precision = ember.get_matmul_precision()
+    try:
+        ember.set_matmul_precision(setting)
+        em = ember.from_torch(model).to("cuda")
+        with ember.no_grad():
+            out = em(ember.tensor(x, device="cuda"))
+            p = plan(out)
+            got = out.numpy().astype(np.float64)
+    finally:
+        ember.set_matmul_precision(precision)
+    (kernel,) = p.kernels
+    assert kernel.kind is KernelKind.MLP
+    text = p.sources[id(kernel)].text
+    other = {"ieee": "tf32", "tf32": "ieee"}[dots]
+    assert text.count(f'input_precision="{dots}"') == 3 and f'input_precision="{other}"' not in text  # 3 layers
+    assert relative(got, reference(model, x)) < (1e-5 if dots == "ieee" else 5e-3)
+
+
 @pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
 def test_each_activation_fuses_and_matches_torch(activation):
     model = rounded(torch_mlp([16, 48, 48, 8], activation, seed=3), "float16")

@@ -4,7 +4,7 @@ floor, side by side in one run.
 
 Rows (a network of width w and depth d: w -> w x (d - 1) -> 16, ReLU between the layers):
   I<w>d<d>  inference, batch 2^21, for w in 32, 64, 128 and d in 2, 5, 8
-  T<w>      training step (MSE loss, Adam), batch 2^18, depth 5, for w in 32, 64, 128
+  T<w>d<d>  training step (MSE loss, Adam), batch 2^18, for w in 32, 64, 128 and d in 2, 5, 8
 
 The floor is the larger of the FLOPs at the measured cuBLAS float16 rate and the bytes the step must move
 (input rows and outputs; for training also the parameters and Adam's state) at the measured copy rate.
@@ -14,10 +14,10 @@ kernels its plan of one inference has (1: the whole network is one kernel), or o
 EMBER_CACHE_DIR and TRITON_CACHE_DIR at empty directories for a cold start).
 
     python benchmarks/mlp.py                      # every row, appended to RESULTS.md
-    python benchmarks/mlp.py --rows I64d5,T64     # some rows
+    python benchmarks/mlp.py --rows I64d5,T64d5   # some rows
     python benchmarks/mlp.py --variants "torch eager,ember lazy,ember.jit"
     python benchmarks/mlp.py --cpu-smoke          # no GPU: tiny sizes, every code path
-    EMBER_SPLIT_K=0 python benchmarks/mlp.py --rows T64   # training with unsplit weight-gradient GEMMs
+    EMBER_SPLIT_K=0 python benchmarks/mlp.py --rows T64d5   # training with unsplit weight-gradient GEMMs
 """
 
 from __future__ import annotations
@@ -56,8 +56,7 @@ MODES = {"torch eager": None, "torch.compile": "default", "torch.compile max-aut
          "torch.compile reduce-overhead": "reduce-overhead"}
 BATCH = {"I": (2**21, 2**14, 300), "T": (2**18, 2**12, 200)}  # full, --quick, --cpu-smoke
 OUT_WIDTH = 16
-ROWS = [(f"I{w}d{d}", "I", w, d) for w in (32, 64, 128) for d in (2, 5, 8)] + [
-    (f"T{w}", "T", w, 5) for w in (32, 64, 128)]
+ROWS = [(f"{kind}{w}d{d}", kind, w, d) for kind in ("I", "T") for w in (32, 64, 128) for d in (2, 5, 8)]
 
 
 def cases(which: int, dev: str):
@@ -205,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.add_argument("--variants", type=lambda v: [x.strip() for x in v.split(",")], default=VARIANTS,
                             help=f"variants to run, comma-separated (default: all of {', '.join(VARIANTS)})")
 
-    opts = parse_options(argv, "mlp.py", __doc__, cases, rows_example="I64d5,T64", add_options=options)
+    opts = parse_options(argv, "mlp.py", __doc__, cases, rows_example="I64d5,T64d5", add_options=options)
     args, dev, cpu = opts.args, opts.dev, opts.args.cpu_smoke
     unknown = set(args.variants) - set(VARIANTS)
     if unknown:

@@ -237,6 +237,8 @@ def test_fit_image_on_cuda_fuses_the_network_and_replays_the_step(cuda_backend, 
     result = fit_image.fit(steps=4, size=16, batch=64, width=16, depth=2, frequencies=4, device="cuda",
                            progress=False, explain=True)
     assert result.inference_kernels == 1  # the whole network, one kernel
+    assert result.inference_plan == ["one kernel: 3 layers, widths 16-16-16-3"]  # 4 x 4 encoded features in
+    assert "prediction = 1 (one kernel: 3 layers, widths 16-16-16-3)" in str(result)
     captured = capsys.readouterr()
     printed = captured.out + captured.err
     assert "one kernel: 3 layers" in printed

@@ -3,8 +3,9 @@
 Each step draws a random batch of pixels; the network maps a pixel's (y, x), encoded as sines and cosines at
 octave frequencies, to its colour, and learns it with MSE and Adam. The image is scikit-learn's bundled
 sample photo (no download). On the GPU the network's layers run as one fused kernel in each direction (the
-forward, then the input gradient walked back through the layers) and the weight gradients with Adam in
-GEMMs (split over the batch); `ember.jit` replays the whole step as one CUDA graph.
+forward, then the input gradient walked back through the layers), the weight gradients summed inside those
+kernels or in GEMMs split over the batch, with Adam's update after them; `ember.jit` replays the whole step as one
+CUDA graph.
 At the end the image is predicted (the whole network is one kernel there), and its PSNR and a side-by-side
 PNG are written.
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -73,13 +74,14 @@ class Result:
     step_kernels: int  # fused kernels of one training step
     inference_kernels: int  # fused kernels of predicting a batch of pixels
     out: Path | None
+    inference_plan: list[str] = field(default_factory=list)  # what the planner decided for the prediction
 
     def __str__(self) -> str:
         written = f"  |  wrote {self.out}" if self.out else ""
         return (f"PSNR {self.psnr:.2f} dB  |  {self.steps} steps in {self.seconds:.1f} s "
                 f"({self.steps_per_second:.0f} steps/s; first step {self.first_step_seconds:.1f} s)  |  "
                 f"final loss {self.final_loss:.5f}  |  one step = {self.step_kernels} fused kernels, "
-                f"prediction = {self.inference_kernels}{written}")
+                f"prediction = {self.inference_kernels} ({'; '.join(self.inference_plan)}){written}")
 
 
 def fit(steps: int = 2000, size: int = 256, batch: int = 2**16, width: int = 64, depth: int = 4,
@@ -132,28 +134,30 @@ def fit(steps: int = 2000, size: int = 256, batch: int = 2**16, width: int = 64,
     steady = time.perf_counter() - start
     seconds = steady + first
     with precision():
-        predicted, inference_kernels = predict(model, features, pixels, explain)
+        predicted, inference_kernels, inference_plan = predict(model, features, pixels, explain)
     predicted = predicted.reshape(height, width_px, 3)
     written = write_png(out, image, predicted) if out else None
     rate = (steps - 2) / steady if steps > 2 and steady > 0 else math.nan
     return Result(psnr(predicted, image), steps, seconds, first, rate, final_loss, step_kernels, inference_kernels,
-                  written)
+                  written, inference_plan)
 
 
 def predict(model: nn.Module, features: ember.Tensor, pixels: int, explain: bool, chunk: int = 2**18
-            ) -> tuple[np.ndarray, int]:
-    """The whole image's colours, a chunk of pixels at a time, and the fused kernels of one chunk."""
-    parts, kernels = [], 0
+            ) -> tuple[np.ndarray, int, list[str]]:
+    """The whole image's colours, a chunk of pixels at a time, and the fused kernels of one chunk with the
+    planner's decisions about them."""
+    parts, kernels, decisions = [], 0, []
     with ember.no_grad():
         for start in range(0, pixels, chunk):
             out = model(features[start:start + chunk]).float()
             if start == 0:
                 plan = ember.explain.plan(out)
                 kernels = len(plan.kernels)
+                decisions = [d for k in plan.kernels for d in k.decisions]
                 if explain:
                     tqdm.write(f"prediction:\n{plan}")
             parts.append(out.numpy())
-    return np.concatenate(parts), kernels
+    return np.concatenate(parts), kernels, decisions
 
 
 def write_png(path: str, image: np.ndarray, predicted: np.ndarray) -> Path:

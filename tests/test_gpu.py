@@ -190,3 +190,48 @@ def test_a_narrow_mlps_training_step_fuses_and_matches_torch_at_scale(width, act
     for i, (g, w, t) in enumerate(zip(got, want, theirs)):
         error, torch_error = ((g - w).norm() / w.norm()).item(), ((t - w).norm() / w.norm()).item()
         assert error < max(1e-2, 2 * torch_error), (i, error, torch_error)
+
+
+def test_the_narrow_layers_between_wide_ones_are_one_kernel_at_scale(monkeypatch):
+    """A 784-wide input and a 256-wide hidden layer around 64-wide layers: the narrow layers are one MLP kernel
+    in the forward and one in the backward, the wide ones GEMMs; the output, the loss and every gradient as
+    torch's (within twice its own error in float16)."""
+    from ember.compiler.fusion import KernelKind
+    from ember.explain import plan
+
+    monkeypatch.setenv("EMBER_SPLIT_K", "1")
+    torch.manual_seed(3)
+    sizes = [784, 64, 64, 64, 256, 16]
+    layers = []
+    for i in range(5):
+        layers += [torch.nn.Linear(sizes[i], sizes[i + 1])] + ([torch.nn.GELU()] if i < 4 else [])
+    model = torch.nn.Sequential(*layers).to("cuda", torch.float16)
+    x = torch.randn(2**16 + 5, 784, device="cuda", dtype=torch.float16)
+    y = torch.randn(2**16 + 5, 16, device="cuda", dtype=torch.float16)
+    em = ember.from_torch(model)
+    with ember.no_grad():
+        out = em(ember.from_dlpack(x))
+        kernels = plan(out).kernels
+        assert [len(k.cores) for k in kernels if k.kind is KernelKind.MLP] == [2], [k.kind for k in kernels]
+        got = torch.from_dlpack(out).float()
+    with torch.no_grad():
+        ref = model.float()(x.float())
+    assert ((got - ref).norm() / ref.norm()).item() < 2e-2
+
+    def step(net, xs, ys):
+        loss = ((net(xs).float() - ys.float()) ** 2).mean() * 2.0**16  # scaled past float16's subnormals
+        loss.backward()
+        return [loss.detach().double()] + [p.grad.double() for p in net.parameters()]
+
+    loss = ((em(ember.from_dlpack(x)).float() - ember.from_dlpack(y).float()) ** 2).mean() * 2.0**16
+    loss.backward()
+    grads = [p.grad for p in em.parameters()]
+    kernels = plan(loss, *grads).kernels
+    assert [len(k.cores) for k in kernels if k.kind is KernelKind.MLP] == [2, 2], [k.kind for k in kernels]
+    got = [torch.from_dlpack(t.realize()).double() for t in [loss, *grads]]
+    import copy
+    want = step(copy.deepcopy(model).double(), x.double(), y.double())
+    theirs = step(copy.deepcopy(model), x, y)
+    for i, (g, w, t) in enumerate(zip(got, want, theirs)):
+        error, torch_error = ((g - w).norm() / w.norm()).item(), ((t - w).norm() / w.norm()).item()
+        assert error < max(1e-2, 2 * torch_error), (i, error, torch_error)

@@ -1263,16 +1263,15 @@ def summed_views(r: Node) -> tuple[Node, list[Node], Node | None]:
 
 def _narrow_runs(widths: list[int]) -> list[tuple[int, int]]:
     """The runs of two or more consecutive layers (start, stop) of a chain with these widths whose inputs and
-    outputs are all at most MLP_MAX_WIDTH wide: the parts of the chain that fit on chip."""
-    runs, start = [], None
-    for i in range(len(widths)):  # layer i reads widths[i] and writes widths[i + 1]; i == len - 1 ends the last run
-        narrow = i + 1 < len(widths) and max(widths[i], widths[i + 1]) <= MLP_MAX_WIDTH
-        if narrow and start is None:
-            start = i
-        elif not narrow and start is not None:
+    outputs are all at most MLP_MAX_WIDTH wide (layer i reads widths[i], writes widths[i + 1]): the parts of the
+    chain that fit on chip."""
+    fits = [max(a, b) <= MLP_MAX_WIDTH for a, b in zip(widths, widths[1:])]
+    runs, start = [], 0
+    for i, narrow in enumerate([*fits, False]):
+        if not narrow:
             if i - start > 1:
                 runs.append((start, i))
-            start = None
+            start = i + 1
     return runs
 
 

@@ -150,27 +150,24 @@ def test_sums_over_a_narrow_mlps_rows_are_taken_inside_its_kernel_at_scale():
         assert ((g - w).norm() / w.norm()).item() < 2e-3
 
 
-@pytest.mark.parametrize("width,activation,dtype", [(64, torch.nn.ReLU, torch.float16),
-                                                    (32, torch.nn.SiLU, torch.bfloat16),
-                                                    (128, torch.nn.Tanh, torch.float16)])
-def test_a_narrow_mlps_training_step_fuses_and_matches_torch_at_scale(width, activation, dtype, monkeypatch):
-    """Forward and backward chains as MLP kernels, the weight gradients as split-K GEMMs, over 2^18 + 5 rows:
-    the loss and every gradient within twice torch's own error in the same type (against float64). Unscaled,
-    a mean over 2^22 errors gives gradients in float16's subnormal range, where both lose most digits."""
+def _mlp(sizes: list[int], activation, dtype) -> torch.nn.Sequential:
+    layers = []
+    for i in range(len(sizes) - 1):
+        layers += [torch.nn.Linear(sizes[i], sizes[i + 1])] + ([activation()] if i < len(sizes) - 2 else [])
+    return torch.nn.Sequential(*layers).to("cuda", dtype)
+
+
+def _checked_training_step(model: torch.nn.Sequential, x: torch.Tensor, y: torch.Tensor) -> list[int]:
+    """One MSE step of `model` through ember.from_torch, its loss and every gradient checked against torch's in
+    float64, within twice torch's own error in x's type; the layers of each MLP kernel of its plan. The loss is
+    scaled as a GradScaler scales half-precision training: unscaled, a mean over millions of errors gives
+    gradients in float16's subnormal range, where both lose most digits."""
+    import copy
+
     from ember.compiler.fusion import KernelKind
     from ember.explain import plan
 
-    monkeypatch.setenv("EMBER_SPLIT_K", "1")
-    torch.manual_seed(width)
-    sizes = [width] * 5 + [16]
-    layers = []
-    for i in range(5):
-        layers += [torch.nn.Linear(sizes[i], sizes[i + 1])] + ([activation()] if i < 4 else [])
-    model = torch.nn.Sequential(*layers).to("cuda", dtype)
-    x = torch.randn(2**18 + 5, width, device="cuda", dtype=dtype)
-    y = torch.randn(2**18 + 5, 16, device="cuda", dtype=dtype)
-
-    scale = 2.0**16  # as a GradScaler scales half-precision training: the gradients clear float16's subnormals
+    scale = 2.0**16
 
     def step(net, xs, ys):
         loss = ((net(xs).float() - ys.float()) ** 2).mean() * scale
@@ -181,15 +178,28 @@ def test_a_narrow_mlps_training_step_fuses_and_matches_torch_at_scale(width, act
     loss = ((em(ember.from_dlpack(x)).float() - ember.from_dlpack(y).float()) ** 2).mean() * scale
     loss.backward()
     grads = [p.grad for p in em.parameters()]
-    kinds = [k.kind for k in plan(loss, *grads).kernels]
-    assert kinds.count(KernelKind.MLP) == 2, kinds
+    kernels = plan(loss, *grads).kernels
     got = [torch.from_dlpack(t.realize()).double() for t in [loss, *grads]]
-    import copy
     want = step(copy.deepcopy(model).double(), x.double(), y.double())
     theirs = step(copy.deepcopy(model), x, y)
     for i, (g, w, t) in enumerate(zip(got, want, theirs)):
         error, torch_error = ((g - w).norm() / w.norm()).item(), ((t - w).norm() / w.norm()).item()
         assert error < max(1e-2, 2 * torch_error), (i, error, torch_error)
+    return [len(k.cores) for k in kernels if k.kind is KernelKind.MLP]
+
+
+@pytest.mark.parametrize("width,activation,dtype", [(64, torch.nn.ReLU, torch.float16),
+                                                    (32, torch.nn.SiLU, torch.bfloat16),
+                                                    (128, torch.nn.Tanh, torch.float16)])
+def test_a_narrow_mlps_training_step_fuses_and_matches_torch_at_scale(width, activation, dtype, monkeypatch):
+    """Forward and backward chains as MLP kernels, the weight gradients as split-K GEMMs, over 2^18 + 5 rows:
+    the loss and every gradient within twice torch's own error in the same type (against float64)."""
+    monkeypatch.setenv("EMBER_SPLIT_K", "1")
+    torch.manual_seed(width)
+    model = _mlp([width] * 5 + [16], activation, dtype)
+    x = torch.randn(2**18 + 5, width, device="cuda", dtype=dtype)
+    y = torch.randn(2**18 + 5, 16, device="cuda", dtype=dtype)
+    assert len(_checked_training_step(model, x, y)) == 2
 
 
 def test_the_narrow_layers_between_wide_ones_are_one_kernel_at_scale(monkeypatch):
@@ -201,37 +211,17 @@ def test_the_narrow_layers_between_wide_ones_are_one_kernel_at_scale(monkeypatch
 
     monkeypatch.setenv("EMBER_SPLIT_K", "1")
     torch.manual_seed(3)
-    sizes = [784, 64, 64, 64, 256, 16]
-    layers = []
-    for i in range(5):
-        layers += [torch.nn.Linear(sizes[i], sizes[i + 1])] + ([torch.nn.GELU()] if i < 4 else [])
-    model = torch.nn.Sequential(*layers).to("cuda", torch.float16)
+    model = _mlp([784, 64, 64, 64, 256, 16], torch.nn.GELU, torch.float16)
     x = torch.randn(2**16 + 5, 784, device="cuda", dtype=torch.float16)
     y = torch.randn(2**16 + 5, 16, device="cuda", dtype=torch.float16)
-    em = ember.from_torch(model)
     with ember.no_grad():
-        out = em(ember.from_dlpack(x))
+        out = ember.from_torch(model)(ember.from_dlpack(x))
         kernels = plan(out).kernels
         assert [len(k.cores) for k in kernels if k.kind is KernelKind.MLP] == [2], [k.kind for k in kernels]
         got = torch.from_dlpack(out).float()
     with torch.no_grad():
         ref = model.float()(x.float())
+        model.half()
     assert ((got - ref).norm() / ref.norm()).item() < 2e-2
-
-    def step(net, xs, ys):
-        loss = ((net(xs).float() - ys.float()) ** 2).mean() * 2.0**16  # scaled past float16's subnormals
-        loss.backward()
-        return [loss.detach().double()] + [p.grad.double() for p in net.parameters()]
-
-    loss = ((em(ember.from_dlpack(x)).float() - ember.from_dlpack(y).float()) ** 2).mean() * 2.0**16
-    loss.backward()
-    grads = [p.grad for p in em.parameters()]
-    kernels = plan(loss, *grads).kernels
-    assert [len(k.cores) for k in kernels if k.kind is KernelKind.MLP] == [2, 2], [k.kind for k in kernels]
-    got = [torch.from_dlpack(t.realize()).double() for t in [loss, *grads]]
-    import copy
-    want = step(copy.deepcopy(model).double(), x.double(), y.double())
-    theirs = step(copy.deepcopy(model), x, y)
-    for i, (g, w, t) in enumerate(zip(got, want, theirs)):
-        error, torch_error = ((g - w).norm() / w.norm()).item(), ((t - w).norm() / w.norm()).item()
-        assert error < max(1e-2, 2 * torch_error), (i, error, torch_error)
+    # the forward's layers 2-3 (64-64-64), and the input gradient's walk back through them
+    assert _checked_training_step(model, x, y) == [2, 2]

@@ -613,12 +613,16 @@ class Planner:
             text = "-".join(map(str, widths))
             runs = _narrow_runs(widths)
             for i, k in enumerate(chain):
-                if any(start <= i < stop for start, stop in runs):
-                    continue
-                wide = max(widths[i], widths[i + 1])
-                why = (f"width {wide} is over {MLP_MAX_WIDTH}, more than fits on chip" if wide > MLP_MAX_WIDTH
-                       else "no narrow layer beside it to share a kernel with")
-                k.decisions.append(f"per-layer GEMM: layer {i + 1} of a chain of {len(chain)}, widths {text}; {why}")
+                if not runs:  # no two narrow layers side by side: the whole chain is GEMMs
+                    wide = next(w for w in widths if w > MLP_MAX_WIDTH)
+                    k.decisions.append(f"per-layer GEMMs: a chain of {len(chain)} layers, widths {text}; width {wide} "
+                                       f"is over {MLP_MAX_WIDTH}, more than fits on chip")
+                elif not any(start <= i < stop for start, stop in runs):
+                    wide = max(widths[i], widths[i + 1])
+                    why = (f"width {wide} is over {MLP_MAX_WIDTH}, more than fits on chip" if wide > MLP_MAX_WIDTH
+                           else "no narrow layer beside it to share a kernel with")
+                    k.decisions.append(f"per-layer GEMM for layer {i + 1} of a chain of {len(chain)} layers, widths "
+                                       f"{text}: {why}")
             for start, stop in runs:
                 said = f"one kernel: {stop - start} layers, widths {'-'.join(map(str, widths[start:stop + 1]))}"
                 if stop - start < len(chain):

@@ -612,12 +612,14 @@ class Planner:
             widths = [chain[0].core.inputs[0].shape[-1]] + [k.core.shape[-1] for k in chain]
             text = "-".join(map(str, widths))
             runs = _narrow_runs(widths)
-            for i, k in enumerate(chain):
-                if not runs:  # no two narrow layers side by side: the whole chain is GEMMs
-                    wide = next(w for w in widths if w > MLP_MAX_WIDTH)
+            if not runs:  # no two narrow layers side by side: the whole chain is GEMMs
+                wide = next(w for w in widths if w > MLP_MAX_WIDTH)
+                for k in chain:
                     k.decisions.append(f"per-layer GEMMs: a chain of {len(chain)} layers, widths {text}; width {wide} "
                                        f"is over {MLP_MAX_WIDTH}, more than fits on chip")
-                elif not any(start <= i < stop for start, stop in runs):
+                continue
+            for i, k in enumerate(chain):
+                if not any(start <= i < stop for start, stop in runs):
                     wide = max(widths[i], widths[i + 1])
                     why = (f"width {wide} is over {MLP_MAX_WIDTH}, more than fits on chip" if wide > MLP_MAX_WIDTH
                            else "no narrow layer beside it to share a kernel with")

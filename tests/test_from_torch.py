@@ -1,0 +1,222 @@
+"""`ember.from_torch` beyond Sequential: any torch module whose forward torch.fx can trace (residual blocks,
+functional calls, Tensor methods), convolutional and normalisation layers, shared parameters and buffers, the
+training mode, gradients and an optimizer step against torch, and errors that name what cannot be imported."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ember
+
+torch = pytest.importorskip("torch")
+tnn, TF = torch.nn, torch.nn.functional
+
+
+class Block(tnn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv1 = tnn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn1 = tnn.BatchNorm2d(c)
+        self.conv2 = tnn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = tnn.BatchNorm2d(c)
+        self.scale = tnn.Parameter(torch.tensor(0.75))
+
+    def forward(self, x):
+        y = TF.relu(self.bn1(self.conv1(x)))
+        y = self.bn2(self.conv2(y)) * self.scale
+        return torch.relu(x + y)
+
+
+class Net(tnn.Module):
+    """A small residual CNN: a Sequential stem, blocks in a ModuleList, functional calls and methods."""
+
+    def __init__(self, p: float = 0.0) -> None:
+        super().__init__()
+        self.fc = tnn.Linear(6, 5)  # declared first, called last: the import keeps torch's order of parameters
+        self.stem = tnn.Sequential(tnn.Conv2d(3, 6, 3, stride=2, padding=1), tnn.BatchNorm2d(6), tnn.ReLU())
+        self.blocks = tnn.ModuleList([Block(6), Block(6)])
+        self.pool = tnn.AdaptiveAvgPool2d(1)
+        self.p = p
+
+    def forward(self, x, temperature: float = 1.0):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        x = torch.flatten(self.pool(x), 1)
+        x = TF.dropout(x, self.p, self.training)
+        return TF.log_softmax(self.fc(x).view(x.size(0), -1) / temperature, dim=-1)
+
+
+def net(seed: int, p: float = 0.0) -> Net:
+    torch.manual_seed(seed)
+    model = Net(p)
+    with torch.no_grad():  # running statistics away from their initial 0 and 1
+        for m in model.modules():
+            if isinstance(m, tnn.BatchNorm2d):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.5, 0.5)
+    return model
+
+
+def images(n: int, seed: int, size: int = 10) -> np.ndarray:
+    return np.random.default_rng(seed).uniform(-2, 2, size=(n, 3, size, size)).astype(np.float32)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_traced_residual_cnn_computes_what_torch_computes(device):
+    if device == "cuda":
+        from ember.runtime import cuda
+
+        if not cuda.is_available():
+            pytest.skip("the cuda backend needs a GPU or EMBER_INTERPRET=1")
+    model = net(1).eval()
+    em = ember.from_torch(model)
+    assert not em.training
+    assert [n for n, _ in em.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert list(em.state_dict()) == list(model.state_dict())
+    x = images(3, 2)
+    with torch.no_grad():
+        model.blocks[1].scale.mul_(-2.0)  # shared: the import sees a later in-place change
+        ref = model(torch.from_numpy(x)).numpy()
+        ref_hot = model(torch.from_numpy(x), temperature=0.5).numpy()
+    em = em.to(device)
+    got = em(ember.tensor(x, device=device)).numpy()
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+    hot = em(ember.tensor(x, device=device), temperature=0.5).numpy()
+    np.testing.assert_allclose(hot, ref_hot, rtol=1e-4, atol=1e-5)
+
+
+def test_training_mode_gradients_and_an_optimizer_step_match_torch():
+    """Batch statistics, their running averages, every gradient and an SGD step with momentum, as torch."""
+    model = net(3).train()
+    em = ember.from_torch(model)
+    assert em.training
+    before = {name: b.clone() for name, b in model.named_buffers()}  # ember's updates do not write torch's
+    x, target = images(4, 4), np.random.default_rng(5).integers(0, 5, size=4)
+    opt_t = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt_e = ember.optim.SGD(em.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(2):
+        # ember first, all of it computed: its pending graph reads the shared memory that torch's step then
+        # writes in place (the running statistics in its forward, the parameters in its update)
+        loss_e = ember.nn.functional.nll_loss(em(ember.tensor(x)), ember.tensor(target))
+        opt_e.zero_grad()
+        loss_e.backward()
+        grads_e = {n: p.grad.numpy() for n, p in em.named_parameters()}
+        buffers_e = {n: b.numpy() for n, b in em.named_buffers()}
+        opt_e.step()
+        ember.realize(*em.parameters())
+        loss_t = TF.nll_loss(model(torch.from_numpy(x)), torch.from_numpy(target))
+        opt_t.zero_grad()
+        loss_t.backward()
+        np.testing.assert_allclose(loss_e.item(), loss_t.item(), rtol=1e-5)
+        for name, p in model.named_parameters():
+            np.testing.assert_allclose(grads_e[name], p.grad.numpy(), rtol=1e-4, atol=1e-5, err_msg=name)
+        for name, b in model.named_buffers():
+            np.testing.assert_allclose(buffers_e[name], b.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
+        opt_t.step()
+    trained = dict(model.named_parameters())
+    for name, p in em.named_parameters():
+        np.testing.assert_allclose(p.numpy(), trained[name].detach().numpy(), rtol=1e-4, atol=1e-5, err_msg=name)
+    assert any(not torch.equal(before[n], b) for n, b in model.named_buffers())
+
+
+def test_the_imported_module_follows_its_own_training_mode():
+    """torch.fx fixes `self.training` at the trace; the imported module passes its own mode to dropout."""
+    model = net(6, p=0.5).eval()
+    for m in model.modules():
+        if isinstance(m, tnn.BatchNorm2d):
+            m.momentum = 0.0  # running statistics kept, so eval mode computes the same after a training call
+    em = ember.from_torch(model)
+    x = ember.tensor(images(8, 7))
+    ref = model(torch.from_numpy(x.numpy())).detach().numpy()
+    np.testing.assert_allclose(em(x).numpy(), ref, rtol=1e-4, atol=1e-5)
+    em.train()
+    dropped = em(x).numpy()  # dropout on the pooled features (and batch statistics) change every row
+    assert not np.allclose(dropped, ref, atol=1e-3)
+    em.eval()
+    np.testing.assert_allclose(em(x).numpy(), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_a_sequential_of_the_new_layers_and_a_traced_child():
+    class Scaled(tnn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = tnn.LayerNorm(12)
+            self.register_buffer("shift", torch.linspace(-1, 1, 12))
+
+        def forward(self, x):
+            return self.norm(x).mul(2.0) + self.shift.unsqueeze(0)
+
+    torch.manual_seed(8)
+    model = tnn.Sequential(tnn.Conv2d(3, 4, 3, stride=2), tnn.BatchNorm2d(4), tnn.SiLU(),
+                           tnn.ConvTranspose2d(4, 3, 2, stride=2), tnn.MaxPool2d(2), tnn.AvgPool2d(2, ceil_mode=True),
+                           tnn.Flatten(), tnn.Linear(27, 12), Scaled(), tnn.Softmax(dim=1)).eval()
+    em = ember.from_torch(model)
+    assert isinstance(em, ember.nn.Sequential)
+    assert list(em.state_dict()) == list(model.state_dict())
+    x = images(2, 9, size=11)
+    ref = model(torch.from_numpy(x)).detach().numpy()
+    np.testing.assert_allclose(em(ember.tensor(x)).numpy(), ref, rtol=1e-4, atol=1e-6)
+
+    torch.manual_seed(10)
+    words = tnn.Sequential(tnn.Embedding(20, 6, padding_idx=0), tnn.Flatten(), tnn.Linear(18, 4), tnn.LogSoftmax(1))
+    ids = np.random.default_rng(11).integers(0, 20, size=(5, 3))
+    ref = words(torch.from_numpy(ids)).detach().numpy()
+    np.testing.assert_allclose(ember.from_torch(words)(ember.tensor(ids)).numpy(), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_errors_name_every_part_that_cannot_be_imported():
+    class Odd(tnn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = tnn.GRU(4, 4)
+            self.fc = tnn.Linear(4, 4)
+
+        def forward(self, x):
+            x = TF.normalize(self.fc(x))
+            return x.type_as(x) + torch.fft.fft(x).real
+
+    with pytest.raises(TypeError) as caught:
+        ember.from_torch(tnn.Sequential(tnn.Linear(4, 4), Odd(), tnn.Sequential(tnn.Upsample(scale_factor=2))))
+    text = str(caught.value)
+    assert "cannot import Sequential" in text
+    assert "1 (Odd, at normalize): torch.nn.functional.normalize has no ember equivalent" in text
+    assert "Tensor.type_as has no ember equivalent" in text and "fft" in text
+    assert "unsupported layer 2.0: Upsample" in text
+
+    class Branchy(tnn.Module):
+        def forward(self, x):
+            return x if x.sum() > 0 else -x
+
+    with pytest.raises(TypeError, match=r"\(the model\): the forward of Branchy cannot be traced by torch.fx"):
+        ember.from_torch(Branchy())
+    with pytest.raises(TypeError, match=r"unsupported layer rnn: GRU"):
+        class Recurrent(tnn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.rnn = tnn.GRU(4, 4)
+
+            def forward(self, x):
+                return self.rnn(x)[0]
+
+        ember.from_torch(Recurrent())
+    with pytest.raises(TypeError, match="MaxPool2d: MaxPool2d: return_indices=True is not supported"):
+        ember.from_torch(tnn.Sequential(tnn.MaxPool2d(2, return_indices=True)))
+
+
+def test_an_error_while_running_names_the_traced_step():
+    class Wrong(tnn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = tnn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.fc(x) + x  # (n, 3) + (n, 4)
+
+    em = ember.from_torch(Wrong())
+    with pytest.raises(ember.ShapeError) as caught:
+        em(ember.tensor(np.ones((2, 4), np.float32)))
+    assert "in the forward of Wrong imported from torch, at add" in "".join(caught.value.__notes__)

@@ -2,6 +2,9 @@
 ember (lazy, ember.jit) against PyTorch eager (NCHW and channels-last), torch.compile (default and
 max-autotune), with images/s, the GPU time of each variant's kernels, peak memory and the first step's time.
 
+"ember.jit from_torch" trains torch's own model (the variants' torch.nn ResNet-18) imported with
+`ember.from_torch`, which traces it with torch.fx and shares its parameters.
+
 Rows:
  1  ResNet-18 for 32x32 inputs (3x3 stem, no max-pool), batch 256, bfloat16 parameters and inputs
  2  the same network and batch, float32 parameters under autocast(bfloat16)
@@ -56,7 +59,7 @@ CLASSES = 10
 CHECK_STEPS = 3
 LOSS_TOL = 5e-2  # relative, bfloat16 convolutions
 VARIANTS = ("torch eager", "torch eager channels-last", "torch.compile", "torch.compile max-autotune",
-            "ember lazy", "ember.jit")
+            "ember lazy", "ember.jit", "ember.jit from_torch")
 
 
 def resnet18(nn, image_size: int, widths: tuple[int, ...], device: str, dtype):
@@ -136,11 +139,16 @@ class Workload:
         x = self.x.contiguous(memory_format=torch.channels_last) if channels_last else self.x
         return lambda: step(x, self.y)
 
-    def ember_step(self, jit: bool) -> Callable[[], object]:
+    def ember_step(self, jit: bool, imported: bool = False) -> Callable[[], object]:
+        """ember's ResNet, or (`imported`) torch's model through ember.from_torch (traced with torch.fx, its
+        parameters shared)."""
         dtype = ember.float32 if self.amp else ember.bfloat16
-        model = resnet18(ember.nn, self.image_size, self.widths, "cuda", dtype)
-        for name, value in zip(model.state_dict(), self.init):
-            _assign(model, name, to_ember(value.clone()))
+        if imported:
+            model = ember.from_torch(self.torch_model(False)).to("cuda")
+        else:
+            model = resnet18(ember.nn, self.image_size, self.widths, "cuda", dtype)
+            for name, value in zip(model.state_dict(), self.init):
+                _assign(model, name, to_ember(value.clone()))
         optimizer = ember.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         autocast = (lambda: ember.autocast("cuda", dtype=ember.bfloat16)) if self.amp else None
         step = training_step(EF, model, optimizer, autocast)
@@ -174,6 +182,7 @@ def run_row(row: str, args) -> list[Line]:
         "torch.compile max-autotune": lambda: work.torch_step("max-autotune", False, cpu),
         "ember lazy": lambda: work.ember_step(jit=False),
         "ember.jit": lambda: work.ember_step(jit=True),
+        "ember.jit from_torch": lambda: work.ember_step(jit=True, imported=True),
     }
     lines, losses = [], {}
     for name in VARIANTS:

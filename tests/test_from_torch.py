@@ -31,11 +31,12 @@ class Block(tnn.Module):
 class Net(tnn.Module):
     """A small residual CNN: a Sequential stem, blocks in a ModuleList, functional calls and methods."""
 
-    def __init__(self, p: float = 0.0) -> None:
+    def __init__(self, p: float = 0.0, width: int = 6, classes: int = 5) -> None:
         super().__init__()
-        self.fc = tnn.Linear(6, 5)  # declared first, called last: the import keeps torch's order of parameters
-        self.stem = tnn.Sequential(tnn.Conv2d(3, 6, 3, stride=2, padding=1), tnn.BatchNorm2d(6), tnn.ReLU())
-        self.blocks = tnn.ModuleList([Block(6), Block(6)])
+        self.fc = tnn.Linear(width, classes)  # declared first, called last: the import keeps torch's order
+        self.stem = tnn.Sequential(tnn.Conv2d(3, width, 3, stride=2, padding=1, bias=False), tnn.BatchNorm2d(width),
+                                  tnn.ReLU())
+        self.blocks = tnn.ModuleList([Block(width), Block(width)])
         self.pool = tnn.AdaptiveAvgPool2d(1)
         self.p = p
 
@@ -48,9 +49,9 @@ class Net(tnn.Module):
         return TF.log_softmax(self.fc(x).view(x.size(0), -1) / temperature, dim=-1)
 
 
-def net(seed: int, p: float = 0.0) -> Net:
+def net(seed: int, p: float = 0.0, width: int = 6, classes: int = 5) -> Net:
     torch.manual_seed(seed)
-    model = Net(p)
+    model = Net(p, width, classes)
     with torch.no_grad():  # running statistics away from their initial 0 and 1
         for m in model.modules():
             if isinstance(m, tnn.BatchNorm2d):

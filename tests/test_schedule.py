@@ -142,3 +142,61 @@ def test_out_of_memory_names_the_sizes_and_the_process_goes_on(monkeypatch):
         big.numpy()
     monkeypatch.setattr(cuda.torch, "empty", empty)
     assert big.sum().item() == 3_000_000  # the graph stayed pending and computes once memory is there
+
+
+# -- the cyclic garbage collector ---------------------------------------------------------------------
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_a_new_plan_freezes_what_is_alive_and_a_refresh_collects_frozen_cycles(monkeypatch):
+    import weakref
+
+    from ember.runtime import collector
+
+    monkeypatch.delenv("EMBER_GC_FREEZE", raising=False)
+    monkeypatch.setattr(collector, "_freezes", 0)
+    held = _Cycle()
+    gone = weakref.ref(held)
+    (ember.randn(37, 3, device="cuda") * 1.25 + 0.5).numpy()  # a graph no other test plans: a new plan
+    assert collector._freezes == 1 and gc.get_freeze_count() > 0
+    del held
+    gc.collect()  # the collector does not look at frozen objects
+    assert gone() is not None
+    monkeypatch.setattr(collector, "_refreshed", collector._refreshed - collector.REFRESH_SECONDS)
+    monkeypatch.setattr(collector, "_steps", collector.REFRESH_STEPS - 1)
+    (ember.randn(37, 3, device="cuda") * 1.25 + 0.5).numpy()  # the same plan, cached: the 500th step since
+    assert gone() is None and gc.get_freeze_count() > 0
+    gc.unfreeze()
+
+
+def test_gc_freeze_0_leaves_the_collector_alone(monkeypatch):
+    from ember.runtime import collector
+
+    monkeypatch.setenv("EMBER_GC_FREEZE", "0")
+    monkeypatch.setattr(collector, "_freezes", 0)
+    gc.unfreeze()
+    (ember.randn(41, 3, device="cuda") * 1.75 - 0.5).numpy()
+    assert collector._freezes == 0 and gc.get_freeze_count() == 0
+
+
+def test_an_allocation_refused_for_memory_is_tried_again_after_a_full_collection(monkeypatch):
+    from ember.runtime import collector
+
+    empty, refreshes = torch.empty, []
+
+    def refusing_once(*shape, **kwargs):
+        if shape and shape[0] == (999, 1001) and not refreshes:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return empty(*shape, **kwargs)
+
+    def refresh():
+        refreshes.append(1)
+        return True
+
+    monkeypatch.setattr(cuda.torch, "empty", refusing_once)
+    monkeypatch.setattr(collector, "refresh", refresh)
+    assert (ember.ones(999, 1001, device="cuda") * 2).sum().item() == 2 * 999 * 1001
+    assert refreshes == [1]

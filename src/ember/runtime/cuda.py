@@ -23,6 +23,7 @@ from ember import dtypes
 from ember.compiler import CompileContext, Plan
 from ember.device import Device, get_conv_memory_format, get_matmul_precision, on_matmul_precision
 from ember.errors import DeviceError, OutOfMemoryError
+from ember.runtime import collector
 
 # ember's choice, read once: generated kernels are interpreted (see triton_interpreter), whatever
 # Triton's own TRITON_INTERPRET says
@@ -130,13 +131,18 @@ def arena_views(plan: Plan, target: torch.device, device: Device) -> dict[int, t
 
 
 def allocate(shape: tuple[int, ...], dtype, target: torch.device, device: Device, what: str) -> torch.Tensor:
-    try:
-        buffer = torch.empty(shape, dtype=dtypes.to_torch(dtype), device=target)
-        return _count(buffer) if INTERPRET else buffer
-    except torch.cuda.OutOfMemoryError:
-        asked = math.prod(shape) * dtype.itemsize
-        raise OutOfMemoryError(f"out of GPU memory on {device}: asked {_mib(asked)} for {what} {list(shape)} "
-                               f"{dtype.name}; {free_text(target)}") from None
+    for last in (False, True):
+        try:
+            buffer = torch.empty(shape, dtype=dtypes.to_torch(dtype), device=target)
+            return _count(buffer) if INTERPRET else buffer
+        except torch.cuda.OutOfMemoryError:
+            pass
+        # buffers that only unreachable cycles hold (frozen ones too) are freed by a full collection
+        if last or not collector.refresh():
+            break
+    asked = math.prod(shape) * dtype.itemsize
+    raise OutOfMemoryError(f"out of GPU memory on {device}: asked {_mib(asked)} for {what} {list(shape)} "
+                           f"{dtype.name}; {free_text(target)}")
 
 
 def _mib(n: int) -> str:

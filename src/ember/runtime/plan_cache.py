@@ -2,22 +2,13 @@
 and as plan files on disk, so a repeated training step costs a key, and a second process starts from
 the plans the first one compiled.
 
-With `EMBER_GC_FREEZE=1`, a new plan also settles Python's cyclic garbage collector: after a full collection,
-the objects alive then (torch, triton, the model, compiled plans) are moved out of its sight (`gc.freeze`), for
-the first `FREEZES` new plans of a process. A training step allocates tens of thousands of short-lived graph
-objects, and the collector's full passes, due every few steps, rescan the hundreds of thousands of objects
-torch and triton keep: a third of a lazy step's host time. It is off by default: an object alive at a freeze
-that later becomes part of unreachable cycle (a trainer object holding its own bound method, with the model and
-its GPU buffers) is never collected.
+A new plan, and now and then a cached one, also settles Python's cyclic garbage collector (`collector`).
 """
 
 from __future__ import annotations
 
-import atexit
 import functools
-import gc
 import hashlib
-import os
 import pickle
 from pathlib import Path
 
@@ -26,7 +17,7 @@ import triton
 
 from ember.compiler import CompileContext, Plan, Signature, compile, signature
 from ember.ir import Node
-from ember.runtime import cuda, disk
+from ember.runtime import collector, cuda, disk
 
 _plans: dict[tuple, Plan] = {}
 
@@ -42,24 +33,11 @@ def plan_for(order: list[Node], keep: set[int]) -> tuple[Plan, Signature]:
             cuda.stats["plans_compiled"] += 1
             _save_plan(sig.key, context, plan)
         _plans[sig.key, context] = plan
-        _settle_collector()
+        collector.after_new_plan()
     else:
         cuda.stats["plan_hits"] += 1
+        collector.after_step()
     return plan, sig
-
-
-FREEZES = 16
-_freezes = 0
-
-
-def _settle_collector() -> None:
-    global _freezes
-    if _freezes < FREEZES and os.environ.get("EMBER_GC_FREEZE", "0") not in ("0", ""):
-        if _freezes == 0:  # at exit the collector sees everything again, as extension modules expect
-            atexit.register(gc.unfreeze)
-        _freezes += 1
-        gc.collect()  # garbage is not frozen: only what is alive now
-        gc.freeze()
 
 
 def clear() -> None:

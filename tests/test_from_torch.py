@@ -124,21 +124,79 @@ def test_training_mode_gradients_and_an_optimizer_step_match_torch():
     assert any(not torch.equal(before[n], b) for n, b in model.named_buffers())
 
 
-def test_the_imported_module_follows_its_own_training_mode():
-    """torch.fx fixes `self.training` at the trace; the imported module passes its own mode to dropout."""
-    model = net(6, p=0.5).eval()
-    for m in model.modules():
-        if isinstance(m, tnn.BatchNorm2d):
-            m.momentum = 0.0  # running statistics kept, so eval mode computes the same after a training call
+class Modes(tnn.Module):
+    """Reads its training mode three ways torch.fx fixes at the trace: a dropout's flag, a branch, a submodule's
+    own mode (a frozen batch norm); and draws Monte Carlo dropout in either mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = tnn.Linear(6, 6)
+        self.bn = tnn.BatchNorm1d(6)
+
+    def forward(self, x):
+        x = TF.dropout(self.fc(x), 0.5, self.training)
+        x = self.bn(x) * (2.0 if self.training else 3.0)
+        return x, TF.dropout(x, 0.5, training=True)
+
+
+def test_the_imported_module_follows_the_training_mode_of_each_of_its_modules():
+    torch.manual_seed(12)
+    model = Modes()
+    model.bn.eval()  # frozen statistics inside a model that trains
     em = ember.from_torch(model)
-    x = ember.tensor(images(8, 7))
-    ref = model(torch.from_numpy(x.numpy())).detach().numpy()
-    np.testing.assert_allclose(em(x).numpy(), ref, rtol=1e-4, atol=1e-5)
-    em.train()
-    dropped = em(x).numpy()  # dropout on the pooled features (and batch statistics) change every row
-    assert not np.allclose(dropped, ref, atol=1e-3)
+    assert em.training and not em.bn.training
+    x = np.random.default_rng(13).uniform(-1, 1, size=(64, 6)).astype(np.float32)
+    got = em(ember.tensor(x))[0].numpy()
+    dropped = got == 0
+    assert 0.3 < dropped.mean() < 0.7  # the first dropout, in training mode
+    with torch.no_grad():
+        h = model.fc(torch.from_numpy(x)) * torch.from_numpy(~dropped) * 2.0
+        np.testing.assert_allclose(got, (model.bn(h) * 2.0).numpy(), rtol=1e-5, atol=1e-5)
     em.eval()
-    np.testing.assert_allclose(em(x).numpy(), ref, rtol=1e-4, atol=1e-5)
+    model.eval()
+    with torch.no_grad():
+        ref = model(torch.from_numpy(x))[0].numpy()  # no dropout, the running statistics, the eval branch (x 3)
+    out, mc = em(ember.tensor(x))
+    np.testing.assert_allclose(out.numpy(), ref, rtol=1e-5, atol=1e-6)
+    assert 0.3 < (mc.numpy() == 0).mean() < 0.7  # training=True stays on in eval mode, as in torch
+    with pytest.raises(TypeError, match="unexpected keyword argument 'scale'"):
+        em(ember.tensor(x), scale=2.0)  # an unknown argument is torch's error, not ignored
+
+
+def test_tied_weights_extra_arguments_attributes_and_unused_layers():
+    class Tied(tnn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = tnn.Embedding(10, 4)
+            self.head = tnn.Linear(4, 10, bias=False)
+            self.head.weight = self.emb.weight  # one parameter, two layers
+            self.aux = tnn.Linear(4, 2)  # never called: still in the state dict
+            self.blocks = tnn.Sequential(tnn.Linear(4, 4), tnn.Tanh())
+
+        def forward(self, ids, *scales, shift=0.0):
+            h = self.emb(ids).to(self.head.weight.dtype)  # an attribute of a layer read before calling it
+            h = self.blocks(h) + torch.ones(4) * shift  # a constant torch.fx would set on the model
+            return self.head(h * scales[0] * scales[1])
+
+    torch.manual_seed(14)
+    model = Tied()
+    em = ember.from_torch(model)
+    assert [n for n, _ in em.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert list(em.state_dict()) == list(model.state_dict())
+    assert em.emb.weight is em.head.weight
+    assert not [name for name in vars(model) if name.startswith("_tensor_constant")]  # the torch model is as it was
+    assert isinstance(em.blocks, ember.nn.Sequential)
+    ids = np.random.default_rng(15).integers(0, 10, size=(3, 5))
+    with torch.no_grad():
+        ref = model(torch.from_numpy(ids), 2.0, 0.5, shift=0.25).numpy()
+    got = em(ember.tensor(ids), 2.0, 0.5, shift=0.25)
+    np.testing.assert_allclose(got.numpy(), ref, rtol=1e-5, atol=1e-6)
+    got.sum().backward()  # the tied weight's gradient adds both uses
+    want = model(torch.from_numpy(ids), 2.0, 0.5, shift=0.25).sum()
+    want.backward()
+    np.testing.assert_allclose(em.emb.weight.grad.numpy(), model.emb.weight.grad.numpy(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(em.blocks[0](ember.tensor(np.ones((1, 4), np.float32))).numpy(),
+                               model.blocks[0](torch.ones(1, 4)).detach().numpy(), rtol=1e-6)
 
 
 def test_a_sequential_of_the_new_layers_and_a_traced_child():

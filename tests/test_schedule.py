@@ -156,7 +156,7 @@ def test_a_new_plan_freezes_what_is_alive_and_a_refresh_collects_frozen_cycles(m
 
     from ember.runtime import collector
 
-    monkeypatch.delenv("EMBER_GC_FREEZE", raising=False)
+    monkeypatch.setattr(collector, "ENABLED", True)
     monkeypatch.setattr(collector, "_freezes", 0)
     held = _Cycle()
     gone = weakref.ref(held)
@@ -175,10 +175,12 @@ def test_a_new_plan_freezes_what_is_alive_and_a_refresh_collects_frozen_cycles(m
 def test_gc_freeze_0_leaves_the_collector_alone(monkeypatch):
     from ember.runtime import collector
 
-    monkeypatch.setenv("EMBER_GC_FREEZE", "0")
+    monkeypatch.setattr(collector, "ENABLED", False)
     monkeypatch.setattr(collector, "_freezes", 0)
     gc.unfreeze()
+    compiled = cuda.stats["plans_compiled"]
     (ember.randn(41, 3, device="cuda") * 1.75 - 0.5).numpy()
+    assert cuda.stats["plans_compiled"] == compiled + 1  # a new plan, which would have frozen
     assert collector._freezes == 0 and gc.get_freeze_count() == 0
 
 

@@ -8,14 +8,16 @@ which torch's tensors do not see (`module.load_state_dict` takes them back).
 
 A torch `nn.Sequential` (nested too) becomes an ember `nn.Sequential` of the same layers. Any other module is
 traced with torch.fx: its forward becomes a list of layer calls, torch functions, Tensor methods and Python
-operators, which the imported module replays on ember Tensors (ember's functions and methods carry torch's
-names). Layers keep their torch names and paths, so `state_dict()` keys are the torch model's.
+operators, which the imported module (`Traced`) replays on ember Tensors (ember's functions and methods carry
+torch's names), binding its arguments as torch does. Everything the torch module holds keeps its torch name and
+path, used by the forward or not, so `state_dict()` keys and the order of `parameters()` are the torch model's;
+a tensor held twice (a tied weight) is one ember Parameter. Each module keeps its own training mode.
 
 Layers: Linear, Conv2d, ConvTranspose2d, BatchNorm1d, BatchNorm2d, LayerNorm, Embedding, MaxPool2d,
 AvgPool2d, AdaptiveAvgPool2d, ReLU, LeakyReLU, Sigmoid, Tanh, GELU, SiLU, Softplus, Softmax, LogSoftmax,
 Identity, Dropout and Flatten. Anything else is an error at import that names it and where it sits: another
-layer, a function or Tensor method ember does not have, or a forward torch.fx cannot trace (one that branches
-on its inputs' values).
+layer the forward calls, a function or Tensor method ember does not have, or a forward torch.fx cannot trace
+(one that branches on its inputs' values).
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ def from_torch(module) -> Module:
         raise TypeError(f"from_torch: cannot import {type(module).__name__}: {'; '.join(importer.problems)}. "
                         f"Supported layers are Sequential, {', '.join(_LAYERS)}; other modules are traced with "
                         "torch.fx")
-    converted.train(module.training)
+    for path, sub in module.named_modules():  # each module's own mode (a frozen batch norm in a training model)
+        object.__setattr__(converted.get_submodule(path), "training", sub.training)
     return converted
 
 
@@ -56,11 +59,23 @@ def _where(path: str) -> str:
 
 
 class _Importer:
-    """Converts a torch module tree, collecting every problem before one error names them all."""
+    """Converts a torch module tree, collecting every problem before one error names them all. A torch tensor
+    seen twice (a weight tied to two layers) is one ember Parameter or buffer, as a layer used twice is one
+    ember layer."""
 
     def __init__(self) -> None:
         self.problems: list[str] = []
-        self.done: dict[int, Module] = {}  # a layer used twice is one ember layer
+        self.done: dict[int, Module] = {}
+        self.tensors: dict[int, Tensor] = {}
+
+    def shared(self, t) -> Tensor:
+        """The ember Parameter (or buffer) on the torch tensor `t`'s memory."""
+        import torch
+
+        if id(t) not in self.tensors:
+            value = from_dlpack(t.detach())
+            self.tensors[id(t)] = Parameter(value, t.requires_grad) if isinstance(t, torch.nn.Parameter) else value
+        return self.tensors[id(t)]
 
     def module(self, m, path: str) -> Module:
         import torch
@@ -76,107 +91,51 @@ class _Importer:
             self.problems.append(f"unsupported layer {_where(path)}: {type(m).__name__}")
             out = nn.Identity()
         else:
-            out = self.traced(m, path)
+            out = Traced(m)
+            self.mirror(out, m, path)
+            out.graph(self, path)
         self.done[id(m)] = out
         return out
 
     def layer(self, m, path: str) -> Module:
         try:
-            return _LAYERS[type(m).__name__](m)
-        except (NotImplementedError, ValueError) as error:
+            return _LAYERS[type(m).__name__](m, self)
+        except (NotImplementedError, ValueError, TypeError) as error:
             self.problems.append(f"{_where(path)}: {type(m).__name__}: {error}")
             return nn.Identity()
 
-    def traced(self, m, path: str) -> Module:
+    def mirror(self, out: Module, m, path: str) -> None:
+        """Register under `out` what the torch module `m` holds, at the same names and in the same order: its
+        parameters and buffers (shared), its layers, and its other submodules as `Part`s holding theirs (a
+        traced forward runs their code itself)."""
         import torch
-        import torch.fx
 
-        tracer = torch.fx.Tracer()
-        tracer.proxy_buffer_attributes = True  # a buffer is read where it lives (shared), not copied as a constant
         try:
-            graph = tracer.trace(m)
-        except Exception as error:  # torch.fx's own errors name the construct it cannot trace
-            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            self.problems.append(f"{_where(path)}: the forward of {type(m).__name__} cannot be traced by torch.fx "
-                                 f"({reason})")
-            return nn.Identity()
-        out = Traced(type(m).__name__)
-        index: dict[object, int] = {}
-        for node in graph.nodes:
-            where = f"{_where(path)} ({type(m).__name__}, at {node.name})"
-            fn = None
-            if node.op == "call_module":
-                sub = m.get_submodule(node.target)
-                if not _is_layer(sub):
-                    self.problems.append(f"unsupported layer {_join(path, node.target)}: {type(sub).__name__}")
+            for name, p in m._parameters.items():
+                out.register_parameter(name, None if p is None else self.shared(p))
+            for name, b in m._buffers.items():
+                out.register_buffer(name, None if b is None else self.shared(b),
+                                    persistent=name not in m._non_persistent_buffers_set)
+            for name, child in m._modules.items():
+                where = _join(path, name)
+                if child is None or isinstance(child, torch.nn.Sequential) or _is_layer(child):
+                    out.add_module(name, None if child is None else self.module(child, where))
+                elif id(child) in self.done:
+                    out.add_module(name, self.done[id(child)])
+                elif type(child).__module__.startswith("torch.") and not isinstance(
+                        child, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+                    # a torch layer ember does not have: an error only if the forward calls it
+                    continue
                 else:
-                    _place(out, node.target, self.module(sub, _join(path, node.target)))
-            elif node.op == "get_attr":
-                _place_attribute(out, m, node.target)
-            elif node.op == "call_function":
-                fn = _function(node.target)
-                if fn is None:
-                    self.problems.append(f"{where}: {_name(node.target)} has no ember equivalent")
-            elif node.op == "call_method" and not hasattr(Tensor, node.target):
-                self.problems.append(f"{where}: Tensor.{node.target} has no ember equivalent")
-            index[node] = len(out._steps)
-            kwargs = {k: v for k, v in node.kwargs.items() if not k.startswith("_")}  # torch's own (_stacklevel)
-            out._steps.append(_Step(node.op, node.name, node.target, fn, _arguments(node.args, index),
-                                    _arguments(kwargs, index)))
-        _order_like(out, m)
-        return out
+                    part = self.done[id(child)] = Part(type(child).__name__)
+                    self.mirror(part, child, where)
+                    out.add_module(name, part)
+        except KeyError as error:  # a torch name an ember module cannot take
+            self.problems.append(f"{_where(path)}: {error.args[0]}")
 
 
 def _is_layer(m) -> bool:
     return type(m).__name__ in _LAYERS and type(m).__module__.startswith("torch.nn")
-
-
-def _place(root: Module, path: str, module: Module) -> None:
-    """Register `module` at the dotted `path` under `root`, making the parts above it as needed."""
-    *parents, name = path.split(".")
-    holder = _part(root, parents)
-    if name not in holder._modules:
-        holder.add_module(name, module)
-
-
-def _part(root: Module, names: list[str]) -> Module:
-    holder = root
-    for name in names:
-        if name not in holder._modules:
-            holder.add_module(name, Part())
-        holder = holder._modules[name]
-    return holder
-
-
-def _order_like(out: Module, m) -> None:
-    """Order the parameters, buffers and submodules registered while tracing (in the order the forward reads
-    them) as the torch module declares them, at every level the tracing made."""
-    for mine, theirs in ((out._parameters, m._parameters), (out._buffers, m._buffers), (out._modules, m._modules)):
-        for name in theirs:
-            if name in mine:
-                mine.move_to_end(name)
-    for name, part in out._modules.items():
-        if isinstance(part, Part) and name in m._modules:
-            _order_like(part, m._modules[name])
-
-
-def _place_attribute(root: Module, m, path: str) -> None:
-    """A parameter, buffer or constant tensor the traced forward reads, shared and registered at its path."""
-    import torch
-
-    *parents, name = path.split(".")
-    owner = m.get_submodule(".".join(parents)) if parents else m
-    holder = _part(root, parents)
-    value = getattr(owner, name)
-    if name in holder._parameters or name in holder._buffers:
-        return
-    if isinstance(value, torch.nn.Parameter):
-        holder.register_parameter(name, _shared(value))
-    elif isinstance(value, torch.Tensor):
-        persistent = name in owner._buffers and name not in owner._non_persistent_buffers_set
-        holder.register_buffer(name, from_dlpack(value.detach()), persistent=persistent)
-    else:
-        object.__setattr__(holder, name, value)
 
 
 @dataclass(frozen=True)
@@ -245,11 +204,6 @@ def _function(fn):
     return None
 
 
-# the argument of a traced call that torch.fx fixed at the training mode of the tracing (F.dropout(x, p,
-# self.training)): the imported module passes its own mode instead
-_TRAINING_ARGUMENT = {F.dropout: 2}
-
-
 @dataclass
 class _Step:
     op: str  # torch.fx's: placeholder, get_attr, call_module, call_function, call_method, output
@@ -262,131 +216,174 @@ class _Step:
 
 class Traced(Module):
     """A torch module imported through torch.fx: its forward replays the traced steps on ember Tensors, calling
-    its layers (registered at their torch paths) and ember's functions."""
+    its layers (registered at their torch paths) and ember's functions.
 
-    def __init__(self, name: str) -> None:
+    torch.fx fixes what the forward reads of its modules' training modes (`F.dropout(x, p, self.training)`,
+    `if self.training:`) at the trace, so there is one trace per combination of modes its modules have been
+    called in: the import's, and another, traced then, after `train()` or `eval()`."""
+
+    def __init__(self, m) -> None:
+        import inspect
+
         super().__init__()
-        self._steps: list[_Step] = []
-        self._traced_from = name
+        self._ember_torch = m  # traced again for other training modes; its memory is the parameters' anyway
+        self._ember_signature = inspect.signature(m.forward)
+        self._ember_graphs: dict[tuple, list[_Step]] = {}
+
+    def graph(self, importer: _Importer, path: str) -> list[_Step] | None:
+        """The steps of the forward under the modules' present training modes, traced now if they are new;
+        problems go to `importer`."""
+        import torch.fx
+
+        modes = tuple(mod.training for _, mod in self.named_modules())
+        if modes in self._ember_graphs:
+            return self._ember_graphs[modes]
+        m = self._ember_torch
+        kept = [(sub, sub.training) for sub in m.modules()]
+        before = set(vars(m))
+        tracer = torch.fx.Tracer()
+        tracer.proxy_buffer_attributes = True  # a buffer is read where it lives (shared), not copied as a constant
+        try:
+            for (name, _), flag in zip(self.named_modules(), modes):
+                m.get_submodule(name).training = flag
+            graph = tracer.trace(m)
+        except Exception as error:  # torch.fx's own errors name the construct it cannot trace
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            importer.problems.append(f"{_where(path)}: the forward of {type(m).__name__} cannot be traced by "
+                                     f"torch.fx ({reason})")
+            return None
+        finally:
+            for sub, flag in kept:
+                sub.training = flag
+        steps: list[_Step] = []
+        index: dict[object, int] = {}
+        for node in graph.nodes:
+            where = f"{_where(path)} ({type(m).__name__}, at {node.name})"
+            fn = None
+            if node.op == "call_module" and not _is_layer(m.get_submodule(node.target)):
+                importer.problems.append(f"unsupported layer {_join(path, node.target)}: "
+                                         f"{type(m.get_submodule(node.target)).__name__}")
+            elif node.op == "get_attr" and node.target in vars(m) and node.target not in before:
+                # a constant torch.fx set on the torch module while tracing: held here, the module left as it was
+                self.register_buffer(node.target, importer.shared(getattr(m, node.target)), persistent=False)
+                delattr(m, node.target)
+            elif node.op == "call_function":
+                fn = _function(node.target)
+                if fn is None:
+                    importer.problems.append(f"{where}: {_name(node.target)} has no ember equivalent")
+            elif node.op == "call_method" and not hasattr(Tensor, node.target):
+                importer.problems.append(f"{where}: Tensor.{node.target} has no ember equivalent")
+            index[node] = len(steps)
+            kwargs = {k: v for k, v in node.kwargs.items() if not k.startswith("_")}  # torch's own (_stacklevel)
+            steps.append(_Step(node.op, node.name, node.target, fn, _arguments(node.args, index),
+                               _arguments(kwargs, index)))
+        self._ember_graphs[modes] = steps
+        return steps
 
     def forward(self, *args, **kwargs):
+        steps = self._ember_graphs.get(tuple(mod.training for _, mod in self.named_modules()))
+        if steps is None:
+            importer = _Importer()
+            steps = self.graph(importer, "")
+            if importer.problems:
+                raise TypeError(f"{type(self._ember_torch).__name__} imported from torch, in the training modes "
+                                f"it has now: {'; '.join(importer.problems)}")
+        bound = self._ember_signature.bind(*args, **kwargs)  # torch's errors for missing or unknown arguments
+        bound.apply_defaults()
         values: list = []
-        given = list(args)
-        for step in self._steps:
+        for step in steps:
             a, k = _resolve(step.args, values), _resolve(step.kwargs, values)
             try:
                 if step.op == "placeholder":
-                    if given:
-                        value = given.pop(0)
-                    elif step.name in kwargs or step.target in kwargs:
-                        value = kwargs.get(step.target, kwargs.get(step.name))
-                    elif a:
-                        value = a[0]  # its default
-                    else:
-                        raise TypeError(f"{self._traced_from}.forward: missing argument {step.target!r}")
+                    value = bound.arguments[step.target.lstrip("*")]
                 elif step.op == "get_attr":
-                    value = self._attribute(step.target)
+                    *parents, name = step.target.split(".")
+                    value = getattr(self.get_submodule(".".join(parents)), name)
                 elif step.op == "call_module":
                     value = self.get_submodule(step.target)(*a, **k)
                 elif step.op == "call_function":
-                    position = _TRAINING_ARGUMENT.get(step.fn)
-                    if position is not None:
-                        a, k = _with_training(a, k, position, self.training)
                     value = step.fn(*a, **k)
                 elif step.op == "call_method":
                     value = getattr(a[0], step.target)(*a[1:], **k)
                 else:  # output
                     return a[0]
             except Exception as error:
-                error.add_note(f"in the forward of {self._traced_from} imported from torch, at {step.name}")
+                error.add_note(f"in the forward of {type(self._ember_torch).__name__} imported from torch, at "
+                               f"{step.name}")
                 raise
             values.append(value)
         raise AssertionError("a traced graph ends with its output")
 
-    def _attribute(self, path: str):
-        *parents, name = path.split(".")
-        return getattr(self.get_submodule(".".join(parents)) if parents else self, name)
-
     def extra_repr(self) -> str:
-        return f"traced from {self._traced_from}, {len(self._steps)} steps"
-
-
-def _with_training(args: tuple, kwargs: dict, position: int, training: bool) -> tuple[tuple, dict]:
-    if "training" in kwargs:
-        return args, {**kwargs, "training": training}
-    if len(args) > position:
-        return (*args[:position], training, *args[position + 1:]), kwargs
-    return args, {**kwargs, "training": training}
+        return f"traced from {type(self._ember_torch).__name__}"
 
 
 class Part(Module):
     """A submodule of a traced torch model: it holds the layers, parameters and buffers at its path; its
     computation is part of the traced forward of the module above it."""
 
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self._ember_name = name
+
     def forward(self, *args, **kwargs):
-        raise TypeError("this part of a model imported from torch runs inside the traced forward of the module "
-                        "above it, not on its own")
+        raise TypeError(f"{self._ember_name}, a part of a model imported from torch, runs inside the traced forward "
+                        "of the module above it, not on its own")
+
+    def extra_repr(self) -> str:
+        return self._ember_name
 
 
 # -- layers ------------------------------------------------------------------------------------------
+# each: (torch layer, importer) -> the ember layer, on the torch layer's parameters and buffers (shared)
 
-def _shared(p) -> Parameter:
-    return Parameter(from_dlpack(p.detach()), requires_grad=p.requires_grad)
-
-
-def _share_parameters(out: Module, m) -> Module:
-    """Replace `out`'s parameters and buffers by the torch layer's, shared."""
-    for name, p in m.named_parameters(recurse=False):
-        setattr(out, name, _shared(p))
-    for name in list(out._parameters):
-        if getattr(m, name, None) is None:
-            out.register_parameter(name, None)
-    for name, b in m.named_buffers(recurse=False):
-        out.register_buffer(name, from_dlpack(b.detach()), persistent=name not in m._non_persistent_buffers_set)
-    for name in list(out._buffers):
-        if getattr(m, name, None) is None:
-            out.register_buffer(name, None)
+def _sharing(out: Module, m, importer: _Importer) -> Module:
+    """`out` with its parameters and buffers replaced by the torch layer's, shared."""
+    for name, p in m._parameters.items():
+        out.register_parameter(name, None if p is None else importer.shared(p))
+    for name, b in m._buffers.items():
+        out.register_buffer(name, None if b is None else importer.shared(b),
+                            persistent=name not in m._non_persistent_buffers_set)
     return out
 
 
-def _linear(m) -> Module:
-    out = nn.Linear.__new__(nn.Linear)
+def _linear(m, importer: _Importer) -> Module:
+    out = nn.Linear.__new__(nn.Linear)  # no initialisation: the weights are torch's
     Module.__init__(out)
     out.in_features, out.out_features = m.in_features, m.out_features
-    out.weight = _shared(m.weight)
-    if m.bias is not None:
-        out.bias = _shared(m.bias)
-    else:
-        out.register_parameter("bias", None)
-    return out
+    return _sharing(out, m, importer)
 
 
-def _conv2d(m) -> Module:
-    return _share_parameters(nn.Conv2d(m.in_channels, m.out_channels, m.kernel_size, m.stride, m.padding,
-                                       m.dilation, m.groups, m.bias is not None, m.padding_mode), m)
+def _conv2d(m, importer: _Importer) -> Module:
+    return _sharing(nn.Conv2d(m.in_channels, m.out_channels, m.kernel_size, m.stride, m.padding, m.dilation,
+                              m.groups, m.bias is not None, m.padding_mode), m, importer)
 
 
-def _conv_transpose2d(m) -> Module:
-    return _share_parameters(nn.ConvTranspose2d(m.in_channels, m.out_channels, m.kernel_size, m.stride, m.padding,
-                                                m.output_padding, m.groups, m.bias is not None, m.dilation,
-                                                m.padding_mode), m)
+def _conv_transpose2d(m, importer: _Importer) -> Module:
+    return _sharing(nn.ConvTranspose2d(m.in_channels, m.out_channels, m.kernel_size, m.stride, m.padding,
+                                       m.output_padding, m.groups, m.bias is not None, m.dilation, m.padding_mode),
+                    m, importer)
 
 
 def _batch_norm(cls):
-    def convert(m) -> Module:
-        return _share_parameters(cls(m.num_features, m.eps, m.momentum, m.affine, m.track_running_stats), m)
+    def convert(m, importer: _Importer) -> Module:
+        return _sharing(cls(m.num_features, m.eps, m.momentum, m.affine, m.track_running_stats), m, importer)
     return convert
 
 
-def _layer_norm(m) -> Module:
-    return _share_parameters(nn.LayerNorm(m.normalized_shape, m.eps, m.elementwise_affine, m.bias is not None), m)
+def _layer_norm(m, importer: _Importer) -> Module:
+    return _sharing(nn.LayerNorm(m.normalized_shape, m.eps, m.elementwise_affine, m.bias is not None), m, importer)
 
 
-def _embedding(m) -> Module:
+def _embedding(m, importer: _Importer) -> Module:
     if m.max_norm is not None or m.scale_grad_by_freq or m.sparse:
         raise NotImplementedError("max_norm, scale_grad_by_freq and sparse are not supported")
-    return nn.Embedding(m.num_embeddings, m.embedding_dim, m.padding_idx, _weight=from_dlpack(m.weight.detach()),
-                        _freeze=not m.weight.requires_grad)
+    out = nn.Embedding(m.num_embeddings, m.embedding_dim, m.padding_idx, _weight=importer.shared(m.weight).detach())
+    return _sharing(out, m, importer)
+
+
+def _stateless(make):
+    return lambda m, importer: make(m)
 
 
 _LAYERS = {
@@ -397,21 +394,21 @@ _LAYERS = {
     "BatchNorm2d": _batch_norm(nn.BatchNorm2d),
     "LayerNorm": _layer_norm,
     "Embedding": _embedding,
-    "MaxPool2d": lambda m: nn.MaxPool2d(m.kernel_size, m.stride, m.padding, m.dilation, m.return_indices,
-                                        m.ceil_mode),
-    "AvgPool2d": lambda m: nn.AvgPool2d(m.kernel_size, m.stride, m.padding, m.ceil_mode, m.count_include_pad,
-                                        m.divisor_override),
-    "AdaptiveAvgPool2d": lambda m: nn.AdaptiveAvgPool2d(m.output_size),
-    "ReLU": lambda m: nn.ReLU(),
-    "LeakyReLU": lambda m: nn.LeakyReLU(m.negative_slope),
-    "Sigmoid": lambda m: nn.Sigmoid(),
-    "Tanh": lambda m: nn.Tanh(),
-    "GELU": lambda m: nn.GELU(m.approximate),
-    "SiLU": lambda m: nn.SiLU(),
-    "Softplus": lambda m: nn.Softplus(m.beta, m.threshold),
-    "Softmax": lambda m: nn.Softmax(m.dim),
-    "LogSoftmax": lambda m: nn.LogSoftmax(m.dim),
-    "Identity": lambda m: nn.Identity(),
-    "Dropout": lambda m: nn.Dropout(m.p),
-    "Flatten": lambda m: nn.Flatten(m.start_dim, m.end_dim),
+    "MaxPool2d": _stateless(lambda m: nn.MaxPool2d(m.kernel_size, m.stride, m.padding, m.dilation, m.return_indices,
+                                                   m.ceil_mode)),
+    "AvgPool2d": _stateless(lambda m: nn.AvgPool2d(m.kernel_size, m.stride, m.padding, m.ceil_mode,
+                                                   m.count_include_pad, m.divisor_override)),
+    "AdaptiveAvgPool2d": _stateless(lambda m: nn.AdaptiveAvgPool2d(m.output_size)),
+    "ReLU": _stateless(lambda m: nn.ReLU()),
+    "LeakyReLU": _stateless(lambda m: nn.LeakyReLU(m.negative_slope)),
+    "Sigmoid": _stateless(lambda m: nn.Sigmoid()),
+    "Tanh": _stateless(lambda m: nn.Tanh()),
+    "GELU": _stateless(lambda m: nn.GELU(m.approximate)),
+    "SiLU": _stateless(lambda m: nn.SiLU()),
+    "Softplus": _stateless(lambda m: nn.Softplus(m.beta, m.threshold)),
+    "Softmax": _stateless(lambda m: nn.Softmax(m.dim)),
+    "LogSoftmax": _stateless(lambda m: nn.LogSoftmax(m.dim)),
+    "Identity": _stateless(lambda m: nn.Identity()),
+    "Dropout": _stateless(lambda m: nn.Dropout(m.p)),
+    "Flatten": _stateless(lambda m: nn.Flatten(m.start_dim, m.end_dim)),
 }

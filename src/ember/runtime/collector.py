@@ -23,25 +23,22 @@ import time
 FREEZES = 16
 REFRESH_STEPS = 500
 REFRESH_SECONDS = 30.0
+ENABLED = os.environ.get("EMBER_GC_FREEZE", "1") not in ("0", "")  # read once, at import
 
 _freezes = 0
 _steps = 0
 _refreshed = time.monotonic()
 
 
-def enabled() -> bool:
-    return os.environ.get("EMBER_GC_FREEZE", "1") not in ("0", "")
-
-
 def after_new_plan() -> None:
     """A plan was compiled: freeze what is alive now (the first FREEZES times)."""
     global _freezes
-    if _freezes >= FREEZES or not enabled():
+    if _freezes >= FREEZES or not ENABLED:
         return
     if _freezes == 0:  # at exit the collector sees everything again, as extension modules expect
         atexit.register(gc.unfreeze)
     _freezes += 1
-    refresh()
+    _refreeze()
 
 
 def after_step() -> None:
@@ -51,17 +48,19 @@ def after_step() -> None:
         return
     _steps += 1
     if _steps >= REFRESH_STEPS and time.monotonic() - _refreshed >= REFRESH_SECONDS:
-        refresh()
+        _refreeze()
 
 
 def refresh() -> bool:
-    """Thaw what is frozen, collect everything and freeze what is still alive. Whether anything was frozen or
-    collected (so that memory may have been freed)."""
+    """Free what only unreachable cycles hold, frozen ones included once ember froze: whether anything was
+    collected (so that memory may have been freed). A freeze the program made itself is left as it is."""
+    return _refreeze() if _freezes else gc.collect() > 0
+
+
+def _refreeze() -> bool:
     global _steps, _refreshed
-    thawed = gc.get_freeze_count()
     gc.unfreeze()
     collected = gc.collect()
-    if enabled():
-        gc.freeze()
+    gc.freeze()
     _steps, _refreshed = 0, time.monotonic()
-    return bool(thawed or collected)
+    return collected > 0

@@ -145,6 +145,7 @@ def test_the_imported_module_follows_the_training_mode_of_each_of_its_modules():
     model.bn.eval()  # frozen statistics inside a model that trains
     em = ember.from_torch(model)
     assert em.training and not em.bn.training
+    assert len(em._ember_graphs) == 1  # traced once at import, in the modes the torch modules had
     x = np.random.default_rng(13).uniform(-1, 1, size=(64, 6)).astype(np.float32)
     got = em(ember.tensor(x))[0].numpy()
     dropped = got == 0
@@ -159,6 +160,7 @@ def test_the_imported_module_follows_the_training_mode_of_each_of_its_modules():
     out, mc = em(ember.tensor(x))
     np.testing.assert_allclose(out.numpy(), ref, rtol=1e-5, atol=1e-6)
     assert 0.3 < (mc.numpy() == 0).mean() < 0.7  # training=True stays on in eval mode, as in torch
+    assert len(em._ember_graphs) == 2  # traced again for the new modes, once
     with pytest.raises(TypeError, match="unexpected keyword argument 'scale'"):
         em(ember.tensor(x), scale=2.0)  # an unknown argument is torch's error, not ignored
 

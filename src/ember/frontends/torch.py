@@ -93,7 +93,9 @@ class _Importer:
         else:
             out = Traced(m)
             self.mirror(out, m, path)
-            out.graph(self, path)
+        object.__setattr__(out, "training", m.training)
+        if isinstance(out, Traced):
+            out.graph(self, path)  # traced in the modes the torch modules have now
         self.done[id(m)] = out
         return out
 
@@ -128,6 +130,7 @@ class _Importer:
                     continue
                 else:
                     part = self.done[id(child)] = Part(type(child).__name__)
+                    object.__setattr__(part, "training", child.training)
                     self.mirror(part, child, where)
                     out.add_module(name, part)
         except KeyError as error:  # a torch name an ember module cannot take

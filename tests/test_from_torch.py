@@ -268,6 +268,25 @@ def test_errors_name_every_part_that_cannot_be_imported():
         ember.from_torch(tnn.Sequential(tnn.MaxPool2d(2, return_indices=True)))
 
 
+def test_a_torch_layer_the_forward_never_calls_is_left_out():
+    class Holding(tnn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = tnn.Linear(3, 2)
+            self.rnn = tnn.GRU(3, 3)  # no ember equivalent, but never called
+
+        def forward(self, x):
+            return self.fc(x)
+
+    torch.manual_seed(16)
+    model = Holding().eval()
+    em = ember.from_torch(model)
+    x = np.random.default_rng(17).uniform(-1, 1, size=(4, 3)).astype(np.float32)
+    ref = model(torch.from_numpy(x)).detach().numpy()
+    np.testing.assert_allclose(em(ember.tensor(x)).numpy(), ref, rtol=1e-6)
+    assert not em.training and [n for n, _ in em.named_parameters()] == ["fc.weight", "fc.bias"]
+
+
 def test_an_error_while_running_names_the_traced_step():
     class Wrong(tnn.Module):
         def __init__(self) -> None:

@@ -45,8 +45,6 @@ def from_torch(module) -> Module:
         raise TypeError(f"from_torch: cannot import {type(module).__name__}: {'; '.join(importer.problems)}. "
                         f"Supported layers are Sequential, {', '.join(_LAYERS)}; other modules are traced with "
                         "torch.fx")
-    for path, sub in module.named_modules():  # each module's own mode (a frozen batch norm in a training model)
-        object.__setattr__(converted.get_submodule(path), "training", sub.training)
     return converted
 
 
@@ -93,7 +91,7 @@ class _Importer:
         else:
             out = Traced(m)
             self.mirror(out, m, path)
-        object.__setattr__(out, "training", m.training)
+        object.__setattr__(out, "training", m.training)  # its own mode (a frozen batch norm in a training model)
         if isinstance(out, Traced):
             out.graph(self, path)  # traced in the modes the torch modules have now
         self.done[id(m)] = out
@@ -113,11 +111,7 @@ class _Importer:
         import torch
 
         try:
-            for name, p in m._parameters.items():
-                out.register_parameter(name, None if p is None else self.shared(p))
-            for name, b in m._buffers.items():
-                out.register_buffer(name, None if b is None else self.shared(b),
-                                    persistent=name not in m._non_persistent_buffers_set)
+            _sharing(out, m, self)
             for name, child in m._modules.items():
                 where = _join(path, name)
                 if child is None or isinstance(child, torch.nn.Sequential) or _is_layer(child):
@@ -233,12 +227,15 @@ class Traced(Module):
         self._ember_signature = inspect.signature(m.forward)
         self._ember_graphs: dict[tuple, list[_Step]] = {}
 
+    def _modes(self) -> tuple[bool, ...]:
+        return tuple(mod.training for _, mod in self.named_modules())
+
     def graph(self, importer: _Importer, path: str) -> list[_Step] | None:
         """The steps of the forward under the modules' present training modes, traced now if they are new;
         problems go to `importer`."""
         import torch.fx
 
-        modes = tuple(mod.training for _, mod in self.named_modules())
+        modes = self._modes()
         if modes in self._ember_graphs:
             return self._ember_graphs[modes]
         m = self._ember_torch
@@ -284,7 +281,7 @@ class Traced(Module):
         return steps
 
     def forward(self, *args, **kwargs):
-        steps = self._ember_graphs.get(tuple(mod.training for _, mod in self.named_modules()))
+        steps = self._ember_graphs.get(self._modes())
         if steps is None:
             importer = _Importer()
             steps = self.graph(importer, "")

@@ -9,18 +9,28 @@ gradients against central differences in float64, independently of torch.
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
+import shutil
+import tempfile
 import zlib
 from types import SimpleNamespace
 
 import ml_dtypes
 import numpy as np
 import pytest
+import tiers
 import torch
 import torch.nn.functional as F
 
 import ember
+
+# The suite neither reads nor writes the user's cache (~/.cache/ember): each test process compiles into a fresh
+# directory of its own, removed at its exit, so no test sees what an earlier run (or another process) compiled.
+_CACHE_DIR = tempfile.mkdtemp(prefix="ember-tests-")
+os.environ["EMBER_CACHE_DIR"] = _CACHE_DIR
+atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
 
 # The cuda backend runs generated Triton kernels; without a GPU, Triton's interpreter runs them
 # on the CPU (EMBER_INTERPRET=1), which is how the generated code is tested here. The choice is
@@ -37,6 +47,34 @@ ON_GPU = torch.cuda.is_available() and os.environ.get("EMBER_INTERPRET", "0") in
 # GEMM autotuning profiles a dozen configurations per new problem on a GPU: the suite checks results, so
 # it runs with the size-based default; tests/test_gpu_gemm.py turns profiling on where it is the subject.
 os.environ.setdefault("EMBER_AUTOTUNE", "0")
+
+
+def pytest_addoption(parser) -> None:
+    tiers.add_option(parser)
+
+
+def pytest_configure(config) -> None:
+    tiers.configure(config)
+
+
+def pytest_terminal_summary(terminalreporter, config) -> None:
+    """Say how to replay this run: its tier, and its order's seed where the order was random."""
+    seed = getattr(config.option, "randomly_seed", None)
+    order = f", in a random order: replay it with --randomly-seed={seed}" if seed is not None else ""
+    terminalreporter.write_line(f"tier {config.getoption('--tier')}{order}")
+
+
+@pytest.fixture
+def fresh_caches(monkeypatch, tmp_path) -> None:
+    """Plans and kernels compiled from here on are new: an empty plan cache in memory and on disk."""
+    use_fresh_caches(monkeypatch, tmp_path)
+
+
+def use_fresh_caches(monkeypatch, tmp_path) -> None:
+    from ember.runtime import plan_cache
+
+    monkeypatch.setattr(plan_cache, "_plans", {})
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
 
 
 @pytest.fixture
@@ -63,13 +101,15 @@ def device(request):
         yield request.param
 
 
-def pytest_collection_modifyitems(items) -> None:
-    """`@pytest.mark.cuda_xfail(reason=...)` marks the test's cuda run, and only that one, xfail(strict)."""
+def pytest_collection_modifyitems(config, items) -> None:
+    """`@pytest.mark.cuda_xfail(reason=...)` marks the test's cuda run, and only that one, xfail(strict); then the
+    tier (`--tier`) keeps its share of the parametrizations."""
     for item in items:
         mark = item.get_closest_marker("cuda_xfail")
         callspec = getattr(item, "callspec", None)
         if mark is not None and callspec is not None and callspec.params.get("device") == "cuda":
             item.add_marker(pytest.mark.xfail(strict=True, **mark.kwargs))
+    tiers.select(config, items)
 
 
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16", "int32", "int64", "bool")
@@ -327,11 +367,9 @@ def plan_unfused(monkeypatch, tmp_path) -> None:
     """From here on, plan without MLP kernels: a fresh plan cache, in memory and on disk, so that no plan made
     with them is found again (a plan's key does not hold the planner's settings)."""
     from ember.compiler import fusion
-    from ember.runtime import plan_cache
 
     monkeypatch.setattr(fusion, "MLP_MAX_WIDTH", 0)
-    monkeypatch.setattr(plan_cache, "_plans", {})
-    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+    use_fresh_caches(monkeypatch, tmp_path)
 
 
 def check_relu_rounding(rows: int) -> None:

@@ -8,6 +8,7 @@ import pytest
 from conftest import ON_GPU
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from tiers import examples
 
 import ember
 from ember.explain import plan
@@ -353,7 +354,7 @@ step = st.tuples(st.sampled_from(["unary", "binary", "reduce", "view", "gather"]
                  st.integers(0, 50), st.integers(0, 20))
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=list(HealthCheck))
 @given(program=st.lists(step, min_size=5, max_size=40),
        shape=st.sampled_from([(4, 6), (3, 5, 7), (17, 3), (2, 3, 4)]),
        seed=st.integers(0, 2**16), outputs=st.integers(1, 4))
@@ -435,7 +436,7 @@ def _degenerate_program(x, reduction, dims, keepdim, after):
     return AFTER[after](r if r.dtype.is_floating_point else r.to(ember.float32))
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=list(HealthCheck))
 @example(shape=[1, 1], reduction="sum", axes=1, keepdim=True, after="clamp", seed=0)
 @example(shape=[1, 1, 0], reduction="amax", axes=4, keepdim=False, after="none", seed=0)
 @given(shape=st.lists(st.sampled_from([0, 1, 1, 2, 3, 5]), min_size=0, max_size=4),

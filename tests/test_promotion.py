@@ -9,10 +9,11 @@ import torch
 from conftest import DTYPES, TORCH, assert_same, to_torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiers import examples
 
 import ember
 
-SETTINGS = settings(max_examples=150, deadline=None)
+SETTINGS = settings(max_examples=examples(150), deadline=None)
 
 dtype_names = st.sampled_from(DTYPES)
 
@@ -86,7 +87,7 @@ BINARY_OPS = {
 NEEDS_TENSORS = {"maximum", "minimum", "logical_and", "cat"}
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(st.sampled_from(sorted(BINARY_OPS)), operand_pairs())
 def test_binary_op_result_dtype_and_values_match_torch(name, pair):
     (ea, ta), (eb, tb) = pair

@@ -151,7 +151,7 @@ class _Cycle:
         self.me = self
 
 
-def test_a_new_plan_freezes_what_is_alive_and_a_refresh_collects_frozen_cycles(monkeypatch):
+def test_a_new_plan_freezes_what_is_alive_and_a_refresh_collects_frozen_cycles(monkeypatch, fresh_caches):
     import weakref
 
     from ember.runtime import collector
@@ -160,7 +160,7 @@ def test_a_new_plan_freezes_what_is_alive_and_a_refresh_collects_frozen_cycles(m
     monkeypatch.setattr(collector, "_freezes", 0)
     held = _Cycle()
     gone = weakref.ref(held)
-    (ember.randn(37, 3, device="cuda") * 1.25 + 0.5).numpy()  # a graph no other test plans: a new plan
+    (ember.randn(37, 3, device="cuda") * 1.25 + 0.5).numpy()  # empty caches: a new plan
     assert collector._freezes == 1 and gc.get_freeze_count() > 0
     del held
     gc.collect()  # the collector does not look at frozen objects
@@ -172,7 +172,7 @@ def test_a_new_plan_freezes_what_is_alive_and_a_refresh_collects_frozen_cycles(m
     gc.unfreeze()
 
 
-def test_gc_freeze_0_leaves_the_collector_alone(monkeypatch):
+def test_gc_freeze_0_leaves_the_collector_alone(monkeypatch, fresh_caches):
     from ember.runtime import collector
 
     monkeypatch.setattr(collector, "ENABLED", False)

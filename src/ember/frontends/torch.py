@@ -6,18 +6,20 @@ at import time and ember's planner fuses it like any ember model (a chain of nar
 MLP kernel). ember updates are functional: training the imported model gives its Parameters new values,
 which torch's tensors do not see (`module.load_state_dict` takes them back).
 
-A torch `nn.Sequential` (nested too) becomes an ember `nn.Sequential` of the same layers. Any other module is
-traced with torch.fx: its forward becomes a list of layer calls, torch functions, Tensor methods and Python
-operators, which the imported module (`Traced`) replays on ember Tensors (ember's functions and methods carry
-torch's names), binding its arguments as torch does. Everything the torch module holds keeps its torch name and
-path, used by the forward or not, so `state_dict()` keys and the order of `parameters()` are the torch model's;
-a tensor held twice (a tied weight) is one ember Parameter. Each module keeps its own training mode.
+A torch `nn.Sequential` (nested too) becomes an ember `nn.Sequential` of the same layers; a subclass with a
+forward of its own (a residual `x + super().forward(x)`) does not. Any other module is traced with torch.fx: its
+forward becomes a list of layer calls, torch functions, Tensor methods and Python operators, which the imported
+module (`Traced`) replays on ember Tensors (ember's functions and methods carry torch's names), binding its
+arguments as torch does. A `torch.fx.GraphModule` is replayed from its own graph, not traced again. Everything
+the torch module holds keeps its torch name and path, used by the forward or not, so `state_dict()` keys and the
+order of `parameters()` are the torch model's; a tensor held twice (a tied weight) is one ember Parameter. Each
+module keeps its own training mode.
 
 Layers: Linear, Conv2d, ConvTranspose2d, BatchNorm1d, BatchNorm2d, LayerNorm, Embedding, MaxPool2d,
 AvgPool2d, AdaptiveAvgPool2d, ReLU, LeakyReLU, Sigmoid, Tanh, GELU, SiLU, Softplus, Softmax, LogSoftmax,
-Identity, Dropout and Flatten. Anything else is an error at import that names it and where it sits: another
-layer the forward calls, a function or Tensor method ember does not have, or a forward torch.fx cannot trace
-(one that branches on its inputs' values).
+Identity, Dropout and Flatten. Anything else is an error at import that names it and where it sits, once: another
+layer the forward calls, a function or Tensor method ember does not have (named with the module whose forward
+calls it), or a forward torch.fx cannot trace (one that branches on its inputs' values).
 """
 
 from __future__ import annotations
@@ -57,14 +59,17 @@ def _where(path: str) -> str:
 
 
 class _Importer:
-    """Converts a torch module tree, collecting every problem before one error names them all. A torch tensor
-    seen twice (a weight tied to two layers) is one ember Parameter or buffer, as a layer used twice is one
-    ember layer."""
+    """Converts a torch module tree, collecting every problem before one error names them all, each once (a
+    layer inside a Sequential that a traced forward calls is seen by both). A torch tensor seen twice (a weight
+    tied to two layers) is one ember Parameter or buffer, as a layer used twice is one ember layer."""
 
     def __init__(self) -> None:
-        self.problems: list[str] = []
+        self.problems: dict[str, None] = {}  # in the order found, each once
         self.done: dict[int, Module] = {}
         self.tensors: dict[int, Tensor] = {}
+
+    def problem(self, text: str) -> None:
+        self.problems[text] = None
 
     def shared(self, t) -> Tensor:
         """The ember Parameter (or buffer) on the torch tensor `t`'s memory."""
@@ -80,17 +85,17 @@ class _Importer:
 
         if id(m) in self.done:
             return self.done[id(m)]
-        if isinstance(m, torch.nn.Sequential):
+        if _is_sequential(m):
             out: Module = nn.Sequential(OrderedDict((name, self.module(child, _join(path, name)))
                                                     for name, child in m.named_children()))
         elif _is_layer(m):
             out = self.layer(m, path)
-        elif type(m).__module__.startswith("torch."):  # a torch layer ember does not have
-            self.problems.append(f"unsupported layer {_where(path)}: {type(m).__name__}")
+        elif type(m).__module__.startswith("torch.") and not isinstance(m, torch.fx.GraphModule):
+            self.problem(f"unsupported layer {_where(path)}: {type(m).__name__}")  # a torch layer ember lacks
             out = nn.Identity()
         else:
             out = Traced(m)
-            self.mirror(out, m, path)
+            self.mirror(out, m, path, _called(m))
         object.__setattr__(out, "training", m.training)  # its own mode (a frozen batch norm in a training model)
         if isinstance(out, Traced):
             out.graph(self, path)  # traced in the modes the torch modules have now
@@ -101,38 +106,90 @@ class _Importer:
         try:
             return _LAYERS[type(m).__name__](m, self)
         except (NotImplementedError, ValueError, TypeError) as error:
-            self.problems.append(f"{_where(path)}: {type(m).__name__}: {error}")
+            self.problem(f"{_where(path)}: {type(m).__name__}: {error}")
             return nn.Identity()
 
-    def mirror(self, out: Module, m, path: str) -> None:
+    def mirror(self, out: Module, m, path: str, called: frozenset[str] = frozenset()) -> None:
         """Register under `out` what the torch module `m` holds, at the same names and in the same order: its
-        parameters and buffers (shared), its layers, and its other submodules as `Part`s holding theirs (a
-        traced forward runs their code itself)."""
-        import torch
-
+        parameters and buffers (shared), its layers, the modules a graph of `m` calls (`called`, paths below
+        `m`), and its other submodules as `Part`s holding theirs (a traced forward runs their code itself)."""
         try:
             _sharing(out, m, self)
             for name, child in m._modules.items():
                 where = _join(path, name)
-                if child is None or isinstance(child, torch.nn.Sequential) or _is_layer(child):
+                if child is None or name in called or _imports_alone(child):
                     out.add_module(name, None if child is None else self.module(child, where))
                 elif id(child) in self.done:
                     out.add_module(name, self.done[id(child)])
-                elif type(child).__module__.startswith("torch.") and not isinstance(
-                        child, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+                elif type(child).__module__.startswith("torch.") and not _is_container(child):
                     # a torch layer ember does not have: an error only if the forward calls it
                     continue
                 else:
                     part = self.done[id(child)] = Part(type(child).__name__)
                     object.__setattr__(part, "training", child.training)
-                    self.mirror(part, child, where)
+                    self.mirror(part, child, where, frozenset(target.removeprefix(f"{name}.") for target in called
+                                                              if target.startswith(f"{name}.")))
                     out.add_module(name, part)
         except KeyError as error:  # a torch name an ember module cannot take
-            self.problems.append(f"{_where(path)}: {error.args[0]}")
+            self.problem(f"{_where(path)}: {error.args[0]}")
 
 
 def _is_layer(m) -> bool:
     return type(m).__name__ in _LAYERS and type(m).__module__.startswith("torch.nn")
+
+
+def _is_sequential(m) -> bool:
+    """A torch Sequential that only chains its layers: a subclass with a forward of its own is traced."""
+    import torch
+
+    return isinstance(m, torch.nn.Sequential) and type(m).forward is torch.nn.Sequential.forward
+
+
+def _imports_alone(m) -> bool:
+    """Whether a torch module becomes an ember module that runs on its own even inside a traced module (whose
+    forward runs the code of its other submodules itself): a layer, a Sequential, a GraphModule."""
+    import torch
+
+    return _is_layer(m) or isinstance(m, (torch.nn.Sequential, torch.fx.GraphModule))
+
+
+def _unsupported(m) -> bool:
+    """Whether a module a graph calls is a torch layer ember does not have (any other module is imported)."""
+    return type(m).__module__.startswith("torch.") and not _imports_alone(m)
+
+
+def _is_container(m) -> bool:
+    """A torch module that only holds others: a ModuleList, a ModuleDict, or a bare `nn.Module` (a GraphModule
+    holds the modules its graph calls at their paths through those)."""
+    import torch
+
+    return isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict)) or type(m) is torch.nn.Module
+
+
+def _called(m) -> frozenset[str]:
+    """The paths of the modules a GraphModule's graph calls: they run as modules of their own, whatever they
+    are (a tracer may keep any module whole)."""
+    import torch
+
+    if not isinstance(m, torch.fx.GraphModule):
+        return frozenset()
+    return frozenset(node.target for node in m.graph.nodes if node.op == "call_module")
+
+
+def _origin(node, m, path: str) -> str:
+    """The module whose forward holds a traced node, as a problem names it: the innermost module torch.fx
+    recorded the node in, so a module traced on its own and inside another's forward name it the same."""
+    name, cls = "", type(m)
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        qualname, entry = next(reversed(stack.items()))
+        inner, kind = entry if isinstance(entry, tuple) else (qualname, entry)
+        try:
+            m.get_submodule(inner)
+            name, cls = inner, kind
+        except AttributeError:  # a stack written by another tracer, under names this module does not have
+            pass
+    return f"{_where(_join(path, name) if name else path)} ({getattr(cls, '__name__', cls)})"
 
 
 @dataclass(frozen=True)
@@ -217,7 +274,8 @@ class Traced(Module):
 
     torch.fx fixes what the forward reads of its modules' training modes (`F.dropout(x, p, self.training)`,
     `if self.training:`) at the trace, so there is one trace per combination of modes its modules have been
-    called in: the import's, and another, traced then, after `train()` or `eval()`."""
+    called in: the import's, and another, traced then, after `train()` or `eval()`. A GraphModule's graph was
+    fixed when it was made: it is the one graph, in any mode (its layers still follow their own)."""
 
     def __init__(self, m) -> None:
         import inspect
@@ -239,30 +297,17 @@ class Traced(Module):
         if modes in self._ember_graphs:
             return self._ember_graphs[modes]
         m = self._ember_torch
-        kept = [(sub, sub.training) for sub in m.modules()]
         before = set(vars(m))
-        tracer = torch.fx.Tracer()
-        tracer.proxy_buffer_attributes = True  # a buffer is read where it lives (shared), not copied as a constant
-        try:
-            for (name, _), flag in zip(self.named_modules(), modes):
-                m.get_submodule(name).training = flag
-            graph = tracer.trace(m)
-        except Exception as error:  # torch.fx's own errors name the construct it cannot trace
-            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            importer.problems.append(f"{_where(path)}: the forward of {type(m).__name__} cannot be traced by "
-                                     f"torch.fx ({reason})")
+        graph = m.graph if isinstance(m, torch.fx.GraphModule) else self._trace(modes, importer, path)
+        if graph is None:
             return None
-        finally:
-            for sub, flag in kept:
-                sub.training = flag
         steps: list[_Step] = []
         index: dict[object, int] = {}
         for node in graph.nodes:
-            where = f"{_where(path)} ({type(m).__name__}, at {node.name})"
             fn = None
-            if node.op == "call_module" and not _is_layer(m.get_submodule(node.target)):
-                importer.problems.append(f"unsupported layer {_join(path, node.target)}: "
-                                         f"{type(m.get_submodule(node.target)).__name__}")
+            if node.op == "call_module" and _unsupported(m.get_submodule(node.target)):
+                importer.problem(f"unsupported layer {_join(path, node.target)}: "
+                                 f"{type(m.get_submodule(node.target)).__name__}")
             elif node.op == "get_attr" and node.target in vars(m) and node.target not in before:
                 # a constant torch.fx set on the torch module while tracing: held here, the module left as it was
                 self.register_buffer(node.target, importer.shared(getattr(m, node.target)), persistent=False)
@@ -270,15 +315,36 @@ class Traced(Module):
             elif node.op == "call_function":
                 fn = _function(node.target)
                 if fn is None:
-                    importer.problems.append(f"{where}: {_name(node.target)} has no ember equivalent")
+                    importer.problem(f"{_origin(node, m, path)}: {_name(node.target)} has no ember equivalent")
             elif node.op == "call_method" and not hasattr(Tensor, node.target):
-                importer.problems.append(f"{where}: Tensor.{node.target} has no ember equivalent")
+                importer.problem(f"{_origin(node, m, path)}: Tensor.{node.target} has no ember equivalent")
             index[node] = len(steps)
             kwargs = {k: v for k, v in node.kwargs.items() if not k.startswith("_")}  # torch's own (_stacklevel)
             steps.append(_Step(node.op, node.name, node.target, fn, _arguments(node.args, index),
                                _arguments(kwargs, index)))
         self._ember_graphs[modes] = steps
         return steps
+
+    def _trace(self, modes: tuple[bool, ...], importer: _Importer, path: str):
+        """The torch module's forward traced by torch.fx with its modules in the training `modes`, or None."""
+        import torch.fx
+
+        m = self._ember_torch
+        kept = [(sub, sub.training) for sub in m.modules()]
+        tracer = torch.fx.Tracer()
+        tracer.proxy_buffer_attributes = True  # a buffer is read where it lives (shared), not copied as a constant
+        try:
+            for (name, _), flag in zip(self.named_modules(), modes):
+                m.get_submodule(name).training = flag
+            return tracer.trace(m)
+        except Exception as error:  # torch.fx's own errors name the construct it cannot trace
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            importer.problem(f"{_where(path)}: the forward of {type(m).__name__} cannot be traced by torch.fx "
+                             f"({reason})")
+            return None
+        finally:
+            for sub, flag in kept:
+                sub.training = flag
 
     def forward(self, *args, **kwargs):
         steps = self._ember_graphs.get(self._modes())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 import ember
 from ember import DeviceError, DTypeError, ShapeError
@@ -295,3 +296,174 @@ def test_known_device_specs_are_accepted(spec):
     x = ember.zeros(2, device=spec)
     assert x.device == ember.Device("cpu")
     assert x.to(spec).device == ember.Device("cpu")
+
+
+# -- objects from outside ember where an ember Tensor belongs ---------------------------------------------
+# A torch tensor, a NumPy array, a list, None or a string given where an op takes an ember Tensor: the error is
+# ember's own (a TypeError, or an ember error), raised at the call, naming the op and what it got (its type,
+# and its shape and dtype where it has them), never an AttributeError from inside ember.
+
+FOREIGN = {
+    "torch_tensor": (lambda: torch.tensor(RNG.standard_normal((3, 4)), dtype=torch.float32),
+                     ["torch.Tensor(shape=(3, 4), dtype=torch.float32"]),
+    "numpy_array": (lambda: RNG.standard_normal((3, 4)).astype(np.float32),
+                    ["numpy.ndarray(shape=(3, 4), dtype=float32)"]),
+    "list": (lambda: RNG.standard_normal((3, 4)).tolist(), ["list ["]),
+    "none": (lambda: None, ["None"]),
+    "string": (lambda: "abc", ["str 'abc'"]),
+}
+
+# (the op the message names, a call given the foreign object)
+FOREIGN_CALLS = {
+    "add": ("add", lambda f: rnd(3, 4) + f),
+    "reflected_add": ("add", lambda f: f + rnd(3, 4)),
+    "mul": ("mul", lambda f: ember.mul(rnd(3, 4), f)),
+    "div_first": ("div", lambda f: ember.div(f, 2.0)),
+    "lt": ("lt", lambda f: rnd(3, 4) < f),
+    "maximum": ("maximum", lambda f: ember.maximum(rnd(3, 4), f)),
+    "where_condition": ("where", lambda f: ember.where(f, rnd(3, 4), rnd(3, 4))),
+    "where_value": ("where", lambda f: ember.where(rnd(3, 4) > 0, rnd(3, 4), f)),
+    "neg": ("neg", lambda f: ember.neg(f)),
+    "abs": ("abs", lambda f: ember.abs(f)),
+    "clamp": ("clamp", lambda f: ember.clamp(f, 0.0, 1.0)),
+    "matmul": ("matmul", lambda f: rnd(2, 3) @ f),
+    "reflected_matmul": ("matmul", lambda f: f @ rnd(4, 2)),
+    "mm": ("mm", lambda f: ember.mm(f, rnd(4, 2))),
+    "bmm": ("bmm", lambda f: ember.bmm(rnd(2, 3, 4), f)),
+    "linear_layer": ("linear", lambda f: ember.nn.Linear(4, 2)(f)),
+    "linear_weight": ("linear", lambda f: ember.nn.functional.linear(rnd(3, 4), f)),
+    "sequential": ("linear", lambda f: ember.nn.Sequential(ember.nn.Linear(4, 2), ember.nn.ReLU())(f)),
+    "conv2d_layer": ("conv2d", lambda f: ember.nn.Conv2d(3, 2, 3)(f)),
+    "conv2d_weight": ("conv2d", lambda f: ember.conv2d(rnd(1, 3, 5, 5), f)),
+    "conv_transpose2d_layer": ("conv_transpose2d", lambda f: ember.nn.ConvTranspose2d(3, 2, 3)(f)),
+    "embedding_layer": ("embedding", lambda f: ember.nn.Embedding(5, 3)(f)),
+    "embedding_weight": ("embedding", lambda f: ember.embedding(ints(0, 1), f)),
+    "cross_entropy_input": ("cross_entropy", lambda f: ember.nn.functional.cross_entropy(f, ints(0, 1, 2))),
+    "cross_entropy_target": ("cross_entropy", lambda f: ember.nn.CrossEntropyLoss()(rnd(3, 4), f)),
+    "nll_loss_target": ("nll_loss", lambda f: ember.nn.functional.nll_loss(rnd(3, 4), f)),
+    "mse_loss_target": ("mse_loss", lambda f: ember.nn.MSELoss()(rnd(3, 4), f)),
+    "bce_with_logits_input": ("binary_cross_entropy_with_logits",
+                              lambda f: ember.nn.functional.binary_cross_entropy_with_logits(f, rnd(3, 4))),
+    "layer_norm_layer": ("layer_norm", lambda f: ember.nn.LayerNorm(4)(f)),
+    "batch_norm_layer": ("BatchNorm2d", lambda f: ember.nn.BatchNorm2d(3)(f)),
+    "softmax": ("softmax", lambda f: ember.softmax(f, -1)),
+    "functional_softmax": ("softmax", lambda f: ember.nn.functional.softmax(f, dim=-1)),
+    "log_softmax_layer": ("log_softmax", lambda f: ember.nn.LogSoftmax(dim=-1)(f)),
+    "sum": ("sum", lambda f: ember.sum(f)),
+    "mean": ("mean", lambda f: ember.mean(f, 0)),
+    "argmax": ("argmax", lambda f: ember.argmax(f)),
+    "relu_layer": ("relu", lambda f: ember.nn.ReLU()(f)),
+    "dropout_layer": ("dropout", lambda f: ember.nn.Dropout(0.5)(f)),
+    "max_pool2d_layer": ("max_pool2d", lambda f: ember.nn.MaxPool2d(2)(f)),
+    "adaptive_avg_pool2d": ("adaptive_avg_pool2d", lambda f: ember.nn.functional.adaptive_avg_pool2d(f, 1)),
+    "flatten_layer": ("flatten", lambda f: ember.nn.Flatten()(f)),
+    "reshape": ("reshape", lambda f: ember.reshape(f, (12,))),
+    "transpose": ("transpose", lambda f: ember.transpose(f, 0, 1)),
+    "pad": ("pad", lambda f: ember.nn.functional.pad(f, (1, 1))),
+    "expand": ("expand", lambda f: ember.expand(f, 3, 4)),
+    "cat_item": ("cat", lambda f: ember.cat([rnd(3, 4), f])),
+    "cat_sequence": ("cat", lambda f: ember.cat(f)),
+    "stack_item": ("stack", lambda f: ember.stack([rnd(3, 4), f])),
+    "gather_index": ("gather", lambda f: ember.gather(rnd(3, 4), 1, f)),
+    "index_select_index": ("index_select", lambda f: ember.index_select(rnd(3, 4), 0, f)),
+    "masked_fill_mask": ("masked_fill", lambda f: rnd(3, 4).masked_fill(f, 0.0)),
+    "one_hot": ("one_hot", lambda f: ember.one_hot(f, 4)),
+    "sgd_params": ("SGD", lambda f: ember.optim.SGD([f], lr=0.1)),
+    "adam_params": ("Adam", lambda f: ember.optim.Adam([rnd(2).requires_grad_(), f])),
+    "param_group": ("AdamW", lambda f: ember.optim.AdamW([{"params": [f]}])),
+}
+
+
+@pytest.mark.parametrize("kind", list(FOREIGN))
+@pytest.mark.parametrize("name", list(FOREIGN_CALLS))
+def test_a_foreign_object_where_a_tensor_belongs_is_refused_naming_the_op_and_what_came(name, kind,
+                                                                                       no_realization):
+    op, call = FOREIGN_CALLS[name]
+    make, fragments = FOREIGN[kind]
+    with pytest.raises((TypeError, ember.EmberError)) as info:
+        call(make())
+    message = str(info.value)
+    assert not isinstance(info.value, AttributeError)
+    missing = [f for f in [op, *fragments] if f not in message]
+    assert not missing, f"message {message!r} lacks {missing}"
+
+
+@pytest.mark.parametrize("data", [torch.ones(3, 4), np.ones((3, 4), np.float32), [[1.0] * 4] * 3],
+                         ids=["torch_tensor", "numpy_array", "list"])
+def test_the_refusal_of_an_array_or_list_says_how_to_convert_it(data, no_realization):
+    with pytest.raises(TypeError, match=r"^linear: input must be an ember Tensor, got .*; convert it with "
+                                        r"ember\.tensor\(x\)"):
+        ember.nn.Linear(4, 2)(data)
+
+
+def test_a_torch_tensor_given_to_an_ember_layer_gets_the_error_the_layer_means(no_realization):
+    # the message code once read `.name` of the torch dtype and raised AttributeError instead
+    with pytest.raises(TypeError) as info:
+        ember.nn.Linear(4, 2)(torch.randn(3, 4))
+    assert str(info.value).startswith("linear: input must be an ember Tensor, got torch.Tensor(shape=(3, 4), "
+                                      "dtype=torch.float32, device=cpu)")
+
+
+@pytest.mark.parametrize("params", [None, "abc", torch.randn(3), np.ones(3)], ids=["none", "string", "torch", "numpy"])
+def test_an_optimizer_given_no_iterable_of_parameters_says_what_it_got(params):
+    with pytest.raises(TypeError, match=r"^SGD: params must be an iterable of ember Tensors or dicts"):
+        ember.optim.SGD(params, lr=0.1)
+
+
+@pytest.mark.parametrize("template", [torch.randn(3, 4, dtype=torch.float64), np.ones((3, 4))],
+                         ids=["torch_tensor", "numpy_array"])
+def test_another_librarys_array_serves_as_a_template_of_shape_dtype_and_device(template):
+    assert rnd(1, 4).expand_as(template).shape == (3, 4)
+    assert rnd(12).view_as(template).shape == (3, 4)
+    made = ember.zeros_like(template)
+    assert (made.shape, made.dtype) == ((3, 4), ember.float64)
+    assert ember.randn_like(template).shape == (3, 4)
+
+
+@pytest.mark.parametrize("template", [None, "abc", [1.0, 2.0]], ids=["none", "string", "list"])
+def test_a_template_without_a_shape_is_refused_naming_the_op(template, no_realization):
+    with pytest.raises(TypeError, match="^expand_as: other must be an ember Tensor"):
+        rnd(1, 4).expand_as(template)
+    with pytest.raises(TypeError, match="^zeros_like: input must be an ember Tensor"):
+        ember.zeros_like(template)
+
+
+@pytest.mark.parametrize("data", [torch.tensor([[0.5, -1.0]]), np.array([[0.5, -1.0]], np.float32), [[0.5, -1.0]]],
+                         ids=["torch_tensor", "numpy_array", "list"])
+def test_ops_that_take_data_convert_it_as_ember_tensor_does(data):
+    expected = np.array([[0.5, -1.0]], np.float32)
+    np.testing.assert_allclose(ember.exp(data).numpy(), np.exp(expected), rtol=1e-6)
+    np.testing.assert_allclose(ember.sigmoid(data).numpy(), 1 / (1 + np.exp(-expected)), rtol=1e-6)
+    x = ember.zeros(1, 2)
+    x.copy_(data)
+    np.testing.assert_array_equal(x.numpy(), expected)
+    x[0] = data[0]
+    np.testing.assert_array_equal(x.numpy(), expected)
+
+
+@pytest.mark.parametrize("call", [lambda: ember.exp(None), lambda: ember.zeros(2).copy_("abc"),
+                                  lambda: ember.zeros(2).__setitem__(0, None), lambda: ember.rsqrt("abc")],
+                         ids=["exp_none", "copy_string", "setitem_none", "rsqrt_string"])
+def test_data_that_cannot_be_converted_is_refused_naming_the_op(call, no_realization):
+    with pytest.raises(TypeError, match=r"^(exp|copy_|setitem|rsqrt): (input|value) must be an ember Tensor, a "
+                                        r"number or data that ember\.tensor takes"):
+        call()
+
+
+@pytest.mark.parametrize("target", [torch.randn(3), np.ones(3), [1.0]], ids=["torch_tensor", "numpy_array", "list"])
+def test_to_given_an_array_says_what_it_takes(target, no_realization):
+    with pytest.raises(TypeError, match="^to: expected a dtype, a device or an ember Tensor, got"):
+        rnd(3).to(target)
+
+
+def test_describe_shows_any_object_without_computing_it(no_realization):
+    from ember.errors import describe
+
+    pending = rnd(2) * 2
+    assert describe(pending) == "Tensor(shape=(2,), dtype=float32, device=cpu)"
+    assert describe([pending, 3]) == "list [Tensor(shape=(2,), dtype=float32, device=cpu), 3]"
+    assert describe(torch.zeros(2, 3, dtype=torch.int64)) == "torch.Tensor(shape=(2, 3), dtype=torch.int64, device=cpu)"
+    assert describe(np.zeros(2, np.float16)) == "numpy.ndarray(shape=(2,), dtype=float16)"
+    assert describe(None) == "None" and describe(2.5) == "2.5" and describe("a") == "str 'a'"
+    assert describe(list(range(100))) == "list [0, 1, 2, 3, ...]"
+    assert len(describe({"k": "v" * 500})) < 100

@@ -14,6 +14,7 @@ import numpy as np
 from ember import autograd, dtypes
 from ember.device import Device, as_device, check_memory_format
 from ember.dtypes import DType
+from ember.errors import describe, not_a_tensor
 from ember.ir import Node, Op
 from ember.runtime import executor
 from ember.runtime.executor import realize as _realize_nodes
@@ -280,17 +281,17 @@ class Tensor:
         self._node = node
         _hold(node, self)
 
-    def assign(self, value) -> Tensor:
+    def assign(self, value, op: str = "assign") -> Tensor:
         """Make this Tensor show `value` from now on (same shape); the core of every `x.op_()`."""
         # the op modules import this one: they load after it
         from ember.ops.movement import broadcast_to
-        from ember.ops.pointwise import as_tensor, cast
+        from ember.ops.pointwise import cast, converted
 
-        value = as_tensor(value, like=self)
+        value = converted(op, "value", value, like=self)
         if value.device != self.device:
             value = value.to(self.device)
         if value.shape != self.shape:
-            value = broadcast_to(value, self.shape, op="assign")
+            value = broadcast_to(value, self.shape, op=op)
         if value.dtype is not self.dtype:
             value = cast(value, self.dtype)
         if self.is_leaf and self.requires_grad and autograd.is_grad_enabled():
@@ -307,13 +308,13 @@ class Tensor:
         return self
 
     def copy_(self, src) -> Tensor:
-        return self.assign(src)
+        return self.assign(src, op="copy_")
 
     def zero_(self) -> Tensor:
         return self.assign(0)
 
     def fill_(self, value) -> Tensor:
-        return self.assign(value)
+        return self.assign(value, op="fill_")
 
 
 def to_arguments(args: tuple, kwargs: dict) -> tuple:
@@ -339,6 +340,8 @@ def to_arguments(args: tuple, kwargs: dict) -> tuple:
                 device = a
         elif type(a).__name__ == "device":
             device = str(a)
+        elif (hasattr(a, "__array__") and not isinstance(a, type)) or isinstance(a, (list, tuple)):
+            raise TypeError(f"to: expected a dtype, a device or an ember Tensor, got {describe(a)}")
         else:
             dtype = a
     return dtype, device
@@ -364,9 +367,21 @@ def _hold(node: Node, tensor: Tensor) -> None:
     handles.append(weakref.ref(tensor))
 
 
+def expect_tensors(op: str, **arguments) -> None:
+    """Raise ember's TypeError, naming `op`, the argument and what it got, for each of `arguments` (by
+    their names in `op`'s signature) that is not an ember Tensor."""
+    for name, value in arguments.items():
+        if not isinstance(value, Tensor):
+            raise not_a_tensor(op, name, value)
+
+
 def apply(op: Op, *inputs: Tensor, **attrs) -> Tensor:
     """Add primitive `op` to the graph; record it for autograd when an input needs gradients."""
-    node = Node.make(op, tuple(t._node for t in inputs), **attrs)
+    try:
+        nodes = tuple(t._node for t in inputs)
+    except AttributeError:  # an op that let another library's array through
+        raise not_a_tensor(op.label, "input", next(t for t in inputs if not isinstance(t, Tensor))) from None
+    node = Node.make(op, nodes, **attrs)
     if (autograd.is_grad_enabled() and node.dtype.is_floating_point and autograd.differentiable(op)
             and any(t.requires_grad for t in inputs)):
         return Tensor(node, True, autograd.Function(op, attrs, inputs, node))

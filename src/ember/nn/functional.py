@@ -42,9 +42,9 @@ from ember.ops import relu as _relu
 from ember.ops import silu as _silu
 from ember.ops import softmax as _softmax
 from ember.ops.index import index_select
-from ember.ops.pointwise import abs, broadcast_shapes, cast, exp, log, log1p, maximum, where
+from ember.ops.pointwise import abs, broadcast_shapes, cast, converted, exp, log, log1p, maximum, where
 from ember.runtime.executor import realize_with_next
-from ember.tensor import Tensor, realize
+from ember.tensor import Tensor, expect_tensors, realize
 
 __all__ = [
     "adaptive_avg_pool2d", "adaptive_max_pool2d", "avg_pool2d", "batch_norm", "binary_cross_entropy",
@@ -87,7 +87,7 @@ def hardtanh(input: Tensor, min_val: float = -1.0, max_val: float = 1.0, inplace
 
 
 def logsigmoid(input: Tensor) -> Tensor:
-    return -softplus(-input)
+    return -softplus(-converted("logsigmoid", "input", input))
 
 
 def dropout(input: Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> Tensor:
@@ -104,11 +104,13 @@ def _softmax_dim(name: str, dim: int | None, ndim: int) -> int:
 
 @amp.float32
 def softmax(input: Tensor, dim: int | None = None, dtype=None) -> Tensor:
+    expect_tensors("softmax", input=input)
     return _softmax(input, _softmax_dim("softmax", dim, input.ndim), dtype=dtype)
 
 
 @amp.float32
 def log_softmax(input: Tensor, dim: int | None = None, dtype=None) -> Tensor:
+    expect_tensors("log_softmax", input=input)
     return _log_softmax(input, _softmax_dim("log_softmax", dim, input.ndim), dtype=dtype)
 
 
@@ -127,8 +129,7 @@ def pad(input: Tensor, pad: list[int], mode: str = "constant", value: float | No
 
 def _check_float(fn: str, *tensors: Tensor) -> None:
     for t in tensors:
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{fn}: expected Tensors, got {type(t).__name__}")
+        expect_tensors(fn, input=t)
         if not t.dtype.is_floating_point:
             raise DTypeError(f"{fn}: expected floating-point tensors, got {operands(*tensors)}")
 
@@ -160,6 +161,8 @@ def layer_norm(input: Tensor, normalized_shape, weight: Tensor | None = None, bi
     if k == 0 or input.shape[input.ndim - k:] != shape:
         raise ShapeError(f"layer_norm: input of shape {input.shape} does not end in normalized_shape {shape}")
     for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None:
+            expect_tensors("layer_norm", **{name: t})
         if t is not None and t.shape != shape:
             raise ShapeError(f"layer_norm: {name} of shape {t.shape} must have normalized_shape {shape}")
     x = _opmath(input)
@@ -260,6 +263,7 @@ def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor |
                     ("bias", bias)):
         if t is None:
             continue
+        expect_tensors("batch_norm", **{name: t})
         if t.shape != (c,):
             raise ShapeError(f"batch_norm: {name} of shape {t.shape} must have shape ({c},) for input {input.shape}")
         if t.dtype is not input.dtype and t.dtype is not x.dtype:
@@ -356,8 +360,7 @@ def _nll(logp: Tensor, target: Tensor, weight: Tensor | None, ignore_index: int,
 
 
 def _check_index_target(fn: str, target: Tensor) -> None:
-    if not isinstance(target, Tensor):
-        raise TypeError(f"{fn}: target must be a Tensor, got {type(target).__name__}")
+    expect_tensors(fn, target=target)
     if not target.dtype.is_integer:
         raise DTypeError(f"{fn}: target must hold class indices (an integer tensor), got {operands(target)}")
 
@@ -389,8 +392,7 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, *
     uniform distribution. Reductions and the way these combine follow PyTorch exactly.
     """
     _check_float("cross_entropy", input)
-    if not isinstance(target, Tensor):
-        raise TypeError(f"cross_entropy: target must be a Tensor, got {type(target).__name__}")
+    expect_tensors("cross_entropy", target=target)
     _check_reduction("cross_entropy", reduction)
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}")
@@ -438,8 +440,7 @@ def _cross_entropy_probabilities(logp: Tensor, target: Tensor, weight: Tensor | 
 
 def _check_pair(fn: str, input: Tensor, target: Tensor, same_shape: bool) -> None:
     _check_float(fn, input)
-    if not isinstance(target, Tensor):
-        raise TypeError(f"{fn}: target must be a Tensor, got {type(target).__name__}")
+    expect_tensors(fn, target=target)
     if same_shape and target.shape != input.shape:
         raise ShapeError(f"{fn}: target of shape {target.shape} must have the input's shape {input.shape} "
                          f"({operands(input, target)})")

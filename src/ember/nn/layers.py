@@ -14,6 +14,7 @@ from ember.nn import functional as F
 from ember.nn import init
 from ember.nn.module import Module, Parameter
 from ember.ops.creation import arange, empty
+from ember.ops.movement import flatten
 from ember.ops.pointwise import where
 from ember.tensor import Tensor
 
@@ -228,7 +229,7 @@ class Flatten(Module):
         self.start_dim, self.end_dim = start_dim, end_dim
 
     def forward(self, input: Tensor) -> Tensor:
-        return input.flatten(self.start_dim, self.end_dim)
+        return flatten(input, self.start_dim, self.end_dim)
 
     def extra_repr(self) -> str:
         return f"start_dim={self.start_dim}, end_dim={self.end_dim}"

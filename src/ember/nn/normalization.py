@@ -13,7 +13,7 @@ from ember.nn import functional as F
 from ember.nn import init
 from ember.nn.module import Module, Parameter
 from ember.ops.creation import empty, ones, tensor, zeros
-from ember.tensor import Tensor
+from ember.tensor import Tensor, expect_tensors
 
 
 class _BatchNorm(Module):
@@ -58,6 +58,7 @@ class _BatchNorm(Module):
             init.zeros_(self.bias)
 
     def forward(self, input: Tensor) -> Tensor:
+        expect_tensors(type(self).__name__, input=input)
         if input.ndim not in self._dims:
             raise ShapeError(f"{type(self).__name__}: expected {' or '.join(f'{d}-d' for d in self._dims)} input, "
                              f"got shape {input.shape}")

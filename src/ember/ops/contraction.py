@@ -12,12 +12,10 @@ from ember.ir import Op
 from ember.ir.ops import check_shape, define
 from ember.ops.movement import expand, pad, reshape, squeeze, unsqueeze
 from ember.ops.pointwise import _check_devices, broadcast_shapes
-from ember.tensor import Tensor, apply
+from ember.tensor import Tensor, apply, expect_tensors
 
 
 def _check_operands(op: str, a: Tensor, b: Tensor) -> None:
-    if not isinstance(a, Tensor) or not isinstance(b, Tensor):
-        raise TypeError(f"{op}: expected two Tensors, got {operands(a, b)}")
     _check_devices(op, [a, b])
     if a.dtype is not b.dtype:
         raise DTypeError(f"{op}: operands must have the same dtype, got {operands(a, b)}; "
@@ -29,6 +27,7 @@ def _check_operands(op: str, a: Tensor, b: Tensor) -> None:
 @amp.lower_precision
 def matmul(a: Tensor, b: Tensor) -> Tensor:
     """torch.matmul: 1-d operands are promoted and squeezed, batch dims broadcast."""
+    expect_tensors("matmul", input=a, other=b)
     _check_operands("matmul", a, b)
     if a.ndim == 0 or b.ndim == 0:
         raise ShapeError(f"matmul: both operands need at least 1 dim, got {operands(a, b)}")
@@ -59,6 +58,7 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
 
 @amp.lower_precision
 def mm(a: Tensor, b: Tensor) -> Tensor:
+    expect_tensors("mm", input=a, mat2=b)
     if a.ndim != 2 or b.ndim != 2:
         raise ShapeError(f"mm: expects 2-d operands, got {operands(a, b)}")
     return matmul(a, b)
@@ -66,24 +66,30 @@ def mm(a: Tensor, b: Tensor) -> Tensor:
 
 @amp.lower_precision
 def bmm(a: Tensor, b: Tensor) -> Tensor:
+    expect_tensors("bmm", input=a, mat2=b)
     if a.ndim != 3 or b.ndim != 3 or a.shape[0] != b.shape[0]:
         raise ShapeError(f"bmm: expects 3-d operands with equal batch, got {operands(a, b)}")
     return matmul(a, b)
 
 
 def dot(a: Tensor, b: Tensor) -> Tensor:
+    expect_tensors("dot", input=a, tensor=b)
     if a.ndim != 1 or b.ndim != 1:
         raise ShapeError(f"dot: expects 1-d operands, got {operands(a, b)}")
     return matmul(a, b)
 
 
 def outer(a: Tensor, b: Tensor) -> Tensor:
+    expect_tensors("outer", input=a, vec2=b)
     return reshape(a, (-1, 1)) * reshape(b, (1, -1))
 
 
 @amp.lower_precision
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x @ weight.T + bias, as torch.nn.functional.linear."""
+    expect_tensors("linear", input=x, weight=weight)
+    if bias is not None:
+        expect_tensors("linear", bias=bias)
     if weight.ndim not in (1, 2):
         raise ShapeError(f"linear: weight must be 1-d or 2-d, got shape {weight.shape}")
     if x.ndim == 0 or x.shape[-1] != weight.shape[-1]:
@@ -102,6 +108,7 @@ def _pair(op: str, name: str, v) -> tuple[int, int]:
 
 def _batched(op: str, x: Tensor, weight: Tensor, weight_layout: str) -> tuple[Tensor, bool]:
     """A convolution's checked operands: x with a batch axis (added if x is unbatched), and whether it was."""
+    expect_tensors(op, input=x, weight=weight)
     _check_operands(op, x, weight)
     unbatched = x.ndim == 3
     if unbatched:
@@ -157,6 +164,7 @@ def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padd
     out = apply(Op.CONV2D, x, weight, stride=stride, padding=padding, dilation=dilation, groups=groups,
                 **_layout_request("conv2d", memory_format))
     if bias is not None:
+        expect_tensors("conv2d", bias=bias)
         if bias.shape != (o,):
             raise ShapeError(f"conv2d: bias must have shape ({o},), got {bias.shape}")
         out = out + reshape(bias, (1, o, 1, 1))
@@ -193,6 +201,7 @@ def conv_transpose2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stri
     out = apply(Op.CONV2D_INPUT_GRAD, x, weight, input_size=size, stride=stride, padding=padding,
                 dilation=dilation, groups=groups, **_layout_request("conv_transpose2d", memory_format))
     if bias is not None:
+        expect_tensors("conv_transpose2d", bias=bias)
         if bias.shape != (og * groups,):
             raise ShapeError(f"conv_transpose2d: bias must have shape ({og * groups},), got {bias.shape}")
         out = out + reshape(bias, (1, og * groups, 1, 1))

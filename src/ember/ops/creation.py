@@ -17,7 +17,7 @@ import numpy as np
 from ember import dtypes
 from ember.device import as_device
 from ember.dtypes import DType
-from ember.errors import DTypeError, ShapeError
+from ember.errors import DTypeError, ShapeError, not_a_tensor
 from ember.ir import Node, Op
 from ember.ir.ops import NOT_DIFFERENTIABLE, define
 from ember.ops import movement, pointwise  # modules, not names: both import this one in turn
@@ -137,24 +137,32 @@ def empty(*size, dtype=None, device=None, requires_grad: bool = False) -> Tensor
     return zeros(*size, dtype=dtype, device=device, requires_grad=requires_grad)
 
 
-def _like(x: Tensor, dtype, device) -> dict:
-    return {"dtype": dtype or x.dtype, "device": device or x.device}
+def _like(op: str, x: Tensor, dtype, device) -> tuple[tuple[int, ...], dict]:
+    """The shape of `op`'s (`zeros_like`...) result, and its dtype and device: those asked, else x's (an
+    ember Tensor, or another library's array, read as a template)."""
+    if not isinstance(x, Tensor) and not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise not_a_tensor(op, "input", x)
+    return tuple(x.shape), {"dtype": dtype or x.dtype, "device": device or x.device}
 
 
 def zeros_like(x: Tensor, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
-    return zeros(x.shape, **_like(x, dtype, device), requires_grad=requires_grad)
+    shape, like = _like("zeros_like", x, dtype, device)
+    return zeros(shape, **like, requires_grad=requires_grad)
 
 
 def ones_like(x: Tensor, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
-    return ones(x.shape, **_like(x, dtype, device), requires_grad=requires_grad)
+    shape, like = _like("ones_like", x, dtype, device)
+    return ones(shape, **like, requires_grad=requires_grad)
 
 
 def empty_like(x: Tensor, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
-    return zeros_like(x, dtype, device, requires_grad)
+    shape, like = _like("empty_like", x, dtype, device)
+    return zeros(shape, **like, requires_grad=requires_grad)
 
 
 def full_like(x: Tensor, fill_value, dtype=None, device=None, requires_grad: bool = False) -> Tensor:
-    return full(x.shape, fill_value, **_like(x, dtype, device), requires_grad=requires_grad)
+    shape, like = _like("full_like", x, dtype, device)
+    return full(shape, fill_value, **like, requires_grad=requires_grad)
 
 
 def arange(start, end=None, step=1, dtype=None, device=None, requires_grad: bool = False) -> Tensor:

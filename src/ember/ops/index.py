@@ -14,12 +14,13 @@ from ember.ir import Op
 from ember.ir.ops import define
 from ember.ops.creation import arange, tensor, zeros
 from ember.ops.movement import broadcast_to, expand, normalize_dim, permute, reshape, slice_axis
-from ember.ops.pointwise import _check_devices, as_tensor, broadcast_shapes, cast, expand_to, where
-from ember.tensor import Tensor, apply
+from ember.ops.pointwise import _check_devices, broadcast_shapes, cast, converted, expand_to, where
+from ember.tensor import Tensor, apply, expect_tensors
 
 
 def _check_index(op: str, x: Tensor, index: Tensor) -> None:
-    if not isinstance(index, Tensor) or not index.dtype.is_integer:
+    expect_tensors(op, input=x, index=index)
+    if not index.dtype.is_integer:
         raise DTypeError(f"{op}: index must be an integer tensor (int64 or int32), got {operands(index)}")
     _check_devices(op, [x, index])
 
@@ -58,6 +59,7 @@ def take_along_dim(x: Tensor, indices: Tensor, dim: int) -> Tensor:
 def scatter_add(x: Tensor, dim: int, index: Tensor, src: Tensor) -> Tensor:
     """out = x, then out[index[i][j]][j] += src[i][j] for dim 0 (torch.scatter_add)."""
     _check_index("scatter_add", x, index)
+    expect_tensors("scatter_add", src=src)
     _check_devices("scatter_add", [x, src])
     axis = normalize_dim("scatter_add", dim, x.ndim)
     check_bounds("scatter_add", index, x.shape[axis], axis)
@@ -91,7 +93,8 @@ def index_select(x: Tensor, dim: int, index: Tensor) -> Tensor:
 
 def embedding(index: Tensor, weight: Tensor, padding_idx: int | None = None) -> Tensor:
     """Rows of `weight` picked by `index`; the output has shape index.shape + (embedding_dim,)."""
-    if not isinstance(index, Tensor) or not index.dtype.is_integer:
+    expect_tensors("embedding", input=index, weight=weight)
+    if not index.dtype.is_integer:
         raise DTypeError(f"embedding: indices must be an integer tensor, got {operands(index)}")
     if weight.ndim != 2:
         raise ShapeError(f"embedding: weight must be 2-d (num_embeddings, dim), got shape {weight.shape}")
@@ -105,7 +108,8 @@ def embedding(index: Tensor, weight: Tensor, padding_idx: int | None = None) -> 
 
 def one_hot(index: Tensor, num_classes: int = -1) -> Tensor:
     """int64 one-hot encoding; num_classes=-1 reads the largest index (a sync point)."""
-    if not isinstance(index, Tensor) or not index.dtype.is_integer:
+    expect_tensors("one_hot", input=index)
+    if not index.dtype.is_integer:
         raise DTypeError(f"one_hot: expects an integer tensor, got {operands(index)}")
     if num_classes == -1:
         num_classes = int(index.max().item()) + 1 if index.numel() else 0
@@ -284,7 +288,7 @@ def _last_writes(flat_pos: Tensor, flat_value: Tensor) -> tuple[Tensor, Tensor]:
 def setitem(x: Tensor, index, value) -> None:
     """`x[index] = value`: the positions the index selects are scattered back into x, lazily."""
     positions = getitem(reshape(arange(x.numel(), device=x.device), x.shape), index)
-    value = as_tensor(value, like=x)
+    value = converted("setitem", "value", value, like=x)
     if value.shape != positions.shape:
         value = broadcast_to(value, positions.shape, op="setitem")
     carrier = x.dtype if x.dtype is not dtypes.bool_ else dtypes.uint8

@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
 from ember import dtypes
 from ember.device import check_memory_format, contiguous_format
-from ember.errors import ShapeError
+from ember.errors import ShapeError, describe, not_a_tensor
 from ember.ir import Op
 from ember.ir.ops import check_shape, define
 from ember.ops import creation, pointwise  # modules, not names: both import this one in turn
-from ember.tensor import Tensor, apply
+from ember.tensor import Tensor, apply, expect_tensors
 
 
 def normalize_dim(op: str, dim: int, ndim: int) -> int:
@@ -57,6 +57,7 @@ def _sizes(op: str, args) -> tuple[int, ...]:
 
 
 def reshape(x: Tensor, *shape) -> Tensor:
+    expect_tensors("reshape", input=x)
     shape = _sizes("reshape", shape)
     if shape.count(-1) > 1:
         raise ShapeError(f"reshape: only one dimension can be -1, got {shape}")
@@ -77,15 +78,25 @@ def reshape(x: Tensor, *shape) -> Tensor:
 view = reshape
 
 
+def _shape_of(op: str, other) -> tuple[int, ...]:
+    """The shape of `op`'s argument `other`: an ember Tensor, or another library's array."""
+    if not hasattr(other, "shape"):
+        raise not_a_tensor(op, "other", other)
+    return tuple(other.shape)
+
+
 def view_as(x: Tensor, other: Tensor) -> Tensor:
-    return reshape(x, other.shape)
+    expect_tensors("view_as", input=x)
+    return reshape(x, _shape_of("view_as", other))
 
 
 def reshape_as(x: Tensor, other: Tensor) -> Tensor:
-    return reshape(x, other.shape)
+    expect_tensors("reshape_as", input=x)
+    return reshape(x, _shape_of("reshape_as", other))
 
 
 def permute(x: Tensor, *dims) -> Tensor:
+    expect_tensors("permute", input=x)
     dims = _sizes("permute", dims)
     if len(dims) != x.ndim:
         raise ShapeError(f"permute: {len(dims)} dims {dims} given for a tensor of shape {x.shape}")
@@ -94,6 +105,7 @@ def permute(x: Tensor, *dims) -> Tensor:
 
 
 def transpose(x: Tensor, dim0: int, dim1: int) -> Tensor:
+    expect_tensors("transpose", input=x)
     if x.ndim == 0:
         return x
     a, b = normalize_dim("transpose", dim0, x.ndim), normalize_dim("transpose", dim1, x.ndim)
@@ -106,6 +118,7 @@ swapaxes = transpose
 
 
 def t(x: Tensor) -> Tensor:
+    expect_tensors("t", input=x)
     if x.ndim > 2:
         raise ShapeError(f"t: expects a tensor of at most 2 dims, got shape {x.shape}; use transpose or .mT")
     return transpose(x, 0, 1) if x.ndim == 2 else x
@@ -122,6 +135,7 @@ def mT(x: Tensor) -> Tensor:  # noqa: N802
 
 
 def expand(x: Tensor, *sizes) -> Tensor:
+    expect_tensors("expand", input=x)
     sizes = _sizes("expand", sizes)
     if len(sizes) < x.ndim:
         raise ShapeError(f"expand: the number of sizes {sizes} must be at least the tensor's dims {x.shape}")
@@ -151,10 +165,12 @@ def expand(x: Tensor, *sizes) -> Tensor:
 
 
 def expand_as(x: Tensor, other: Tensor) -> Tensor:
-    return expand(x, other.shape)
+    expect_tensors("expand_as", input=x)
+    return expand(x, _shape_of("expand_as", other))
 
 
 def broadcast_to(x: Tensor, shape, op: str = "broadcast_to") -> Tensor:
+    expect_tensors(op, input=x)
     try:
         return expand(x, tuple(shape))
     except ShapeError:
@@ -162,17 +178,20 @@ def broadcast_to(x: Tensor, shape, op: str = "broadcast_to") -> Tensor:
 
 
 def squeeze(x: Tensor, dim=None) -> Tensor:
+    expect_tensors("squeeze", input=x)
     dims = normalize_dims("squeeze", dim, x.ndim)
     keep = tuple(s for i, s in enumerate(x.shape) if not (i in dims and s == 1))
     return reshape(x, keep)
 
 
 def unsqueeze(x: Tensor, dim: int) -> Tensor:
+    expect_tensors("unsqueeze", input=x)
     d = normalize_dim("unsqueeze", dim, x.ndim + 1)
     return reshape(x, x.shape[:d] + (1,) + x.shape[d:])
 
 
 def flatten(x: Tensor, start_dim: int = 0, end_dim: int = -1) -> Tensor:
+    expect_tensors("flatten", input=x)
     if x.ndim == 0:
         return reshape(x, (1,))
     a, b = normalize_dim("flatten", start_dim, x.ndim), normalize_dim("flatten", end_dim, x.ndim)
@@ -182,6 +201,7 @@ def flatten(x: Tensor, start_dim: int = 0, end_dim: int = -1) -> Tensor:
 
 
 def unflatten(x: Tensor, dim: int, sizes) -> Tensor:
+    expect_tensors("unflatten", input=x)
     d = normalize_dim("unflatten", dim, x.ndim)
     return reshape(x, x.shape[:d] + tuple(sizes) + x.shape[d + 1:])
 
@@ -190,11 +210,13 @@ def contiguous(x: Tensor, memory_format=contiguous_format) -> Tensor:
     """Views are folded into index arithmetic, so there is nothing to copy. A `memory_format` (torch's
     names) is accepted: where activations are laid out is the compiler's choice (ember.set_conv_memory_format,
     conv2d's memory_format)."""
+    expect_tensors("contiguous", input=x)
     check_memory_format("contiguous", memory_format)
     return x
 
 
 def clone(x: Tensor) -> Tensor:
+    expect_tensors("clone", input=x)
     return x + 0 if x.requires_grad else x.detach()
 
 
@@ -204,6 +226,7 @@ def slice_axis(x: Tensor, axis: int, start: int, stop: int, step: int = 1) -> Te
 
 
 def flip(x: Tensor, *dims) -> Tensor:
+    expect_tensors("flip", input=x)
     dims = _sizes("flip", dims)
     axes = normalize_dims("flip", dims, x.ndim)
     axes = tuple(a for a in axes if x.shape[a] > 1)
@@ -223,6 +246,7 @@ def pad(x: Tensor, pad: Sequence[int], mode: str = "constant", value: float = 0.
 
     Negative amounts crop. Modes: constant, reflect, replicate, circular.
     """
+    expect_tensors("pad", input=x)
     pad = tuple(pad)
     if len(pad) % 2 or len(pad) // 2 > x.ndim:
         raise ShapeError(f"pad: padding {pad} must have an even length of at most 2 * ndim for shape {x.shape}")
@@ -274,12 +298,22 @@ def _pad_by_copy(x: Tensor, amounts, mode: str) -> Tensor:
     return x
 
 
+def tensor_sequence(op: str, tensors) -> list[Tensor]:
+    """The tensors of `op`'s argument `tensors`: a non-empty list or tuple of ember Tensors (or another
+    iterable of them, not an array)."""
+    if isinstance(tensors, (Tensor, str)) or hasattr(tensors, "shape") or not isinstance(tensors, Iterable):
+        raise TypeError(f"{op}: tensors must be a sequence of ember Tensors, got {describe(tensors)}")
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError(f"{op}: expects a non-empty sequence of tensors")
+    expect_tensors(op, **{f"tensors[{i}]": t for i, t in enumerate(tensors)})
+    return tensors
+
+
 def cat(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
     """Concatenate along `dim`: each piece is padded to the full length and the pieces summed,
     which a fused kernel turns into a select."""
-    tensors = list(tensors)
-    if not tensors:
-        raise ValueError("cat: expects a non-empty sequence of tensors")
+    tensors = tensor_sequence("cat", tensors)
     # PyTorch skips 1-d empty tensors in cat, a legacy convenience
     pieces = [t for t in tensors if not (t.ndim == 1 and t.shape[0] == 0)] or tensors[:1]
     ndim = pieces[0].ndim
@@ -313,9 +347,7 @@ concat = concatenate = cat
 
 
 def stack(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
-    tensors = list(tensors)
-    if not tensors:
-        raise ValueError("stack: expects a non-empty sequence of tensors")
+    tensors = tensor_sequence("stack", tensors)
     shapes = {t.shape for t in tensors}
     if len(shapes) > 1:
         raise ShapeError(f"stack: all tensors must have the same shape, got {', '.join(map(str, shapes))}")
@@ -324,15 +356,17 @@ def stack(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
 
 
 def hstack(tensors: Sequence[Tensor]) -> Tensor:
-    tensors = list(tensors)
+    tensors = tensor_sequence("hstack", tensors)
     return cat(tensors, 0 if tensors[0].ndim == 1 else 1)
 
 
 def vstack(tensors: Sequence[Tensor]) -> Tensor:
+    tensors = tensor_sequence("vstack", tensors)
     return cat([t if t.ndim >= 2 else reshape(t, (1, -1)) for t in tensors], 0)
 
 
 def split(x: Tensor, split_size_or_sections, dim: int = 0) -> tuple[Tensor, ...]:
+    expect_tensors("split", input=x)
     axis = normalize_dim("split", dim, x.ndim)
     n = x.shape[axis]
     if isinstance(split_size_or_sections, int):
@@ -352,6 +386,7 @@ def split(x: Tensor, split_size_or_sections, dim: int = 0) -> tuple[Tensor, ...]
 
 
 def chunk(x: Tensor, chunks: int, dim: int = 0) -> tuple[Tensor, ...]:
+    expect_tensors("chunk", input=x)
     if chunks <= 0:
         raise ValueError(f"chunk: chunks must be positive, got {chunks}")
     n = x.shape[normalize_dim("chunk", dim, x.ndim)]
@@ -359,11 +394,13 @@ def chunk(x: Tensor, chunks: int, dim: int = 0) -> tuple[Tensor, ...]:
 
 
 def unbind(x: Tensor, dim: int = 0) -> tuple[Tensor, ...]:
+    expect_tensors("unbind", input=x)
     axis = normalize_dim("unbind", dim, x.ndim)
     return tuple(squeeze(slice_axis(x, axis, i, i + 1), axis) for i in range(x.shape[axis]))
 
 
 def repeat(x: Tensor, *sizes) -> Tensor:
+    expect_tensors("repeat", input=x)
     sizes = _sizes("repeat", sizes)
     if len(sizes) < x.ndim:
         raise ShapeError(f"repeat: the number of repeats {sizes} must be at least the tensor's dims {x.shape}")
@@ -376,11 +413,13 @@ def repeat(x: Tensor, *sizes) -> Tensor:
 
 
 def tile(x: Tensor, dims) -> Tensor:
+    expect_tensors("tile", input=x)
     dims = tuple(dims)
     return repeat(x, (1,) * (x.ndim - len(dims)) + dims)
 
 
 def repeat_interleave(x: Tensor, repeats: int, dim: int | None = None) -> Tensor:
+    expect_tensors("repeat_interleave", input=x)
     if dim is None:
         x, dim = reshape(x, (-1,)), 0
     axis = normalize_dim("repeat_interleave", dim, x.ndim)
@@ -390,6 +429,7 @@ def repeat_interleave(x: Tensor, repeats: int, dim: int | None = None) -> Tensor
 
 
 def roll(x: Tensor, shifts, dims=None) -> Tensor:
+    expect_tensors("roll", input=x)
     if dims is None:
         return reshape(roll(reshape(x, (-1,)), shifts, 0), x.shape)
     shifts = (shifts,) if isinstance(shifts, int) else tuple(shifts)
@@ -406,6 +446,7 @@ def roll(x: Tensor, shifts, dims=None) -> Tensor:
 
 
 def narrow(x: Tensor, dim: int, start: int, length: int) -> Tensor:
+    expect_tensors("narrow", input=x)
     axis = normalize_dim("narrow", dim, x.ndim)
     if start < 0:
         start += x.shape[axis]
@@ -415,10 +456,12 @@ def narrow(x: Tensor, dim: int, start: int, length: int) -> Tensor:
 
 
 def tril(x: Tensor, diagonal: int = 0) -> Tensor:
+    expect_tensors("tril", input=x)
     return _triangle(x, diagonal, lower=True)
 
 
 def triu(x: Tensor, diagonal: int = 0) -> Tensor:
+    expect_tensors("triu", input=x)
     return _triangle(x, diagonal, lower=False)
 
 

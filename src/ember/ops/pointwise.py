@@ -17,11 +17,18 @@ import scipy.special
 from ember import dtypes
 from ember.device import as_device
 from ember.dtypes import DType
-from ember.errors import DTypeError, ShapeError, device_mismatch, operands
+from ember.errors import (
+    DTypeError,
+    ShapeError,
+    conversion_hint,
+    describe,
+    device_mismatch,
+    operands,
+)
 from ember.ir import Op
 from ember.ir.ops import NOT_DIFFERENTIABLE, cast_rule, define, elementwise, predicate, where_rule
 from ember.ops import creation  # a module, not a name: creation imports this one in turn
-from ember.tensor import Tensor, apply, leaf
+from ember.tensor import Tensor, apply, expect_tensors, leaf
 
 Scalar = (numbers.Number, np.bool_, np.number)
 
@@ -112,6 +119,15 @@ def as_tensor(x, like: Tensor | None = None, dtype: DType | None = None) -> Tens
     return creation.tensor(x, dtype=dtype, device=device)
 
 
+def converted(op: str, name: str, x, like: Tensor | None = None) -> Tensor:
+    """`as_tensor(x, like)` for `op`'s argument `name`: what cannot be converted is refused naming the op."""
+    try:
+        return as_tensor(x, like=like)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{op}: {name} must be an ember Tensor, a number or data that ember.tensor takes "
+                      f"(nested lists, an array), got {describe(x)} ({e})") from None
+
+
 def cast(x: Tensor, dtype: DType) -> Tensor:
     dtype = dtypes.as_dtype(dtype)
     return x if x.dtype is dtype else apply(Op.CAST, x, dtype=dtype)
@@ -136,10 +152,11 @@ def prepare(op: str, *xs, dtype: DType | None = None) -> list[Tensor]:
             return [cast(a, common), scalar(b, common, a.device, a.shape)]
     tensors = [x for x in xs if isinstance(x, Tensor)]
     if not tensors:
-        raise TypeError(f"{op}: expected at least one Tensor operand, got {operands(*xs)}")
+        raise TypeError(f"{op}: expected at least one ember Tensor operand, got {operands(*xs)}"
+                        f"{next((conversion_hint(x) for x in xs if conversion_hint(x)), '')}")
     for x in xs:
         if not isinstance(x, (Tensor, *Scalar)):
-            raise TypeError(f"{op}: unsupported operand {x!r} of type {type(x).__name__}")
+            raise unsupported_operand(op, x)
     _check_devices(op, tensors)
     common = dtypes.result_type(*xs) if dtype is None else dtype
     device = next((t.device for t in tensors if t.ndim > 0), tensors[0].device)
@@ -154,6 +171,11 @@ def prepare(op: str, *xs, dtype: DType | None = None) -> list[Tensor]:
     return out
 
 
+def unsupported_operand(op: str, x) -> TypeError:
+    return TypeError(f"{op}: unsupported operand {describe(x)}; expected an ember Tensor or a number"
+                     f"{conversion_hint(x)}")
+
+
 def expand_to(t: Tensor, shape: tuple[int, ...]) -> Tensor:
     if t.shape == shape:
         return t
@@ -165,7 +187,8 @@ def expand_to(t: Tensor, shape: tuple[int, ...]) -> Tensor:
 # -- unary ----------------------------------------------------------------------------
 
 def _float_input(op: str, x) -> Tensor:
-    x = as_tensor(x)
+    """x as a floating-point Tensor; data that `ember.tensor` takes (a list, an array) is converted."""
+    x = converted(op, "input", x)
     return x if x.dtype.is_floating_point else cast(x, dtypes.default_float)
 
 
@@ -189,11 +212,11 @@ reciprocal = _unary_float(Op.RECIPROCAL)
 
 
 def rsqrt(x: Tensor) -> Tensor:
-    return reciprocal(sqrt(x))
+    return reciprocal(sqrt(_float_input("rsqrt", x)))
 
 
 def log2(x: Tensor) -> Tensor:
-    return log(x) * (1 / math.log(2))
+    return log(_float_input("log2", x)) * (1 / math.log(2))
 
 
 def exp2(x: Tensor) -> Tensor:
@@ -201,25 +224,29 @@ def exp2(x: Tensor) -> Tensor:
 
 
 def expm1(x: Tensor) -> Tensor:
-    return exp(x) - 1
+    return exp(_float_input("expm1", x)) - 1
 
 
 def neg(x: Tensor) -> Tensor:
+    expect_tensors("neg", input=x)
     if x.dtype is dtypes.bool_:
         raise DTypeError(f"neg: negation of a bool tensor is not supported ({operands(x)}); use ~ or logical_not")
     return apply(Op.NEG, x)
 
 
 def abs(x: Tensor) -> Tensor:  # noqa: A001 - the PyTorch name
+    expect_tensors("abs", input=x)
     return apply(Op.ABS, x)
 
 
 def sign(x: Tensor) -> Tensor:
+    expect_tensors("sign", input=x)
     return apply(Op.SIGN, x)
 
 
 def _rounding(prim: Op):
     def fn(x: Tensor) -> Tensor:
+        expect_tensors(prim.label, input=x)
         return x if not x.dtype.is_floating_point else apply(prim, x)
     fn.__name__ = prim.label
     return fn
@@ -231,6 +258,7 @@ _round_even = _rounding(Op.ROUND)
 
 
 def round(x: Tensor, decimals: int = 0) -> Tensor:  # noqa: A001
+    expect_tensors("round", input=x)
     if decimals == 0:
         return _round_even(x)
     work = cast(x, dtypes.compute_dtype(x.dtype)) if x.dtype.is_floating_point else x
@@ -244,14 +272,17 @@ def round(x: Tensor, decimals: int = 0) -> Tensor:  # noqa: A001
 
 
 def trunc(x: Tensor) -> Tensor:
+    expect_tensors("trunc", input=x)
     return where(x < 0, ceil(x), floor(x)) if x.dtype.is_floating_point else x
 
 
 def logical_not(x: Tensor) -> Tensor:
+    expect_tensors("logical_not", input=x)
     return apply(Op.NOT, x)
 
 
 def bitwise_not(x: Tensor) -> Tensor:
+    expect_tensors("bitwise_not", input=x)
     if x.dtype is not dtypes.bool_:
         raise DTypeError(f"bitwise_not (~): only bool tensors are supported, got {operands(x)}")
     return logical_not(x)
@@ -264,14 +295,17 @@ def sigmoid(x: Tensor) -> Tensor:
 
 
 def relu(x: Tensor) -> Tensor:
+    expect_tensors("relu", input=x)
     return where(x <= 0, 0, x)  # NaN <= 0 is false: NaN passes through, as in torch
 
 
 def relu6(x: Tensor) -> Tensor:
+    expect_tensors("relu6", input=x)
     return clamp(x, 0, 6)
 
 
 def leaky_relu(x: Tensor, negative_slope: float = 0.01) -> Tensor:
+    expect_tensors("leaky_relu", input=x)
     return where(x > 0, x, x * negative_slope)
 
 
@@ -287,6 +321,7 @@ def gelu(x: Tensor, approximate: str = "none") -> Tensor:
 
 
 def silu(x: Tensor) -> Tensor:
+    expect_tensors("silu", input=x)
     return x * sigmoid(x)
 
 
@@ -298,14 +333,17 @@ def softplus(x: Tensor, beta: float = 1.0, threshold: float = 20.0) -> Tensor:
 
 
 def elu(x: Tensor, alpha: float = 1.0) -> Tensor:
+    expect_tensors("elu", input=x)
     return where(x > 0, x, (exp(minimum(x, 0)) - 1) * alpha)
 
 
 def hardtanh(x: Tensor, min_val: float = -1.0, max_val: float = 1.0) -> Tensor:
+    expect_tensors("hardtanh", input=x)
     return clamp(x, min_val, max_val)
 
 
 def mish(x: Tensor) -> Tensor:
+    expect_tensors("mish", input=x)
     return x * tanh(softplus(x))
 
 
@@ -469,14 +507,12 @@ bitwise_xor = _bitwise("bitwise_xor", logical_xor)
 
 def where(condition, x, y) -> Tensor:
     """Elementwise `x if condition else y`, broadcasting all three; x and y are promoted together."""
-    if not isinstance(condition, Tensor):
-        raise TypeError(f"where: condition must be a bool Tensor, got {type(condition).__name__}")
+    expect_tensors("where", condition=condition)
     if condition.dtype is not dtypes.bool_:
         raise DTypeError(f"where: condition must be bool, got {operands(condition)}")
     for v in (x, y):
         if not isinstance(v, (Tensor, *Scalar)):
-            raise TypeError(f"where: unsupported operand {v!r} of type {type(v).__name__}; "
-                            "expected a Tensor or a number")
+            raise unsupported_operand("where", v)
     if not isinstance(x, Tensor) and not isinstance(y, Tensor):
         x = as_tensor(x, like=condition)
     values = [v for v in (x, y) if isinstance(v, Tensor)]
@@ -490,7 +526,8 @@ def where(condition, x, y) -> Tensor:
 
 
 def masked_fill(x: Tensor, mask: Tensor, value) -> Tensor:
-    if not isinstance(mask, Tensor) or mask.dtype is not dtypes.bool_:
+    expect_tensors("masked_fill", input=x, mask=mask)
+    if mask.dtype is not dtypes.bool_:
         raise DTypeError(f"masked_fill: mask must be a bool tensor, got {operands(mask)} for input {operands(x)}")
     if isinstance(value, Tensor) and value.ndim != 0:
         raise ShapeError(f"masked_fill: value must be a scalar or 0-d tensor, got shape {value.shape}")
@@ -505,6 +542,7 @@ def masked_fill(x: Tensor, mask: Tensor, value) -> Tensor:
 
 
 def clamp(x: Tensor, min=None, max=None) -> Tensor:  # noqa: A002
+    expect_tensors("clamp", input=x)
     if min is None and max is None:
         raise ValueError("clamp: at least one of min and max must be given")
     out = x
@@ -519,26 +557,31 @@ clip = clamp
 
 
 def lerp(start: Tensor, end, weight) -> Tensor:
+    expect_tensors("lerp", input=start)
     return start + (end - start) * weight
 
 
 def isnan(x: Tensor) -> Tensor:
+    expect_tensors("isnan", input=x)
     return x != x
 
 
 def isinf(x: Tensor) -> Tensor:
+    expect_tensors("isinf", input=x)
     if not x.dtype.is_floating_point:
         return ne(x, x)
     return abs(x) == math.inf
 
 
 def isfinite(x: Tensor) -> Tensor:
+    expect_tensors("isfinite", input=x)
     if not x.dtype.is_floating_point:
         return eq(x, x)
     return abs(x) < math.inf
 
 
 def nan_to_num(x: Tensor, nan: float = 0.0, posinf: float | None = None, neginf: float | None = None) -> Tensor:
+    expect_tensors("nan_to_num", input=x)
     if not x.dtype.is_floating_point:
         return x
     big = float(np.finfo(x.dtype.np).max) if x.dtype is not dtypes.bfloat16 else 3.3895313892515355e38
@@ -548,14 +591,17 @@ def nan_to_num(x: Tensor, nan: float = 0.0, posinf: float | None = None, neginf:
 
 
 def square(x: Tensor) -> Tensor:
+    expect_tensors("square", input=x)
     return x * x
 
 
 def addcmul(x: Tensor, a: Tensor, b: Tensor, value=1) -> Tensor:
+    expect_tensors("addcmul", input=x)
     return x + a * b * value
 
 
 def addcdiv(x: Tensor, a: Tensor, b: Tensor, value=1) -> Tensor:
+    expect_tensors("addcdiv", input=x)
     return x + a / b * value
 
 

@@ -12,7 +12,7 @@ from ember.ops.contraction import _pair
 from ember.ops.creation import full_like, ones
 from ember.ops.movement import cat, pad, reshape, slice_axis, unsqueeze
 from ember.ops.pointwise import div, maximum, where
-from ember.tensor import Tensor
+from ember.tensor import Tensor, expect_tensors
 
 
 def _pool_out(size: int, k: int, s: int, p: int, d: int, ceil_mode: bool) -> int:
@@ -40,6 +40,7 @@ def _windows(x: Tensor, k, s, p, d, ceil_mode: bool, fill: float):
 
 
 def _check_input(op: str, x: Tensor) -> None:
+    expect_tensors(op, input=x)
     if x.ndim not in (3, 4):
         raise ShapeError(f"{op}: expects input (N, C, H, W) or (C, H, W), got shape {x.shape}")
 

@@ -21,7 +21,7 @@ from ember.ir.philox import philox_normal, philox_uniform
 from ember.ops.creation import _like, _shape, tensor
 from ember.ops.pointwise import cast, floor, minimum, where
 from ember.runtime import executor
-from ember.tensor import Tensor, leaf
+from ember.tensor import Tensor, expect_tensors, leaf
 
 _state = threading.local()
 
@@ -85,23 +85,28 @@ def randperm(n: int, device=None, dtype=None) -> Tensor:
 
 
 def rand_like(x: Tensor, dtype=None, device=None) -> Tensor:
-    return rand(x.shape, **_like(x, dtype, device))
+    shape, like = _like("rand_like", x, dtype, device)
+    return rand(shape, **like)
 
 
 def randn_like(x: Tensor, dtype=None, device=None) -> Tensor:
-    return randn(x.shape, **_like(x, dtype, device))
+    shape, like = _like("randn_like", x, dtype, device)
+    return randn(shape, **like)
 
 
 def randint_like(x: Tensor, low, high=None, dtype=None, device=None) -> Tensor:
-    return randint(low, high, x.shape, **_like(x, dtype, device))
+    shape, like = _like("randint_like", x, dtype, device)
+    return randint(low, high, shape, **like)
 
 
 def bernoulli(p: Tensor) -> Tensor:
+    expect_tensors("bernoulli", input=p)
     return cast(rand(p.shape, device=p.device) < p, p.dtype)
 
 
 def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:
     """Zero each element with probability p and scale the rest by 1 / (1 - p)."""
+    expect_tensors("dropout", input=x)
     if not 0 <= p <= 1:
         raise ValueError(f"dropout: p must be in [0, 1], got {p}")
     if not training or p == 0:

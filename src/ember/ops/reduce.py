@@ -21,7 +21,7 @@ from ember.ops.creation import full, ones
 from ember.ops.index import gather
 from ember.ops.movement import normalize_dim, normalize_dims, reshape, transpose, tril
 from ember.ops.pointwise import cast, exp, log, maximum, minimum, where
-from ember.tensor import Tensor, apply
+from ember.tensor import Tensor, apply, expect_tensors
 
 MaxMin = namedtuple("MaxMin", ["values", "indices"])
 
@@ -44,6 +44,7 @@ def _reduce(prim: Op, x: Tensor, axes: tuple[int, ...], keepdim: bool) -> Tensor
 
 
 def sum(x: Tensor, dim=None, keepdim: bool = False, dtype=None) -> Tensor:  # noqa: A001
+    expect_tensors("sum", input=x)
     axes = _dims("sum", x, dim)
     if dtype is not None:
         x = cast(x, dtypes.as_dtype(dtype))
@@ -53,6 +54,7 @@ def sum(x: Tensor, dim=None, keepdim: bool = False, dtype=None) -> Tensor:  # no
 
 
 def prod(x: Tensor, dim=None, keepdim: bool = False, dtype=None) -> Tensor:
+    expect_tensors("prod", input=x)
     axes = _dims("prod", x, dim)
     if dtype is not None:
         x = cast(x, dtypes.as_dtype(dtype))
@@ -62,6 +64,7 @@ def prod(x: Tensor, dim=None, keepdim: bool = False, dtype=None) -> Tensor:
 
 
 def mean(x: Tensor, dim=None, keepdim: bool = False, dtype=None) -> Tensor:
+    expect_tensors("mean", input=x)
     if dtype is not None:
         x = cast(x, dtypes.as_dtype(dtype))
     if not x.dtype.is_floating_point:
@@ -80,18 +83,21 @@ def _check_nonempty(op: str, x: Tensor, axes: tuple[int, ...]) -> None:
 
 
 def amax(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
+    expect_tensors("amax", input=x)
     axes = _dims("amax", x, dim)
     _check_nonempty("amax", x, axes)
     return _reduce(Op.MAX, x, axes, keepdim)
 
 
 def amin(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
+    expect_tensors("amin", input=x)
     axes = _dims("amin", x, dim)
     _check_nonempty("amin", x, axes)
     return _reduce(Op.MIN, x, axes, keepdim)
 
 
 def _arg(prim: Op, op: str, x: Tensor, dim, keepdim: bool) -> Tensor:
+    expect_tensors(op, input=x)
     if dim is None:
         flat = reshape(x, (-1,))
         _check_nonempty(op, flat, (0,))
@@ -114,6 +120,7 @@ def argmin(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:
 
 def max(x: Tensor, dim=None, keepdim: bool = False):  # noqa: A001
     """`max(x)` is the largest value; `max(x, dim)` gives (values, indices); `max(x, y)` is maximum."""
+    expect_tensors("max", input=x)
     if isinstance(dim, Tensor):
         return maximum(x, dim)
     if dim is None:
@@ -122,6 +129,7 @@ def max(x: Tensor, dim=None, keepdim: bool = False):  # noqa: A001
 
 
 def min(x: Tensor, dim=None, keepdim: bool = False):  # noqa: A001
+    expect_tensors("min", input=x)
     if isinstance(dim, Tensor):
         return minimum(x, dim)
     if dim is None:
@@ -141,6 +149,7 @@ def _selected(x: Tensor, dim, keepdim: bool, arg) -> MaxMin:
 
 
 def all(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:  # noqa: A001
+    expect_tensors("all", input=x)
     axes = _dims("all", x, dim)
     if not x.numel():
         return _empty_logical(x, axes, keepdim, True)
@@ -148,6 +157,7 @@ def all(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:  # noqa: A001
 
 
 def any(x: Tensor, dim=None, keepdim: bool = False) -> Tensor:  # noqa: A001
+    expect_tensors("any", input=x)
     axes = _dims("any", x, dim)
     if not x.numel():
         return _empty_logical(x, axes, keepdim, False)
@@ -160,10 +170,12 @@ def _empty_logical(x: Tensor, axes, keepdim: bool, value: bool) -> Tensor:
 
 
 def count_nonzero(x: Tensor, dim=None) -> Tensor:
+    expect_tensors("count_nonzero", input=x)
     return sum(x != 0, dim)
 
 
 def var(x: Tensor, dim=None, unbiased: bool | None = None, keepdim: bool = False, *, correction=None) -> Tensor:
+    expect_tensors("var", input=x)
     if not x.dtype.is_floating_point:
         raise DTypeError(f"var: input dtype must be floating point, got {operands(x)}")
     if correction is None:
@@ -175,6 +187,7 @@ def var(x: Tensor, dim=None, unbiased: bool | None = None, keepdim: bool = False
 
 
 def std(x: Tensor, dim=None, unbiased: bool | None = None, keepdim: bool = False, *, correction=None) -> Tensor:
+    expect_tensors("std", input=x)
     v = var(x, dim, unbiased, keepdim, correction=correction)
     # where the variance is 0 the gradient is 0, as in torch, not 0 * inf from sqrt
     flat = v == 0
@@ -182,10 +195,12 @@ def std(x: Tensor, dim=None, unbiased: bool | None = None, keepdim: bool = False
 
 
 def var_mean(x: Tensor, dim=None, unbiased: bool | None = None, keepdim: bool = False, *, correction=None):
+    expect_tensors("var_mean", input=x)
     return var(x, dim, unbiased, keepdim, correction=correction), mean(x, dim, keepdim)
 
 
 def std_mean(x: Tensor, dim=None, unbiased: bool | None = None, keepdim: bool = False, *, correction=None):
+    expect_tensors("std_mean", input=x)
     return std(x, dim, unbiased, keepdim, correction=correction), mean(x, dim, keepdim)
 
 
@@ -207,6 +222,7 @@ def _stable_shift(x: Tensor, axes) -> Tensor:
 
 
 def logsumexp(x: Tensor, dim, keepdim: bool = False) -> Tensor:
+    expect_tensors("logsumexp", input=x)
     x, out_dtype = _widened(x, None)
     axes = _dims("logsumexp", x, dim)
     if x.numel() == 0:
@@ -223,6 +239,7 @@ def _as_vector(fn, x: Tensor, dim: int, dtype) -> Tensor:
 
 
 def softmax(x: Tensor, dim: int, dtype=None) -> Tensor:
+    expect_tensors("softmax", input=x)
     if x.ndim == 0:
         return _as_vector(softmax, x, dim, dtype)
     x, out_dtype = _widened(x, dtype)
@@ -235,6 +252,7 @@ def softmax(x: Tensor, dim: int, dtype=None) -> Tensor:
 
 
 def log_softmax(x: Tensor, dim: int, dtype=None) -> Tensor:
+    expect_tensors("log_softmax", input=x)
     if x.ndim == 0:
         return _as_vector(log_softmax, x, dim, dtype)
     x, out_dtype = _widened(x, dtype)
@@ -246,6 +264,7 @@ def log_softmax(x: Tensor, dim: int, dtype=None) -> Tensor:
 
 
 def norm(x: Tensor, p=2, dim=None, keepdim: bool = False) -> Tensor:
+    expect_tensors("norm", input=x)
     if p == 2 or p == "fro":
         return sum(x * x, dim, keepdim).sqrt()
     if p == 1:
@@ -257,6 +276,7 @@ def norm(x: Tensor, p=2, dim=None, keepdim: bool = False) -> Tensor:
 
 def cumsum(x: Tensor, dim: int) -> Tensor:
     """Cumulative sum as a product with a triangular matrix of ones (fine for modest lengths)."""
+    expect_tensors("cumsum", input=x)
     axis = normalize_dim("cumsum", dim, x.ndim)
     n = x.shape[axis] if x.ndim else 1
     if not x.dtype.is_floating_point:

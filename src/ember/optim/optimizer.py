@@ -21,11 +21,12 @@ from collections.abc import Callable, Iterable
 
 from ember import dtypes
 from ember.autograd import enable_grad, no_grad
+from ember.errors import describe
 from ember.ir.template import Template, recording, template
 from ember.ops.creation import tensor as _tensor
 from ember.ops.creation import zeros_like
 from ember.runtime import executor
-from ember.tensor import Tensor, realize
+from ember.tensor import Tensor, expect_tensors, realize
 
 # The `_update` functions whose updates may be built from templates: a graph that depends on nothing but its
 # tensors (shapes, dtypes, devices), the group's settings other than the learning rate, and `self._lr`'s tensor.
@@ -46,9 +47,9 @@ class Optimizer:
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict], defaults: dict) -> None:
         self._templates: dict[tuple, Template | None] = {}
-        if isinstance(params, Tensor):
-            raise TypeError("params must be an iterable of Tensors or dicts, not a single Tensor "
-                            "(pass model.parameters() or [tensor])")
+        if isinstance(params, (Tensor, str)) or hasattr(params, "shape") or not isinstance(params, Iterable):
+            raise TypeError(f"{type(self).__name__}: params must be an iterable of ember Tensors or dicts "
+                            f"(model.parameters() or [tensor]), got {describe(params)}")
         self.defaults = defaults
         self.state: dict[Tensor, dict] = {}
         self._rates: dict[tuple, list] = {}  # (id(group), device, dtype) -> [lr value, 0-d Tensor showing it]
@@ -66,9 +67,8 @@ class Optimizer:
         group = dict(param_group)
         params = group["params"]
         group["params"] = [params] if isinstance(params, Tensor) else list(params)
-        for p in group["params"]:
-            if not isinstance(p, Tensor):
-                raise TypeError(f"optimizer can only optimize Tensors, got {type(p).__name__}")
+        for i, p in enumerate(group["params"]):
+            expect_tensors(type(self).__name__, **{f"params[{i}]": p})
             if not p.is_leaf:
                 raise ValueError("can't optimize a non-leaf Tensor")
         for name, default in self.defaults.items():

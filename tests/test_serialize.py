@@ -1,5 +1,7 @@
 """ember.save / ember.load: state dicts through safetensors files."""
 
+import io
+
 import numpy as np
 import pytest
 
@@ -102,3 +104,90 @@ def test_saving_a_module_instead_of_its_state_dict_is_an_error(tmp_path):
         save(model(), tmp_path / "x.safetensors")
     with pytest.raises(TypeError, match="cannot store"):
         save({"f": lambda: 0}, tmp_path / "x.safetensors")
+
+
+def _state():
+    rng = np.random.default_rng(1)
+    return {"w": ember.tensor(rng.standard_normal((3, 4)).astype(np.float32)),
+            "h": ember.tensor(rng.standard_normal(5).astype(np.float32), dtype=ember.bfloat16), "step": 7}
+
+
+def _assert_same_state(loaded, state):
+    assert loaded["step"] == state["step"]
+    for key in ("w", "h"):
+        assert loaded[key].dtype is state[key].dtype
+        np.testing.assert_array_equal(loaded[key].numpy().tobytes(), state[key].numpy().tobytes())
+
+
+def test_save_and_load_take_a_bytesio_as_torch_save_and_load_do():
+    state = _state()
+    buffer = io.BytesIO()
+    save(state, buffer)
+    buffer.seek(0)
+    _assert_same_state(load(buffer), state)
+
+
+def test_save_and_load_take_open_binary_files_and_pathlib_paths(tmp_path):
+    state = _state()
+    with open(tmp_path / "a.safetensors", "wb") as f:
+        save(state, f)
+    _assert_same_state(load(tmp_path / "a.safetensors"), state)
+    _assert_same_state(load(str(tmp_path / "a.safetensors")), state)
+    with open(tmp_path / "a.safetensors", "rb") as f:
+        _assert_same_state(load(f), state)
+
+
+def test_a_file_object_written_by_save_is_the_same_safetensors_as_a_path(tmp_path):
+    state = _state()
+    buffer = io.BytesIO()
+    save(state, buffer)
+    save(state, tmp_path / "a.safetensors")
+    assert buffer.getvalue() == (tmp_path / "a.safetensors").read_bytes()
+
+
+def test_text_mode_files_are_refused_with_the_mode_to_use(tmp_path):
+    with open(tmp_path / "t", "w") as f, pytest.raises(TypeError, match=r"binary mode \('wb'\)"):
+        save(_state(), f)
+    (tmp_path / "t").write_text("text")
+    with open(tmp_path / "t") as f, pytest.raises(TypeError, match=r"binary mode \('rb'\)"):
+        load(f)
+
+
+def test_a_file_written_by_torch_save_is_refused_naming_the_file_and_the_way_to_convert_it(tmp_path):
+    torch = pytest.importorskip("torch")
+    torch.save({"w": torch.randn(2, 3)}, tmp_path / "model.pt")
+    with pytest.raises(ValueError) as info:
+        load(tmp_path / "model.pt")
+    message = str(info.value)
+    for fragment in ["model.pt", "not a safetensors file", "torch.save", "torch.load", "ember.tensor",
+                     "ember.from_torch"]:
+        assert fragment in message, (fragment, message)
+    buffer = io.BytesIO()
+    torch.save({"w": torch.randn(2, 3)}, buffer)
+    buffer.seek(0)
+    with pytest.raises(ValueError, match="BytesIO object is not a safetensors file: .*torch.save"):
+        load(buffer)
+
+
+def test_a_legacy_pickle_from_torch_save_is_refused_as_one(tmp_path):
+    torch = pytest.importorskip("torch")
+    torch.save({"w": torch.randn(2)}, tmp_path / "old.pt", _use_new_zipfile_serialization=False)
+    with pytest.raises(ValueError, match=r"old\.pt' is not a safetensors file: it is a pickle .*torch\.load"):
+        load(tmp_path / "old.pt")
+
+
+def _truncated(tmp_path):
+    save(_state(), tmp_path / "whole.safetensors")
+    return (tmp_path / "whole.safetensors").read_bytes()[:-5]
+
+
+@pytest.mark.parametrize("contents, what", [
+    (lambda tmp_path: b"", "it is empty"),
+    (lambda tmp_path: b"a text file, not tensors\n" * 4, "it does not start with a safetensors header"),
+    (lambda tmp_path: np.random.default_rng(2).bytes(200), "it does not start with a safetensors header"),
+    (_truncated, "it starts as one but is cut short or corrupt"),
+], ids=["empty", "text", "random_bytes", "truncated"])
+def test_a_file_that_is_not_safetensors_is_refused_naming_it(tmp_path, contents, what):
+    (tmp_path / "bad.bin").write_bytes(contents(tmp_path))
+    with pytest.raises(ValueError, match=f"^load: '.*bad.bin' is not a safetensors file: {what}"):
+        load(tmp_path / "bad.bin")

@@ -5,18 +5,25 @@ Tensors are stored under their dotted paths in the dict (`layer.0.weight`,
 checkpoint that other tools read. Everything that is not a tensor (an optimizer's
 hyper-parameters, step counts, integer keys, tuples) is kept as JSON in the file's
 metadata under "ember.structure", from which `load` rebuilds the original nesting.
+Both take a path or a binary file object (an open file, io.BytesIO), as torch.save and
+torch.load do; a file that is not safetensors (one torch.save wrote, say) is refused
+with what it looks like and how to convert it.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import zipfile
+from typing import BinaryIO
 
 import numpy as np
 import safetensors
 import safetensors.numpy
 
 from ember import dtypes
+from ember.errors import describe, type_name
 from ember.ops.creation import tensor
 from ember.tensor import Tensor
 
@@ -27,32 +34,87 @@ _DTYPES = {"F64": dtypes.float64, "F32": dtypes.float32, "F16": dtypes.float16, 
            "BOOL": dtypes.bool_}
 
 
-def save(obj: dict, path: str | os.PathLike) -> None:
-    """Write a (possibly nested) dict of Tensors and plain values to a safetensors file."""
+def save(obj: dict, f: str | os.PathLike | BinaryIO) -> None:
+    """Write a (possibly nested) dict of Tensors and plain values as safetensors, to the file at path `f` or
+    into the binary file object `f` (an open file, io.BytesIO), at its position."""
     if not isinstance(obj, dict):
         hint = "; save its state_dict() instead" if hasattr(obj, "state_dict") else ""
         raise TypeError(f"save: expected a dict (a state dict), got {type(obj).__name__}{hint}")
     arrays: dict[str, np.ndarray] = {}
     structure = _encode(obj, "", arrays)
-    safetensors.numpy.save_file(arrays, os.fspath(path), metadata={_STRUCTURE_KEY: json.dumps(structure)})
+    metadata = {_STRUCTURE_KEY: json.dumps(structure)}
+    if isinstance(f, (str, os.PathLike)):
+        safetensors.numpy.save_file(arrays, os.fspath(f), metadata=metadata)
+    elif hasattr(f, "write") and not isinstance(f, io.TextIOBase):
+        f.write(safetensors.numpy.save(arrays, metadata=metadata))
+    else:
+        raise TypeError(f"save: expected a path or a file object opened in binary mode ('wb'), got {describe(f)}")
 
 
-def load(path: str | os.PathLike, map_location=None) -> dict:
-    """Read a file written by `save` (or any safetensors file, as a flat dict of Tensors) onto `map_location`."""
-    with open(path, "rb") as f:
-        data = f.read()
+def load(f: str | os.PathLike | BinaryIO, map_location=None) -> dict:
+    """Read safetensors written by `save` (or any safetensors file, as a flat dict of Tensors) onto
+    `map_location`, from the file at path `f` or from the binary file object `f` (read from its position)."""
+    data, name = _read(f)
+    try:
+        entries = safetensors.deserialize(data)
+    except safetensors.SafetensorError as e:
+        raise ValueError(f"load: {name} is not a safetensors file: {_what_it_is(data, e)}") from None
     header_len = int.from_bytes(data[:8], "little")
     metadata = json.loads(data[8:8 + header_len]).get("__metadata__") or {}
     tensors = {}
-    for name, entry in safetensors.deserialize(data):
+    for key, entry in entries:
         if entry["dtype"] not in _DTYPES:
-            raise TypeError(f"load: tensor {name!r} has dtype {entry['dtype']}, which ember does not support")
+            raise TypeError(f"load: tensor {key!r} of {name} has dtype {entry['dtype']}, which ember does not "
+                            "support")
         dtype = _DTYPES[entry["dtype"]]
         array = np.frombuffer(entry["data"], dtype=dtype.np).reshape(entry["shape"])
-        tensors[name] = tensor(array, dtype=dtype, device=map_location)
+        tensors[key] = tensor(array, dtype=dtype, device=map_location)
     if _STRUCTURE_KEY not in metadata:
         return tensors
     return _decode(json.loads(metadata[_STRUCTURE_KEY]), tensors)
+
+
+def _read(f) -> tuple[bytes, str]:
+    """The bytes of the file at path `f`, or what is left to read of the file object `f`, and how messages
+    name it."""
+    if isinstance(f, (str, os.PathLike)):
+        with open(f, "rb") as file:
+            return file.read(), repr(os.fspath(f))
+    if not hasattr(f, "read"):
+        raise TypeError(f"load: expected a path or a file object opened in binary mode ('rb'), got {describe(f)}")
+    data = f.read()
+    name = repr(f.name) if isinstance(getattr(f, "name", None), str) else f"the {type_name(f)} object"
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"load: {name} gave {type(data).__name__}, not bytes; open the file in binary mode ('rb')")
+    return bytes(data), name
+
+
+_FROM_TORCH = ("ember reads safetensors files only: load it with torch.load and convert each tensor with "
+               "ember.tensor (`ember.save({k: ember.tensor(v) for k, v in torch.load(path).items()}, "
+               "'model.safetensors')` once), or build the model in torch and import it with ember.from_torch")
+
+
+def _what_it_is(data: bytes, error: Exception) -> str:
+    """What a file that safetensors refused looks like, and what to do about it."""
+    if not data:
+        return "it is empty"
+    if data.startswith(b"PK\x03\x04"):
+        try:
+            names = zipfile.ZipFile(io.BytesIO(data)).namelist()
+        except zipfile.BadZipFile:
+            names = []
+        if any(n == "data.pkl" or n.endswith("/data.pkl") for n in names):
+            return f"it is a zip archive written by torch.save; {_FROM_TORCH}"
+        return "it is a zip archive (NumPy's savez writes those)"
+    if data[:1] == b"\x80" and data[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+        return f"it is a pickle (torch.save's legacy format, or pickle.dump); {_FROM_TORCH}"
+    if data.startswith(b"\x93NUMPY"):
+        return "it is a NumPy .npy file; read it with numpy.load and convert it with ember.tensor"
+    header_len = int.from_bytes(data[:8], "little")
+    if len(data) > 8 and data[8:9] == b"{" and header_len < 100_000_000:
+        return f"it starts as one but is cut short or corrupt ({len(data)} bytes; safetensors says: {error})"
+    return ("it does not start with a safetensors header (an 8-byte little-endian length, then that many bytes "
+            f"of JSON); its first bytes are {data[:16]!r}")
 
 
 def _join(prefix: str, key) -> str:

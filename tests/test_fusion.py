@@ -535,3 +535,29 @@ def test_pointwise_kernels_nothing_reads_share_the_last_launch(rng):
     assert [k.kind.value for k in p.kernels] == ["reduce", "segmented"], str(p)
     for out, ref in zip(outs, refs):
         assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_held_value_read_at_other_positions_is_computed_again_by_its_reader_not_waited_for(rng):
+    """A value the user holds is written; a pointwise step reading it flipped or transposed computes it again
+    where it reads it (cheaper than a launch after the write), so both are one launch, each the reference's."""
+    (x, xc), (y, yc) = pair(rng, 33, 65), pair(rng, 65)
+
+    def build(a, b):
+        held = (a * 1.5 + b).tanh()
+        return held, held.flip(1) * b - held, (held.t() + 1).exp()
+
+    outs, refs = build(x, y), build(xc, yc)
+    p = plan(*outs)
+    assert p.launches == 1 and "recomputes tanh [33, 65] float32, a requested value" in str(p), str(p)
+    for out, ref in zip(outs, refs):
+        assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_a_held_value_whose_recomputation_costs_more_than_a_launch_is_loaded_and_explain_says_so(rng):
+    """Fifty ops per element over nine million elements take longer than a launch and a read of their result."""
+    x = ember.tensor(rng.uniform(-1, 1, (3000, 3000)).astype(np.float32), device="cuda")
+    held = x
+    for i in range(25):
+        held = (held * 0.5 + i).sin()
+    p = plan(held, held.flip(0) + 1)
+    assert p.launches == 2 and "loads sin [3000, 3000] float32" in str(p), str(p)

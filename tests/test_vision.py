@@ -4,6 +4,7 @@ fused plan: a whole pipeline from the source frame is one kernel."""
 
 from __future__ import annotations
 
+import math
 from fractions import Fraction
 
 import numpy as np
@@ -295,6 +296,100 @@ def test_different_pipelines_realized_together_share_one_launch(cuda_backend, rn
     assert p.launches == 1, str(p)
     for got, want in zip((crops, planar), pipelines("cpu")):
         np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-4)
+
+
+HELD_BOXES = [(3, 5, 20, 11), (0, 0, 37, 29), (36, 28, 1, 1), (10, 2, 7, 27)]  # in a 29x37 frame
+HELD_SIZE = (13, 11)
+MEAN, STD = (100.0, 110.0, 120.0), (50.0, 60.0, 70.0)
+
+
+def _held_steps(order: str, frame: np.ndarray, device: str) -> list:
+    """A preprocessing pipeline written one step per line in the given order, every step held in a variable of
+    its own (so each is a result too): the steps, the batch last."""
+    x = ember.tensor(frame, device=device)
+    if order == "resize, normalise, convert":
+        crops = V.crop_resize(x, HELD_BOXES, HELD_SIZE, keep_aspect="center", background=0)
+        scaled = (crops * 1.4 - 0.5) / 255.0
+        return [crops, scaled, V.cvt_color(scaled, "RGB2BGR")]
+    if order == "resize, convert, normalise, planar":
+        crops = V.crop_resize(x, HELD_BOXES, HELD_SIZE)
+        bgr = V.cvt_color(crops, "RGB2BGR")
+        normalised = V.normalize(bgr, MEAN, STD)
+        return [crops, bgr, normalised, V.to_planar(normalised)]
+    if order == "convert, resize, normalise":
+        bgr = V.cvt_color(x, "RGB2BGR")
+        crops = V.crop_resize(bgr, HELD_BOXES, HELD_SIZE, keep_aspect="left", background=7.0)
+        return [bgr, crops, V.normalize(crops * 1.4 - 0.5, 0.0, 255.0)]
+    if order == "normalise, resize, convert":
+        scaled = (x * 1.4 - 0.5) / 255.0
+        crops = V.crop_resize(scaled, HELD_BOXES, HELD_SIZE, keep_aspect="center")
+        return [scaled, crops, V.cvt_color(crops, "RGB2BGR")]
+    if order == "crop, resize, convert, normalise":
+        (box,) = V.crop(x, [(10, 2, 7, 27)])
+        resized = V.resize(box, HELD_SIZE)
+        bgr = V.cvt_color(resized, "RGB2BGR")
+        return [box, resized, bgr, V.normalize(bgr, MEAN, STD)]
+    raise ValueError(order)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.float32])
+@pytest.mark.parametrize("order", ["resize, normalise, convert", "resize, convert, normalise, planar",
+                                   "convert, resize, normalise", "normalise, resize, convert",
+                                   "crop, resize, convert, normalise"])
+def test_a_pipeline_whose_steps_are_held_in_variables_is_one_launch_in_any_order(order, dtype, cuda_backend, rng):
+    """Each step a value the user still holds (so it is written too): the steps after a resampling read its result
+    at other positions (a channel flip, a transpose, a gather of a converted frame) and compute it again there
+    instead of waiting for a launch that writes it; every step equals the reference."""
+    frame = rng.uniform(0, 255, (29, 37, 3)).astype(dtype)
+    steps = _held_steps(order, frame, "cuda")
+    p = ember.explain.plan(*steps)
+    assert p.launches == 1, str(p)
+    same_space = all(math.prod(s.shape) == math.prod(steps[-1].shape) for s in steps)
+    assert len(p.kernels) == 1 or not same_space, str(p)
+    for got, want in zip(steps, _held_steps(order, frame, "cpu")):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.float32])
+def test_a_held_pipeline_matches_opencv_crop_resize_into_a_square_scale_and_swap_channels(dtype, cuda_backend, rng):
+    frame = rng.uniform(0, 255, (29, 37, 3)).astype(dtype)
+    crops, scaled, bgr = _held_steps("resize, normalise, convert", frame, "cuda")
+    assert ember.explain.plan(crops, scaled, bgr).launches == 1
+    got = bgr.numpy()
+    for i, (bx, by, bw, bh) in enumerate(HELD_BOXES):
+        ch, cw = content_size(bh, bw, HELD_SIZE)
+        top, left = (HELD_SIZE[0] - ch) // 2, (HELD_SIZE[1] - cw) // 2
+        canvas = np.zeros((*HELD_SIZE, 3), np.float32)
+        content = cv2.resize(frame[by:by + bh, bx:bx + bw].astype(np.float32), (cw, ch), interpolation=cv2.INTER_LINEAR)
+        canvas[top:top + ch, left:left + cw] = content.reshape(ch, cw, 3)
+        want = ((canvas * 1.4 - 0.5) / 255.0)[..., ::-1]
+        np.testing.assert_allclose(got[i], want, atol=position_tol(37) * 1.4 / 255.0, err_msg=f"box {i}")
+
+
+def test_a_held_nv12_conversion_and_resize_made_planar_is_one_launch(cuda_backend, rng):
+    frame = rng.integers(0, 256, (24 * 3 // 2, 32), dtype=np.uint8)
+
+    def steps(device):
+        rgb = V.cvt_color(ember.tensor(frame, device=device), "YUV2RGB_NV12")
+        resized = V.resize(rgb, (7, 13))
+        return [rgb, resized, V.to_planar(V.normalize(resized, MEAN, STD))]
+
+    got = steps("cuda")
+    assert ember.explain.plan(*got).launches == 1, str(ember.explain.plan(*got))
+    for g, want in zip(got, steps("cpu")):
+        np.testing.assert_allclose(g.numpy(), want.numpy(), atol=1e-4)
+
+
+def test_a_held_resampling_read_several_times_per_element_is_loaded_and_explain_says_why(cuda_backend, rng):
+    """Grey from held crops reads each resampled pixel three times (its channels): recomputing the resampling
+    three times per element is more than the cost model allows, so the grey kernel waits for the crops."""
+    frame = image(rng, 29, 37)
+    crops = V.crop_resize(ember.tensor(frame, device="cuda"), HELD_BOXES, HELD_SIZE)
+    grey = V.cvt_color(crops, "RGB2GRAY")
+    p = ember.explain.plan(crops, grey)
+    assert p.launches == 2 and "too many to recompute 3 times" in str(p), str(p)
+    reference = V.crop_resize(ember.tensor(frame), HELD_BOXES, HELD_SIZE)
+    np.testing.assert_allclose(grey.numpy(), V.cvt_color(reference, "RGB2GRAY").numpy(), atol=1e-4)
 
 
 @pytest.mark.parametrize("device", DEVICES, indirect=True)

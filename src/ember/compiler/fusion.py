@@ -28,7 +28,11 @@ Planning goes in six steps:
 3. a reduction referenced by exactly one kernel, at ROW level over that kernel's
    space, is pulled into it instead of being stored;
 4. GEMM kernels take the pointwise kernels over their output space that read
-   them (epilogues) and the reductions of their operands along K;
+   them (epilogues) and the reductions of their operands along K; a pointwise
+   kernel reading a requested value that another pointwise kernel writes, at
+   positions other than its own (a flip, a transpose, another space), computes
+   it again instead where the cost model says that costs less than a launch
+   after its writer and a read of it (`recompute_requested`);
 5. kernels over the same space are merged when no path through a third kernel
    joins them (vertical and horizontal fusion);
 6. GEMM kernels that feed each other through narrow activations (an MLP) become
@@ -148,6 +152,9 @@ class FusedKernel:
     # epilogues (see `Planner.absorb_sums`)
     summed: list[FusedKernel] = field(default_factory=list)
     streamed: bool = False  # an MLP kernel's form that holds no weights on chip: its fallback on a smaller GPU
+    # stored values it computes again rather than loading: requested values it reads at other positions than
+    # the kernel writing them (see `Planner.recompute_requested`)
+    recomputed: list[Node] = field(default_factory=list)
     split: list[FusedKernel] = field(default_factory=list)  # a GEMM's vendor form: same nodes, several kernels
     split_stored: set[int] = field(default_factory=set)  # the intermediates the split form stores
     decisions: list[str] = field(default_factory=list)  # the cost model's choices, for explain
@@ -439,7 +446,8 @@ class Planner:
             seen.add((id(n), lv))
             if n is kernel.core and not is_root:
                 continue  # the accumulator, in registers
-            if not is_root and (id(n) in self.stored or n.op is Op.BUFFER) and n not in kernel.reductions:
+            if not is_root and (id(n) in self.stored or n.op is Op.BUFFER) and n not in kernel.reductions \
+                    and n not in kernel.recomputed:
                 refs[id(n)].add(lv)
                 continue
             for p, i in enumerate(n.inputs):
@@ -572,6 +580,90 @@ class Planner:
             keeps = in_order and (n.op.kind in (Kind.UNARY, Kind.BINARY, Kind.TERNARY) or n.op is Op.RESHAPE)
             stack.extend((i, keeps) for i in n.inputs)
         return reaches
+
+    # -- step 4b: requested values read at other positions are computed again by their readers --
+    def recompute_requested(self, kernels: list[FusedKernel]) -> list[FusedKernel]:
+        """A pointwise kernel reading a requested value (an output, written anyway: a step of a pipeline the user
+        holds in a variable) that another pointwise kernel writes, at positions other than that kernel's own (a
+        channel flip, a transpose, a gather, another space), would have to run after it. It computes the value
+        again instead, from what the writer reads, where `_recompute_pays` says so: the two kernels are then
+        independent, and step 5 merges them or groups them into one launch. Repeated for what a recomputed
+        value reads, so a chain of held steps is recomputed down to the first that does not pay. A value the
+        reader only broadcasts (a step count each parameter's update reads) is loaded: such small values are
+        mostly state that ember.jit overwrites in place, which a reader computing it again from the old value
+        in the same launch would forbid (the replay would copy it instead)."""
+        writers = {id(o): (o, k) for k in kernels if k.kind is KernelKind.POINTWISE for o in k.outputs
+                   if id(o) in self.output_ids}
+        for reader in kernels:
+            if reader.kind is not KernelKind.POINTWISE:
+                continue
+            decided: set[int] = set()
+            while True:
+                refs = self.references(reader)
+                waiting = [writers[r] for r in refs if r in writers and r not in decided
+                           and writers[r][1] is not reader
+                           and not (writers[r][1].space == reader.space and refs[r] <= {FULL})]  # step 5 merges those
+                if not waiting:
+                    break
+                for node, _ in waiting:
+                    decided.add(id(node))
+                    if self._reaches_unbroadcast(reader, node) and self._recompute_pays(reader, node):
+                        reader.recomputed.append(node)
+        return kernels
+
+    def _recompute_pays(self, reader: FusedKernel, node: Node) -> bool:
+        """Whether `reader` computes the requested value `node` again where it reads it rather than loading it.
+        Loading costs a launch after the kernel writing it and a read of it; recomputing costs, each time the
+        reader evaluates it per element, its cone's work over the reader's elements and reads of what the cone
+        loads. A cone of more than MAX_RECOMPUTE_OPS ops evaluated several times per element (a filter over
+        resampled pixels) is loaded regardless, as such a shared producer is stored. The decision is kept for
+        explain."""
+        ops, reads = self._cone(node)
+        times = self._evaluations(reader, node)
+        elements = math.prod(reader.space)
+        costs = self.costs
+        read = sum(min(r.numel, elements) * r.dtype.itemsize for r in reads)
+        recompute = times * (ops * elements / costs.alu_rate + read / costs.bandwidth)
+        own = node.numel * node.dtype.itemsize
+        load = own / costs.bandwidth + costs.launch_seconds
+        what = (f"{node.op.label} {list(node.shape)} {node.dtype.name}, a requested value read at other positions "
+                f"({'once' if times == 1 else f'{times} times'} per element)")
+        if times > 1 and ops > MAX_RECOMPUTE_OPS:
+            pays, why = False, f"its {ops} ops are too many to recompute {times} times"
+        else:
+            pays = recompute <= load
+            why = (f"{ops} ops per element and reads of {_mib(read)}{'' if times == 1 else f', {times} times,'} take "
+                   f"{_us(recompute)}, {'less' if pays else 'more'} than a launch after the kernel writing it and a "
+                   f"read of {_mib(own)} ({_us(load)})")
+        reader.decisions.append(f"recomputes {what} where it reads it: {why}" if pays else
+                                f"loads {what} once it is written: {why}")
+        return pays
+
+    def _reaches_unbroadcast(self, kernel: FusedKernel, node: Node) -> bool:
+        """Whether computing `kernel`'s outputs reads `node` along a path through no broadcast."""
+        stack, seen = list(kernel.outputs), set()
+        while stack:
+            n = stack.pop()
+            if n is node:
+                return True
+            if id(n) in seen or n.op is Op.EXPAND or (n not in kernel.outputs and n not in kernel.recomputed and (
+                    id(n) in self.stored or n.op is Op.BUFFER)):
+                continue
+            seen.add(id(n))
+            stack.extend(n.inputs)
+        return False
+
+    def _evaluations(self, kernel: FusedKernel, node: Node) -> int:
+        """How many times computing one element of `kernel`'s outputs evaluates `node`: the paths to it through
+        the values the kernel computes (two reaching the same position count twice)."""
+        covers, _ = self._covers(kernel)
+        paths: dict[int, int] = defaultdict(int)
+        for o in kernel.outputs:
+            paths[id(o)] += 1
+        for n in reversed(covers):  # readers before what they read
+            for i in {id(i): i for i in n.inputs}.values():
+                paths[id(i)] += paths[id(n)]
+        return paths[id(node)]
 
     # -- step 6: chains of narrow GEMM kernels become one MLP kernel ----------------------
     def chain_mlps(self, kernels: list[FusedKernel]) -> list[FusedKernel]:
@@ -1093,6 +1185,8 @@ class Planner:
             if r not in a.reductions:
                 a.reductions.append(r)
         a.reductions.sort(key=lambda n: self.position[id(n)])
+        a.recomputed += [n for n in b.recomputed if n not in a.recomputed]
+        a.decisions = a.decisions + [d for d in b.decisions if d not in a.decisions]
 
     def _kernel_order(self, kernels: list[FusedKernel], refs: dict) -> list[FusedKernel]:
         deps = self._dependencies(kernels, refs)
@@ -1157,7 +1251,17 @@ class Planner:
             kernel.covers = [n for p in kernel.segments for n in p.covers]
             kernel.reads = list({id(n): n for p in kernel.segments for n in p.reads}.values())
             kernel.outputs = [o for p in kernel.segments for o in p.outputs]
+            kernel.decisions = [d for p in kernel.segments for d in p.decisions]
             return
+        kernel.covers, kernel.reads = self._covers(kernel)
+        self._roles(kernel)
+        # a shared producer's decision where it draws a kernel boundary (stored) or is recomputed across one
+        kernel.decisions = kernel.decisions + [
+            self.shared[id(n)] for n in kernel.covers if id(n) in self.shared and (
+                id(n) in self.stored or any(u.op.kind in (Kind.REDUCE, Kind.CONTRACTION) for u in self.users[id(n)]))]
+
+    def _covers(self, kernel: FusedKernel) -> tuple[list[Node], list[Node]]:
+        """What a kernel computes, and the stored values and inputs it loads, each in graph order."""
         covers, reads, seen = [], [], set()
         stack = list(kernel.outputs)
         while stack:
@@ -1165,20 +1269,13 @@ class Planner:
             if id(n) in seen:
                 continue
             seen.add(id(n))
-            inside = n in kernel.outputs or n in kernel.reductions
+            inside = n in kernel.outputs or n in kernel.reductions or n in kernel.recomputed
             if not inside and (id(n) in self.stored or n.op is Op.BUFFER):
                 reads.append(n)
                 continue
             covers.append(n)
             stack.extend(n.inputs)
-        kernel.covers = sorted(covers, key=lambda n: self.position[id(n)])
-        kernel.reads = sorted(reads, key=lambda n: self.position[id(n)])
-        self._roles(kernel)
-        # a shared producer's decision where it draws a kernel boundary (stored) or is recomputed across one
-        kernel.decisions = kernel.decisions + [
-            self.shared[id(n)] for n in kernel.covers if id(n) in self.shared and (
-                id(n) in self.stored or any(u.op.kind in (Kind.REDUCE, Kind.CONTRACTION) for u in self.users[id(n)]))]
-
+        return sorted(covers, key=lambda n: self.position[id(n)]), sorted(reads, key=lambda n: self.position[id(n)])
 
     def _roles(self, kernel: FusedKernel) -> None:
         """Cores, per-operand prologues and the epilogue of a described kernel. A GEMM's operand sums
@@ -1327,6 +1424,10 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:.2f} us"
+
+
 def _dot_kind(dtype, context: CompileContext) -> str:
     if dtype is not dtypes.float32:
         return "half"
@@ -1341,6 +1442,7 @@ def plan(nodes: list[Node], outputs: list[Node], context: CompileContext, costs:
     kernels = planner.root_kernels()
     kernels = planner.pull_reductions(kernels)
     kernels = planner.fuse_gemms(kernels)
+    kernels = planner.recompute_requested(kernels)
     kernels = planner.merge(kernels)
     kernels = planner.chain_mlps(kernels)
     kernels = planner.absorb_gradients(kernels)

@@ -303,7 +303,8 @@ class Emitter:
             if id(node) not in self.reduced:
                 raise CompileError(f"kernel {kernel.index}: reduction {node} is read before it is computed")
             return self.reduced[id(node)], compute_dtype(node.dtype)
-        if node.op is Op.BUFFER or (id(node) in self.ctx.stored and node not in kernel.outputs):
+        if node.op is Op.BUFFER or (id(node) in self.ctx.stored and node not in kernel.outputs
+                                    and node not in kernel.recomputed):
             return self.load(node, idx)
         op, kind = node.op, node.op.kind
         if kind is Kind.LEAF:

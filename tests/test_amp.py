@@ -58,19 +58,119 @@ FLOAT32_OPS = {  # (input, another input of its shape, class targets)
     "mse_loss": lambda x, y, t: F.mse_loss(x, y),
     "l1_loss": lambda x, y, t: F.l1_loss(x, y),
     "smooth_l1_loss": lambda x, y, t: F.smooth_l1_loss(x, y),
-    "bce_with_logits": lambda x, y, t: F.binary_cross_entropy_with_logits(x, (y > 0).float()),
+    "binary_cross_entropy_with_logits": lambda x, y, t: F.binary_cross_entropy_with_logits(x, (y > 0).float()),
+}
+
+# PyTorch's autocast lists (aten/src/ATen/autocast_mode.cpp), for the ops ember has, by device type. The cpu
+# ones are also checked against torch's CPU autocast itself below; the cuda ones need a GPU to run.
+TORCH_LOWER_PRECISION = {"matmul", "mm", "bmm", "linear", "conv2d", "conv_transpose2d"}
+TORCH_FLOAT32 = {
+    "cuda": {"softmax", "log_softmax", "layer_norm", "logsumexp", "cross_entropy", "nll_loss", "mse_loss", "l1_loss",
+             "smooth_l1_loss", "binary_cross_entropy_with_logits"},
+    "cpu": {"cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "binary_cross_entropy_with_logits",
+            "binary_cross_entropy"},
 }
 
 
 @pytest.mark.parametrize("name", FLOAT32_OPS)
-def test_autocast_keeps_softmax_norms_and_losses_in_float32(name, device):
+def test_autocast_runs_the_ops_of_the_float32_list_in_float32(name, device):
     x, y = (ember.tensor(a).to(ember.float16) for a in _arrays((4, 6), (4, 6)))
     target = ember.tensor(np.array([0, 5, 2, 3]))
     with ember.autocast(device, dtype=ember.float16):
         out = FLOAT32_OPS[name](x, y, target)
-    assert out.dtype is ember.float32
-    want = FLOAT32_OPS[name](x.float(), y.float(), target)
-    np.testing.assert_allclose(out.numpy(), want.numpy(), rtol=1e-6, atol=1e-6)
+    expected = ember.float32 if name in TORCH_FLOAT32[device] else ember.float16
+    assert out.dtype is expected
+    want = FLOAT32_OPS[name](x.to(expected), y.to(expected), target)
+    np.testing.assert_allclose(out.float().numpy(), want.float().numpy(), rtol=1e-6, atol=1e-6)
+
+
+# Every spelling of the ops on the lists, as a function of the library and (x (4, 6), w (6, 3), y (4, 6), class
+# targets (4,)): the op's name on the lists and the call.
+SPELLINGS = {
+    "ember.softmax": ("softmax", lambda m, x, w, y, t: m.softmax(x, -1)),
+    "Tensor.softmax": ("softmax", lambda m, x, w, y, t: x.softmax(-1)),
+    "F.softmax": ("softmax", lambda m, x, w, y, t: m.nn.functional.softmax(x, dim=-1)),
+    "nn.Softmax": ("softmax", lambda m, x, w, y, t: m.nn.Softmax(dim=-1)(x)),
+    "ember.log_softmax": ("log_softmax", lambda m, x, w, y, t: m.log_softmax(x, -1)),
+    "Tensor.log_softmax": ("log_softmax", lambda m, x, w, y, t: x.log_softmax(-1)),
+    "F.log_softmax": ("log_softmax", lambda m, x, w, y, t: m.nn.functional.log_softmax(x, dim=-1)),
+    "nn.LogSoftmax": ("log_softmax", lambda m, x, w, y, t: m.nn.LogSoftmax(dim=-1)(x)),
+    "ember.logsumexp": ("logsumexp", lambda m, x, w, y, t: m.logsumexp(x, -1)),
+    "Tensor.logsumexp": ("logsumexp", lambda m, x, w, y, t: x.logsumexp(-1)),
+    "F.layer_norm": ("layer_norm", lambda m, x, w, y, t: m.nn.functional.layer_norm(x, (6,))),
+    "nn.LayerNorm": ("layer_norm", lambda m, x, w, y, t: m.nn.LayerNorm(6)(x)),
+    "F.cross_entropy": ("cross_entropy", lambda m, x, w, y, t: m.nn.functional.cross_entropy(x, t)),
+    "nn.CrossEntropyLoss": ("cross_entropy", lambda m, x, w, y, t: m.nn.CrossEntropyLoss()(x, t)),
+    "F.nll_loss": ("nll_loss", lambda m, x, w, y, t: m.nn.functional.nll_loss(x, t)),
+    "nn.NLLLoss": ("nll_loss", lambda m, x, w, y, t: m.nn.NLLLoss()(x, t)),
+    "F.mse_loss": ("mse_loss", lambda m, x, w, y, t: m.nn.functional.mse_loss(x, y)),
+    "nn.MSELoss": ("mse_loss", lambda m, x, w, y, t: m.nn.MSELoss()(x, y)),
+    "F.l1_loss": ("l1_loss", lambda m, x, w, y, t: m.nn.functional.l1_loss(x, y)),
+    "nn.L1Loss": ("l1_loss", lambda m, x, w, y, t: m.nn.L1Loss()(x, y)),
+    "F.smooth_l1_loss": ("smooth_l1_loss", lambda m, x, w, y, t: m.nn.functional.smooth_l1_loss(x, y)),
+    "nn.SmoothL1Loss": ("smooth_l1_loss", lambda m, x, w, y, t: m.nn.SmoothL1Loss()(x, y)),
+    "F.binary_cross_entropy_with_logits": ("binary_cross_entropy_with_logits",
+                                           lambda m, x, w, y, t: m.nn.functional.binary_cross_entropy_with_logits(
+                                               x, y.sigmoid())),
+    "nn.BCEWithLogitsLoss": ("binary_cross_entropy_with_logits",
+                             lambda m, x, w, y, t: m.nn.BCEWithLogitsLoss()(x, y.sigmoid())),
+    "F.binary_cross_entropy": ("binary_cross_entropy",
+                               lambda m, x, w, y, t: m.nn.functional.binary_cross_entropy(x.sigmoid(), y.sigmoid())),
+    "nn.BCELoss": ("binary_cross_entropy", lambda m, x, w, y, t: m.nn.BCELoss()(x.sigmoid(), y.sigmoid())),
+    "matmul operator": ("matmul", lambda m, x, w, y, t: x @ w),
+    "ember.matmul": ("matmul", lambda m, x, w, y, t: m.matmul(x, w)),
+    "Tensor.matmul": ("matmul", lambda m, x, w, y, t: x.matmul(w)),
+    "ember.mm": ("mm", lambda m, x, w, y, t: m.mm(x, w)),
+    "Tensor.mm": ("mm", lambda m, x, w, y, t: x.mm(w)),
+    "ember.bmm": ("bmm", lambda m, x, w, y, t: m.bmm(x[None], w[None])),
+    "Tensor.bmm": ("bmm", lambda m, x, w, y, t: x[None].bmm(w[None])),
+    "F.linear": ("linear", lambda m, x, w, y, t: m.nn.functional.linear(x, w.T)),
+    "nn.Linear": ("linear", lambda m, x, w, y, t: m.nn.Linear(6, 3)(x)),
+    "F.conv2d": ("conv2d", lambda m, x, w, y, t: m.nn.functional.conv2d(x.reshape(1, 6, 2, 2), w.reshape(3, 6, 1, 1))),
+    "nn.Conv2d": ("conv2d", lambda m, x, w, y, t: m.nn.Conv2d(4, 2, 1)(x.reshape(1, 4, 2, 3))),
+    "F.conv_transpose2d": ("conv_transpose2d", lambda m, x, w, y, t: m.nn.functional.conv_transpose2d(
+        x.reshape(1, 6, 2, 2), w.reshape(6, 3, 1, 1))),
+    "nn.ConvTranspose2d": ("conv_transpose2d", lambda m, x, w, y, t: m.nn.ConvTranspose2d(4, 2, 1)(
+        x.reshape(1, 4, 2, 3))),
+}
+
+
+def _spelling_inputs(lib, dtype: str):
+    x, w, y = _arrays((4, 6), (6, 3), (4, 6), seed=3)
+    t = np.array([0, 5, 2, 3])
+    if lib is torch:
+        return [torch.tensor(a).to(getattr(torch, dtype)) for a in (x, w, y)] + [torch.tensor(t)]
+    return [ember.tensor(a).to(dtype) for a in (x, w, y)] + [ember.tensor(t)]
+
+
+def _torch_dtype_under_autocast(device: str, name: str, fn, dtype: str, low: str) -> str:
+    """The dtype torch gives: its CPU autocast run here; its cuda lists applied to its result without autocast."""
+    if device == "cpu":
+        with torch.autocast("cpu", dtype=getattr(torch, low)):
+            return str(fn(torch, *_spelling_inputs(torch, dtype)).dtype).removeprefix("torch.")
+    if name in TORCH_LOWER_PRECISION:
+        return low
+    if name in TORCH_FLOAT32["cuda"]:
+        return "float32"
+    return str(fn(torch, *_spelling_inputs(torch, dtype)).dtype).removeprefix("torch.")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "low"])
+@pytest.mark.parametrize("low", ["bfloat16", "float16"])
+@pytest.mark.parametrize("spelling", SPELLINGS)
+def test_every_spelling_of_an_op_on_the_autocast_lists_gives_torchs_dtype(spelling, low, dtype, device):
+    name, fn = SPELLINGS[spelling]  # (torch refuses binary_cross_entropy under cuda autocast; ember leaves it be)
+    dtype = low if dtype == "low" else dtype
+    with ember.autocast(device, dtype=getattr(ember, low)):
+        out = fn(ember, *_spelling_inputs(ember, dtype))
+    assert out.dtype.name == _torch_dtype_under_autocast(device, name, fn, dtype, low)
+
+
+def test_the_lists_ember_applies_are_torchs(device):
+    from ember import amp
+
+    assert amp.LOWER_PRECISION[device] == TORCH_LOWER_PRECISION
+    assert amp.FLOAT32[device] == TORCH_FLOAT32[device]
 
 
 def test_autocast_leaves_float64_other_devices_and_disabled_regions_alone(device):

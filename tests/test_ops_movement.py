@@ -92,6 +92,10 @@ MOVEMENT = {
     "repeat": (lambda m, x: x.repeat(2, 1), [(2, 3)]),
     "repeat-new-dims": (lambda m, x: x.repeat(2, 1, 3), [(2, 3)]),
     "repeat-zero": (lambda m, x: x.repeat(0, 2), [(2, 3)]),
+    "tril": (lambda m, x: m.tril(x), [(3, 4)]),
+    "tril-diagonal": (lambda m, x: x.tril(1), [(2, 3, 4)]),
+    "triu": (lambda m, x: m.triu(x), [(4, 3)]),
+    "triu-negative-diagonal": (lambda m, x: x.triu(-1), [(2, 4, 3)]),
 }
 
 # torch's .view needs compatible strides; ember's views never do, so only these compare on contiguous input
@@ -174,6 +178,18 @@ def test_movement_misuse_raises_like_torch(name):
         fn(TORCH)
     with pytest.raises((ember.EmberError, IndexError, ValueError, TypeError)):
         fn(ember)
+
+
+def test_a_causal_mask_from_tril_stays_bool_so_it_inverts(rng):
+    # the first lines of a hand-written causal attention
+    scores = random_array(rng, (2, 4, 4), "float32")
+
+    def attend(m, s):
+        mask = m.tril(m.ones(4, 4, dtype=m.bool))
+        return s.masked_fill(~mask, float("-inf")).softmax(-1)
+
+    check_against_torch(attend, scores)
+    assert ember.triu(ember.ones(3, 3, dtype=ember.bool), 1).dtype is ember.bool
 
 
 def test_views_of_views_compose(rng):

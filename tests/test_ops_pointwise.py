@@ -56,6 +56,8 @@ class Unary:
     smooth: bool = True  # whether finite differences measure the gradient (not for floor and friends)
 
 
+SIGNED_INTS = ("int8", "int16", "int32", "int64")  # torch's hardtanh refuses uint8 with a negative bound
+
 UNARY = [
     Unary("neg", lambda m, x: m.neg(x), NUMERIC),
     Unary("neg-operator", lambda m, x: -x, NUMERIC),
@@ -83,6 +85,10 @@ UNARY = [
     Unary("round-decimals", lambda m, x: m.round(x, decimals=1), FLOATS, SMALL, smooth=False),
     Unary("sign", lambda m, x: m.sign(x), DTYPES, NONZERO, smooth=False),
     Unary("logical_not", lambda m, x: m.logical_not(x), DTYPES),
+    Unary("square", lambda m, x: m.square(x), DTYPES),
+    Unary("hardtanh", lambda m, x: m.nn.functional.hardtanh(x, -1.5, 2.5), FLOATS + SIGNED_INTS, SMALL,
+          smooth=False),
+    Unary("relu6", lambda m, x: m.nn.functional.relu6(x), NUMERIC, Domain(-3.0, 8.0), smooth=False),
 ]
 
 UNARY_CASES = {  # name: (shape, layout)

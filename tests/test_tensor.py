@@ -194,6 +194,38 @@ def test_repr_shows_requires_grad_and_grad_fn():
     assert "grad_fn" not in repr((leaf * 2).detach())
 
 
+FORMAT_CASES = {  # a 0-d value, by dtype
+    "float32": np.float32(0.1234567), "float64": np.float64(-2.5), "int64": np.int64(7), "bool": np.bool_(True),
+    "float16": np.float16(1.5),
+}
+
+
+@pytest.mark.parametrize("spec", ["", ".4f", ">10.2e", "+", "08.3f", "g"])
+@pytest.mark.parametrize("dtype", list(FORMAT_CASES))
+def test_a_0d_tensor_formats_as_its_python_value_as_in_torch(dtype, spec):
+    value = FORMAT_CASES[dtype]
+    assert format(ember.tensor(value), spec) == format(torch.tensor(value), spec)
+    assert f"{ember.tensor(value):{spec}}" == f"{torch.tensor(value):{spec}}"
+
+
+def test_a_0d_bfloat16_and_a_computed_loss_format_as_their_values():
+    assert f"{ember.tensor(1.5, dtype=ember.bfloat16):.3f}" == f"{torch.tensor(1.5, dtype=torch.bfloat16):.3f}"
+    a = data(4)
+    loss = (ember.tensor(a) ** 2).mean()
+    assert f"loss {loss:.4f}" == f"loss {(torch.tensor(a) ** 2).mean():.4f}"
+
+
+def test_a_tensor_with_dims_formats_only_with_an_empty_spec_as_in_torch():
+    a = data(2, 3)
+    assert f"{ember.tensor(a)}" == str(ember.tensor(a)) == f"{torch.tensor(a)}"
+    assert format(ember.tensor(a[:1, :1])) == str(ember.tensor(a[:1, :1]))
+    for spec in [".4f", ">8", "e"]:
+        with pytest.raises(TypeError, match="unsupported format string passed to Tensor.__format__"):
+            format(ember.tensor(a), spec)
+        with pytest.raises(TypeError):
+            format(torch.tensor(a), spec)
+
+
 # -- Python protocols -------------------------------------------------------------------------
 
 def test_len_and_iteration_follow_the_first_dim():

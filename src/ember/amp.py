@@ -1,12 +1,19 @@
 """`ember.amp`: automatic mixed precision, as `torch.amp`: `autocast` and `GradScaler`.
 
-Inside `with ember.autocast("cuda", dtype=ember.bfloat16):` the ops PyTorch runs in lower precision
-(matrix products and convolutions: `matmul`, `mm`, `bmm`, `linear`, `conv2d`, `conv_transpose2d`) cast
-their floating operands on that device type to `dtype`, and the ops PyTorch keeps in float32 (softmax,
-log-softmax, layer norm and the losses) cast theirs to float32. float64 operands are left alone, as PyTorch
-leaves them. The casts are ordinary graph ops, so they fuse into their neighbours and their gradients flow
-back to the parameters' own dtype. The setting is per thread, and nests. The ops declare which list they are
-on with the decorators `lower_precision` and `float32`.
+Inside `with ember.autocast("cuda", dtype=ember.bfloat16):` the ops on PyTorch's lower-precision list for that
+device type (matrix products and convolutions) cast their floating operands on that device type to `dtype`,
+and the ops on its float32 list cast theirs to float32. The lists differ by device type, as PyTorch's do
+(aten/src/ATen/autocast_mode.cpp): on cuda softmax, log-softmax, layer norm, logsumexp and the losses run in
+float32; on the cpu only the losses do. `LOWER_PRECISION` and `FLOAT32` below are those lists, restricted to
+the ops ember has, and the one place that decides: an op takes part by its name, with the decorator
+`autocast_op`, on its one implementation, so every spelling of it (`ember.softmax`, `Tensor.softmax`,
+`F.softmax`, `nn.Softmax`) is cast alike. float64 operands are left alone, as PyTorch leaves them. The casts are
+ordinary graph ops, so they fuse into their neighbours and their gradients flow back to the parameters' own
+dtype. The setting is per thread, and nests.
+
+PyTorch's cuda float32 list also holds pointwise functions and reductions (exp, log, pow, rsqrt, sum, cumsum,
+prod, norm...) that ember's other ops are built of (mean of sum, sigmoid of exp): ember leaves those in their
+input's precision, since casting them would change the dtype of every op composed of them.
 
 GradScaler keeps float16 gradients from underflowing: the loss is multiplied by a scale before
 `backward()`, the gradients are divided by it before the optimizer uses them, and a step whose gradients
@@ -53,8 +60,21 @@ def autocast(device_type: str = "cuda", dtype: DType | None = None, enabled: boo
         _local.mode = outer
 
 
-def _cast_to(dtype_of: Callable[[DType], DType]) -> Callable:
-    """A decorator casting an op's eligible Tensor arguments while autocast is on for their device type."""
+# PyTorch's autocast lists, for the ops ember has: by device type, the ops run in the autocast dtype and those
+# run in float32 (binary_cross_entropy is on cpu's float32 list; on cuda PyTorch refuses it under autocast,
+# ember leaves it alone). An op on neither list runs in its inputs' dtypes.
+LOWER_PRECISION = {device_type: frozenset({"matmul", "mm", "bmm", "linear", "conv2d", "conv_transpose2d"})
+                   for device_type in ("cuda", "cpu")}
+_LOSSES = frozenset({"cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss",
+                     "binary_cross_entropy_with_logits"})
+FLOAT32 = {"cuda": _LOSSES | {"softmax", "log_softmax", "layer_norm", "logsumexp"},
+           "cpu": _LOSSES | {"binary_cross_entropy"}}
+
+
+def autocast_op(name: str) -> Callable:
+    """Declare the decorated function ember's op `name`: while autocast is on, its floating Tensor arguments on
+    the autocast device type are cast as that device type's lists say (to the autocast dtype, to float32, or
+    not at all)."""
     def decorate(op: Callable) -> Callable:
         @functools.wraps(op)
         def run(*args, **kwargs):
@@ -62,7 +82,12 @@ def _cast_to(dtype_of: Callable[[DType], DType]) -> Callable:
             if mode is None:
                 return op(*args, **kwargs)
             device_type, low = mode
-            target = dtype_of(low)
+            if name in LOWER_PRECISION[device_type]:
+                target = low
+            elif name in FLOAT32[device_type]:
+                target = dtypes.float32
+            else:
+                return op(*args, **kwargs)
 
             def cast(value):
                 if (getattr(value, "_node", None) is not None and value.dtype.is_floating_point
@@ -74,10 +99,6 @@ def _cast_to(dtype_of: Callable[[DType], DType]) -> Callable:
             return op(*[cast(a) for a in args], **{k: cast(v) for k, v in kwargs.items()})
         return run
     return decorate
-
-
-lower_precision = _cast_to(lambda low: low)  # matrix products and convolutions
-float32 = _cast_to(lambda low: dtypes.float32)  # softmax, norms, losses
 
 
 class GradScaler:

@@ -147,6 +147,13 @@ class Tensor:
 
     __str__ = __repr__
 
+    def __format__(self, format_spec: str) -> str:
+        """As torch: a 0-d tensor formats as its Python value (`f"{loss:.4f}"`); another tensor only with an
+        empty spec, as str() (a spec raises TypeError)."""
+        if self.ndim == 0:
+            return format(self.item(), format_spec)
+        return object.__format__(self, format_spec)
+
     def __len__(self) -> int:
         if self.ndim == 0:
             raise TypeError("len() of a 0-d tensor")

@@ -102,13 +102,11 @@ def _softmax_dim(name: str, dim: int | None, ndim: int) -> int:
     return 0 if ndim in (0, 1, 3) else 1
 
 
-@amp.float32
 def softmax(input: Tensor, dim: int | None = None, dtype=None) -> Tensor:
     expect_tensors("softmax", input=input)
     return _softmax(input, _softmax_dim("softmax", dim, input.ndim), dtype=dtype)
 
 
-@amp.float32
 def log_softmax(input: Tensor, dim: int | None = None, dtype=None) -> Tensor:
     expect_tensors("log_softmax", input=input)
     return _log_softmax(input, _softmax_dim("log_softmax", dim, input.ndim), dtype=dtype)
@@ -151,7 +149,7 @@ def _variance(x: Tensor, mean: Tensor, axes: tuple[int, ...]) -> Tensor:
     return (deviation * deviation).mean(axes, keepdim=True)
 
 
-@amp.float32
+@amp.autocast_op("layer_norm")
 def layer_norm(input: Tensor, normalized_shape, weight: Tensor | None = None, bias: Tensor | None = None,
                eps: float = 1e-5) -> Tensor:
     """Normalise over the trailing `normalized_shape` dims (biased variance), then scale and shift."""
@@ -365,7 +363,7 @@ def _check_index_target(fn: str, target: Tensor) -> None:
         raise DTypeError(f"{fn}: target must hold class indices (an integer tensor), got {operands(target)}")
 
 
-@amp.float32
+@amp.autocast_op("nll_loss")
 def nll_loss(input: Tensor, target: Tensor, weight: Tensor | None = None, *, ignore_index: int = -100,
              reduction: str = "mean") -> Tensor:
     """Negative log-likelihood of class indices given log-probabilities over dim 1 (dim 0 for (C,) input).
@@ -381,7 +379,7 @@ def nll_loss(input: Tensor, target: Tensor, weight: Tensor | None = None, *, ign
     return _nll(input, target, weight, ignore_index, reduction, class_dim)[1]
 
 
-@amp.float32
+@amp.autocast_op("cross_entropy")
 def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, *, ignore_index: int = -100,
                   reduction: str = "mean", label_smoothing: float = 0.0) -> Tensor:
     """Cross entropy between logits (class dim 1, or 0 for (C,) input) and a target.
@@ -450,20 +448,20 @@ def _check_pair(fn: str, input: Tensor, target: Tensor, same_shape: bool) -> Non
                       f"{input.shape}; they will be broadcast, which is likely not what you want", stacklevel=3)
 
 
-@amp.float32
+@amp.autocast_op("mse_loss")
 def mse_loss(input: Tensor, target: Tensor, *, reduction: str = "mean") -> Tensor:
     _check_pair("mse_loss", input, target, same_shape=False)
     diff = input - target
     return _reduce("mse_loss", diff * diff, reduction)
 
 
-@amp.float32
+@amp.autocast_op("l1_loss")
 def l1_loss(input: Tensor, target: Tensor, *, reduction: str = "mean") -> Tensor:
     _check_pair("l1_loss", input, target, same_shape=False)
     return _reduce("l1_loss", abs(input - target), reduction)
 
 
-@amp.float32
+@amp.autocast_op("smooth_l1_loss")
 def smooth_l1_loss(input: Tensor, target: Tensor, *, reduction: str = "mean", beta: float = 1.0) -> Tensor:
     """Squared error below `beta` (scaled by 1 / (2 beta)), absolute error minus beta / 2 above."""
     _check_pair("smooth_l1_loss", input, target, same_shape=False)
@@ -475,6 +473,7 @@ def smooth_l1_loss(input: Tensor, target: Tensor, *, reduction: str = "mean", be
     return _reduce("smooth_l1_loss", where(diff < beta, diff * diff * (0.5 / beta), diff - 0.5 * beta), reduction)
 
 
+@amp.autocast_op("binary_cross_entropy")
 def binary_cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, *,
                          reduction: str = "mean") -> Tensor:
     """Cross entropy of probabilities `input` against targets in [0, 1]; logs are clamped at -100 as in PyTorch."""
@@ -488,7 +487,7 @@ def binary_cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = 
     return _reduce("binary_cross_entropy", loss, reduction)
 
 
-@amp.float32
+@amp.autocast_op("binary_cross_entropy_with_logits")
 def binary_cross_entropy_with_logits(input: Tensor, target: Tensor, weight: Tensor | None = None, *,
                                      reduction: str = "mean", pos_weight: Tensor | None = None) -> Tensor:
     """Sigmoid and binary cross entropy in one stable formula; `pos_weight` scales the positive term."""

@@ -24,7 +24,7 @@ def _check_operands(op: str, a: Tensor, b: Tensor) -> None:
         raise DTypeError(f"{op}: bool operands are not supported ({operands(a, b)})")
 
 
-@amp.lower_precision
+@amp.autocast_op("matmul")
 def matmul(a: Tensor, b: Tensor) -> Tensor:
     """torch.matmul: 1-d operands are promoted and squeezed, batch dims broadcast."""
     expect_tensors("matmul", input=a, other=b)
@@ -56,7 +56,7 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     return out
 
 
-@amp.lower_precision
+@amp.autocast_op("mm")
 def mm(a: Tensor, b: Tensor) -> Tensor:
     expect_tensors("mm", input=a, mat2=b)
     if a.ndim != 2 or b.ndim != 2:
@@ -64,7 +64,7 @@ def mm(a: Tensor, b: Tensor) -> Tensor:
     return matmul(a, b)
 
 
-@amp.lower_precision
+@amp.autocast_op("bmm")
 def bmm(a: Tensor, b: Tensor) -> Tensor:
     expect_tensors("bmm", input=a, mat2=b)
     if a.ndim != 3 or b.ndim != 3 or a.shape[0] != b.shape[0]:
@@ -84,7 +84,7 @@ def outer(a: Tensor, b: Tensor) -> Tensor:
     return reshape(a, (-1, 1)) * reshape(b, (1, -1))
 
 
-@amp.lower_precision
+@amp.autocast_op("linear")
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x @ weight.T + bias, as torch.nn.functional.linear."""
     expect_tensors("linear", input=x, weight=weight)
@@ -119,7 +119,7 @@ def _batched(op: str, x: Tensor, weight: Tensor, weight_layout: str) -> tuple[Te
     return x, unbatched
 
 
-@amp.lower_precision
+@amp.autocast_op("conv2d")
 def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padding=0, dilation=1,
            groups: int = 1, *, memory_format=None) -> Tensor:
     """2-d cross-correlation over NCHW input (or CHW, unbatched), as torch.nn.functional.conv2d.
@@ -171,7 +171,7 @@ def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padd
     return squeeze(out, 0) if unbatched else out
 
 
-@amp.lower_precision
+@amp.autocast_op("conv_transpose2d")
 def conv_transpose2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padding=0,
                      output_padding=0, groups: int = 1, dilation=1, *, memory_format=None) -> Tensor:
     """2-d transposed convolution over NCHW input (or CHW), as torch.nn.functional.conv_transpose2d: the

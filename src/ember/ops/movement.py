@@ -471,7 +471,7 @@ def _triangle(x: Tensor, diagonal: int, lower: bool) -> Tensor:
     rows = reshape(creation.arange(x.shape[-2], device=x.device), (-1, 1))
     cols = reshape(creation.arange(x.shape[-1], device=x.device), (1, -1))
     keep = (cols - rows <= diagonal) if lower else (cols - rows >= diagonal)
-    return pointwise.where(keep, x, 0)
+    return pointwise.where(keep, x, pointwise.scalar(0, x.dtype, x.device))  # a zero of x's dtype: x's dtype kept
 
 
 # -- the movement primitives --------------------------------------------------------------------------

@@ -301,7 +301,7 @@ def relu(x: Tensor) -> Tensor:
 
 def relu6(x: Tensor) -> Tensor:
     expect_tensors("relu6", input=x)
-    return clamp(x, 0, 6)
+    return hardtanh(x, 0, 6)
 
 
 def leaky_relu(x: Tensor, negative_slope: float = 0.01) -> Tensor:
@@ -338,8 +338,11 @@ def elu(x: Tensor, alpha: float = 1.0) -> Tensor:
 
 
 def hardtanh(x: Tensor, min_val: float = -1.0, max_val: float = 1.0) -> Tensor:
+    """x clamped to [min_val, max_val]; unlike clamp's, the gradient at a bound itself is 0, as in torch."""
     expect_tensors("hardtanh", input=x)
-    return clamp(x, min_val, max_val)
+    if not x.dtype.is_floating_point:  # integers keep their dtype, the bounds truncated to it, as in torch
+        min_val, max_val = int(min_val), int(max_val)
+    return where(x <= min_val, min_val, where(x >= max_val, max_val, x))
 
 
 def mish(x: Tensor) -> Tensor:
@@ -592,6 +595,8 @@ def nan_to_num(x: Tensor, nan: float = 0.0, posinf: float | None = None, neginf:
 
 def square(x: Tensor) -> Tensor:
     expect_tensors("square", input=x)
+    if x.dtype is dtypes.bool_:  # torch squares as pow(x, 2): bool becomes int64
+        x = cast(x, dtypes.int64)
     return x * x
 
 

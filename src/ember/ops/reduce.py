@@ -13,7 +13,7 @@ from collections import namedtuple
 
 import numpy as np
 
-from ember import dtypes
+from ember import amp, dtypes
 from ember.errors import DTypeError, ShapeError, operands
 from ember.ir import Op
 from ember.ir.ops import NOT_DIFFERENTIABLE, check_shape, define
@@ -221,6 +221,7 @@ def _stable_shift(x: Tensor, axes) -> Tensor:
     return where(m.abs() == math.inf, 0.0, m)
 
 
+@amp.autocast_op("logsumexp")
 def logsumexp(x: Tensor, dim, keepdim: bool = False) -> Tensor:
     expect_tensors("logsumexp", input=x)
     x, out_dtype = _widened(x, None)
@@ -238,6 +239,7 @@ def _as_vector(fn, x: Tensor, dim: int, dtype) -> Tensor:
     return reshape(fn(reshape(x, (1,)), 0, dtype), ())
 
 
+@amp.autocast_op("softmax")
 def softmax(x: Tensor, dim: int, dtype=None) -> Tensor:
     expect_tensors("softmax", input=x)
     if x.ndim == 0:
@@ -251,6 +253,7 @@ def softmax(x: Tensor, dim: int, dtype=None) -> Tensor:
     return cast(e / sum(e, axes, keepdim=True), out_dtype)
 
 
+@amp.autocast_op("log_softmax")
 def log_softmax(x: Tensor, dim: int, dtype=None) -> Tensor:
     expect_tensors("log_softmax", input=x)
     if x.ndim == 0:

@@ -152,7 +152,7 @@ def test_a_training_step_with_batch_norms_is_one_realization(rng):
     observe = lambda order, keep: realized.append(len(order))  # noqa: E731
     batches = [ember.tensor(random_array(rng, (2, 3, 7, 7), "float32")) for _ in range(4)]
     ember.realize(*model.parameters(), *model.buffers(), *batches)  # initialisation and inputs
-    executor.observers.append(observe)
+    executor.this_thread.observers.append(observe)
     try:
         for x in batches:
             loss = model(x).square().mean()
@@ -160,7 +160,7 @@ def test_a_training_step_with_batch_norms_is_one_realization(rng):
             loss.backward()
             optimizer.step()
     finally:
-        executor.observers.remove(observe)
+        executor.this_thread.observers.remove(observe)
     assert len(realized) == len(batches), realized  # one plan a step, batch norms' buffers included
     assert len(set(realized[1:])) == 1  # steps after the first (which creates the momentum) are alike
     for bn in (model[1], model[4]):

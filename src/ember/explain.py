@@ -239,11 +239,11 @@ def capture():
     def observe(order, keep):
         plans.append(Plan(order, keep))
 
-    executor.observers.append(observe)
+    executor.this_thread.observers.append(observe)
     try:
         yield plans
     finally:
-        executor.observers.remove(observe)
+        executor.this_thread.observers.remove(observe)
 
 
 # `ember.explain` is this function; its helpers hang on it so `ember.explain.plan(...)` reads naturally

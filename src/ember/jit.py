@@ -41,11 +41,12 @@ a scheduler inside itself, optimizes gradients of a backward pass run outside it
 to the `.grad` of the call before cannot be replayed: it keeps running as written, and
 `why_not_replayed` says why.
 
-How: while a call records, a `Recorder` is the runtime's `executor.recorder`, noting every
-plan the cuda backend executes with its input and output buffers, and the facts needed to
-turn that into a `_Program`: which Tensors were rebound (parameters, optimizer state),
-which host values were uploaded, which random offsets were drawn, and which Python values
-the step read (guards). A program re-runs the same plans on fixed buffers:
+How: while a call records, a `Recorder` is the runtime's `executor.this_thread.recorder` (what other
+threads run meanwhile is not recorded), noting every plan the cuda backend executes with its input and
+output buffers, and the facts needed to turn that into a `_Program`: which Tensors were rebound
+(parameters, optimizer state), which host values were uploaded, which random offsets were drawn, and
+which Python values the step read (guards). A program re-runs the same plans on fixed buffers (and
+arenas of its own):
 
 - an argument is read from its buffer: a replay binds the buffers of its call; a CUDA graph is
   captured per binding (the usual loop over a few staging buffers, parameters and optimizer
@@ -206,8 +207,8 @@ class RecordedPlan:
 
 @dataclass
 class Recorder:
-    """What one call of a step ran and read. While it records, it is `executor.recorder`: the runtime
-    tells it the plans it executes, the uploads and the host's reads and work; Tensors, modules,
+    """What one call of a step ran and read. While it records, it is `executor.this_thread.recorder`: the
+    runtime tells it the plans it executes, the uploads and the host's reads and work; Tensors, modules,
     optimizers and the random stream tell it what they rebind, guard, refresh and draw."""
 
     guards: list[tuple[Callable[[], object], object]] = field(default_factory=list)
@@ -293,12 +294,12 @@ class record:
     """`with record() as recorder:` notes what runs in the block (a recording inside it notes its own)."""
 
     def __enter__(self) -> Recorder:
-        self.recorder, self.outer = Recorder(), executor.recorder
-        executor.recorder = self.recorder
+        self.recorder, self.outer = Recorder(), executor.this_thread.recorder
+        executor.this_thread.recorder = self.recorder
         return self.recorder
 
     def __exit__(self, *exc) -> None:
-        executor.recorder = self.outer
+        executor.this_thread.recorder = self.outer
 
 
 # -- replay ------------------------------------------------------------------------------------

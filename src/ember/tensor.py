@@ -39,8 +39,9 @@ class Tensor:
 
     @grad.setter
     def grad(self, value: Tensor | None) -> None:
-        if executor.recorder is not None:
-            executor.recorder.note_grad(self, self._grad, value)
+        recorder = executor.this_thread.recorder
+        if recorder is not None:
+            recorder.note_grad(self, self._grad, value)
         self._grad = value
 
     @property
@@ -212,8 +213,9 @@ class Tensor:
     @data.setter
     def data(self, value: Tensor) -> None:
         """Show `value` from now on, whatever its shape or dtype, outside autograd (torch's `p.data = v`)."""
-        if executor.recorder is not None:
-            executor.recorder.note_rebind(self, self._node)
+        recorder = executor.this_thread.recorder
+        if recorder is not None:
+            recorder.note_rebind(self, self._node)
         self._node = value._node
         _hold(value._node, self)
 
@@ -283,8 +285,9 @@ class Tensor:
     def _show(self, node: Node) -> None:
         """Show `node` from now on: an update built without ops (of this Tensor's shape and dtype, outside
         autograd), as `assign` would."""
-        if executor.recorder is not None:
-            executor.recorder.note_rebind(self, self._node)
+        recorder = executor.this_thread.recorder
+        if recorder is not None:
+            recorder.note_rebind(self, self._node)
         self._node = node
         _hold(node, self)
 
@@ -304,8 +307,9 @@ class Tensor:
         if self.is_leaf and self.requires_grad and autograd.is_grad_enabled():
             raise RuntimeError("a leaf Tensor that requires grad is being used in an in-place operation; "
                                "wrap the update in `with ember.no_grad():`")
-        if executor.recorder is not None:
-            executor.recorder.note_rebind(self, self._node)
+        recorder = executor.this_thread.recorder
+        if recorder is not None:
+            recorder.note_rebind(self, self._node)
         self._node = value._node
         _hold(value._node, self)
         if autograd.is_grad_enabled() and value.requires_grad:

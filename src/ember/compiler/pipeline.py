@@ -50,7 +50,8 @@ class Plan:
     nodes: list[Node] = field(default_factory=list, repr=False)
     keep: set[int] = field(default_factory=set, repr=False)
     compile_seconds: float = 0.0
-    # what the target's launcher prepares from the plan on its first run (launch recipes); never stored
+    # what the target's launcher prepares from the plan on its first run in a thread (launch recipes), per
+    # thread; never stored
     prepared: object = field(default=None, repr=False, compare=False)
 
     def evaluate(self) -> dict:

@@ -7,6 +7,7 @@ its inputs, so the graph behind a realized value can be freed.
 from __future__ import annotations
 
 import math
+import threading
 import weakref
 from collections.abc import Iterable
 
@@ -15,7 +16,9 @@ from ember.dtypes import DType
 from ember.errors import device_mismatch
 from ember.ir.ops import Kind, Op, infer
 
-made: list | None = None  # while a template records (ember.ir.template), the nodes `make` makes
+# while templates record (ember.ir.template), the nodes `make` makes, by recording thread; None while none does
+# (so that `make` tests one global: a threading.local's attribute costs it several times more to read)
+made: dict[int, list] | None = None
 
 
 class Node:
@@ -47,7 +50,9 @@ class Node:
         shape, dtype = infer(op, inputs, attrs)
         node = Node(op, inputs, attrs, shape, dtype, device)
         if made is not None:
-            made.append(node)
+            recording = made.get(threading.get_ident())
+            if recording is not None:
+                recording.append(node)
         return node
 
     @staticmethod

@@ -13,6 +13,8 @@ pending (not realized while it ran), and not random (a random node draws a new o
 
 from __future__ import annotations
 
+import threading
+
 from ember.ir import node as _graph
 from ember.ir.node import Node, static_key
 from ember.ir.ops import Op
@@ -37,15 +39,28 @@ class Template:
         return len(self.steps)
 
 
+_recordings = threading.Lock()
+
+
 class recording:
-    """`with recording() as made:` lists, in order, the nodes made in the block (by `Node.make`)."""
+    """`with recording() as made:` lists, in order, the nodes made in the block (by `Node.make`) by this thread."""
 
     def __enter__(self) -> list[Node]:
-        self.outer, _graph.made = _graph.made, []
-        return _graph.made
+        thread, made = threading.get_ident(), []
+        with _recordings:  # a new dict each time: `Node.make` reads it without the lock
+            recordings = dict(_graph.made or {})
+            self.outer, recordings[thread] = recordings.get(thread), made
+            _graph.made = recordings
+        return made
 
     def __exit__(self, *exc) -> None:
-        made, _graph.made = _graph.made, self.outer
+        thread = threading.get_ident()
+        with _recordings:
+            recordings = dict(_graph.made)
+            made = recordings.pop(thread)
+            if self.outer is not None:
+                recordings[thread] = self.outer
+            _graph.made = recordings or None
         if self.outer is not None:
             self.outer.extend(made)
 

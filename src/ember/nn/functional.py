@@ -235,8 +235,8 @@ def _update_running_stats(running_mean: Tensor | None, running_var: Tensor | Non
             running_var.assign(cast(running_var, var.dtype) * (1 - momentum) + unbiased * momentum)
     _with_the_step(running_mean, running_var)
     still_pending = [s for s in _pending_stats(key) if not s._node.realized]
-    for stale in [k for k, (ref, _) in _pending_batch_stats.items() if ref() is None]:
-        del _pending_batch_stats[stale]
+    for stale in [k for k, (ref, _) in list(_pending_batch_stats.items()) if ref() is None]:  # (threads add too)
+        _pending_batch_stats.pop(stale, None)
     _pending_batch_stats[id(key)] = (weakref.ref(key), [*still_pending, mean, var])
 
 

@@ -74,8 +74,9 @@ class Module:
         raise NotImplementedError(f"{type(self).__name__} has no forward(); define one in the subclass")
 
     def __call__(self, *args, **kwargs):
-        if executor.recorder is not None:  # a recorded step depends on train/eval mode and on which parameters train
-            executor.recorder.note_module(self)
+        recorder = executor.this_thread.recorder
+        if recorder is not None:  # a recorded step depends on train/eval mode and on which parameters train
+            recorder.note_module(self)
         return self.forward(*args, **kwargs)
 
     # -- registration -------------------------------------------------------------------
@@ -237,8 +238,9 @@ class Module:
     def train(self, mode: bool = True) -> Module:
         if not isinstance(mode, bool):
             raise ValueError(f"train(): mode must be a bool, got {mode!r}")
-        if executor.recorder is not None:  # a step that sets the mode itself: its replays set it as well
-            executor.recorder.refresh(functools.partial(self.train, mode))
+        recorder = executor.this_thread.recorder
+        if recorder is not None:  # a step that sets the mode itself: its replays set it as well
+            recorder.refresh(functools.partial(self.train, mode))
         for module in self.modules():
             object.__setattr__(module, "training", mode)
         return self

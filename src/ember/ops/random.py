@@ -27,7 +27,8 @@ _state = threading.local()
 
 
 def manual_seed(seed: int) -> None:
-    """Restart the global random stream at `seed`."""
+    """Restart the random stream at `seed`. Each thread draws from a stream of its own (seed 0 until the thread
+    sets one), so threads seeded alike draw alike however their draws interleave."""
     _state.seed = int(seed)
     _state.offset = 0
 
@@ -42,8 +43,9 @@ def take_offsets(n: int) -> tuple[int, int]:
         manual_seed(0)
     start = _state.offset
     _state.offset += n
-    if executor.recorder is not None:
-        executor.recorder.note_draw(_state.seed, start, n)
+    recorder = executor.this_thread.recorder
+    if recorder is not None:
+        recorder.note_draw(_state.seed, start, n)
     return _state.seed, start
 
 

@@ -42,9 +42,9 @@ class LRScheduler:
 
     def step(self) -> None:
         # a replay does not run Python: the rate it would set is read before each replay instead
-        if executor.recorder is not None:
-            executor.recorder.fail("it steps a learning-rate scheduler inside itself; step the scheduler outside "
-                                   "the step")
+        recorder = executor.this_thread.recorder
+        if recorder is not None:
+            recorder.fail("it steps a learning-rate scheduler inside itself; step the scheduler outside the step")
         self._step_count += 1
         self.last_epoch += 1
         for group, lr in zip(self.optimizer.param_groups, self.get_lr()):

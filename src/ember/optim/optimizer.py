@@ -92,9 +92,10 @@ class Optimizer:
         if closure is not None:
             with enable_grad():
                 loss = closure()
-        if executor.recorder is not None:
-            executor.recorder.guard(self._hyper_parameters)
-            executor.recorder.refresh(self._refresh_rates)
+        recorder = executor.this_thread.recorder
+        if recorder is not None:
+            recorder.guard(self._hyper_parameters)
+            recorder.refresh(self._refresh_rates)
         updated = []
         with no_grad():
             for group in self.param_groups:
@@ -102,8 +103,8 @@ class Optimizer:
                 for p in group["params"]:
                     if p.grad is None:
                         continue
-                    if executor.recorder is not None:
-                        executor.recorder.note_grad_read(p)
+                    if recorder is not None:
+                        recorder.note_grad_read(p)
                     state = self.state.setdefault(p, {})
                     if state and settings is not None and type(self)._update in TEMPLATED:
                         self._update_from_template(p, p.grad, state, group, settings)

@@ -21,7 +21,8 @@ How much is searched is bounded by `EMBER_AUTOTUNE`:
 - `0`: nothing profiled: a size-based default configuration and the generated kernel.
 Under the interpreter nothing is profiled either, and neither is a problem too small for
 tuning to matter (`SMALLEST_TUNED`). A tuned problem is tuned once: the disk cache answers
-every later process, whatever the mode.
+every later process, whatever the mode. Threads tune one problem at a time; a process storing
+an entry adds it to the file as it is on disk then, so entries other processes stored stay.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -164,6 +166,7 @@ def worth_tuning(problem: Problem) -> bool:
 # -- the disk cache ----------------------------------------------------------------------------
 
 _entries: dict[str, dict] | None = None
+_tuning = threading.RLock()  # held while this process profiles, reads or stores entries
 
 
 def _path() -> Path:
@@ -179,18 +182,26 @@ def _scope() -> str:
 def _load() -> dict[str, dict]:
     global _entries
     if _entries is None:
-        try:
-            data = json.loads(_path().read_text())
-            _entries = data if isinstance(data, dict) else {}
-        except (OSError, ValueError):  # missing or corrupt: rebuilt, never trusted
-            _entries = {}
+        with _tuning:
+            if _entries is None:
+                _entries = _read()
     return _entries
 
 
+def _read() -> dict[str, dict]:
+    try:
+        data = json.loads(_path().read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):  # missing or corrupt: rebuilt, never trusted
+        return {}
+
+
 def _store(key: str, value: dict) -> None:
-    entries = _load()
-    entries[key] = value
-    disk.write_atomically(_path(), json.dumps(entries, indent=1, sort_keys=True))
+    global _entries
+    with _tuning:
+        entries = {**_load(), **_read(), key: value}  # with what other processes stored meanwhile
+        disk.write_atomically(_path(), json.dumps(entries, indent=1, sort_keys=True))
+        _entries = entries
 
 
 def cached(key: str) -> dict | None:
@@ -216,10 +227,13 @@ def configs_for(problem: Problem) -> list[Config]:
         return [default_config(problem)]
     known = cached_configs(problem)
     if not known:
-        ranked = _profile_bare(problem)
-        _remember(f"config {problem.key}", {"ranked": [asdict(c) for c, _ in ranked],
-                                            "ms": [ms for _, ms in ranked]})
-        known = [c for c, _ in ranked]
+        with _tuning:  # a thread asking for a problem another is profiling waits for its result
+            known = cached_configs(problem)
+            if not known:
+                ranked = _profile_bare(problem)
+                _remember(f"config {problem.key}", {"ranked": [asdict(c) for c, _ in ranked],
+                                                    "ms": [ms for _, ms in ranked]})
+                known = [c for c, _ in ranked]
     # the size-based default last: the fastest bare tiles may not fit beside a fused epilogue's registers and
     # shared memory, and the default's moderate tiles do
     default = default_config(problem)
@@ -268,20 +282,21 @@ _bares: dict[Problem, _Bare] = {}
 
 
 def _bare(problem: Problem) -> _Bare:
-    if problem not in _bares:
-        dtype = dtypes.to_torch(dtypes.as_dtype(problem.dtype))
-        a_shape = (problem.m, problem.k) if problem.layout[0] != "t" else (problem.k, problem.m)
-        b_shape = (problem.k, problem.n) if problem.layout[1] != "t" else (problem.n, problem.k)
-        a = torch.randn(a_shape, device="cuda").to(dtype)
-        b = torch.randn(b_shape, device="cuda").to(dtype)
-        source = _bare_gemm(problem, a, b)
-        launch = source.launches[0]
-        out = torch.empty((problem.m, problem.n), device="cuda", dtype=dtype)
-        given = {"read": iter([a, b]), "write": iter([out])}
-        args = [next(given[arg.kind]) if arg.kind in given else
-                cuda.scratch(arg.value, out.device) if arg.kind == "scratch" else arg.value for arg in launch.args]
-        _bares[problem] = _Bare(getattr(disk.load_source(source), launch.function), args, launch.splits)
-    return _bares[problem]
+    with _tuning:  # made once, whichever thread asks first
+        if problem not in _bares:
+            dtype = dtypes.to_torch(dtypes.as_dtype(problem.dtype))
+            a_shape = (problem.m, problem.k) if problem.layout[0] != "t" else (problem.k, problem.m)
+            b_shape = (problem.k, problem.n) if problem.layout[1] != "t" else (problem.n, problem.k)
+            a = torch.randn(a_shape, device="cuda").to(dtype)
+            b = torch.randn(b_shape, device="cuda").to(dtype)
+            source = _bare_gemm(problem, a, b)
+            launch = source.launches[0]
+            out = torch.empty((problem.m, problem.n), device="cuda", dtype=dtype)
+            given = {"read": iter([a, b]), "write": iter([out])}
+            args = [next(given[arg.kind]) if arg.kind in given else
+                    cuda.scratch(arg.value, out.device) if arg.kind == "scratch" else arg.value for arg in launch.args]
+            _bares[problem] = _Bare(getattr(disk.load_source(source), launch.function), args, launch.splits)
+        return _bares[problem]
 
 
 def _profile_bare(problem: Problem) -> list[tuple[Config, float]]:
@@ -300,7 +315,7 @@ def _profile_bare(problem: Problem) -> list[tuple[Config, float]]:
             continue
         timed.append((config, ms))
     bar.close()
-    del _bares[problem]  # its operands are not needed again
+    _bares.pop(problem, None)  # its operands are not needed again
     timed.sort(key=lambda pair: pair[1])
     return timed[:RANKED if mode() == "max" else RANKED_SHORT] or [(default_config(problem), math.inf)]
 
@@ -337,9 +352,11 @@ def time_ms(run) -> float:
 def timed_choice(kernel_name: str, problem: Problem, fused: dict[Config, object], split) -> dict:
     """Time a fused kernel under each of its configurations (callables) against its split form, keep
     the fastest, remember the times: "chosen" ("triton" or "cublas"), "config", "triton_ms", "cublas_ms"."""
-    entry = cached_choice(kernel_name, problem)
-    if entry is not None:
-        return entry
+    with _tuning:  # the same kernel in several threads is timed once
+        return cached_choice(kernel_name, problem) or _timed_choice(kernel_name, problem, fused, split)
+
+
+def _timed_choice(kernel_name: str, problem: Problem, fused: dict[Config, object], split) -> dict:
     key = f"{kernel_name} {problem.key}"
     start = time.perf_counter()
     times = {}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import gc
 import os
+import threading
 import time
 
 FREEZES = 16
@@ -28,6 +29,7 @@ ENABLED = os.environ.get("EMBER_GC_FREEZE", "1") not in ("0", "")  # read once, 
 _freezes = 0
 _steps = 0
 _refreshed = time.monotonic()
+_settling = threading.Lock()  # threads running plans at once freeze and refresh one at a time
 
 
 def after_new_plan() -> None:
@@ -35,9 +37,10 @@ def after_new_plan() -> None:
     global _freezes
     if _freezes >= FREEZES or not ENABLED:
         return
-    if _freezes == 0:  # at exit the collector sees everything again, as extension modules expect
-        atexit.register(gc.unfreeze)
-    _freezes += 1
+    with _settling:
+        if _freezes == 0:  # at exit the collector sees everything again, as extension modules expect
+            atexit.register(gc.unfreeze)
+        _freezes += 1
     _refreeze()
 
 
@@ -59,8 +62,9 @@ def refresh() -> bool:
 
 def _refreeze() -> bool:
     global _steps, _refreshed
-    gc.unfreeze()
-    collected = gc.collect()
-    gc.freeze()
-    _steps, _refreshed = 0, time.monotonic()
+    with _settling:
+        gc.unfreeze()
+        collected = gc.collect()
+        gc.freeze()
+        _steps, _refreshed = 0, time.monotonic()
     return collected > 0

@@ -11,10 +11,12 @@ this process at once (a worker process would leave it in the disk cache, to be l
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-_pool: ThreadPoolExecutor | None = None
+_pool: ThreadPoolExecutor | None = None  # one per process, whichever threads' plans it compiles
+_pool_made = threading.Lock()
 
 
 def threads() -> int:
@@ -30,8 +32,9 @@ def run(jobs: list[Callable[[], object]]) -> None:
         for job in jobs:
             _attempt(job)
         return
-    if _pool is None:
-        _pool = ThreadPoolExecutor(threads(), thread_name_prefix="ember-compile")
+    with _pool_made:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(threads(), thread_name_prefix="ember-compile")
     for future in [_pool.submit(_attempt, job) for job in jobs]:
         future.result()
 

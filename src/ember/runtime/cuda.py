@@ -7,7 +7,9 @@ Triton's interpreter. That is how CI, which has no GPU, tests the generated code
 
 This module maps ember devices to torch devices, turns the user's settings into the
 compile context, allocates buffers and the arenas of plans' intermediates, and
-reports memory. Plans are cached in `plan_cache`, run by `launcher`.
+reports memory. Plans are cached in `plan_cache`, run by `launcher`. A plan's arena
+serves one thread (or one ember.jit program): threads running the same plan at the
+same time never share intermediates.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import threading
 import weakref
 
 import torch
@@ -39,7 +42,7 @@ max_streams = 1
 # the prologue and epilogue in kernels of their own) on its first run and keeps the faster; "triton"
 # always runs the generated kernel, "cublas" always the split form.
 gemm_backend = "auto"
-ARENAS_KEPT = 8  # plans whose intermediate arenas stay allocated between runs (most recently run first)
+ARENAS_KEPT = 8  # plans whose intermediate arenas a thread keeps allocated between runs (most recently run first)
 
 stats = {"plans_compiled": 0, "plans_loaded": 0, "plan_hits": 0, "launches": 0}
 
@@ -108,26 +111,54 @@ def scratch(what: tuple, target) -> torch.Tensor:
     return torch.empty(what[1], dtype=torch.float32, device=target)
 
 
-_arenas: dict[tuple, tuple[Plan, dict[int, torch.Tensor]]] = {}  # (id(plan), device) -> views, newest last
+class Arena:
+    """One allocation holding a plan's intermediates on one device, and their views into it."""
 
+    __slots__ = ("plan", "views", "__weakref__")
 
-def arena_views(plan: Plan, target: torch.device, device: Device) -> dict[int, torch.Tensor]:
-    """Views of the plan's intermediates into its arena, kept between runs of the plan. Kernels run in
-    stream order, so the next run cannot overwrite an intermediate the last one still reads."""
-    entry = _arenas.pop((id(plan), device), None)  # a plan may run on several GPUs: one arena on each
-    if entry is None or entry[0] is not plan:
+    def __init__(self, plan: Plan, target: torch.device, device: Device):
         sched = plan.schedule
         arena = allocate((sched.arena_bytes,), dtypes.uint8, target, device, "intermediates")
         nodes = {id(n): n for ck in plan.kernels for n in ck.kernel.outputs}
-        views = {}
+        self.plan, self.views = plan, {}
         for key, (offset, size) in sched.slots.items():
             node = nodes[key]
-            views[key] = arena[offset:offset + size].view(dtypes.to_torch(node.dtype)).view(node.shape)
-        entry = (plan, views)
-        while len(_arenas) >= ARENAS_KEPT:
-            _arenas.pop(next(iter(_arenas)))
-    _arenas[id(plan), device] = entry
-    return entry[1]
+            self.views[key] = arena[offset:offset + size].view(dtypes.to_torch(node.dtype)).view(node.shape)
+        with _arenas_lock:
+            _arenas.add(self)
+
+
+_arenas: weakref.WeakSet = weakref.WeakSet()  # every arena alive, for memory_stats
+_arenas_lock = threading.Lock()
+
+
+class _ThisThread(threading.local):
+    def __init__(self) -> None:
+        self.arenas: dict[tuple, Arena] = {}  # (id(plan), device) -> its arena, most recently run last
+
+
+this_thread = _ThisThread()
+
+
+def arena_views(plan: Plan, target: torch.device, device: Device) -> dict[int, torch.Tensor]:
+    """Views of the plan's intermediates into this thread's arena for it, kept between the thread's runs of
+    the plan. Kernels run in stream order, so the next run cannot overwrite an intermediate the last one
+    still reads; another thread running the plan at the same time has an arena of its own."""
+    arenas = this_thread.arenas
+    arena = arenas.pop((id(plan), device), None)  # a plan may run on several GPUs: one arena on each
+    if arena is None or arena.plan is not plan:
+        arena = Arena(plan, target, device)
+        while len(arenas) >= ARENAS_KEPT:
+            arenas.pop(next(iter(arenas)))
+    arenas[id(plan), device] = arena
+    return arena.views
+
+
+def take_arena(plan: Plan, target: torch.device, device: Device) -> Arena:
+    """This thread's arena for the plan, or a new one, for a holder of its own (an ember.jit program, whose
+    CUDA graphs keep its addresses): the thread's next run of the plan gets another."""
+    arena = this_thread.arenas.pop((id(plan), device), None)
+    return arena if arena is not None and arena.plan is plan else Arena(plan, target, device)
 
 
 def allocate(shape: tuple[int, ...], dtype, target: torch.device, device: Device, what: str) -> torch.Tensor:
@@ -158,9 +189,11 @@ def free_text(target: torch.device) -> str:
 
 def memory_stats(device: Device) -> dict:
     """Bytes "allocated" now, the "peak" since the start, "cached" by the allocator, and the "arena"
-    bytes kept for the intermediates of recently run plans. Under the interpreter, whose buffers
-    are ordinary CPU tensors, the first three count the buffers the executor allocated itself."""
-    arena = sum(p.schedule.arena_bytes for p, _ in _arenas.values())
+    bytes kept for the intermediates of recently run plans (in every thread) and of ember.jit programs.
+    Under the interpreter, whose buffers are ordinary CPU tensors, the first three count the buffers the
+    executor allocated itself."""
+    with _arenas_lock:
+        arena = sum(a.plan.schedule.arena_bytes for a in list(_arenas))
     if INTERPRET:
         return {"allocated": _interpreted["allocated"], "peak": _interpreted["peak"], "cached": arena,
                 "arena": arena}

@@ -1,11 +1,18 @@
 """ember's disk cache (`~/.cache/ember`, or `EMBER_CACHE_DIR`): its folders, atomic writes, and the
-generated kernel modules, which Triton needs as real files to import."""
+generated kernel modules, which Triton needs as real files to import.
+
+Threads of one process and several processes share the cache: a file is written under a name of its own
+in the same folder and renamed over its entry, so a reader sees the old file or the whole new one and two
+writers of the same entry never touch each other's temporary file.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 import sys
+import tempfile
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,16 +32,20 @@ def cache_dir(kind: str = "kernels") -> Path:
 
 
 def write_atomically(path: Path, data: str | bytes) -> None:
-    """Write through a temporary file and a rename: a reader sees the old file or the whole new one."""
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    if isinstance(data, bytes):
-        tmp.write_bytes(data)
-    else:
-        tmp.write_text(data)
-    os.replace(tmp, path)
+    """Write through a temporary file of a unique name beside `path` and a rename: a reader sees the old
+    file or the whole new one, whoever else writes the same entry at the same time."""
+    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "wb") as file:
+            file.write(data if isinstance(data, bytes) else data.encode())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 _modules: dict[str, object] = {}
+_loading = threading.Lock()  # a kernel is imported once, whichever thread asks first
 
 
 def source_path(source: KernelSource) -> Path:
@@ -43,10 +54,18 @@ def source_path(source: KernelSource) -> Path:
 
 def load_source(source: KernelSource):
     """Write the source to the cache directory and import it, once per process."""
-    if source.name in _modules:
-        return _modules[source.name]
+    module = _modules.get(source.name)
+    if module is not None:
+        return module
+    with _loading:
+        if source.name in _modules:
+            return _modules[source.name]
+        return _import(source)
+
+
+def _import(source: KernelSource):
     path = source_path(source)
-    if not path.exists() or path.read_text() != source.text:
+    if not path.exists() or path.read_bytes() != source.text.encode():  # absent, or not this source
         write_atomically(path, source.text)
     if "kernels" in os.environ.get("EMBER_DEBUG", ""):
         print(f"ember: kernel {source.name} -> {path}", file=sys.stderr)

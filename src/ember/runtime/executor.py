@@ -5,8 +5,10 @@ the requested nodes, every node of that graph that a live Tensor still shows to 
 user is kept, so a value is computed once even when the user reads it later (the
 loss of a step realized together with the optimizer update, for example).
 
-`recorder` is the observer `ember.jit` installs while it records a step: realization tells it
-what the host reads and computes and what it uploads; the launcher, the plans it executes.
+`this_thread.recorder` is the observer `ember.jit` installs while it records a step: realization tells it
+what the host reads and computes and what it uploads; the launcher, the plans it executes. It, the observers
+and the values waiting for the next realization are per thread: a thread that records or explains sees its
+own realizations only, as a thread building its own graph expects.
 """
 
 from __future__ import annotations
@@ -23,7 +25,16 @@ from ember.device import Device
 from ember.errors import DeviceError
 from ember.ir import Node, Op, toposort
 
-recorder = None  # the step ember.jit is recording (an ember.jit.Recorder), None when none is
+
+class _ThisThread(threading.local):
+    recorder = None  # the step ember.jit is recording in this thread (an ember.jit.Recorder), None when none is
+
+    def __init__(self) -> None:
+        self.companions: list[weakref.ref] = []  # nodes to realize with the next realization (realize_with_next)
+        self.observers: list = []  # callables given (order, keep) before each realization, e.g. explain.capture
+
+
+this_thread = _ThisThread()
 # nodes showing a buffer that a later replay of an ember.jit step overwrites (once no returned Tensor shows it):
 # one whose memory is shared outside ember gets a buffer of its own first
 transient: weakref.WeakSet = weakref.WeakSet()
@@ -48,8 +59,8 @@ def to_host(buffer, device: Device) -> np.ndarray:
     """A device buffer as a NumPy array."""
     if device.type == "cpu":
         return buffer
-    if recorder is not None:
-        recorder.fail(f"it reads a value from {device} on the host (.item(), .numpy(), .cpu(), print)")
+    if this_thread.recorder is not None:
+        this_thread.recorder.fail(f"it reads a value from {device} on the host (.item(), .numpy(), .cpu(), print)")
     from ember.runtime import transfer  # torch: only for a cuda value
 
     return transfer.download(buffer)
@@ -80,12 +91,8 @@ def _transfer(node: Node) -> None:
     source = node.inputs[0]
     realize([source])
     node.set_buffer(from_host(to_host(source.buffer, source.device), node.device))
-    if recorder is not None:
-        recorder.note_upload(node.buffer, source)
-
-
-_companions: list[weakref.ref] = []
-observers: list = []  # callables given (order, keep) before each realization, e.g. explain.capture
+    if this_thread.recorder is not None:
+        this_thread.recorder.note_upload(node.buffer, source)
 
 
 def realize_with_next(node: Node) -> None:
@@ -94,7 +101,7 @@ def realize_with_next(node: Node) -> None:
     `backward()` registers its root this way, so the loss of a training step is computed
     in the same graph as the optimizer update instead of on its own afterwards.
     """
-    _companions.append(weakref.ref(node))
+    this_thread.companions.append(weakref.ref(node))
 
 
 def pending_on_one_device(nodes: list[Node]) -> list[Node]:
@@ -106,7 +113,8 @@ def pending_on_one_device(nodes: list[Node]) -> list[Node]:
     # values that depend on no data are made on the GPU they go to, together (a model's initial parameters:
     # one plan per GPU), apart from the graph using them; not while ember.jit records, which must see a step
     # that draws random numbers on the host to know it cannot replay it
-    made_here = [n for n in transfers if n.device.type != "cpu" and recorder is None and _made_here(n)]
+    made_here = [n for n in transfers if n.device.type != "cpu" and this_thread.recorder is None
+                 and _made_here(n)]
     for device in {n.device for n in made_here}:
         realize([n for n in made_here if n.device == device])
     for n in transfers:
@@ -140,11 +148,12 @@ def realize(nodes: Iterable[Node]) -> None:
     requested = [n for n in nodes if not n.realized]
     if not requested:
         return
-    if _companions:
+    companions = this_thread.companions
+    if companions:
         device = requested[0].device
-        extra = [n for ref in _companions if (n := ref()) is not None and not n.realized
+        extra = [n for ref in companions if (n := ref()) is not None and not n.realized
                  and n.device == device and n.is_held()]
-        _companions.clear()
+        companions.clear()
         requested += [n for n in extra if n not in requested]
     order = pending_on_one_device(requested)
     if not order:
@@ -155,11 +164,11 @@ def realize(nodes: Iterable[Node]) -> None:
         by_device.setdefault(n.device.type, []).append(n)
     if len(by_device) > 1:
         raise DeviceError(f"one graph spans several devices: {', '.join(by_device)}")
-    for observe in observers:
+    for observe in this_thread.observers:
         observe(order, keep)
     ((device_type, _),) = by_device.items()
-    if device_type == "cpu" and recorder is not None:
-        recorder.note_host_work(order)
+    if device_type == "cpu" and this_thread.recorder is not None:
+        this_thread.recorder.note_host_work(order)
     values = _backend(device_type)(order, keep)
     with deferred_interrupt():  # every result is bound, or (interrupted before) none: never half a step
         for n in order:

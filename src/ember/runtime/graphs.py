@@ -3,7 +3,10 @@
 `ember.jit` binds the plans a step ran to buffers (`ReplayStep`): fixed ones for what the step keeps (its
 intermediates, state, gradients), and, bound anew before a replay (`Replay.bind`), the buffers of the step's
 arguments and of the values it returns. A bound `Replay` runs plan by plan, each time with fresh random offsets,
-or is captured as a CUDA graph (`Replay.capture`), which replays the launches of its binding.
+or is captured as a CUDA graph (`Replay.capture`), which replays the launches of its binding. A `Replay` runs
+its plans in workspaces of its own (arenas and prepared launches, taken from the recording thread), so its
+graphs' buffers are no thread's; a capture forbids unsafe CUDA calls in the capturing thread only, so other
+threads keep launching meanwhile.
 """
 
 from __future__ import annotations
@@ -39,7 +42,11 @@ class Replay:
 
     def __init__(self, steps: list[ReplayStep]):
         self.steps = steps
-        self.arenas = [cuda.arena_views(s.plan, cuda.torch_device(s.device), s.device) for s in steps]  # kept alive
+        own: dict[tuple, launcher.Workspace] = {}
+        for s in steps:  # one workspace per plan and device, however often the step runs it
+            if (id(s.plan), s.device) not in own:
+                own[id(s.plan), s.device] = launcher.take_workspace(s.plan, s.device)
+        self.workspaces = [own[id(s.plan), s.device] for s in steps]
 
     def bind(self, arguments: list[torch.Tensor], results: list[torch.Tensor]) -> None:
         """Read the step's arguments from `arguments` and write the values it returns into `results` (by
@@ -59,18 +66,18 @@ class Replay:
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize(target)
         try:
-            launcher.capturing = True
-            with torch.cuda.graph(graph):
+            launcher.this_thread.capturing = True
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 self.run(None)
         finally:
-            launcher.capturing = False
+            launcher.this_thread.capturing = False
         return graph
 
     def run(self, draws: list[tuple[int, int]] | None) -> None:
         """The steps, as bound, plan by plan; `draws` gives the random offsets of this run."""
         self.draw(draws)
-        for step in self.steps:
-            launcher.execute(step.plan, step.sig, step.device, step.inputs, step.outputs, step.draws)
+        for step, workspace in zip(self.steps, self.workspaces):
+            launcher.execute(step.plan, step.sig, step.device, step.inputs, step.outputs, step.draws, workspace)
             for destination, source in step.copies:
                 destination.copy_(source)
 

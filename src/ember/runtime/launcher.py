@@ -1,11 +1,17 @@
 """The executor of compiled plans on the cuda device: launches from argument lists prepared once per
 plan, the GEMM steps (generated kernel or split form, chosen by timing), the vendor matmul and
-convolution through torch, and streams for plans captured into CUDA graphs."""
+convolution through torch, and streams for plans captured into CUDA graphs.
+
+What a run uses besides its inputs and outputs (a `Workspace`: the plan's arena of intermediates and its
+prepared steps, whose launches hold the kernels' scratch buffers) is the running thread's own, or an
+ember.jit program's: runs of one plan in several threads at once share nothing they write.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,8 +26,32 @@ from ember.runtime import autotune, compiling, cuda, disk, executor, plan_cache,
 if TYPE_CHECKING:
     from ember.compiler import Launch
 
-capturing = False  # a Replay is being captured into a CUDA graph
+
+class _ThisThread(threading.local):
+    capturing = False  # a Replay is being captured into a CUDA graph by this thread
+
+    def __init__(self) -> None:
+        self.side_streams: dict = {}  # torch device -> streams a captured plan's parallel groups run on
+
+
+this_thread = _ThisThread()
 _stats = cuda.stats
+
+
+@dataclasses.dataclass
+class Workspace:
+    """What runs of a plan write besides their outputs: its arena, and its steps as prepared for it."""
+
+    arena: cuda.Arena
+    steps: list | None = None
+
+
+def take_workspace(plan: Plan, device: Device) -> Workspace:
+    """This thread's workspace for the plan, for a holder of its own (an ember.jit program): the thread's
+    next run of the plan prepares another."""
+    steps = getattr(plan.prepared, "steps", None)
+    plan.prepared.steps = None
+    return Workspace(cuda.take_arena(plan, cuda.torch_device(device), device), steps)
 
 
 def run(order: list[Node], keep: set[int]) -> dict[int, torch.Tensor]:
@@ -32,21 +62,29 @@ def run(order: list[Node], keep: set[int]) -> dict[int, torch.Tensor]:
     outputs = execute(plan, sig, device, inputs)
     kept = [n for n in order if id(n) in keep]
     values = {id(n): out for n, out in zip(kept, outputs)}
-    if executor.recorder is not None:
-        executor.recorder.record_plan(plan, sig, device, inputs, outputs, kept)
+    recorder = executor.this_thread.recorder
+    if recorder is not None:
+        recorder.record_plan(plan, sig, device, inputs, outputs, kept)
     return values
 
 
 def execute(plan: Plan, sig: Signature, device: Device, inputs: list[torch.Tensor],
-            outputs: list[torch.Tensor | None] | None = None, draws: torch.Tensor | None = None) -> list[torch.Tensor]:
+            outputs: list[torch.Tensor | None] | None = None, draws: torch.Tensor | None = None,
+            workspace: Workspace | None = None) -> list[torch.Tensor]:
     """Run a plan on `inputs` (one buffer per input of the lowered graph); return one buffer per
     output. `outputs` may name buffers to write results into (None where the plan should allocate);
-    `draws` the device buffer holding sig.seeds (else they are uploaded)."""
+    `draws` the device buffer holding sig.seeds (else they are uploaded); `workspace` the arena and
+    steps to run with (else this thread's)."""
     target = cuda.torch_device(device)
     buffers: dict[int, torch.Tensor] = {id(p): b for p, b in zip(plan.lowered.inputs, inputs)}
     if sig.seeds:
         buffers[DRAWS] = draws if draws is not None else upload_draws(sig.seeds, target)
-    buffers.update(cuda.arena_views(plan, target, device))
+    if workspace is None:
+        steps = getattr(plan.prepared, "steps", None)
+        buffers.update(cuda.arena_views(plan, target, device))
+    else:
+        steps = workspace.steps
+        buffers.update(workspace.arena.views)
     given = outputs or ()
     result = []
     for i, o in enumerate(plan.lowered.outputs):
@@ -54,15 +92,19 @@ def execute(plan: Plan, sig: Signature, device: Device, inputs: list[torch.Tenso
             out = given[i] if i < len(given) else None
             buffers[id(o)] = out if out is not None else cuda.allocate(o.shape, o.dtype, target, device, "a result")
         result.append(buffers[id(o)])
-    if plan.prepared is None:
-        plan.prepared = [_step(ck) for ck in plan.kernels]
+    if steps is None:
+        steps = [_step(ck) for ck in plan.kernels]
         if not cuda.INTERPRET:
-            _compile_all(plan.prepared, buffers, sig, target)
-    try:
-        if plan.schedule.groups and capturing:
-            _run_streams(plan, buffers, sig, target)
+            _compile_all(steps, buffers, sig, target)
+        if workspace is None:
+            plan.prepared.steps = steps
         else:
-            for step in plan.prepared:
+            workspace.steps = steps
+    try:
+        if plan.schedule.groups and this_thread.capturing:
+            _run_streams(plan, steps, buffers, sig, target)
+        else:
+            for step in steps:
                 step(buffers, sig)
     except torch.cuda.OutOfMemoryError as error:
         raise OutOfMemoryError(f"out of GPU memory running a plan of {len(plan.kernels)} kernels on {device}: "
@@ -88,12 +130,11 @@ def _int64(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-def _run_streams(plan: Plan, buffers: dict[int, torch.Tensor], sig: Signature, target) -> None:
+def _run_streams(plan: Plan, steps: list, buffers: dict[int, torch.Tensor], sig: Signature, target) -> None:
     """Launch in schedule order; each parallel group forks from the main stream and joins back into it."""
     main = torch.cuda.current_stream(target)
     streams = [main, *_side_streams(target)]
     groups = dict(plan.schedule.groups)
-    steps = plan.prepared
     position, count = 0, len(steps)
     while position < count:
         stop = groups.get(position)
@@ -113,13 +154,12 @@ def _run_streams(plan: Plan, buffers: dict[int, torch.Tensor], sig: Signature, t
         position = stop
 
 
-_side: dict = {}
-
-
 def _side_streams(target) -> list:
-    if target not in _side:
-        _side[target] = [torch.cuda.Stream(target) for _ in range(max(cuda.max_streams - 1, 1))]
-    return _side[target]
+    """This thread's side streams on the device (a stream is captured into one graph at a time)."""
+    side = this_thread.side_streams
+    if target not in side:
+        side[target] = [torch.cuda.Stream(target) for _ in range(max(cuda.max_streams - 1, 1))]
+    return side[target]
 
 
 # -- steps -------------------------------------------------------------------------------------
@@ -324,7 +364,8 @@ class _GemmStep:
         choice = self.choice
         if choice is None:
             choice = {"chosen": "triton", "triton_ms": None, "cublas_ms": None, "config": None}
-            if autotune.worth_tuning(self.problem) and not capturing and not self._writes_its_inputs(buffers):
+            if autotune.worth_tuning(self.problem) and not this_thread.capturing \
+                    and not self._writes_its_inputs(buffers):
                 runs = {c: functools.partial(self._run_fused, launches, buffers, sig)
                         for c, launches in self.launches.items()}
                 choice = autotune.timed_choice(self.ck.source.name, self.problem, runs,

@@ -3,6 +3,10 @@ and as plan files on disk, so a repeated training step costs a key, and a second
 the plans the first one compiled.
 
 A new plan, and now and then a cached one, also settles Python's cyclic garbage collector (`collector`).
+
+Threads share the cache: one compiles (or loads) a plan while another asking for the same waits for it.
+Processes share the files: each is written whole under a name of its own and renamed into place, and one
+that does not load (cut off, corrupt, from another ember) is compiled again, never trusted.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import pickle
+import threading
 from pathlib import Path
 
 import torch
@@ -20,23 +25,28 @@ from ember.ir import Node
 from ember.runtime import collector, cuda, disk
 
 _plans: dict[tuple, Plan] = {}
+_compiling = threading.RLock()  # held while a plan is compiled or loaded into _plans
 
 
 def plan_for(order: list[Node], keep: set[int]) -> tuple[Plan, Signature]:
     sig = signature(order, keep)
     context = cuda.compile_context(order[0].device)
     plan = _plans.get((sig.key, context))
-    if plan is None:
-        plan = _load_plan(sig.key, context)
-        if plan is None:
-            plan = compile(order, keep, "triton", context, sig)
-            cuda.stats["plans_compiled"] += 1
-            _save_plan(sig.key, context, plan)
-        _plans[sig.key, context] = plan
-        collector.after_new_plan()
-    else:
+    if plan is not None:
         cuda.stats["plan_hits"] += 1
         collector.after_step()
+        return plan, sig
+    with _compiling:
+        plan = _plans.get((sig.key, context))  # another thread may have made it meanwhile
+        if plan is None:
+            plan = _load_plan(sig.key, context)
+            if plan is None:
+                plan = compile(order, keep, "triton", context, sig)
+                cuda.stats["plans_compiled"] += 1
+                _save_plan(sig.key, context, plan)
+            plan.prepared = threading.local()  # what the launcher prepares from it, per thread
+            _plans[sig.key, context] = plan
+    collector.after_new_plan()
     return plan, sig
 
 

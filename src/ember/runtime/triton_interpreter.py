@@ -9,7 +9,8 @@ into the globals of what it runs, and runs no libdevice).
 
 The rest of the module fixes bugs of the interpreter that a GPU does not have, so a test failure
 points at the generated code, not at the interpreter; they are applied with the first interpreted
-module and change nothing a compiled kernel does.
+module and change nothing a compiled kernel does. One of them: the interpreter runs a grid by patching
+`triton.language` and a builder that are process-wide, so grids from several threads run one at a time.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ _Executor = getattr(interpreter, "GridExecutor", None)
 _run = _Executor.__dict__.get("__call__") if _Executor is not None else None
 _jit_call = JITFunction.__dict__.get("__call__")
 _running = threading.local()  # how many interpreted grids this thread is inside
+_one_grid_at_a_time = threading.RLock()
 
 
 def _binary_op_typing_comparisons_as_bool(self, lhs, rhs, op):
@@ -67,10 +69,11 @@ def _dot_reading_bfloat16(self, a, b, d, input_precision, max_num_imprecise_acc)
 
 
 def _run_quietly(self, *args, **kwargs):
-    """A GPU computes inf and NaN silently; NumPy, which computes for the interpreter, warns each time."""
+    """A GPU computes inf and NaN silently; NumPy, which computes for the interpreter, warns each time.
+    A grid patches `triton.language` while it runs and unpatches it at the end: one grid at a time."""
     _running.depth = getattr(_running, "depth", 0) + 1
     try:
-        with np.errstate(all="ignore"):
+        with _one_grid_at_a_time, np.errstate(all="ignore"):
             return _run(self, *args, **kwargs)
     finally:
         _running.depth -= 1

@@ -14,6 +14,7 @@ from ember.compiler.context import CompileContext
 from ember.compiler.kernel import Assign, Bin, Block, Branch, Call, Effect, Expr, KernelIR, Lit, Loop, Prim, Range, Var
 from ember.compiler.targets import triton as renderer
 from ember.ir import toposort
+from ember.ops.index import gather_in_range
 
 
 def _kernels(build):
@@ -189,13 +190,14 @@ def test_a_flattened_index_unflattened_again_costs_no_division():
 
 
 def test_a_gather_along_a_size_one_axis_with_indices_out_of_range_beside_another_read(cuda_backend):
-    """Out-of-range picks read zero; the positions the gather's index flattens to must not leak into another
-    node's loads in the same kernel (which have no range check of their own)."""
+    """The gather primitive's out-of-range picks read zero (its loads are masked, whether or not the index was
+    checked before); the positions its index flattens to must not leak into another node's loads in the same
+    kernel (which have no range check of their own)."""
     buf = ember.tensor(np.arange(5, dtype=np.float32), device="cuda")
     big = ember.tensor(np.arange(20, dtype=np.float32).reshape(4, 5) * 10, device="cuda")
     picks = ember.tensor(np.array([[0], [1], [0], [2], [0]], dtype=np.int32), device="cuda")
-    # the index computed in the kernel (a value held by a variable would be stored)
-    out = ember.gather(buf.reshape(1, 5), 0, ember.minimum(picks, 100).permute(1, 0)).permute(1, 0) + \
+    # the index computed in the kernel (a value held by a variable would be stored), and not checked
+    out = gather_in_range(buf.reshape(1, 5), 0, ember.minimum(picks, 100).permute(1, 0)).permute(1, 0) + \
         big[3:4, :].reshape(5, 1)
     assert len(ember.explain.plan(out).kernels) == 1, str(ember.explain.plan(out))
     np.testing.assert_array_equal(out.numpy().ravel(), [150, 160, 172, 180, 194])

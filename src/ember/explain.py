@@ -39,6 +39,8 @@ def _attrs(n: Node) -> str:
         return f", {list(a['order'])}"
     if n.op in (Op.GATHER, Op.SCATTER_ADD):
         return f", axis={a['axis']}"
+    if n.op is Op.CHECK_INDEX:
+        return f", {a['op_name']}: dim {a['dim']} of size {a['size']}"
     return ""
 
 

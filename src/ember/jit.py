@@ -642,6 +642,7 @@ class _Program:
             if graph is not None:
                 self.plans.draw(draws)  # the graph's random kernels read their offsets from device memory
                 graph.replay()
+                self.plans.replayed()
                 return
         self.plans.bind(arguments, results)
         self.plans.run(draws)

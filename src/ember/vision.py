@@ -18,6 +18,7 @@ import numpy as np
 
 import ember
 from ember.errors import ShapeError
+from ember.ops.index import checked, gather_in_range
 from ember.tensor import Tensor
 
 __all__ = ["crop", "crop_resize", "cvt_color", "normalize", "resize", "to_packed", "to_planar", "to_uint8"]
@@ -58,9 +59,10 @@ def _float(x: Tensor) -> Tensor:
 # -- sampling --------------------------------------------------------------------------------------
 
 def _sample(images: Tensor, which: Tensor, boxes: Tensor, size: tuple[int, int], interpolation: str,
-            keep_aspect: str | None, background, thin: bool | None = None) -> Tensor:
+            keep_aspect: str | None, background, thin: bool | None = None, checked_boxes: bool = False) -> Tensor:
     """[B, h, w, C] float32: box b (whole pixels, int) of image which[b] resized to `size`. `thin`: whether every
-    box has a side of one pixel (None: it depends on the box, at runtime)."""
+    box has a side of one pixel (None: it depends on the box, at runtime). `checked_boxes`: boxes that are runtime
+    data, whose sample rows and columns are checked to lie inside the frame (an IndexError from crop_resize)."""
     n, height, width, channels = images.shape
     h, w = size
     device = images.device
@@ -90,12 +92,16 @@ def _sample(images: Tensor, which: Tensor, boxes: Tensor, size: tuple[int, int],
                        (2 * h + 1) * height)
     xa, xb, wx = _axis(xs, x0, bw, cw, interpolation, (bh < 2)[:, None] if thin is None else thin,
                        (2 * w + 1) * width)
+    if checked_boxes:
+        ya, yb = (checked("crop_resize", y, height, 1) for y in (ya, yb))
+        xa, xb = (checked("crop_resize", x, width, 2) for x in (xa, xb))
     base = (which.to(ints) * (height * width))[:, None, None]
     lanes = ember.arange(channels, device=device, dtype=ints)
 
     def at(yy, xx):  # [B, h, w, C]: rows yy [B, h], columns xx [B, w]; a gather reads only these samples
+        # in range: the rows and columns lie in their boxes, the boxes in the frame and the images in the batch
         index = ((base + yy[:, :, None] * width + xx[:, None, :]) * channels)[..., None] + lanes
-        return _float(ember.gather(flat, 0, index.reshape(-1))).reshape(index.shape)
+        return _float(gather_in_range(flat, 0, index.reshape(-1))).reshape(index.shape)
 
     top = at(ya, xa)
     if interpolation == "bilinear":  # as OpenCV weighs them: along the row, then between the rows
@@ -230,7 +236,9 @@ def crop_resize(images: Tensor, boxes, size, interpolation: str = "bilinear", ke
     else:
         which = indices if isinstance(indices, Tensor) else ember.tensor(np.asarray(indices, np.int64),
                                                                          device=images.device)
-    return _sample(batch, which, b, _size(size, "crop_resize"), interpolation, keep_aspect, background)
+        which = checked("crop_resize", which, batch.shape[0], 0)
+    return _sample(batch, which, b, _size(size, "crop_resize"), interpolation, keep_aspect, background,
+                   checked_boxes=isinstance(boxes, Tensor))
 
 
 # -- colour ----------------------------------------------------------------------------------------

@@ -126,6 +126,8 @@ FUNCTIONS = {
     "store": "store(address, value; mask)",
     "atomic": "atomic(address, value; mask, combine): read-modify-write with sum, max or min, returning the\
  old value",
+    "record_index": "record_index(flag, index, out_of_range): where out_of_range holds, mark an index check's\
+ flag and keep the index there",
     "where": "where(condition, a, b)",
     "minimum": "the smaller of two indices", "maximum": "the larger of two indices",
     "cdiv": "ceil(a / b) of two sizes",
@@ -229,10 +231,11 @@ class Branch:
 class Param:
     """One argument of a kernel function, as the launcher must supply it."""
 
-    kind: str  # "read", "write", "scratch", "draws", "size", "scalar", "bound"
+    kind: str  # "read", "write", "scratch", "flag", "draws", "size", "scalar", "bound"
     value: object  # a Node for read/write, an int for size/bound, an index for scalar; "draws": the plan's
     # (seed, offset) pairs, int64 in device memory, one pair per random draw; "scratch": (what, elements, ...),
-    # a float32 buffer the runtime keeps with the kernel's launches, written by one before another reads it
+    # a float32 buffer the runtime keeps with the kernel's launches, written by one before another reads it;
+    # "flag": a CHECK_INDEX node, whose two int64 words of the plan's flags (set, the index) the runtime keeps
     name: str
     dtype: DType | None = None  # a scalar's type; without one a Python float reaches the GPU as float32
 

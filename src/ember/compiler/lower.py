@@ -57,7 +57,7 @@ from ember.compiler.kernel import (
     mul,
 )
 from ember.dtypes import DType, compute_dtype
-from ember.errors import CompileError
+from ember.errors import CompileError, index_out_of_bounds
 from ember.ir import Kind, Node, Op
 from ember.ir.ops import RULES
 
@@ -90,6 +90,7 @@ STRUCTURAL = {
     Op.CONV2D_WEIGHT_GRAD: "the vendor's convolution backward to the weight (cuDNN's backward-filter)",
     Op.GATHER: "a load at a clamped, checked position (zero where the index is out of range)",
     Op.SCATTER_ADD: "an atomic add at a clamped position",
+    Op.CHECK_INDEX: "the index itself; where it is out of range, recorded in the plan's flags (record_index)",
     Op.COPY: "a transfer between devices, made by the runtime at a plan's edges",
 }
 
@@ -139,7 +140,7 @@ class Context:
         return ONE if value == 1 else self.param("size", value, "n")
 
     def function(self, suffix: str, body: list, constexprs: dict[str, int], grid: int, num_warps: int) -> Function:
-        order = ("read", "write", "scratch", "draws", "size", "scalar", "bound")
+        order = ("read", "write", "scratch", "flag", "draws", "size", "scalar", "bound")
         self.params.sort(key=lambda p: order.index(p.kind))
         return Function(suffix, list(self.params), constexprs, body, grid, num_warps)
 
@@ -315,6 +316,8 @@ class Emitter:
             return self.value(node.inputs[0], self.move(node, idx))
         if op is Op.GATHER:
             return self.gather(node, idx)
+        if op is Op.CHECK_INDEX:
+            return self.check_index(node, idx)
         if kind in (Kind.UNARY, Kind.BINARY, Kind.TERNARY):
             args = [self.value(i, Index(idx.dims, idx.linear, idx.mask,
                                         input_level(node, idx.level, kernel.space, kernel.axes, p)))
@@ -464,6 +467,23 @@ class Emitter:
         source_level = input_level(node, idx.level, self.kernel.space, self.kernel.axes, 0)
         value, dt = self.value(source, Index(tuple(dims), None, idx.mask, source_level))
         return self.define(call("where", valid, value, ZERO)), dt
+
+    def check_index(self, node: Node, idx: Index) -> tuple[Expr, DType]:
+        """The index as it is; the lanes (within the mask) where it falls outside its dimension record it in
+        the check's flag, which the runtime reads at the next host read. What reads the index clamps it."""
+        a = node.attrs
+        level = input_level(node, idx.level, self.kernel.space, self.kernel.axes, 0)
+        value, dt = self.value(node.inputs[0], Index(idx.dims, idx.linear, idx.mask, level))
+        if literal_int(value) is not None:  # a fixed index: decided now
+            if not (-a["size"] if a["negative"] else 0) <= literal_int(value) < a["size"]:
+                raise index_out_of_bounds(a["op_name"], literal_int(value), a["dim"], a["size"])
+            return value, dt
+        size = self.ctx.size(a["size"])
+        below = Bin("<", Bin("+", value, size), ZERO) if a["negative"] else Bin("<", value, ZERO)
+        outside = Bin("|", below, Bin(">=", value, size))
+        bad = self.define(both(idx.mask, outside) if idx.mask is not None else outside, "bad")
+        self.emit(Effect(call("record_index", self.ctx.param("flag", node, "flag"), value, bad)))
+        return value, dt
 
     # -- stores ------------------------------------------------------------------------------
     def store(self, node: Node, idx: Index, tile: tuple[Block | int, ...]) -> None:
@@ -616,7 +636,8 @@ def hoist_loads(block: list) -> list:
     per position no load reads what a store wrote: outputs are new values, and an input updated in place is
     read at the element its store writes, by the same thread, which a hoisted load reads first anyway."""
     first = next((i for i, s in enumerate(block) if isinstance(s, Effect)), None)
-    if first is None or any(isinstance(s, Effect) and s.value.fn != "store" for s in block) \
+    # an index check's record writes only its flag, which no load reads
+    if first is None or any(isinstance(s, Effect) and s.value.fn not in ("store", "record_index") for s in block) \
             or any(isinstance(s, (Loop, Branch)) for s in block):
         return block
     assigned = Counter(t.name for s in block[first:] if isinstance(s, Assign) for t in s.targets)

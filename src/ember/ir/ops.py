@@ -108,6 +108,8 @@ class Op(enum.Enum):
     # index
     GATHER = ("gather", Kind.INDEX)
     SCATTER_ADD = ("scatter_add", Kind.INDEX)
+    # an index passed through as it is, checked against its dimension where it is computed (pointwise)
+    CHECK_INDEX = ("check_index", Kind.UNARY)
     # transfers
     COPY = ("copy", Kind.DEVICE)
 

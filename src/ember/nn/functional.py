@@ -41,7 +41,7 @@ from ember.ops import pad as _pad
 from ember.ops import relu as _relu
 from ember.ops import silu as _silu
 from ember.ops import softmax as _softmax
-from ember.ops.index import index_select
+from ember.ops.index import checked, gather_in_range, select_in_range
 from ember.ops.pointwise import abs, broadcast_shapes, cast, converted, exp, log, log1p, maximum, where
 from ember.runtime.executor import realize_with_next
 from ember.tensor import Tensor, expect_tensors, realize
@@ -335,18 +335,20 @@ def _weight_along(weight: Tensor, class_dim: int, ndim: int) -> Tensor:
     return weight.reshape(tuple(-1 if d == class_dim else 1 for d in range(ndim)))
 
 
-def _nll(logp: Tensor, target: Tensor, weight: Tensor | None, ignore_index: int, reduction: str,
+def _nll(fn: str, logp: Tensor, target: Tensor, weight: Tensor | None, ignore_index: int, reduction: str,
          class_dim: int) -> tuple[Tensor, Tensor, Tensor]:
     """The negative log-likelihood per element (0 where ignored), its reduction, and each
-    element's class weight (0 where ignored)."""
+    element's class weight (0 where ignored); a target outside [0, C) other than ignore_index is an
+    IndexError from `fn`."""
     ignored = target == ignore_index
-    safe = where(ignored, 0, target)  # ignore_index may lie outside [0, C)
-    picked = logp.gather(class_dim, safe.unsqueeze(class_dim)).squeeze(class_dim)
+    # ignore_index may lie outside [0, C)
+    safe = checked(fn, where(ignored, 0, target), logp.shape[class_dim], class_dim)
+    picked = gather_in_range(logp, class_dim, safe.unsqueeze(class_dim)).squeeze(class_dim)
     if weight is None:
         target_weight = where(ignored, 0.0, 1.0)
         loss = where(ignored, 0.0, -picked)
     else:
-        target_weight = where(ignored, 0.0, index_select(cast(weight, logp.dtype), 0, safe.reshape(-1))
+        target_weight = where(ignored, 0.0, select_in_range(cast(weight, logp.dtype), 0, safe.reshape(-1))
                               .reshape(safe.shape))
         loss = where(ignored, 0.0, -picked * target_weight)
     target_weight = cast(target_weight, logp.dtype)
@@ -376,7 +378,7 @@ def nll_loss(input: Tensor, target: Tensor, weight: Tensor | None = None, *, ign
     class_dim = _class_dim("nll_loss", input)
     _check_class_target("nll_loss", input, target, class_dim)
     _check_weight("nll_loss", weight, input.shape[class_dim])
-    return _nll(input, target, weight, ignore_index, reduction, class_dim)[1]
+    return _nll("nll_loss", input, target, weight, ignore_index, reduction, class_dim)[1]
 
 
 @amp.autocast_op("cross_entropy")
@@ -404,7 +406,7 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, *
         raise DTypeError(f"cross_entropy: target must hold class indices (integer) or class probabilities "
                          f"(floating point), got {operands(target)}")
     _check_class_target("cross_entropy", input, target, class_dim)
-    _, nll, target_weight = _nll(logp, target, weight, ignore_index, reduction, class_dim)
+    _, nll, target_weight = _nll("cross_entropy", logp, target, weight, ignore_index, reduction, class_dim)
     if label_smoothing == 0.0:
         return nll
     ignored = target == ignore_index

@@ -1,5 +1,12 @@
 """Gather and scatter: embeddings, index_select, one_hot, and the core of integer indexing; at the end,
-the GATHER and SCATTER_ADD primitives' rules."""
+the GATHER, SCATTER_ADD and CHECK_INDEX primitives' rules.
+
+An index that comes from data is checked against the dimension it picks along, naming the op the user called:
+at the call where its values are known (data given on the cpu), else where it is computed (`checked`: a
+CHECK_INDEX node, which the reference backend raises from and a generated kernel records for the next host
+read). Negative indices wrap where torch wraps them (indexing, take_along_dim). The gathers and scatters below
+`checked` read in-range indices only, or indices made in range by construction (vision's sample positions,
+argmax's), and still clamp what they read."""
 
 from __future__ import annotations
 
@@ -9,7 +16,7 @@ import operator
 import numpy as np
 
 from ember import dtypes
-from ember.errors import DTypeError, ShapeError, device_mismatch, operands
+from ember.errors import DTypeError, ShapeError, device_mismatch, index_out_of_bounds, operands
 from ember.ir import Op
 from ember.ir.ops import define
 from ember.ops.creation import arange, tensor, zeros
@@ -25,27 +32,38 @@ def _check_index(op: str, x: Tensor, index: Tensor) -> None:
     _check_devices(op, [x, index])
 
 
-def check_bounds(op: str, index: Tensor, size: int, dim: int, negative: bool = False) -> None:
-    """Out-of-range indices fail at the call when the index values are already known (data the
-    user gave); an index still pending is checked when the gather runs."""
+def checked(op: str, index: Tensor, size: int, dim: int, negative: bool = False) -> Tensor:
+    """`index`, its values in [0, size) ([-size, size) with `negative`) or an IndexError from `op` naming the
+    index, `dim` and `size`: at once when the values are known here (data given on the cpu), else when they
+    are computed (the CHECK_INDEX node returned)."""
     buffer = index._node.buffer
-    if not isinstance(buffer, np.ndarray) or buffer.size == 0:
-        return
-    low = -size if negative else 0
-    lo, hi = int(buffer.min()), int(buffer.max())
-    if lo < low or hi >= size:
-        raise IndexError(f"{op}: index {lo if lo < low else hi} is out of bounds for dimension {dim} with size "
-                         f"{size} (index of shape {index.shape})")
+    if isinstance(buffer, np.ndarray):
+        _np_check_index(buffer, op, dim, size, negative)
+        return index
+    return apply(Op.CHECK_INDEX, index, op_name=op, dim=dim, size=size, negative=negative)
+
+
+def wrapped(index: Tensor, size: int) -> Tensor:
+    """A checked index in [-size, size) as a position in [0, size), as torch's indexing reads one."""
+    return where(index < 0, index + size, index)
+
+
+def _check_gather_shapes(op: str, x: Tensor, dim: int, axis: int, index: Tensor) -> None:
+    if index.ndim != x.ndim or any(i > s for d, (i, s) in enumerate(zip(index.shape, x.shape)) if d != axis):
+        raise ShapeError(f"{op}: index of shape {index.shape} does not fit input of shape {x.shape} along "
+                         f"dim {dim} (same number of dims, no larger outside dim {axis})")
 
 
 def gather(x: Tensor, dim: int, index: Tensor) -> Tensor:
     """out[i][j] = x[index[i][j]][j] for dim 0 (torch.gather)."""
     _check_index("gather", x, index)
     axis = normalize_dim("gather", dim, x.ndim)
-    check_bounds("gather", index, x.shape[axis], axis)
-    if index.ndim != x.ndim or any(i > s for d, (i, s) in enumerate(zip(index.shape, x.shape)) if d != axis):
-        raise ShapeError(f"gather: index of shape {index.shape} does not fit input of shape {x.shape} along "
-                         f"dim {dim} (same number of dims, no larger outside dim {axis})")
+    _check_gather_shapes("gather", x, dim, axis, index)
+    return gather_in_range(x, axis, checked("gather", index, x.shape[axis], axis))
+
+
+def gather_in_range(x: Tensor, axis: int, index: Tensor) -> Tensor:
+    """gather along `axis` of an index checked already, or in range by construction."""
     # int32 positions stay int32 (cheaper index arithmetic on the GPU) where every offset into x fits in int32;
     # other integer types, or a larger x, are widened
     small = index.dtype is dtypes.int32 and x.numel() < 2**31
@@ -53,7 +71,12 @@ def gather(x: Tensor, dim: int, index: Tensor) -> Tensor:
 
 
 def take_along_dim(x: Tensor, indices: Tensor, dim: int) -> Tensor:
-    return gather(x, dim, indices)
+    """gather, with negative indices counted from the end, as torch.take_along_dim counts them."""
+    _check_index("take_along_dim", x, indices)
+    axis = normalize_dim("take_along_dim", dim, x.ndim)
+    _check_gather_shapes("take_along_dim", x, dim, axis, indices)
+    size = x.shape[axis]
+    return gather_in_range(x, axis, wrapped(checked("take_along_dim", indices, size, axis, negative=True), size))
 
 
 def scatter_add(x: Tensor, dim: int, index: Tensor, src: Tensor) -> Tensor:
@@ -62,7 +85,6 @@ def scatter_add(x: Tensor, dim: int, index: Tensor, src: Tensor) -> Tensor:
     expect_tensors("scatter_add", src=src)
     _check_devices("scatter_add", [x, src])
     axis = normalize_dim("scatter_add", dim, x.ndim)
-    check_bounds("scatter_add", index, x.shape[axis], axis)
     if index.ndim != x.ndim or src.ndim != x.ndim or any(
             i > s for d, (i, s) in enumerate(zip(index.shape, x.shape)) if d != axis) or any(
             i > s for i, s in zip(index.shape, src.shape)):
@@ -74,6 +96,11 @@ def scatter_add(x: Tensor, dim: int, index: Tensor, src: Tensor) -> Tensor:
         for d, n in enumerate(index.shape):
             if src.shape[d] != n:
                 src = slice_axis(src, d, 0, n)
+    return scatter_add_in_range(x, axis, checked("scatter_add", index, x.shape[axis], axis), src)
+
+
+def scatter_add_in_range(x: Tensor, axis: int, index: Tensor, src: Tensor) -> Tensor:
+    """scatter_add along `axis` of an index checked already, or in range by construction."""
     return apply(Op.SCATTER_ADD, x, cast(index, dtypes.int64), src, axis=axis)
 
 
@@ -82,13 +109,17 @@ def index_select(x: Tensor, dim: int, index: Tensor) -> Tensor:
     if index.ndim > 1:
         raise ShapeError(f"index_select: index must be 1-d, got shape {index.shape}")
     axis = normalize_dim("index_select", dim, x.ndim)
-    check_bounds("index_select", index, x.shape[axis], axis)
+    return select_in_range(x, axis, checked("index_select", index, x.shape[axis], axis))
+
+
+def select_in_range(x: Tensor, axis: int, index: Tensor) -> Tensor:
+    """index_select along `axis` of an index checked already, or in range by construction."""
     index = reshape(index, (-1,))
     shape = list(x.shape)
     shape[axis] = index.shape[0]
     view = [1] * x.ndim
     view[axis] = index.shape[0]
-    return gather(x, axis, expand(reshape(index, tuple(view)), tuple(shape)))
+    return gather_in_range(x, axis, expand(reshape(index, tuple(view)), tuple(shape)))
 
 
 def embedding(index: Tensor, weight: Tensor, padding_idx: int | None = None) -> Tensor:
@@ -98,8 +129,7 @@ def embedding(index: Tensor, weight: Tensor, padding_idx: int | None = None) -> 
         raise DTypeError(f"embedding: indices must be an integer tensor, got {operands(index)}")
     if weight.ndim != 2:
         raise ShapeError(f"embedding: weight must be 2-d (num_embeddings, dim), got shape {weight.shape}")
-    check_bounds("embedding", index, weight.shape[0], 0)
-    rows = index_select(weight, 0, reshape(index, (-1,)))
+    rows = select_in_range(weight, 0, reshape(checked("embedding", index, weight.shape[0], 0), (-1,)))
     if padding_idx is not None:
         keep = reshape(reshape(index, (-1,)) != padding_idx % weight.shape[0], (-1, 1))
         rows = where(keep, rows, rows.detach())  # torch reads the padding row as is; only its gradient stops
@@ -113,6 +143,7 @@ def one_hot(index: Tensor, num_classes: int = -1) -> Tensor:
         raise DTypeError(f"one_hot: expects an integer tensor, got {operands(index)}")
     if num_classes == -1:
         num_classes = int(index.max().item()) + 1 if index.numel() else 0
+    index = checked("one_hot", index, num_classes, index.ndim)
     classes = arange(num_classes, device=index.device)
     return cast(reshape(index, index.shape + (1,)) == classes, dtypes.int64)
 
@@ -245,14 +276,13 @@ def _advanced_index(x: Tensor, advanced: list) -> Tensor:
     flat = reshape(x, (math.prod(sizes),) + x.shape[len(positions):])
     linear = None
     for (_, idx, size, dim), stride in zip(advanced, _strides(sizes)):
-        check_bounds("index", idx, size, dim, negative=True)
-        idx = where(idx < 0, idx + size, idx).to(dtypes.int64)
+        idx = wrapped(checked("index", idx, size, dim, negative=True), size).to(dtypes.int64)
         idx = expand_to(idx, index_shape)
         linear = idx * stride if linear is None else linear + idx * stride
     n = math.prod(index_shape)
     tail = flat.shape[1:]
     gather_index = expand(reshape(linear, (n,) + (1,) * len(tail)), (n,) + tail)
-    out = reshape(gather(flat, 0, gather_index), index_shape + tail)
+    out = reshape(gather_in_range(flat, 0, gather_index), index_shape + tail)
     adjacent = positions == list(range(positions[0], positions[0] + len(positions)))
     if adjacent and positions[0] > 0:
         k = len(index_shape)
@@ -282,7 +312,7 @@ def _last_writes(flat_pos: Tensor, flat_value: Tensor) -> tuple[Tensor, Tensor]:
     if len(first_from_end) == len(pos):
         return flat_pos, flat_value
     keep = tensor(np.sort(len(pos) - 1 - first_from_end), device=flat_pos.device)
-    return index_select(flat_pos, 0, keep), index_select(flat_value, 0, keep)
+    return select_in_range(flat_pos, 0, keep), select_in_range(flat_value, 0, keep)
 
 
 def setitem(x: Tensor, index, value) -> None:
@@ -296,17 +326,19 @@ def setitem(x: Tensor, index, value) -> None:
     if _has_tensor_index(index):
         flat_pos, value = _last_writes(flat_pos, reshape(value, (-1,)))
     n = x.numel()
-    hit = scatter_add(zeros(n, dtype=dtypes.int32, device=x.device), 0, flat_pos,
-                      zeros(flat_pos.shape, dtype=dtypes.int32, device=x.device) + 1)
-    placed = scatter_add(zeros(n, dtype=carrier, device=x.device), 0, flat_pos,
-                         reshape(cast(value, carrier), (-1,)))
+    # the positions are checked where the index was read (getitem)
+    hit = scatter_add_in_range(zeros(n, dtype=dtypes.int32, device=x.device), 0, flat_pos,
+                               zeros(flat_pos.shape, dtype=dtypes.int32, device=x.device) + 1)
+    placed = scatter_add_in_range(zeros(n, dtype=carrier, device=x.device), 0, flat_pos,
+                                  reshape(cast(value, carrier), (-1,)))
     updated = where(hit > 0, cast(placed, x.dtype), reshape(x, (-1,)))
     x.assign(reshape(updated, x.shape))
 
 
 # -- the index primitives -----------------------------------------------------------------------------
 # Each primitive's rules side by side: shape and dtype, VJP, and reference implementation (NumPy, half
-# types computed in float32, the `axis` attribute as a keyword).
+# types computed in float32, the attributes as keywords). CHECK_INDEX's lowering is the kernel's own
+# (compiler/lower.py: it records an index out of range in the plan's flags).
 
 def _gather_vjp(g, xs, out, a):
     x, index = xs
@@ -329,12 +361,12 @@ def _scatter_add_vjp(g, xs, out, a):
 def _np_gather(x: np.ndarray, index: np.ndarray, axis: int) -> np.ndarray:
     # torch.gather lets the index be smaller than the input along the other axes
     x = x[tuple(slice(0, s) if d != axis else slice(None) for d, s in enumerate(index.shape))]
-    _np_check_bounds(index, x.shape[axis], "gather")
+    _np_check_index(index, "gather", axis, x.shape[axis])
     return np.take_along_axis(x, index, axis)
 
 
 def _np_scatter_add(base: np.ndarray, index: np.ndarray, src: np.ndarray, axis: int) -> np.ndarray:
-    _np_check_bounds(index, base.shape[axis], "scatter_add")
+    _np_check_index(index, "scatter_add", axis, base.shape[axis])
     out = base.copy()
     where = list(np.indices(index.shape, sparse=True))
     where[axis] = index
@@ -343,14 +375,23 @@ def _np_scatter_add(base: np.ndarray, index: np.ndarray, src: np.ndarray, axis: 
     return out
 
 
-def _np_check_bounds(index: np.ndarray, size: int, op: str) -> None:
-    """An index computed in the graph is checked when it is used."""
-    if index.size and (index.min() < 0 or index.max() >= size):
-        bad = index[(index < 0) | (index >= size)].flat[0]
-        raise IndexError(f"{op}: index {bad} is out of bounds for a dimension of size {size}")
+def _np_check_index(index: np.ndarray, op: str, dim: int, size: int, negative: bool = False) -> None:
+    """IndexError from `op` naming the first index outside [0, size) ([-size, size) with `negative`)."""
+    low = -size if negative else 0
+    if index.size and (index.min() < low or index.max() >= size):
+        bad = index[(index < low) | (index >= size)].flat[0]
+        raise index_out_of_bounds(op, int(bad), dim, size)
+
+
+def _np_checked(index: np.ndarray, op_name: str, dim: int, size: int, negative: bool) -> np.ndarray:
+    _np_check_index(index, op_name, dim, size, negative)
+    return index
 
 
 define(Op.GATHER, shape=lambda inputs, attrs: (inputs[1].shape, inputs[0].dtype), vjp=_gather_vjp,
        reference=_np_gather)
 define(Op.SCATTER_ADD, shape=lambda inputs, attrs: (inputs[0].shape, inputs[0].dtype), vjp=_scatter_add_vjp,
        reference=_np_scatter_add)
+define(Op.CHECK_INDEX, shape=lambda inputs, attrs: (inputs[0].shape, inputs[0].dtype),
+       vjp=lambda g, xs, out, a: (None,),  # an integer index carries no gradient
+       reference=_np_checked)

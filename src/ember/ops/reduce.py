@@ -18,7 +18,7 @@ from ember.errors import DTypeError, ShapeError, operands
 from ember.ir import Op
 from ember.ir.ops import NOT_DIFFERENTIABLE, check_shape, define
 from ember.ops.creation import full, ones
-from ember.ops.index import gather
+from ember.ops.index import gather_in_range
 from ember.ops.movement import normalize_dim, normalize_dims, reshape, transpose, tril
 from ember.ops.pointwise import cast, exp, log, maximum, minimum, where
 from ember.tensor import Tensor, apply, expect_tensors
@@ -144,7 +144,7 @@ def _selected(x: Tensor, dim, keepdim: bool, arg) -> MaxMin:
     if x.ndim == 0:
         return MaxMin(x, indices)
     axis = normalize_dim("max", dim, x.ndim)
-    values = gather(x, axis, indices)
+    values = gather_in_range(x, axis, indices)  # argmax's positions are in range
     return MaxMin(_finish(values, (axis,), keepdim), _finish(indices, (axis,), keepdim))
 
 

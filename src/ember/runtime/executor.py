@@ -61,9 +61,11 @@ def to_host(buffer, device: Device) -> np.ndarray:
         return buffer
     if this_thread.recorder is not None:
         this_thread.recorder.fail(f"it reads a value from {device} on the host (.item(), .numpy(), .cpu(), print)")
-    from ember.runtime import transfer  # torch: only for a cuda value
+    from ember.runtime import index_checks, transfer  # torch: only for a cuda value
 
-    return transfer.download(buffer)
+    array = transfer.download(buffer)
+    index_checks.raise_found(device)  # what the work before the read found, now that it is done
+    return array
 
 
 def from_host(array: np.ndarray, device: Device):

@@ -73,6 +73,13 @@ class Replay:
             launcher.this_thread.capturing = False
         return graph
 
+    def replayed(self) -> None:
+        """A CUDA graph of the steps ran: the index checks' flags it copied to the host (at the end of each
+        plan) are for the next host read to look at."""
+        for workspace in self.workspaces:
+            for flags in launcher.index_flags(workspace.steps):
+                flags.copied()
+
     def run(self, draws: list[tuple[int, int]] | None) -> None:
         """The steps, as bound, plan by plan; `draws` gives the random offsets of this run."""
         self.draw(draws)

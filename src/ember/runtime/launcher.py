@@ -21,7 +21,7 @@ from ember.device import Device
 from ember.errors import CompileError, OutOfMemoryError
 from ember.ir import Node, Op
 from ember.ir.ops import STRIDED_VIEWS
-from ember.runtime import autotune, compiling, cuda, disk, executor, plan_cache, triton_launch
+from ember.runtime import autotune, compiling, cuda, disk, executor, index_checks, plan_cache, triton_launch
 
 if TYPE_CHECKING:
     from ember.compiler import Launch
@@ -93,7 +93,7 @@ def execute(plan: Plan, sig: Signature, device: Device, inputs: list[torch.Tenso
             buffers[id(o)] = out if out is not None else cuda.allocate(o.shape, o.dtype, target, device, "a result")
         result.append(buffers[id(o)])
     if steps is None:
-        steps = [_step(ck) for ck in plan.kernels]
+        steps = _steps(plan, device)
         if not cuda.INTERPRET:
             _compile_all(steps, buffers, sig, target)
         if workspace is None:
@@ -164,31 +164,55 @@ def _side_streams(target) -> list:
 
 # -- steps -------------------------------------------------------------------------------------
 
-def _step(ck: CompiledKernel):
+def _steps(plan: Plan, device: Device) -> list:
+    """A plan's steps: one per kernel, then, where its kernels check indices, the copy of their flags to the
+    host (see index_checks)."""
+    flags = index_checks.flags_for(plan.lowered.nodes, device)
+    steps = [_step(ck, flags) for ck in plan.kernels]
+    return steps if flags is None else [*steps, CopyFlags(flags)]
+
+
+def _step(ck: CompiledKernel, flags: index_checks.IndexFlags | None):
     """A callable running one fused kernel from the buffers of a run; its argument lists are
-    prepared once per plan, so a plan-cache hit costs little more than the launches."""
+    prepared once per plan, so a plan-cache hit costs little more than the launches. `flags`: where the
+    plan's index checks record what they find."""
     kernel = ck.kernel
     if kernel.core is not None:
-        return _GemmStep(ck)
+        return _GemmStep(ck, flags)
     if kernel.kind is KernelKind.MATMUL:
         return functools.partial(_matmul, kernel.outputs[0])
     if kernel.kind is KernelKind.CONV2D:
         return functools.partial(_conv2d, kernel.outputs[0])
-    return _KernelStep(ck)
+    return _KernelStep(ck, flags)
+
+
+@dataclasses.dataclass
+class CopyFlags:
+    """The last step of a plan whose kernels check indices: their flags to the host, after its launches."""
+
+    flags: index_checks.IndexFlags
+
+    def __call__(self, buffers: dict[int, torch.Tensor], sig: Signature) -> None:
+        self.flags.copy_out()
+
+
+def index_flags(steps: list | None) -> list[index_checks.IndexFlags]:
+    """The flags a plan's prepared steps copy to the host (none, or one)."""
+    return [s.flags for s in steps or () if isinstance(s, CopyFlags)]
 
 
 class _KernelStep:
     """A generated kernel (one launch, or a few for a staged reduction or an MLP kernel's gradients)."""
 
-    def __init__(self, ck: CompiledKernel):
-        self.ck = ck
+    def __init__(self, ck: CompiledKernel, flags: index_checks.IndexFlags | None):
+        self.ck, self.flags = ck, flags
         self.scratch: dict = {}  # what one launch leaves for the next (an MLP kernel's gradient partials)
         self.launches = self._prepare(ck.source)
 
     def _prepare(self, source) -> list:
         module, device = disk.load_source(source), self.ck.kernel.outputs[0].device
-        return [_prepared_launch(module, launch, device, scratch=self.scratch) for launch in source.launches
-                if launch.grid]
+        return [_prepared_launch(module, launch, device, scratch=self.scratch, flags=self.flags)
+                for launch in source.launches if launch.grid]
 
     def __call__(self, buffers: dict[int, torch.Tensor], sig: Signature) -> None:
         try:
@@ -235,20 +259,22 @@ def _on(target, job) -> None:
         job()
 
 
-_ARG_KINDS = {"read": 0, "write": 0, "draws": 0, "size": 1, "bound": 1, "scratch": 1, "scalar": 2}
+_ARG_KINDS = {"read": 0, "write": 0, "draws": 0, "size": 1, "bound": 1, "scratch": 1, "flag": 1, "scalar": 2}
 DRAWS = 0  # the key of a run's (seed, offset) pairs among its buffers (no node's id is 0)
 
 
 def _prepared_launch(module, launch: Launch, device: Device, config: autotune.Config | None = None,
-                     scratch: dict | None = None) -> triton_launch.Launch:
+                     scratch: dict | None = None, flags: index_checks.IndexFlags | None = None
+                     ) -> triton_launch.Launch:
     """`scratch`: the scratch buffers of the kernel's launches, shared between them (one launch writes what
-    the next reads), made here as the launches first name them."""
+    the next reads), made here as the launches first name them; `flags`: the plan's index checks' flags."""
     scratch = {} if scratch is None else scratch
     for a in launch.args:
         if a.kind == "scratch" and a.value not in scratch:
             scratch[a.value] = cuda.scratch(a.value, cuda.torch_device(device))
     recipe = [(_ARG_KINDS[a.kind], id(a.value) if a.kind in ("read", "write") else DRAWS if a.kind == "draws"
-               else scratch[a.value] if a.kind == "scratch" else a.value)
+               else scratch[a.value] if a.kind == "scratch" else flags.slot(a.value) if a.kind == "flag"
+               else a.value)
               for a in launch.args]
     fn = getattr(module, launch.function)
     if config is not None and launch.gemm is not None:  # a GEMM: grid and block sizes from its tuned configuration
@@ -270,8 +296,8 @@ class _GemmStep:
     forms from timing both on the first run with real buffers (both compute the same outputs from the
     same inputs, so running either any number of times leaves the right values)."""
 
-    def __init__(self, ck: CompiledKernel):
-        self.ck = ck
+    def __init__(self, ck: CompiledKernel, flags: index_checks.IndexFlags | None):
+        self.ck, self.flags = ck, flags
         self.module = disk.load_source(ck.source)
         self.device = ck.kernel.core.device
         self.problem = gemm_problem(ck)
@@ -279,7 +305,7 @@ class _GemmStep:
         self.launches: dict[autotune.Config, list] = {}
         self.fused: list = []
         self.scratch: dict = {}  # a split GEMM's scratch, one set for every configuration (they run one at a time)
-        self.split = [_step(c) for c in ck.split]
+        self.split = [_step(c, flags) for c in ck.split]
         self.workspace = ck.kernel.split_stored_nodes()
         self.atomic = [(id(o), identity) for o, identity in ck.atomic_outputs]
         self.choice: dict | None = None  # "chosen" ("triton" or "cublas"), "triton_ms", "cublas_ms", "config"
@@ -293,8 +319,8 @@ class _GemmStep:
 
     def _prepare(self, config: autotune.Config) -> None:
         """The kernel's launches under `config`: the GEMM's, then (a split GEMM) the one that finishes it."""
-        self.launches[config] = [_prepared_launch(self.module, launch, self.device, config, self.scratch)
-                                 for launch in self.ck.source.launches]
+        self.launches[config] = [_prepared_launch(self.module, launch, self.device, config, self.scratch,
+                                                  self.flags) for launch in self.ck.source.launches]
 
     def compile_jobs(self, buffers: dict[int, torch.Tensor], sig: Signature) -> list:
         """The first wave: the bare GEMM's candidates if its problem is not tuned yet, and the split form

@@ -205,7 +205,7 @@ class Renderer:
                 masked += f", cache_modifier=\"{options['cache']}\""
             name = ATOMIC[options["combine"]] if fn == "atomic" else f"tl.{fn}"
             return f"{name}({', '.join(args)}{masked})"
-        if fn in ("rand", "randn"):
+        if fn in ("rand", "randn", "record_index"):
             return f"lib.{fn}({', '.join(args)})"
         if fn in ("where", "minimum", "maximum", "cdiv"):
             return f"tl.{fn}({', '.join(args)})"

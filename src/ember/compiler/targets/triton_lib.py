@@ -196,3 +196,12 @@ def randn(seed, offset):
     c0, c1, _, _ = tl.philox(seed, low, high, low * 0, low * 0)
     normal, _ = tl.pair_uniform_to_normal(tl.uint_to_uniform_float(c0), tl.uint_to_uniform_float(c1))
     return normal
+
+
+@triton.jit
+def record_index(flag, index, out_of_range):
+    """An index check's record: where `out_of_range` holds, word 0 of its flag becomes 1 and word 1 the index
+    (of the lanes racing to write it, one). Nothing is written where every lane is in range."""
+    at = flag + tl.zeros_like(out_of_range.to(tl.int32))
+    tl.store(at, 1, mask=out_of_range)
+    tl.store(at + 1, index.to(tl.int64), mask=out_of_range)

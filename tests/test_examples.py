@@ -33,7 +33,7 @@ def test_train_gpu_model_learns_on_the_reference_backend(model):
     assert not summary.jit and summary.peak_bytes is None
 
 
-@pytest.mark.parametrize("model", ["mlp", "cnn"])
+@pytest.mark.parametrize("model", ["mlp", pytest.param("cnn", marks=pytest.mark.slow)])
 def test_train_gpu_model_on_cuda_with_jit_follows_the_reference_losses(model, cuda_backend):
     reference = train_gpu.train(model, "cpu", **TINY)
     summary = train_gpu.train(model, "cuda", **TINY)  # jit is the default on cuda
@@ -83,6 +83,7 @@ def test_cnn_learns_mnist_digits_on_the_reference_backend():
     assert summary.images_per_s > 0 and summary.max_rss_bytes > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("amp", [False, True], ids=["float32", "bfloat16_autocast"])
 def test_cnn_on_cuda_with_jit_follows_the_reference_losses(amp, cuda_backend):
     """In float32 to rounding; under bfloat16 autocast to 2e-3, as a fused kernel rounds its activations to

@@ -367,6 +367,7 @@ def test_memory_format_is_accepted_as_pytorch_spells_it():
     assert net[2].memory_format == "contiguous"
 
 
+@pytest.mark.slow
 def test_max_pool_with_more_window_offsets_than_a_byte_counts(device):
     """A 17x17 window has 289 offsets; increasing values put each window's maximum at the last one."""
     x = np.arange(18 * 18, dtype=np.float32).reshape(1, 1, 18, 18)

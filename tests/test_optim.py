@@ -243,6 +243,7 @@ def test_bfloat16_parameters_follow_torchs_bfloat16_adam(device, name, kwargs):
         assert values["step"].dtype is ember.float32 and values["exp_avg"].dtype is ember.bfloat16
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("cuda_backend")
 @pytest.mark.parametrize("name,kwargs", [("Adam", {}), ("AdamW", dict(amsgrad=True))])
 def test_adam_step_over_fifty_cuda_parameters_is_two_launches(name, kwargs):

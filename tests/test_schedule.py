@@ -59,6 +59,7 @@ def deep_mlp(x, depth=8):
     return x
 
 
+@pytest.mark.slow
 def test_intermediates_share_an_arena_far_smaller_than_their_sum():
     plan = planned(deep_mlp(ember.randn(64, 64, device="cuda")))
     sched = plan.schedule
@@ -81,6 +82,7 @@ def test_slots_sharing_memory_never_live_at_the_same_time():
             assert offset_a % schedule.ALIGN == 0
 
 
+@pytest.mark.slow
 def test_results_through_the_arena_equal_the_reference():
     data = np.random.default_rng(1).standard_normal((64, 96)).astype(np.float32)
     expected = chain_of_reductions(ember.tensor(data)).numpy()
@@ -114,6 +116,7 @@ def test_explain_reports_the_arena_and_the_streams():
     assert "share an arena of" in text
 
 
+@pytest.mark.slow
 def test_memory_stats_follow_what_is_allocated():
     before = ember.memory_stats("cuda")
     x = ember.randn(512, 512, device="cuda") * 2
@@ -128,6 +131,7 @@ def test_memory_stats_follow_what_is_allocated():
         ember.memory_stats("cpu")
 
 
+@pytest.mark.slow
 def test_out_of_memory_names_the_sizes_and_the_process_goes_on(monkeypatch):
     empty = torch.empty
 
@@ -184,6 +188,7 @@ def test_gc_freeze_0_leaves_the_collector_alone(monkeypatch, fresh_caches):
     assert collector._freezes == 0 and gc.get_freeze_count() == 0
 
 
+@pytest.mark.slow
 def test_an_allocation_refused_for_memory_is_tried_again_after_a_full_collection(monkeypatch):
     from ember.runtime import collector
 

@@ -197,6 +197,7 @@ def _train_in_process(cache_dir: str, barrier, losses) -> None:
     losses.put(train(1, "cuda", steps=1)[0])
 
 
+@pytest.mark.slow
 @on_cuda
 def test_processes_compiling_the_same_plans_into_one_cache_all_succeed_and_leave_it_valid(cuda_backend,
                                                                                          empty_caches, tmp_path):

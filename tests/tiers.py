@@ -3,7 +3,8 @@
 The quick tier runs every test function, but of a parametrized one only a covering sample: enough of its
 cases that every value of every parameter (every op, dtype, shape, layout...) runs at least once on each device
 of the op suite (the reference backend and the interpreter), chosen the same way on every run and in every
-xdist worker. Property-based tests (hypothesis) run there with a tenth of their examples. The full tier runs
+xdist worker. Property-based tests (hypothesis) run there with a tenth of their examples, and tests marked
+`slow` (interpreter runs of large kernels, whole examples on the interpreted cuda device) not at all. The full tier runs
 every case at full example counts; `rest` is what `full` adds to `quick`, so that CI runs the quick tier (the
 README's command) and then `rest` without running anything twice. Tests of the GPU suite (marked `gpu`) and
 cases named explicitly on the command line are always kept.
@@ -38,10 +39,10 @@ def select(config, items) -> None:
     if _tier == "full":
         return
     named = {arg for arg in config.args if "::" in arg}
-    quick = _covering_sample([item for item in items if _sampled(item, named)])
+    quick = _covering_sample([item for item in items if _sampled(item, named) and not _slow(item, named)])
     keep, dropped = [], []
     for item in items:
-        in_quick = item in quick or not _sampled(item, named)
+        in_quick = item in quick or not _sampled(item, named) and not _slow(item, named)
         wanted = in_quick if _tier == "quick" else not in_quick or _is_property_based(item)
         (keep if wanted else dropped).append(item)
     if dropped:
@@ -52,6 +53,13 @@ def select(config, items) -> None:
 def _sampled(item, named: set[str]) -> bool:
     """Whether the item is one case among others that the quick tier may leave out."""
     return (getattr(item, "callspec", None) is not None and item.get_closest_marker("gpu") is None
+            and item.nodeid not in named)
+
+
+def _slow(item, named: set[str]) -> bool:
+    """A test marked `slow` (an interpreter run of a large kernel or of a whole example) is in the full tier
+    only, unless it is in the GPU suite or named on the command line."""
+    return (item.get_closest_marker("slow") is not None and item.get_closest_marker("gpu") is None
             and item.nodeid not in named)
 
 

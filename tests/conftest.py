@@ -26,10 +26,11 @@ import torch.nn.functional as F
 
 import ember
 
-# The suite neither reads nor writes the user's cache (~/.cache/ember): each test process compiles into a fresh
-# directory of its own, removed at its exit, so no test sees what an earlier run (or another process) compiled.
+# The suite neither reads nor writes the user's caches (~/.cache/ember, Triton's): each test process compiles into a
+# fresh directory of its own, removed at its exit, so no test sees what an earlier run (or another process) compiled.
 _CACHE_DIR = tempfile.mkdtemp(prefix="ember-tests-")
 os.environ["EMBER_CACHE_DIR"] = _CACHE_DIR
+os.environ["TRITON_CACHE_DIR"] = os.path.join(_CACHE_DIR, "triton")
 atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
 
 # The cuda backend runs generated Triton kernels; without a GPU, Triton's interpreter runs them
@@ -101,6 +102,7 @@ def device(request):
         yield request.param
 
 
+@pytest.hookimpl(trylast=True)  # after -k and -m have chosen: the tier samples what they kept
 def pytest_collection_modifyitems(config, items) -> None:
     """`@pytest.mark.cuda_xfail(reason=...)` marks the test's cuda run, and only that one, xfail(strict); then the
     tier (`--tier`) keeps its share of the parametrizations."""

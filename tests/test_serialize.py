@@ -191,3 +191,15 @@ def test_a_file_that_is_not_safetensors_is_refused_naming_it(tmp_path, contents,
     (tmp_path / "bad.bin").write_bytes(contents(tmp_path))
     with pytest.raises(ValueError, match=f"^load: '.*bad.bin' is not a safetensors file: {what}"):
         load(tmp_path / "bad.bin")
+
+
+@pytest.mark.parametrize("structure", ['{"dict": [["a", {"tensor": "a"}]', '["not", "a", "node"]',
+                                       '{"tensor": "missing"}'])
+def test_a_file_with_corrupt_structure_metadata_is_refused_naming_it(tmp_path, structure):
+    import safetensors.numpy
+
+    path = tmp_path / "state.safetensors"
+    safetensors.numpy.save_file({"a": np.arange(3, dtype=np.float32)}, str(path),
+                                metadata={"ember.structure": structure})
+    with pytest.raises(ValueError, match=r"load: .*state\.safetensors.* corrupt 'ember.structure'"):
+        ember.load(path)

@@ -227,3 +227,17 @@ def test_a_corrupt_plan_file_is_compiled_again_never_trusted(cuda_backend, empty
     compiled = cuda.stats["plans_compiled"]
     np.testing.assert_array_equal((x.exp() + 1).numpy(), want)
     assert cuda.stats["plans_compiled"] == compiled + 1
+
+
+def test_cache_files_are_readable_by_other_users_as_open_would_make_them(tmp_path):
+    """A cache directory may be shared: entries get the mode a plain open() gives (umask applied), not 0600."""
+    import os
+
+    from ember.runtime import disk
+
+    mask = os.umask(0o022)
+    try:
+        disk.write_atomically(tmp_path / "entry.py", "x = 1\n")
+    finally:
+        os.umask(mask)
+    assert (tmp_path / "entry.py").stat().st_mode & 0o777 == 0o644

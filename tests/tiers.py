@@ -25,8 +25,10 @@ def add_option(parser) -> None:
 
 
 def configure(config) -> None:
+    """The tier of this run: the GPU suite (`-m gpu`) always runs its property-based tests in full."""
     global _tier
-    _tier = config.getoption("--tier")
+    marks = config.getoption("markexpr") or ""
+    _tier = "full" if "gpu" in marks and "not gpu" not in marks else config.getoption("--tier")
 
 
 def examples(n: int) -> int:
@@ -77,30 +79,30 @@ def _covering_sample(items) -> set:
     for cases in by_function.values():
         covered: set = set()
         for item in sorted(cases, key=lambda it: zlib.crc32(it.nodeid.encode())):
-            features = _features(item.callspec.params)
+            features = _features(item.callspec)
             if not features <= covered:
                 covered |= features
                 kept.add(item)
     return kept
 
 
-def _features(params: dict) -> set:
+def _features(callspec) -> set:
+    params = callspec.params
     device = params.get("device")
-    values = {(name, _key(value)) for name, value in params.items()}
+    values = {(name, _key(value, callspec.indices.get(name))) for name, value in params.items()}
     return values | {(device, *value) for value in values} if device is not None else values
 
 
-def _key(value) -> str:
-    """A name for a parameter's value that is the same in every process (no addresses)."""
+def _key(value, index: int | None) -> str:
+    """A name for a parameter's value that is the same in every process (no addresses). Where the value alone
+    names it ambiguously (lambdas, objects shown by address), its place in its parametrize list is added: for a
+    parametrize of several names that place is the tuple's, so each such tuple counts as a value of its own."""
     if value is None or isinstance(value, (bool, int, float, str, bytes)):
         return repr(value)
     if isinstance(value, (tuple, list)):
-        return "(" + ",".join(_key(v) for v in value) + ")"
-    code = getattr(value, "__code__", None)
-    if code is not None:
-        return f"{getattr(value, '__qualname__', '?')}@{code.co_firstlineno}"
+        return "(" + ",".join(_key(v, index) for v in value) + ")"
     name = getattr(value, "name", None)
-    if isinstance(name, str):
+    if isinstance(name, str) and not hasattr(value, "__code__"):
         return f"{type(value).__qualname__}:{name}"
     text = repr(value)
-    return type(value).__qualname__ if " at 0x" in text else text
+    return f"{type(value).__qualname__}#{index}" if " at 0x" in text or hasattr(value, "__code__") else text

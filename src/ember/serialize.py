@@ -71,7 +71,11 @@ def load(f: str | os.PathLike | BinaryIO, map_location=None) -> dict:
         tensors[key] = tensor(array, dtype=dtype, device=map_location)
     if _STRUCTURE_KEY not in metadata:
         return tensors
-    return _decode(json.loads(metadata[_STRUCTURE_KEY]), tensors)
+    try:
+        return _decode(json.loads(metadata[_STRUCTURE_KEY]), tensors)
+    except (ValueError, TypeError, AttributeError, KeyError) as e:
+        raise ValueError(f"load: {name} holds a corrupt {_STRUCTURE_KEY!r} entry in its metadata ({type(e).__name__}: "
+                         f"{e}); its tensors are readable by safetensors itself, as a flat dict") from None
 
 
 def _read(f) -> tuple[bytes, str]:

@@ -49,8 +49,9 @@ class Node:
         assert device is not None, f"{op.label}: a leaf needs a device"
         shape, dtype = infer(op, inputs, attrs)
         node = Node(op, inputs, attrs, shape, dtype, device)
-        if made is not None:
-            recording = made.get(threading.get_ident())
+        recordings = made  # one read: another thread may reset the global between two
+        if recordings is not None:
+            recording = recordings.get(threading.get_ident())
             if recording is not None:
                 recording.append(node)
         return node

@@ -31,11 +31,21 @@ def cache_dir(kind: str = "kernels") -> Path:
     return path
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_FILE_MODE = 0o666 & ~_umask()  # what open() would give a new file
+
+
 def write_atomically(path: Path, data: str | bytes) -> None:
     """Write through a temporary file of a unique name beside `path` and a rename: a reader sees the old
     file or the whole new one, whoever else writes the same entry at the same time."""
     handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(handle, _FILE_MODE)  # mkstemp's 0600 would hide the entry from other users of a shared cache
         with os.fdopen(handle, "wb") as file:
             file.write(data if isinstance(data, bytes) else data.encode())
         os.replace(tmp, path)

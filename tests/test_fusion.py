@@ -68,6 +68,7 @@ def test_layer_norm_forward_is_one_kernel(rng):
     assert_close(out, layer_norm(xc, wc), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_long_rows_are_reduced_in_a_loop(rng, monkeypatch):
     from ember.compiler import passes
 
@@ -80,6 +81,7 @@ def test_long_rows_are_reduced_in_a_loop(rng, monkeypatch):
     assert (x.argmax(-1).numpy() == xc.argmax(-1).numpy()).all()
 
 
+@pytest.mark.slow
 def test_few_long_reductions_are_split_across_programs(rng):
     x, xc = pair(rng, 3, 100_000, low=-5, high=5)
     total = x.sum(-1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 
 import numpy as np
+import pytest
 
 import ember
 import ember.nn.functional as F
@@ -26,6 +27,7 @@ def resident_bytes() -> int:
     return pages * resource.getpagesize()
 
 
+@pytest.mark.slow
 def test_digits_example_reaches_95_percent_test_accuracy():
     summary = digits.train(epochs=30, progress=False)
     assert summary.accuracy >= 0.95, str(summary)
@@ -33,6 +35,7 @@ def test_digits_example_reaches_95_percent_test_accuracy():
     assert summary.step_plan is not None and 0 < len(summary.step_plan.kernels) < summary.step_plan.unfused
 
 
+@pytest.mark.slow
 def test_two_thousand_training_steps_keep_graph_and_memory_bounded():
     (x, y), _ = digits.load_digits_split()
     ember.manual_seed(0)

@@ -91,6 +91,7 @@ def test_resize_matches_opencv_and_torch(device, size, rng):
     assert np.abs(as_uint8.astype(int) - opencv_uint8.astype(int)).max() <= 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
 @pytest.mark.parametrize("size", [(224, 224), (97, 301)])
 def test_a_4k_frame_resized_samples_at_exact_positions_even_at_the_far_edge(size, device, rng):
@@ -441,6 +442,7 @@ def test_normalize_takes_per_sample_means_and_stds_as_runtime_tensors(device, rn
         V.normalize(crops, ember.tensor(mean[:2], device=device), 1.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
 def test_boxes_with_a_side_of_one_pixel_match_opencv_which_resizes_them_at_float32_positions(device, rng):
     """OpenCV resizes a source one pixel wide or high without IPP, at sample positions rounded to float32 first;

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
-from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -710,20 +709,33 @@ def test_tuning_results_are_written_whole_and_read_back(tuning_cache):
 
 
 def test_a_write_cut_short_leaves_the_previous_tuning_file_intact(tuning_cache, monkeypatch):
+    import os
+
     from ember.runtime import autotune
 
     autotune._store("config a", {"ms": 1.0})
-    real_write = Path.write_text
+    real_fdopen = os.fdopen
 
-    def crash_halfway(self, text, *args, **kwargs):
-        real_write(self, text[: len(text) // 2], *args, **kwargs)
-        raise OSError("disk full")
+    class CutShort:  # the temporary file a write goes through, which fills up halfway
+        def __init__(self, handle, mode):
+            self.file = real_fdopen(handle, mode)
 
-    monkeypatch.setattr(Path, "write_text", crash_halfway)
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+        def write(self, data):
+            self.file.write(data[: len(data) // 2])
+            raise OSError("disk full")
+
+    monkeypatch.setattr(os, "fdopen", CutShort)
     with pytest.raises(OSError, match="disk full"):
         autotune._store("config b", {"ms": 2.0})
-    monkeypatch.setattr(Path, "write_text", real_write)
+    monkeypatch.setattr(os, "fdopen", real_fdopen)
     assert json.loads(tuning_cache.read_text()) == {"config a": {"ms": 1.0}}
+    assert list(tuning_cache.parent.iterdir()) == [tuning_cache]  # the temporary file is gone
 
 
 @pytest.mark.parametrize("content", ["{not json", "[1, 2, 3]", ""])

@@ -723,7 +723,7 @@ def test_a_training_steps_plan_does_not_depend_on_object_addresses(width, monkey
             if name == "ember" or name.startswith("ember."):
                 monkeypatch.setattr(module, "id", scramble, raising=False)
         monkeypatch.setattr(plan_cache, "_plans", {})
-        monkeypatch.setattr(executor, "observers", [])
+        monkeypatch.setattr(executor.this_thread, "observers", [])
         ember.manual_seed(5)
         model = nn.Sequential(*[m for i in range(4) for m in (nn.Linear(width, 16 if i == 3 else width),)
                                 + ((nn.ReLU(),) if i < 3 else ())]).to("cuda").to(ember.float16)
@@ -741,7 +741,7 @@ def test_a_training_steps_plan_does_not_depend_on_object_addresses(width, monkey
             texts.extend(p.sources[scramble(k)].text for k in p.kernels)
             raise Planned
 
-        monkeypatch.setattr(executor, "observers", [observe])
+        monkeypatch.setattr(executor.this_thread, "observers", [observe])
         opt.zero_grad()
         nn.functional.mse_loss(model(x).float(), y.float()).backward()
         with pytest.raises(Planned):

@@ -15,6 +15,7 @@ import numpy as np
 import scipy.special
 
 from ember import dtypes
+from ember.autograd import is_grad_enabled
 from ember.device import as_device
 from ember.dtypes import DType
 from ember.errors import (
@@ -342,7 +343,11 @@ def hardtanh(x: Tensor, min_val: float = -1.0, max_val: float = 1.0) -> Tensor:
     expect_tensors("hardtanh", input=x)
     if not x.dtype.is_floating_point:  # integers keep their dtype, the bounds truncated to it, as in torch
         min_val, max_val = int(min_val), int(max_val)
-    return where(x <= min_val, min_val, where(x >= max_val, max_val, x))
+    clamped = clamp(x, min_val, max_val)
+    if not (x.requires_grad and is_grad_enabled()):
+        return clamped  # the values alone: a clamp, which an MLP kernel applies in its operand's conversion
+    # the same values, with the gradient through x only strictly inside the bounds
+    return where((x > min_val) & (x < max_val), x, clamped.detach())
 
 
 def mish(x: Tensor) -> Tensor:

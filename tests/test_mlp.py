@@ -82,6 +82,16 @@ def relative(got: np.ndarray, ref: np.ndarray) -> float:
 TOL = {"float16": 2e-2, "bfloat16": 5e-2, "float32": 1e-5}
 
 
+def slow(*case):
+    """A case the interpreter takes long over (thousands of rows): in the full tier only."""
+    return pytest.param(*case, marks=pytest.mark.slow)
+
+
+def case_ids(cases) -> list[str]:
+    values = [getattr(c, "values", c) for c in cases]
+    return [f"{'-'.join(map(str, c[0]))}x{c[1]}-{c[2]}-{c[3]}" for c in values]
+
+
 CASES = [  # widths, rows, activation, dtype
     ([32, 64, 64, 16], 300, "relu", "float16"),
     ([64, 64, 64, 64, 64, 16], 1000, "relu", "float16"),
@@ -95,8 +105,7 @@ CASES = [  # widths, rows, activation, dtype
 ]
 
 
-@pytest.mark.parametrize("widths,rows,activation,dtype", CASES,
-                         ids=[f"{'-'.join(map(str, c[0]))}x{c[1]}-{c[2]}-{c[3]}" for c in CASES])
+@pytest.mark.parametrize("widths,rows,activation,dtype", CASES, ids=case_ids(CASES))
 def test_a_narrow_chain_is_one_kernel_and_matches_torch(widths, rows, activation, dtype):
     model = rounded(torch_mlp(widths, activation, seed=len(widths) + rows), dtype)
     x = inputs(rows, widths[0], dtype, seed=rows)
@@ -186,6 +195,7 @@ def test_the_narrow_layers_of_a_chain_with_wide_ones_share_a_kernel(widths, runs
     np.testing.assert_allclose(got, unfused, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.slow
 def test_a_training_step_through_wide_layers_fuses_the_narrow_ones_and_matches_torch(monkeypatch):
     monkeypatch.setenv("EMBER_SPLIT_K", "1")
     widths = [150, 48, 48, 48, 200, 8]
@@ -201,8 +211,8 @@ TRAINING_CASES = [  # widths, rows, activation, dtype
     ([16, 32, 32, 4], 50, "tanh", "float32"),
     ([64, 64, 64, 64, 64, 16], 1000, "relu", "float16"),
     ([3, 24, 100, 1], 127, "gelu", "bfloat16"),
-    ([8, 40, 40, 40, 8], 2**12 + 3, "silu", "float16"),
-    ([64, 64, 64, 64, 64, 16], 2**12, "relu", "float16"),
+    slow([8, 40, 40, 40, 8], 2**12 + 3, "silu", "float16"),
+    slow([64, 64, 64, 64, 64, 16], 2**12, "relu", "float16"),
     ([5, 100, 24, 3], 2**11 + 1, "softplus", "float32"),
     ([16, 16], 33, "relu", "float16"),  # one layer: nothing to chain
 ]
@@ -238,7 +248,7 @@ def torch_step(model: torch.nn.Sequential, x: np.ndarray, y: np.ndarray, dtype) 
 
 
 @pytest.mark.parametrize("widths,rows,activation,dtype", TRAINING_CASES,
-                         ids=[f"{'-'.join(map(str, c[0]))}x{c[1]}-{c[2]}-{c[3]}" for c in TRAINING_CASES])
+                         ids=case_ids(TRAINING_CASES))
 def test_a_training_step_fuses_its_forward_and_backward_chains_and_its_gradients_match_torch(
         widths, rows, activation, dtype, monkeypatch):
     """The forward chain is one kernel that also writes the activations the backward reads; the backward's
@@ -267,13 +277,13 @@ ABSORBED_CASES = [  # widths, rows, activation, dtype: every row count, padded w
     ([16, 32, 32, 32, 8], 127, "tanh", "bfloat16"),
     ([24, 24, 24, 5], 128, "silu", "float32"),
     ([8, 100, 24, 3], 1000, "gelu", "float16"),
-    ([64, 64, 64, 64, 64, 16], FUSED_TRAINING_BATCH + 3, "relu", "float16"),
-    ([5, 40, 40, 40, 7], 3 * FUSED_TRAINING_BATCH + 1, "leaky_relu", "bfloat16"),
+    slow([64, 64, 64, 64, 64, 16], FUSED_TRAINING_BATCH + 3, "relu", "float16"),
+    slow([5, 40, 40, 40, 7], 3 * FUSED_TRAINING_BATCH + 1, "leaky_relu", "bfloat16"),
 ]
 
 
 @pytest.mark.parametrize("widths,rows,activation,dtype", ABSORBED_CASES,
-                         ids=[f"{'-'.join(map(str, c[0]))}x{c[1]}-{c[2]}-{c[3]}" for c in ABSORBED_CASES])
+                         ids=case_ids(ABSORBED_CASES))
 def test_weight_gradients_summed_inside_mlp_kernels_match_torch(widths, rows, activation, dtype, monkeypatch):
     """A weight gradient whose operands an MLP kernel computes (or loads) for each row tile is summed inside it,
     per program, and finished by a second launch of the kernel's own (one for all its gradients), no GEMM. The
@@ -457,6 +467,7 @@ def test_a_gradient_is_not_summed_by_a_kernel_that_reads_its_update(monkeypatch)
     assert abs(float(loss.item()) - want) < 2e-2 * abs(want)
 
 
+@pytest.mark.slow
 def test_an_mlp_kernel_summing_gradients_streams_its_weights_on_a_smaller_gpu(monkeypatch):
     """The streamed form of a kernel that sums gradients still walks row tiles (one partial per program), its
     loop unpipelined since it loads the weights in it; it computes the same gradients."""
@@ -484,6 +495,7 @@ def test_an_mlp_kernel_summing_gradients_streams_its_weights_on_a_smaller_gpu(mo
         assert relative(a, b) < 1e-2, f"value {i}"
 
 
+@pytest.mark.slow
 def test_jit_replays_a_training_step_whose_mlp_kernels_sum_and_update_the_weights(monkeypatch):
     """Under ember.jit, an MLP kernel's finishing launch writes Adam's updates (parameters, moments) in place:
     three replayed steps leave the same parameters as three steps run lazily."""

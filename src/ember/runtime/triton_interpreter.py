@@ -11,10 +11,16 @@ The rest of the module fixes bugs of the interpreter that a GPU does not have, s
 points at the generated code, not at the interpreter; they are applied with the first interpreted
 module and change nothing a compiled kernel does. One of them: the interpreter runs a grid by patching
 `triton.language` and a builder that are process-wide, so grids from several threads run one at a time.
+Two more make it quicker without changing a result: integer arithmetic wraps as a compiled kernel's does
+(without Triton's debug mode; the interpreter otherwise checks every integer addition and multiplication for
+overflow), and a device function called inside a grid finds `triton.language` patched for the grid already
+(the interpreter patches it again on every such call, a walk over all its modules' members). In kernels that
+call library functions often, the two are half the interpreter's time.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import threading
@@ -35,7 +41,12 @@ _binary_op = getattr(_Builder, "binary_op", None)
 _cast_impl = getattr(_Builder, "cast_impl", None)
 _create_dot = getattr(_Builder, "create_dot", None)
 _Executor = getattr(interpreter, "GridExecutor", None)
+_builder = getattr(interpreter, "interpreter_builder", None)
 _run = _Executor.__dict__.get("__call__") if _Executor is not None else None
+_device_call = interpreter.InterpretedFunction.__dict__.get("__call__")
+_patch_lang = getattr(interpreter, "_patch_lang", None)
+_Error = getattr(interpreter, "InterpreterError", RuntimeError)
+_patched_for_grid: set[int] = set()  # the language modules the running grid has patched (one grid at a time)
 _jit_call = JITFunction.__dict__.get("__call__")
 _running = threading.local()  # how many interpreted grids this thread is inside
 _one_grid_at_a_time = threading.RLock()
@@ -74,9 +85,35 @@ def _run_quietly(self, *args, **kwargs):
     _running.depth = getattr(_running, "depth", 0) + 1
     try:
         with _one_grid_at_a_time, np.errstate(all="ignore"):
-            return _run(self, *args, **kwargs)
+            outer = set(_patched_for_grid)
+            _patched_for_grid.update(_languages(self.fn))
+            try:
+                return _run(self, *args, **kwargs)
+            finally:
+                _patched_for_grid.intersection_update(outer)
     finally:
         _running.depth -= 1
+
+
+def _languages(fn) -> frozenset[int]:
+    """The ids of the `triton.language` modules a function's globals hold (those the interpreter patches)."""
+    return frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+
+
+def _call_device_function(self, *args, **kwargs):
+    """A device function called from an interpreted kernel: `triton.language` is patched once per grid, not
+    again on each call."""
+    languages = self.__dict__.get("_ember_languages")
+    if languages is None:
+        languages = self.__dict__["_ember_languages"] = _languages(self.fn)
+    if not languages <= _patched_for_grid:
+        _patch_lang(self.fn)
+        _patched_for_grid.update(languages)
+    fn = self.rewrite()
+    try:
+        return fn(*args, **kwargs)
+    except Exception as error:
+        raise _Error(repr(error)) from error
 
 
 def _call_interpreted_inside_a_grid(self, *args, **kwargs):
@@ -92,6 +129,9 @@ def _call_interpreted_inside_a_grid(self, *args, **kwargs):
 
 
 def _apply_fixes() -> None:
+    options = getattr(_builder, "options", None)
+    if dataclasses.is_dataclass(options) and hasattr(options, "sanitize_overflow"):
+        _builder.options = dataclasses.replace(options, sanitize_overflow=False)
     if _binary_op is not None:
         _Builder.binary_op = _binary_op_typing_comparisons_as_bool
     if _cast_impl is not None:
@@ -101,6 +141,8 @@ def _apply_fixes() -> None:
     if _run is not None and _jit_call is not None:
         _Executor.__call__ = _run_quietly
         JITFunction.__call__ = _call_interpreted_inside_a_grid
+        if _device_call is not None and _patch_lang is not None:
+            interpreter.InterpretedFunction.__call__ = _call_device_function
 
 
 def runnable(module: ModuleType, interpret: bool) -> ModuleType:

@@ -146,8 +146,8 @@ def test_setting_items_at_an_index_out_of_range_raises_at_the_assignment_which_r
 
 def test_a_plan_without_index_checks_copies_no_flags():
     x = ember.tensor(X, device="cuda")
-    (x * 2 + 1).realize()
-    assert not index_checks.this_thread.copied
+    y = (x * 2 + 1).realize()
+    assert getattr(y._node.buffer, index_checks.CARRIED, None) is None
     plain = ember.explain.plan(x * 3 - 1)
     assert not any(a.kind == "flag" for source in plain.sources.values() for launch in source.launches
                    for a in launch.args)
@@ -227,3 +227,33 @@ def test_on_a_gpu_computing_with_index_checks_does_not_wait_for_the_device():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     np.testing.assert_array_equal(out.numpy(), W[[1, 2, 3]])
+
+
+def test_a_read_of_a_value_that_does_not_depend_on_the_bad_index_raises_nothing_and_leaves_the_error_to_one_that_does():
+    w, bad = _on("cuda", W, [1, 1000])
+    x = ember.tensor(X, device="cuda")
+    gathered, doubled = ember.embedding(bad, w), x * 2
+    ember.realize(gathered, doubled)  # one plan computes both
+    np.testing.assert_allclose(doubled.numpy(), X * 2)
+    np.testing.assert_allclose((x - 1).numpy(), X - 1)
+    with pytest.raises(IndexError, match="embedding: index 1000 is out of bounds for dimension 0 with size 10"):
+        (gathered.sum(1) * 3).tolist()  # computed from it by a later plan
+    np.testing.assert_allclose(gathered[0].numpy(), W[1])  # reported once; the in-range rows are as computed
+
+
+def test_a_parameter_updated_from_a_bad_index_carries_the_error_into_the_next_steps_loss():
+    ember.manual_seed(1)
+    table = nn.Embedding(10, 4).to("cuda")
+    opt = ember.optim.SGD(table.parameters(), lr=0.1)
+
+    def step(tokens):
+        opt.zero_grad()
+        loss = table(ember.tensor(np.array(tokens), device="cuda")).square().mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    step([1, 12, 3])  # not read: its plan's check stays set
+    with pytest.raises(IndexError, match="embedding: index 12 is out of bounds for dimension 0 with size 10"):
+        step([4, 5, 6, 7]).item()  # another plan (another batch size), reading the updated table
+    assert np.isfinite(step([4, 5, 6, 7]).item())

@@ -642,7 +642,7 @@ class _Program:
             if graph is not None:
                 self.plans.draw(draws)  # the graph's random kernels read their offsets from device memory
                 graph.replay()
-                self.plans.replayed()
+                self.plans.replayed(results)
                 return
         self.plans.bind(arguments, results)
         self.plans.run(draws)
@@ -682,7 +682,11 @@ class _Program:
             transient.add(node)
             return Tensor(node)
         if kind == "computed":
-            return Tensor(Node.from_buffer(what.clone(), *placed))
+            from ember.runtime import index_checks  # torch is imported only once a step is replayed
+
+            copy = what.clone()
+            index_checks.depend_on(getattr(what, index_checks.CARRIED, frozenset()), [copy])
+            return Tensor(Node.from_buffer(copy, *placed))
         return args[what] if kind == "argument" else what
 
 

@@ -17,6 +17,7 @@ them out on (N, H, W, C) memory.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -90,6 +91,25 @@ class Lowered:
     outputs: list[Node]  # one per kept original node, in `order`
     inputs: list[Node]  # placeholders: op BUFFER, attrs {"input": k}
     replaced: int = 0  # nodes removed by the passes
+
+    @functools.cached_property
+    def sources(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Per output: the positions of the inputs, and of the index checks (its CHECK_INDEX nodes, in order),
+        that its value is computed from."""
+        position = {id(n): k for k, n in enumerate(self.inputs)}
+        masks: dict[int, tuple[int, int]] = {}  # node id -> (inputs' bits, checks' bits)
+        checks = 0
+        for n in self.nodes:
+            read, checked = 1 << position[id(n)] if id(n) in position else 0, 0
+            for i in n.inputs:
+                r, c = masks[id(i)]
+                read, checked = read | r, checked | c
+            if n.op is Op.CHECK_INDEX:
+                checked |= 1 << checks
+                checks += 1
+            masks[id(n)] = (read, checked)
+        return [tuple(tuple(k for k in range(m.bit_length()) if m >> k & 1) for m in masks[id(o)])
+                for o in self.outputs]
 
 
 def lower(order: list[Node], keep: set[int], sig: Signature, channels_last: bool = False,

@@ -64,7 +64,7 @@ def to_host(buffer, device: Device) -> np.ndarray:
     from ember.runtime import index_checks, transfer  # torch: only for a cuda value
 
     array = transfer.download(buffer)
-    index_checks.raise_found(device)  # what the work before the read found, now that it is done
+    index_checks.raise_found(buffer)  # what the work computing it found, now that it is done
     return array
 
 

@@ -17,7 +17,7 @@ import torch
 
 from ember.compiler import Plan, Signature
 from ember.device import Device
-from ember.runtime import cuda, launcher
+from ember.runtime import cuda, index_checks, launcher
 
 
 @dataclass
@@ -73,12 +73,14 @@ class Replay:
             launcher.this_thread.capturing = False
         return graph
 
-    def replayed(self) -> None:
-        """A CUDA graph of the steps ran: the index checks' flags it copied to the host (at the end of each
-        plan) are for the next host read to look at."""
-        for workspace in self.workspaces:
-            for flags in launcher.index_flags(workspace.steps):
-                flags.copied()
+    def replayed(self, results: list[torch.Tensor]) -> None:
+        """A CUDA graph of the steps ran, writing `results` (and the state its steps keep): these carry every
+        index check of the steps (see index_checks), as values computed by the whole step."""
+        checks = frozenset().union(*(flags.every for workspace in self.workspaces
+                                     for flags in launcher.index_flags(workspace.steps)))
+        if checks:
+            index_checks.depend_on(checks, [*results, *(o for step in self.steps for o in step.outputs
+                                                        if o is not None)])
 
     def run(self, draws: list[tuple[int, int]] | None) -> None:
         """The steps, as bound, plan by plan; `draws` gives the random offsets of this run."""

@@ -1,20 +1,26 @@
-"""Indices that generated kernels found out of range, reported at the next host read.
+"""Indices that generated kernels found out of range, reported at the next host read of a value that depends on
+them.
 
 An index that comes from data passes a CHECK_INDEX node (embedding, gather, integer indexing, scatter_add,
 cross entropy's targets, one_hot; see ember/ops/index.py). The kernel computing it writes, where a lane's index
-is outside its dimension, the check's two int64 words in its plan's flags: 1 and the index. The flags stay set
-until they are reported. After the plan's launches they are copied into pinned host memory on the same stream
-(inside a CUDA graph too, where a plan is captured), so nothing waits for them. A host read (`.item()`,
-`.numpy()`, a transfer to the cpu) waits for its stream anyway; after it, `raise_found` looks at the copies of
-the plans the thread ran since its last look and raises IndexError naming the op, the index and the size,
-clearing the flags, so that the work after it runs as usual. A plan without checks pays nothing, and a read
-pays a look only when a plan with checks ran since the last one. Flags are prepared with a plan's steps, so
-each thread (and each ember.jit program) has its own.
+is outside its dimension, the check's two int64 words in its plan's flags: 1 and the index. After the plan's
+launches the flags are copied into pinned host memory on the same stream (inside a CUDA graph too, where a plan
+is captured), so nothing waits for them.
+
+Each buffer a plan writes carries the checks its value depends on (`carry`, from `Lowered.sources`): those of the
+plan's own that its value is computed from, and those its inputs carry, so a parameter updated from a bad gather's
+gradient carries that check into every later step. A host read (`.item()`, `.numpy()`, a transfer to the cpu) waits
+for its stream anyway; after it, `raise_found` looks at the checks the read buffer carries and raises IndexError
+naming the op, the index and the size, clearing them, so that the work after it runs as usual. A read of a value
+that depends on no check that fired raises nothing and clears nothing. A check stays set until a value depending on
+it is read: a later run of its plan whose results are read reports it then. A plan without checks pays one
+attribute lookup per input; flags are prepared with a plan's steps, so each thread (and each ember.jit program) has
+its own.
 """
 
 from __future__ import annotations
 
-import threading
+from collections.abc import Iterable
 
 import torch
 
@@ -22,6 +28,8 @@ from ember.device import Device
 from ember.errors import index_out_of_bounds
 from ember.ir import Node, Op
 from ember.runtime.cuda import torch_device
+
+CARRIED = "_ember_index_checks"  # on a torch buffer: the (IndexFlags, check position) pairs its value depends on
 
 
 class IndexFlags:
@@ -34,59 +42,65 @@ class IndexFlags:
         self.host = torch.zeros((len(checks), 2), dtype=torch.int64, pin_memory=target.type == "cuda")
         self.words = self.host.numpy()
         self.slots = {id(check): self.flags[k] for k, check in enumerate(checks)}
+        self.every = frozenset((self, k) for k in range(len(checks)))
 
     def slot(self, check: Node) -> torch.Tensor:
         """The two words a kernel's `flag` parameter for `check` points at."""
         return self.slots[id(check)]
 
     def copy_out(self) -> None:
-        """Enqueue the copy to the host after the plan's launches, for the next host read to look at."""
+        """Enqueue the copy to the host after the plan's launches, for a later host read to look at."""
         self.host.copy_(self.flags, non_blocking=True)
-        self.copied()
 
-    def copied(self) -> None:
-        """The copy was enqueued (by a plan's run, or by a CUDA graph replaying it) in this thread."""
-        this_thread.copied[id(self)] = self
-
-    def found(self) -> IndexError | None:
-        """The error of the first check set, if any (all are cleared then); the copy has been made."""
-        hits = self.words[:, 0].tolist()  # a few words: quicker as Python ints than through NumPy's reductions
-        if not any(hits):
-            return None
-        k = next(k for k, hit in enumerate(hits) if hit)
+    def error(self, k: int) -> IndexError:
         a = self.checks[k].attrs
-        error = index_out_of_bounds(a["op_name"], int(self.words[k, 1]), a["dim"], a["size"])
-        self.flags.zero_()
-        self.words[:] = 0
-        return error
+        return index_out_of_bounds(a["op_name"], int(self.words[k, 1]), a["dim"], a["size"])
 
-
-class _ThisThread(threading.local):
-    def __init__(self) -> None:
-        self.copied: dict[int, IndexFlags] = {}  # flags copied since the thread's last look, by id
-
-
-this_thread = _ThisThread()
+    def clear(self, k: int) -> None:
+        self.flags[k].zero_()
+        self.words[k] = 0
 
 
 def flags_for(nodes: list[Node], device: Device) -> IndexFlags | None:
     """The flags of a plan whose lowered graph is `nodes`, run on `device`; None for a plan that checks no
-    index."""
+    index. A check's position is its place among the CHECK_INDEX nodes of `nodes`."""
     checks = [n for n in nodes if n.op is Op.CHECK_INDEX]
     return IndexFlags(checks, device) if checks else None
 
 
-def raise_found(device: Device) -> None:
-    """After a host read from `device`, which waited for the work queued before it: raise IndexError for an
-    index a plan run before the read found out of range."""
-    copied = this_thread.copied
-    if not copied:
+def carry(sources: list[tuple[tuple[int, ...], tuple[int, ...]]], flags: IndexFlags | None,
+          inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
+    """After a plan's run: each output carries the checks of `flags` it is computed from and those its inputs
+    carry (`sources`: the plan's lowered graph's)."""
+    carried = [getattr(b, CARRIED, None) for b in inputs]
+    if flags is None and not any(carried):
         return
-    error = None
-    for key, flags in list(copied.items()):
-        if flags.device == device:
-            del copied[key]
-            found = flags.found()  # each is looked at, and cleared
-            error = error or found
-    if error is not None:
-        raise error
+    for out, (read, checked) in zip(outputs, sources):
+        found = {(flags, k) for k in checked} if flags is not None else set()
+        for i in read:
+            if carried[i]:
+                found |= carried[i]
+        if found:
+            setattr(out, CARRIED, frozenset(found) | (getattr(out, CARRIED, None) or frozenset()))
+
+
+def depend_on(checks: frozenset, buffers: Iterable[torch.Tensor]) -> None:
+    """The buffers carry `checks` (a whole replayed step's, for what it writes), besides their own."""
+    if checks:
+        for b in buffers:
+            setattr(b, CARRIED, checks | (getattr(b, CARRIED, None) or frozenset()))
+
+
+def raise_found(buffer: torch.Tensor) -> None:
+    """After a host read of `buffer`, which waited for the work queued before it: raise IndexError for an index
+    out of range that its value depends on (clearing every such check)."""
+    carried = getattr(buffer, CARRIED, None)
+    if not carried:
+        return
+    fired = sorted(((flags, k) for flags, k in carried if flags.words[k, 0]), key=lambda c: (id(c[0]), c[1]))
+    if not fired:
+        return
+    error = fired[0][0].error(fired[0][1])
+    for flags, k in fired:
+        flags.clear(k)
+    raise error

@@ -109,6 +109,8 @@ def execute(plan: Plan, sig: Signature, device: Device, inputs: list[torch.Tenso
     except torch.cuda.OutOfMemoryError as error:
         raise OutOfMemoryError(f"out of GPU memory running a plan of {len(plan.kernels)} kernels on {device}: "
                                f"{cuda.free_text(target)} ({error})") from None
+    (checks,) = index_flags(steps) or (None,)
+    index_checks.carry(plan.lowered.sources, checks, inputs, result)
     return result
 
 
@@ -197,8 +199,8 @@ class CopyFlags:
 
 
 def index_flags(steps: list | None) -> list[index_checks.IndexFlags]:
-    """The flags a plan's prepared steps copy to the host (none, or one)."""
-    return [s.flags for s in steps or () if isinstance(s, CopyFlags)]
+    """The flags a plan's prepared steps copy to the host (none, or one: the last step)."""
+    return [steps[-1].flags] if steps and isinstance(steps[-1], CopyFlags) else []
 
 
 class _KernelStep:

@@ -362,3 +362,57 @@ def test_integer_results_do_not_require_grad():
     assert not x.argmax().requires_grad
     assert not (x > 0).requires_grad
     assert not x.long().requires_grad
+
+
+def test_a_backward_pass_of_a_structure_seen_before_is_built_from_its_template_without_the_vjp_rules(monkeypatch):
+    from ember import autograd
+
+    (x, w, b), (tx, tw, tb) = leaves((4, 3), (3, 3), (3,))
+    rules = []
+    vjp = autograd._vjp
+    monkeypatch.setattr(autograd, "_vjp", lambda fn, g: rules.append(fn.op) or vjp(fn, g))
+    for step in range(3):
+        rules.clear()
+        for p in (x, w, b):
+            p.grad = None
+        composed(ember, x, w, b).backward()
+        assert (len(rules) > 10) == (step == 0)  # the rules run once; later passes are built from the template
+        for t in (tx, tw, tb):
+            t.grad = None
+        composed(torch, tx, tw, tb).backward()
+        for e, t in ((x, tx), (w, tw), (b, tb)):
+            close(e.grad, t.grad)
+
+
+def test_a_template_is_kept_per_constant_value_shape_and_leaf_pattern():
+    """A rule may read a constant's value (an exponent) or the shapes; which inputs need gradients changes the
+    graph: each is a structure of its own, and each pass gets its own gradients."""
+    cases = [((3, 2), 0.3, True), ((3, 2), 0.7, True), ((3, 2), 0.7, False), ((5, 2), 0.7, True)]
+    for _ in range(2):
+        for shape, exponent, both in cases:
+            a, b = data(*shape), data(*shape)
+            x = ember.tensor(np.abs(a) + 0.5, requires_grad=True)
+            y = ember.tensor(b, requires_grad=both)
+            tx = torch.tensor(np.abs(a) + 0.5, requires_grad=True)
+            ty = torch.tensor(b, requires_grad=both)
+            (x ** exponent * y).sum().backward()
+            (tx ** exponent * ty).sum().backward()
+            close(x.grad, tx.grad)
+            assert (y.grad is None) == (not both)
+            if both:
+                close(y.grad, ty.grad)
+
+
+def test_gradients_built_from_a_template_accumulate_and_free_the_graph_as_the_rules_do():
+    (x, w, b), (tx, tw, tb) = leaves((4, 3), (3, 3), (3,))
+    for _ in range(3):  # the second and third passes come from the template, adding to .grad
+        loss = composed(ember, x, w, b)
+        loss.backward(retain_graph=True)
+        loss.backward()
+        with pytest.raises(RuntimeError, match="a second time"):
+            loss.backward()
+        tloss = composed(torch, tx, tw, tb)
+        tloss.backward(retain_graph=True)
+        tloss.backward()
+    for e, t in ((x, tx), (w, tw), (b, tb)):
+        close(e.grad, t.grad, rtol=1e-4)

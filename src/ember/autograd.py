@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from ember.errors import ShapeError
 from ember.ir import Node, Op
 from ember.ir.ops import NOT_DIFFERENTIABLE, RULES
+from ember.ir.template import Template, recording, template
 from ember.runtime.executor import realize_with_next
 
 _state = threading.local()
@@ -157,38 +158,56 @@ def _root_gradient(tensor, gradient):
 
 
 def _run(roots, retain_graph: bool, targets: dict[int, int] | None) -> dict[int, object]:
-    from ember.tensor import Tensor  # ember.tensor imports this module before it defines Tensor
-
+    """Backpropagate from the roots: into `.grad` of the leaves when `targets` is None, else into the slots
+    `targets` gives for leaf Tensors and Functions (by id), returned by slot."""
+    functions = _reachable(roots)
+    if targets is None:
+        if all(t._grad_fn is not None for t, _ in roots):
+            leaves = _backward_by_structure(roots, functions, retain_graph)
+        else:
+            leaves, _ = _walk(roots, functions, retain_graph, False)
+        for t, g in leaves.values():
+            t.grad = g if t.grad is None else t.grad + g
+        return {}
+    leaves, reached = _walk(roots, functions, retain_graph, True)
     found: dict[int, object] = {}
+    for key, g in [*((key, g) for key, (_, g) in leaves.items()), *reached.items()]:
+        slot = targets.get(key)
+        if slot is not None:
+            found[slot] = g if slot not in found else found[slot] + g
+    return found
 
-    def deliver(dest, g) -> None:
-        if targets is not None:
-            slot = targets.get(id(dest))
-            if slot is not None:
-                found[slot] = g if slot not in found else found[slot] + g
-            if isinstance(dest, Tensor):
-                return
-        if isinstance(dest, Tensor):
-            dest.grad = g if dest.grad is None else dest.grad + g
 
-    # count, for every Function reachable from the roots, how many gradients it waits for
-    waiting: dict[int, int] = {}
-    functions: dict[int, Function] = {}
+def _reachable(roots) -> dict[int, Function]:
+    """Every Function the roots' gradients pass through, by id, in the order a walk from the roots finds them."""
     stack = [t._grad_fn for t, _ in roots if t._grad_fn is not None]
-    for fn in stack:
-        functions[id(fn)] = fn
+    functions = {id(fn): fn for fn in stack}
     while stack:
         fn = stack.pop()
         if fn.inputs is None:
             raise RuntimeError("backward() through a graph a second time: its saved values were freed; "
                                "pass retain_graph=True to the first backward()")
         for nxt in fn.next:
+            if isinstance(nxt, Function) and id(nxt) not in functions:
+                functions[id(nxt)] = nxt
+                stack.append(nxt)
+    return functions
+
+
+def _walk(roots, functions: dict[int, Function], retain_graph: bool, at_functions: bool) -> tuple[dict, dict]:
+    """Apply the VJP rules from the roots down. Returns the gradients arriving at leaf Tensors, summed, as
+    {id: (Tensor, gradient)}, and (if `at_functions`) those arriving at Functions, {id: gradient}."""
+    leaves: dict[int, tuple] = {}
+    reached: dict[int, object] = {}
+
+    def deliver(t, g) -> None:
+        leaves[id(t)] = (t, g) if id(t) not in leaves else (t, leaves[id(t)][1] + g)
+
+    waiting: dict[int, int] = {}  # for every Function, how many gradients it waits for
+    for fn in functions.values():
+        for nxt in fn.next:
             if isinstance(nxt, Function):
                 waiting[id(nxt)] = waiting.get(id(nxt), 0) + 1
-                if id(nxt) not in functions:
-                    functions[id(nxt)] = nxt
-                    stack.append(nxt)
-
     grads: dict[int, object] = {}
     ready: list[Function] = []
     with no_grad():
@@ -203,8 +222,8 @@ def _run(roots, retain_graph: bool, targets: dict[int, int] | None) -> dict[int,
         while ready:
             fn = ready.pop()
             g = grads.pop(id(fn), None)
-            if g is not None and targets is not None and id(fn) in targets:
-                deliver(fn, g)
+            if g is not None and at_functions:
+                reached[id(fn)] = g
             input_grads = _vjp(fn, g) if g is not None else (None,) * len(fn.next)
             for nxt, gi, node in zip(fn.next, input_grads, fn.inputs):
                 if nxt is None:
@@ -224,7 +243,86 @@ def _run(roots, retain_graph: bool, targets: dict[int, int] | None) -> dict[int,
                     deliver(nxt, gi)
             if not retain_graph:
                 fn.release()
-    return found
+    return leaves, reached
+
+
+# A backward pass's structure (see _structure) -> its template and the positions of the leaves it gives
+# gradients to; None where its graph cannot be a template. The oldest is dropped beyond TEMPLATES_KEPT.
+_templates: dict[tuple, tuple[Template, list[int]] | None] = {}
+TEMPLATES_KEPT = 64
+
+
+def _backward_by_structure(roots, functions: dict[int, Function], retain_graph: bool) -> dict[int, tuple]:
+    """`_walk`'s gradients at the leaves, built from the template of the first backward pass of this structure
+    where there is one: a training step's backward is the same graph step after step, and building it again
+    node for node from the template skips the VJP rules' Python (dispatch, promotion, shape rules)."""
+    from ember.tensor import Tensor  # ember.tensor imports this module before it defines Tensor
+
+    key, inputs, leaves = _structure(roots, functions)
+    recorded = _templates.get(key, False) if key is not None else None
+    if recorded is False:
+        with recording() as made:
+            arrived, _ = _walk(roots, functions, retain_graph, False)
+        given = [p for p, t in enumerate(leaves) if id(t) in arrived]
+        built = template(inputs, [arrived[id(leaves[p])][1]._node for p in given], made)
+        if len(_templates) >= TEMPLATES_KEPT:
+            del _templates[next(iter(_templates))]
+        _templates[key] = (built, given) if built is not None else None
+        return arrived
+    if recorded is None:
+        return _walk(roots, functions, retain_graph, False)[0]
+    built, given = recorded
+    if not retain_graph:
+        for fn in functions.values():
+            fn.release()
+    return {id(leaves[p]): (leaves[p], Tensor(node)) for p, node in zip(given, built.build(inputs))}
+
+
+def _structure(roots, functions: dict[int, Function]) -> tuple[tuple | None, list[Node], list]:
+    """What a backward pass's graph depends on, as a key: per Function its op, attributes, the positions of its
+    input and output nodes among `inputs` and where its gradients go (a Function's position, or a leaf's);
+    the roots; every node's op, shape, dtype and device (a constant's value too: a rule may read it), and the
+    autocast mode the rules run in. Also the nodes (`inputs`, each once) and the leaf Tensors, in that order.
+    The key is None when an attribute cannot be hashed."""
+    from ember import amp  # ember.amp imports ember.tensor, which imports this module
+
+    position = {key: k for k, key in enumerate(functions)}
+    where: dict[int, int] = {}
+    inputs: list[Node] = []
+    leaves: list = []
+    leaf_at: dict[int, int] = {}
+
+    def ref(node: Node) -> int:
+        k = where.get(id(node))
+        if k is None:
+            k = where[id(node)] = len(inputs)
+            inputs.append(node)
+        return k
+
+    def goes(t) -> int | None:
+        if t is None:
+            return None
+        if isinstance(t, Function):
+            return position[id(t)]
+        k = leaf_at.get(id(t))
+        if k is None:
+            k = leaf_at[id(t)] = len(leaves)
+            leaves.append(t)
+        return -1 - k
+
+    parts: list = [amp._mode()]
+    for fn in functions.values():
+        parts.append((fn.op, tuple(fn.attrs.items()), tuple(ref(n) for n in fn.inputs), ref(fn.output),
+                      tuple(goes(t) for t in fn.next)))
+    parts.append(tuple((position[id(t._grad_fn)], ref(g._node)) for t, g in roots))
+    parts.append(tuple((n.op, n.shape, n.dtype, n.device, tuple(n.attrs.items()) if n.op is Op.CONST else None)
+                       for n in inputs))
+    key = tuple(parts)
+    try:
+        hash(key)
+    except TypeError:
+        return None, inputs, leaves
+    return key, inputs, leaves
 
 
 def differentiable(op: Op) -> bool:

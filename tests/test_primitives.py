@@ -17,7 +17,11 @@ POINTWISE = [op for op in Op if op.kind in (Kind.UNARY, Kind.BINARY, Kind.TERNAR
 REDUCTIONS = [op for op in Op if op.kind is Kind.REDUCE]
 
 
-@pytest.mark.parametrize("op", list(Op), ids=lambda op: op.label)
+PRIMITIVES = [op for op in Op if op.kind is not Kind.COMPOSITE]
+COMPOSITES = [op for op in Op if op.kind is Kind.COMPOSITE]
+
+
+@pytest.mark.parametrize("op", PRIMITIVES, ids=lambda op: op.label)
 def test_every_primitive_declares_its_shape_vjp_and_reference_rules(op):
     rules = RULES[op]
     assert callable(rules.shape), f"{op}: no shape rule"
@@ -25,7 +29,14 @@ def test_every_primitive_declares_its_shape_vjp_and_reference_rules(op):
     assert callable(rules.reference), f"{op}: no reference implementation"
 
 
-@pytest.mark.parametrize("op", list(Op), ids=lambda op: op.label)
+@pytest.mark.parametrize("op", COMPOSITES, ids=lambda op: op.label)
+def test_every_composite_declares_its_shape_rule_vjp_and_expansion_and_nothing_a_primitive_has(op):
+    rules = RULES[op]
+    assert callable(rules.shape) and callable(rules.vjp) and callable(rules.expand), f"{op}: a rule is missing"
+    assert rules.reference is None and not rules.lowerings, f"{op}: the compiler expands it before it runs"
+
+
+@pytest.mark.parametrize("op", PRIMITIVES, ids=lambda op: op.label)
 def test_every_primitive_has_a_lowering_for_every_target(op):
     """A pointwise primitive declares its expression per code generator and is rendered from the kernel IR
     as a Prim, unless the lowering computes it itself (an index check, which also records what it finds);

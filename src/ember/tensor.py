@@ -16,6 +16,7 @@ from ember.device import Device, as_device, check_memory_format
 from ember.dtypes import DType
 from ember.errors import describe, not_a_tensor
 from ember.ir import Node, Op
+from ember.ir.ops import define_composite
 from ember.runtime import executor
 from ember.runtime.executor import realize as _realize_nodes
 from ember.runtime.executor import to_host
@@ -397,6 +398,25 @@ def apply(op: Op, *inputs: Tensor, **attrs) -> Tensor:
             and any(t.requires_grad for t in inputs)):
         return Tensor(node, True, autograd.Function(op, attrs, inputs, node))
     return Tensor(node)
+
+
+def composite(op: Op, shape, decomposition) -> None:
+    """Declare composite `op` (see ember.ir.ops): `decomposition(*inputs, **attrs)` computes it from Tensors
+    with primitives. The compiler expands a node of it with that function; its gradient is that of the
+    decomposition, derived from the VJP rules of the primitives it is made of."""
+    def expand(inputs: tuple[Node, ...], attrs: dict) -> Node:
+        with autograd.no_grad():
+            return decomposition(*(Tensor(n) for n in inputs), **attrs)._node
+
+    def vjp(g: Tensor, xs: list[Tensor], out: Tensor, attrs: dict) -> tuple:
+        inputs = [x.detach().requires_grad_(x.dtype.is_floating_point) for x in xs]
+        with autograd.enable_grad():
+            value = decomposition(*inputs, **attrs)
+        wanted = [x for x in inputs if x.requires_grad]
+        grads = iter(autograd.grad(value, wanted, g, allow_unused=True) if wanted else ())
+        return tuple(next(grads) if x.requires_grad else None for x in inputs)
+
+    define_composite(op, shape=shape, vjp=vjp, expand=expand)
 
 
 def leaf(op: Op, device: Device, **attrs) -> Tensor:

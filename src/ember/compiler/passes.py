@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ember import dtypes
+from ember.errors import CompileError
 from ember.ir import Kind, Node, Op, toposort
 from ember.ir.node import is_runtime_scalar, static_key
 from ember.ir.ops import RULES
@@ -110,6 +111,38 @@ class Lowered:
             masks[id(n)] = (read, checked)
         return [tuple(tuple(k for k in range(m.bit_length()) if m >> k & 1) for m in masks[id(o)])
                 for o in self.outputs]
+
+
+def expand_composites(order: list[Node], keep: set[int]) -> tuple[list[Node], set[int], dict[int, Node]]:
+    """The graph with every composite node replaced by its primitives (ember.ir.ops.define_composite), the nodes
+    after it made again on them: (order, keep, {id of a kept node: the node that computes it now}). Each node
+    keeps its place in `order`, so the kept values come out in the same order. The graph itself is unchanged;
+    the caller's `order`, `keep` and an empty dict when it has no composite."""
+    if not any(n.op.kind is Kind.COMPOSITE for n in order):
+        return order, keep, {}
+    now: dict[int, Node] = {}
+    expanded: list[Node] = []
+    placed: set[int] = set()
+    leaves = {id(i) for n in order for i in n.inputs if i.realized}
+    for node in order:
+        ins = tuple(now.get(id(i), i) for i in node.inputs)
+        if node.op.kind is Kind.COMPOSITE:
+            new = RULES[node.op].expand(ins, node.attrs)
+            made = toposort([new], placed)
+            added = [n for n in made if n.op is Op.RAND or is_runtime_scalar(n)]
+            added += [i for n in made for i in n.inputs if i.realized and id(i) not in leaves]
+            if added:  # the plan's arguments are the graph's (its signature): an expansion may not add one
+                raise CompileError(f"{node.op.label}: its expansion makes a {added[0].op.label} node, which would "
+                                   "be an argument of the plan")
+        else:
+            new = node if all(a is b for a, b in zip(ins, node.inputs)) else \
+                Node(node.op, ins, node.attrs, node.shape, node.dtype, node.device, static=node.static)
+            made = [new]
+        expanded += made
+        placed.update(map(id, made))
+        now[id(node)] = new
+    kept = {id(n): now[id(n)] for n in order if id(n) in keep}
+    return expanded, {id(n) for n in kept.values()}, kept
 
 
 def lower(order: list[Node], keep: set[int], sig: Signature, channels_last: bool = False,

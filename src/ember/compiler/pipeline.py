@@ -66,11 +66,13 @@ def compile(order: list[Node], keep: set[int], target: str, context: CompileCont
     if target not in TARGETS:
         raise ValueError(f"compile: unknown target {target!r}; expected one of {', '.join(TARGETS)}")
     chosen = TARGETS[target]
-    if chosen.costs is None:
+    if chosen.costs is None:  # the reference backend evaluates a composite node by its expansion
         return Plan(target, nodes=order, keep=keep)
     start = time.perf_counter()
+    sig = signature or passes.signature(order, keep)  # of the graph as built: the plan's key and arguments
+    order, keep, _ = passes.expand_composites(order, keep)
     splitting = context.split_k and context.gemm_backend != "cublas"  # generated GEMMs that split a long K
-    lowered = passes.lower(order, keep, signature or passes.signature(order, keep),
+    lowered = passes.lower(order, keep, sig,
                            channels_last=context.conv_memory_format == "channels_last",
                            multiprocessors=context.multiprocessors if splitting else 0)
     kernels, stored = fusion.plan(lowered.nodes, lowered.outputs, context, chosen.costs)

@@ -125,11 +125,12 @@ def static_key(node: Node) -> tuple:
     return (op, node.shape, node.dtype, own)
 
 
-def toposort(roots: Iterable[Node]) -> list[Node]:
-    """Unrealized nodes needed for `roots`, inputs before users (iterative: graphs get deep)."""
+def toposort(roots: Iterable[Node], placed: set[int] | None = None) -> list[Node]:
+    """Unrealized nodes needed for `roots`, inputs before users (iterative: graphs get deep); nodes whose ids
+    are in `placed` (already ordered by the caller) and what they need are left out."""
     order: list[Node] = []
     append = order.append
-    seen: set[int] = set()
+    seen: set[int] = set(placed) if placed else set()
     see = seen.add
     for root in roots:
         if root.buffer is not None or id(root) in seen:

@@ -15,6 +15,10 @@ one `define` per primitive in the op-family module (`ember/ops/pointwise.py`, `r
 `contraction.py`, `index.py`, `creation.py`, `random.py`, and `ember/placement.py` for COPY), which fill
 the table when ember is imported, as JAX's lax.py registers each primitive's rules.
 tests/test_primitives.py checks that every primitive declares every rule.
+
+A composite op (Kind.COMPOSITE: linear) is one node where a user calls one function, so a step's graph is
+built, keyed and looked up with fewer nodes; it declares a shape rule, a VJP and its expansion into
+primitives (`define_composite`), and the compiler expands it before anything else sees the graph.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ class Kind(enum.Enum):
     CONTRACTION = "contraction"
     INDEX = "index"
     DEVICE = "device"
+    COMPOSITE = "composite"  # a user-level op that the compiler expands into primitives (see `composite`)
 
 
 class Op(enum.Enum):
@@ -112,6 +117,8 @@ class Op(enum.Enum):
     CHECK_INDEX = ("check_index", Kind.UNARY)
     # transfers
     COPY = ("copy", Kind.DEVICE)
+    # composites: one node while the graph is built and looked up, primitives from compilation on
+    LINEAR = ("linear", Kind.COMPOSITE)  # x @ weight.T (+ bias), as torch.nn.functional.linear
 
     def __init__(self, label: str, kind: Kind):
         self.label = label
@@ -150,6 +157,7 @@ class Rules:
     reference: Callable | None = None
     lowerings: dict[str, Callable] = field(default_factory=dict)  # target -> lowering
     identity: Callable[[DType], bool | int | float] | None = None  # a reduction's neutral element, per dtype
+    expand: Callable | None = None  # a composite's (input nodes, attrs) -> its value, made of primitives
 
 
 RULES: dict[Op, Rules] = {op: Rules() for op in Op}
@@ -162,6 +170,13 @@ def define(op: Op, *, shape: Callable, vjp: Callable | str, reference: Callable,
     unknown = set(lowerings) - set(TARGETS)
     assert not unknown, f"{op}: lowerings for unknown targets {unknown}"
     RULES[op] = Rules(shape, vjp, reference, dict(lowerings), identity)
+
+
+def define_composite(op: Op, *, shape: Callable, vjp: Callable, expand: Callable) -> None:
+    """Declare a composite op: a shape rule (cheap: the node is made at every call), a VJP and its expansion
+    into primitives, which the compiler applies once per plan (and the reference backend where it runs it)."""
+    assert op.kind is Kind.COMPOSITE and RULES[op].shape is None, f"{op} is declared twice, or is a primitive"
+    RULES[op] = Rules(shape, vjp, expand=expand)
 
 
 # -- shape and dtype rules shared by the pointwise primitives ------------------------------------

@@ -12,7 +12,7 @@ from ember.ir import Op
 from ember.ir.ops import check_shape, define
 from ember.ops.movement import expand, pad, reshape, squeeze, unsqueeze
 from ember.ops.pointwise import _check_devices, broadcast_shapes
-from ember.tensor import Tensor, apply, expect_tensors
+from ember.tensor import Tensor, apply, composite, expect_tensors
 
 
 def _check_operands(op: str, a: Tensor, b: Tensor) -> None:
@@ -95,8 +95,23 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if x.ndim == 0 or x.shape[-1] != weight.shape[-1]:
         raise ShapeError(f"linear: input of shape {x.shape} does not fit weight of shape {weight.shape} "
                          f"(in_features {weight.shape[-1]})")
-    out = matmul(x, weight.mT if weight.ndim == 2 else weight)
+    if (weight.ndim == 2 and x.dtype is weight.dtype and x.dtype.is_floating_point
+            and (bias is None or bias.dtype is x.dtype and bias.shape == weight.shape[:1])):
+        return apply(Op.LINEAR, x, weight, *(() if bias is None else (bias,)))  # one node until it is compiled
+    return _linear(x, weight, bias)
+
+
+def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """linear in primitives (without autocast's casts: its operands have been cast)."""
+    out = matmul.__wrapped__(x, weight.mT if weight.ndim == 2 else weight)
     return out + bias if bias is not None else out
+
+
+def _linear_rule(inputs, attrs):
+    x, weight = inputs[:2]
+    check_shape(x.dtype is weight.dtype and x.shape[-1] == weight.shape[1], Op.LINEAR,
+                f"input {x.shape} {x.dtype.name} does not fit weight {weight.shape} {weight.dtype.name}")
+    return x.shape[:-1] + weight.shape[:1], x.dtype
 
 
 def _pair(op: str, name: str, v) -> tuple[int, int]:
@@ -370,6 +385,7 @@ def _laid_out(fn, activations: tuple[bool, bool], activation_out: bool):
 
 
 define(Op.MATMUL, shape=_matmul_rule, vjp=_matmul_vjp, reference=np.matmul)
+composite(Op.LINEAR, _linear_rule, _linear)
 define(Op.CONV2D, shape=_conv2d_rule, vjp=_conv2d_vjp, reference=_laid_out(_np_conv2d, (True, False), True))
 define(Op.CONV2D_INPUT_GRAD, shape=_conv2d_input_grad_rule, vjp=_conv2d_input_grad_vjp,
        reference=_laid_out(_np_conv2d_input_grad, (True, False), True))

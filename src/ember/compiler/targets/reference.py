@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ember import dtypes
-from ember.ir import Kind, Node
+from ember.ir import Kind, Node, toposort
 from ember.ir.ops import RULES
 
 
@@ -26,10 +26,19 @@ def evaluate(node: Node, args: list[np.ndarray]) -> np.ndarray:
     """The value of one node, given the values of its inputs: the primitive's reference rule (declared
     with its other rules, see `ir.ops.RULES`), computed in float32 for half types and rounded to the
     node's dtype. Movement and transfers compute nothing, so they see their input as stored."""
+    if node.op.kind is Kind.COMPOSITE:
+        return _expanded(node, args)
     rule = RULES[node.op].reference
     if node.op.kind in (Kind.MOVEMENT, Kind.DEVICE):
         return rule(*args, **node.attrs)
     return np.asarray(rule(*(_widen(a) for a in args), **node.attrs)).astype(node.dtype.np, copy=False)
+
+
+def _expanded(node: Node, args: list[np.ndarray]) -> np.ndarray:
+    """A composite node's value: its expansion into primitives (see ember.ir.ops), evaluated on its inputs."""
+    inputs = tuple(Node.from_buffer(a, i.dtype, i.device) for a, i in zip(args, node.inputs))
+    out = RULES[node.op].expand(inputs, node.attrs)
+    return out.buffer if out.realized else run(toposort([out]), {id(out)})[id(out)]
 
 
 def run(order: list[Node], keep: set[int]) -> dict[int, np.ndarray]:

@@ -1,0 +1,97 @@
+"""Composite ops (ember.ir.ops.define_composite): one node while a step's graph is built and looked up, the same
+primitives as the op spelled out once compiled, and the same values and gradients as torch, on both backends."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import ember
+import ember.nn.functional as F
+from ember.compiler import CompileContext, passes
+from ember.explain import plan
+from ember.ir import Op, toposort
+
+pytestmark = pytest.mark.usefixtures("device")
+
+RNG = np.random.default_rng(7)
+TOL = {"float32": (1e-5, 1e-5), "float16": (2e-3, 2e-3), "bfloat16": (2e-2, 2e-2)}
+
+
+def pair(shape, dtype, grad=True):
+    values = RNG.standard_normal(shape).astype(np.float32)
+    e = ember.tensor(values).to(getattr(ember, dtype)).requires_grad_(grad)
+    t = torch.tensor(values).to(getattr(torch, dtype)).requires_grad_(grad)
+    return e, t
+
+
+def close(e, t, dtype):
+    rtol, atol = TOL[dtype]
+    scale = max(1.0, float(t.detach().float().abs().max())) if t.numel() else 1.0
+    np.testing.assert_allclose(e.float().numpy(), t.detach().float().numpy(), rtol=rtol, atol=atol * scale)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize(("x_shape", "out_features", "bias"), [
+    ((5, 7), 3, True), ((2, 4, 7), 3, False), ((7,), 1, True), ((0, 7), 3, True), ((5, 0), 3, True),
+    ((5, 7), 0, True), ((1, 1), 1, True)])
+def test_linear_is_one_node_until_compiled_and_matches_torch_forward_and_backward(x_shape, out_features, bias, dtype):
+    (x, tx), (w, tw) = pair(x_shape, dtype), pair((out_features, x_shape[-1]), dtype)
+    b, tb = pair((out_features,), dtype) if bias else (None, None)
+    for _ in range(2):  # the second backward comes from its template
+        for t in (x, w, b, tx, tw, tb):
+            if t is not None:
+                t.grad = None
+        out = F.linear(x, w, b)
+        assert out._node.op is Op.LINEAR
+        expected = torch.nn.functional.linear(tx, tw, tb)
+        close(out, expected, dtype)
+        (out.float() * 1.7).sum().backward()
+        (expected.float() * 1.7).sum().backward()
+        for e, t in ((x, tx), (w, tw), (b, tb)):
+            if e is not None:
+                close(e.grad, t.grad, dtype)
+
+
+def test_linear_plans_as_the_primitives_it_is_made_of():
+    x, _ = pair((33, 20), "float32", grad=False)
+    w, _ = pair((12, 20), "float32", grad=False)
+    b, _ = pair((12,), "float32", grad=False)
+    composite = F.linear(x, w, b).relu()
+    spelled_out = (x @ w.mT + b).relu()
+    assert len(toposort([composite._node])) < len(toposort([spelled_out._node]))
+    expanded, _, _ = passes.expand_composites(toposort([composite._node]), {id(composite._node)})
+    assert [n.op for n in expanded] == [n.op for n in toposort([spelled_out._node])]
+    assert [k.kind for k in plan(composite).kernels] == [k.kind for k in plan(spelled_out).kernels]
+    np.testing.assert_array_equal(composite.numpy(), spelled_out.numpy())
+
+
+def test_linear_operands_that_need_promotion_or_a_vector_weight_take_the_primitives_and_match_torch():
+    x, tx = pair((4, 6), "float16")
+    w, tw = pair((3, 6), "float16")
+    b, tb = pair((3,), "float32")  # promotes the result to float32, as in torch
+    out = F.linear(x, w, b)
+    assert out._node.op is not Op.LINEAR and out.dtype is ember.float32
+    close(out, torch.nn.functional.linear(tx.float(), tw.float(), tb), "float16")
+    v, tv = pair((6,), "float32")
+    x32, tx32 = pair((4, 6), "float32")
+    close(F.linear(x32, v), torch.nn.functional.linear(tx32, tv), "float32")
+
+
+@pytest.mark.parametrize(("made", "op"), [(lambda x: x * 0.3, "const"),
+                                          (lambda x: x + ember.tensor(np.ones(x.shape, np.float32)), "buffer"),
+                                          (lambda x: x + ember.rand(*x.shape), "rand")])
+def test_an_expansion_that_would_add_an_argument_to_the_plan_is_a_compile_error(monkeypatch, made, op):
+    """A runtime scalar, a buffer or a random draw made by an expansion would be an argument the graph's
+    signature does not have (the plan is looked up by the graph as built)."""
+    from ember.errors import CompileError
+    from ember.ir.ops import RULES
+    from ember.tensor import Tensor
+
+    x, _ = pair((2, 3), "float32", grad=False)
+    w, _ = pair((3, 3), "float32", grad=False)
+    out = F.linear(x, w)
+    monkeypatch.setattr(RULES[Op.LINEAR], "expand", lambda inputs, attrs: made(Tensor(inputs[0]))._node)
+    with pytest.raises(CompileError, match=f"linear: its expansion makes a {op} node"):
+        ember.compiler.compile(toposort([out._node]), {id(out._node)}, "triton", CompileContext())

@@ -93,7 +93,8 @@ def main() -> None:
     finally:
         optimizer_module.realize = realize
     build = [sum(p[k] for p in list(parts.values())[:4]) for k in range(args.steps)]
-    rows = [("PyTorch eager, whole step", median_us(torch_step)), ("ember: building the step's graph", median_us(build))]
+    rows = [("PyTorch eager, whole step", median_us(torch_step)),
+            ("ember: building the step's graph", median_us(build))]
     rows += [(f"  {name}", median_us(v)) for name, v in parts.items()]
     ratio = median_us(build) / median_us(torch_step)
     lines = [f"## host_build: {datetime.date.today()}, {platform.processor() or platform.machine()}, "

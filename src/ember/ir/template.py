@@ -13,6 +13,7 @@ pending (not realized while it ran), and not random (a random node draws a new o
 
 from __future__ import annotations
 
+import operator
 import threading
 
 from ember.ir import node as _graph
@@ -24,15 +25,16 @@ class Template:
     __slots__ = ("steps", "outputs")
 
     def __init__(self, steps: list[tuple], outputs: list[int]):
-        self.steps = steps  # (op, input indices, attrs, shape, dtype, device, static key)
+        # (op, a function of the made nodes giving the node's inputs, attrs, shape, dtype, device, static key)
+        self.steps = steps
         self.outputs = outputs  # indices into inputs + built nodes
 
     def build(self, inputs: list[Node]) -> list[Node]:
         """The recorded nodes made again on `inputs` (of the recorded shapes, dtypes and devices)."""
         made = list(inputs)
         append = made.append
-        for op, refs, attrs, shape, dtype, device, static in self.steps:
-            append(Node(op, tuple([made[r] for r in refs]), attrs, shape, dtype, device, None, static))
+        for op, pick, attrs, shape, dtype, device, static in self.steps:
+            append(Node(op, pick(made), attrs, shape, dtype, device, None, static))
         return [made[i] for i in self.outputs]
 
     def __len__(self) -> int:
@@ -86,6 +88,16 @@ def template(inputs: list[Node], outputs: list[Node], made: list[Node]) -> Templ
     for n in made:  # in the order they were made: inputs before users
         if id(n) in needed:
             index[id(n)] = len(inputs) + len(steps)
-            steps.append((n.op, tuple(index[id(i)] for i in n.inputs), n.attrs, n.shape, n.dtype, n.device,
-                          static_key(n)))
+            steps.append((n.op, _picker(tuple(index[id(i)] for i in n.inputs)), n.attrs, n.shape, n.dtype,
+                          n.device, static_key(n)))
     return Template(steps, [index[id(o)] for o in outputs])
+
+
+def _picker(refs: tuple[int, ...]):
+    """A function of the nodes made so far that gives the inputs at `refs`, as a tuple (itemgetter: C speed)."""
+    if len(refs) >= 2:
+        return operator.itemgetter(*refs)
+    if len(refs) == 1:
+        (only,) = refs
+        return lambda made: (made[only],)
+    return lambda made: ()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import multiprocessing
 import os
+import sys
 import threading
 
 import numpy as np
@@ -241,3 +242,23 @@ def test_cache_files_are_readable_by_other_users_as_open_would_make_them(tmp_pat
     finally:
         os.umask(mask)
     assert (tmp_path / "entry.py").stat().st_mode & 0o777 == 0o644
+
+
+@pytest.mark.parametrize("kept", [1, 2])
+def test_threads_recording_backward_templates_into_a_full_table_train_as_alone(monkeypatch, kept):
+    """Every new structure of a backward pass drops the oldest template (a table of one or two): threads doing it
+    at once each keep training as alone."""
+    from ember import autograd
+
+    monkeypatch.setattr(autograd, "_templates", {})
+    monkeypatch.setattr(autograd, "TEMPLATES_KEPT", kept)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch between almost any two bytecodes
+    try:
+        for _ in range(3):
+            barrier = threading.Barrier(4)
+            seeds = [1, 2, 3, 4]
+            together = in_threads(*((train, seed, "cpu", STEPS, barrier) for seed in seeds))
+            assert_trained_as_alone(seeds, "cpu", together)
+    finally:
+        sys.setswitchinterval(interval)

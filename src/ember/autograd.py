@@ -249,6 +249,7 @@ def _walk(roots, functions: dict[int, Function], retain_graph: bool, at_function
 # A backward pass's structure (see _structure) -> its template and the positions of the leaves it gives
 # gradients to; None where its graph cannot be a template. The oldest is dropped beyond TEMPLATES_KEPT.
 _templates: dict[tuple, tuple[Template, list[int]] | None] = {}
+_templates_lock = threading.Lock()
 TEMPLATES_KEPT = 64
 
 
@@ -265,9 +266,10 @@ def _backward_by_structure(roots, functions: dict[int, Function], retain_graph: 
             arrived, _ = _walk(roots, functions, retain_graph, False)
         given = [p for p, t in enumerate(leaves) if id(t) in arrived]
         built = template(inputs, [arrived[id(leaves[p])][1]._node for p in given], made)
-        if len(_templates) >= TEMPLATES_KEPT:
-            del _templates[next(iter(_templates))]
-        _templates[key] = (built, given) if built is not None else None
+        with _templates_lock:  # threads record and drop templates at once
+            while len(_templates) >= TEMPLATES_KEPT:
+                del _templates[next(iter(_templates))]
+            _templates[key] = (built, given) if built is not None else None
         return arrived
     if recorded is None:
         return _walk(roots, functions, retain_graph, False)[0]

@@ -54,7 +54,7 @@ arenas of its own):
   copied into buffers of the program's own;
 - a state Tensor (a parameter, a moment estimate) lives in one buffer that the replay
   reads and overwrites in place — directly from the kernel that computes the new value
-  when that is safe (`writes_in_place`), else through a copy at the end of the plan;
+  when that is safe (`Plan.writes_in_place`), else through a copy at the end of the plan;
 - everything else the step reads is a constant; gradients land in the same buffers each
   time, returned values in one of two sets of buffers (the one no returned Tensor shows).
 """
@@ -70,8 +70,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ember import nested
-from ember.compiler import KernelKind, Signature
-from ember.ir import Kind, Node, Op
+from ember.compiler import Signature
+from ember.ir import Node, Op
 from ember.nn import module as nn_module
 from ember.ops.random import take_offsets
 from ember.runtime import executor
@@ -459,7 +459,7 @@ class _Program:
             passthrough = any(buffer is b for b in r.inputs)  # an output that is an input (x * 1): not written
             if id(node) in finals:
                 source = reads_state.get(id(buffer))
-                in_place = True if source is None else writes_in_place(r.plan, source, j)
+                in_place = True if source is None else r.plan.writes_in_place(source, j)
                 if in_place is False:  # through a buffer of its own, copied over the state after the plan
                     copies.append((buffer, graphs.torch.empty_like(buffer)))
                     buffer = copies[-1][1]
@@ -697,48 +697,3 @@ def _addresses(buffers: list) -> tuple[int, ...]:
 # references to a result buffer held by the program (its set's list) and by the check (getrefcount's argument);
 # more means something else shows the buffer
 _RESULT_REFERENCES = 2
-
-
-# -- in-place writes ---------------------------------------------------------------------------
-
-def writes_in_place(plan, input_index: int, output_index: int) -> bool | None:
-    """Whether the plan can write output `output_index` into the buffer of input `input_index`:
-    None when the output is that input itself (nothing to write), True when the kernel computing it
-    is the last to read the input and reads it element for element where it writes."""
-    source = plan.lowered.inputs[input_index]
-    result = plan.lowered.outputs[output_index]
-    if result is source:
-        return None
-    kernels = [ck.kernel for ck in plan.kernels]
-    writer = next((i for i, k in enumerate(kernels) if result in k.outputs), None)
-    if writer is None or result.shape != source.shape or result.dtype is not source.dtype:
-        return False
-    group_start = next((a for a, b in plan.schedule.groups if a <= writer < b), writer)
-    for i, k in enumerate(kernels):
-        if i != writer and source in k.reads and i >= group_start:
-            return False
-    kernel = kernels[writer]
-    if source not in kernel.reads:
-        return True
-    # the part writing it: a segment of a segmented launch, or a gradient an MLP kernel sums (its finishing launch
-    # runs after the layers', so only the finishing use counts); no other part may read the source
-    parts = kernel.segments + kernel.absorbed + kernel.summed
-    part = next((s for s in parts if result in s.outputs), kernel)
-    if any(source in s.reads for s in parts if s is not part):
-        return False
-    # a GEMM's epilogue (an optimizer update fused after a weight gradient) reads element for element too;
-    # a value read by its mainloop is used at other positions, which _elementwise_use rejects
-    elementwise_kernel = part.kind is KernelKind.POINTWISE and not part.reductions or part.core is not None
-    return elementwise_kernel and _elementwise_use(part, source)
-
-
-def _elementwise_use(kernel, source: Node) -> bool:
-    """Every value of the kernel derived from `source` is computed element for element (no view,
-    broadcast or gather moves an element of `source` to another position)."""
-    derived = {id(source)}
-    for n in kernel.covers:
-        if any(id(i) in derived for i in n.inputs):
-            if n.op.kind not in (Kind.UNARY, Kind.BINARY, Kind.TERNARY) or n.shape != source.shape:
-                return False
-            derived.add(id(n))
-    return True

@@ -113,13 +113,13 @@ class Lowered:
                 for o in self.outputs]
 
 
-def expand_composites(order: list[Node], keep: set[int]) -> tuple[list[Node], set[int], dict[int, Node]]:
+def expand_composites(order: list[Node], keep: set[int]) -> tuple[list[Node], set[int]]:
     """The graph with every composite node replaced by its primitives (ember.ir.ops.define_composite), the nodes
-    after it made again on them: (order, keep, {id of a kept node: the node that computes it now}). Each node
-    keeps its place in `order`, so the kept values come out in the same order. The graph itself is unchanged;
-    the caller's `order`, `keep` and an empty dict when it has no composite."""
+    after it made again on them, as (order, keep). Each node keeps its place in `order`, so the kept values come
+    out in the same order. The graph itself is unchanged; the caller's `order` and `keep` when it has no
+    composite."""
     if not any(n.op.kind is Kind.COMPOSITE for n in order):
-        return order, keep, {}
+        return order, keep
     now: dict[int, Node] = {}
     expanded: list[Node] = []
     placed: set[int] = set()
@@ -141,8 +141,7 @@ def expand_composites(order: list[Node], keep: set[int]) -> tuple[list[Node], se
         expanded += made
         placed.update(map(id, made))
         now[id(node)] = new
-    kept = {id(n): now[id(n)] for n in order if id(n) in keep}
-    return expanded, {id(n) for n in kept.values()}, kept
+    return expanded, {id(now[id(n)]) for n in order if id(n) in keep}
 
 
 def lower(order: list[Node], keep: set[int], sig: Signature, channels_last: bool = False,

@@ -19,7 +19,7 @@ from ember.compiler import fusion, lower, passes, schedule
 from ember.compiler.context import CompileContext
 from ember.compiler.targets import TARGETS, Target, reference
 from ember.compiler.targets.triton import KernelSource
-from ember.ir import Node
+from ember.ir import Kind, Node
 from ember.ir.ops import RULES
 
 
@@ -58,6 +58,48 @@ class Plan:
         """Run a reference plan: the values of the kept nodes, by node id."""
         return reference.run(self.nodes, self.keep)
 
+    def writes_in_place(self, input_index: int, output_index: int) -> bool | None:
+        """Whether the plan can write output `output_index` into the buffer of input `input_index`:
+        None when the output is that input itself (nothing to write), True when the kernel computing it
+        is the last to read the input and reads it element for element where it writes."""
+        source = self.lowered.inputs[input_index]
+        result = self.lowered.outputs[output_index]
+        if result is source:
+            return None
+        kernels = [ck.kernel for ck in self.kernels]
+        writer = next((i for i, k in enumerate(kernels) if result in k.outputs), None)
+        if writer is None or result.shape != source.shape or result.dtype is not source.dtype:
+            return False
+        group_start = next((a for a, b in self.schedule.groups if a <= writer < b), writer)
+        for i, k in enumerate(kernels):
+            if i != writer and source in k.reads and i >= group_start:
+                return False
+        kernel = kernels[writer]
+        if source not in kernel.reads:
+            return True
+        # the part writing it: a segment of a segmented launch, or a gradient an MLP kernel sums (its finishing launch
+        # runs after the layers', so only the finishing use counts); no other part may read the source
+        parts = kernel.segments + kernel.absorbed + kernel.summed
+        part = next((s for s in parts if result in s.outputs), kernel)
+        if any(source in s.reads for s in parts if s is not part):
+            return False
+        # a GEMM's epilogue (an optimizer update fused after a weight gradient) reads element for element too;
+        # a value read by its mainloop is used at other positions, which _elementwise_use rejects
+        elementwise_kernel = part.kind is fusion.KernelKind.POINTWISE and not part.reductions or part.core is not None
+        return elementwise_kernel and _elementwise_use(part, source)
+
+
+def _elementwise_use(kernel: fusion.FusedKernel, source: Node) -> bool:
+    """Every value of the kernel derived from `source` is computed element for element (no view,
+    broadcast or gather moves an element of `source` to another position)."""
+    derived = {id(source)}
+    for n in kernel.covers:
+        if any(id(i) in derived for i in n.inputs):
+            if n.op.kind not in (Kind.UNARY, Kind.BINARY, Kind.TERNARY) or n.shape != source.shape:
+                return False
+            derived.add(id(n))
+    return True
+
 
 def compile(order: list[Node], keep: set[int], target: str, context: CompileContext,  # noqa: A001
             signature: passes.Signature | None = None) -> Plan:
@@ -70,7 +112,7 @@ def compile(order: list[Node], keep: set[int], target: str, context: CompileCont
         return Plan(target, nodes=order, keep=keep)
     start = time.perf_counter()
     sig = signature or passes.signature(order, keep)  # of the graph as built: the plan's key and arguments
-    order, keep, _ = passes.expand_composites(order, keep)
+    order, keep = passes.expand_composites(order, keep)
     splitting = context.split_k and context.gemm_backend != "cublas"  # generated GEMMs that split a long K
     lowered = passes.lower(order, keep, sig,
                            channels_last=context.conv_memory_format == "channels_last",

@@ -97,7 +97,7 @@ def raise_found(buffer: torch.Tensor) -> None:
     carried = getattr(buffer, CARRIED, None)
     if not carried:
         return
-    fired = sorted(((flags, k) for flags, k in carried if flags.words[k, 0]), key=lambda c: (id(c[0]), c[1]))
+    fired = [(flags, k) for flags, k in carried if flags.words[k, 0]]
     if not fired:
         return
     error = fired[0][0].error(fired[0][1])

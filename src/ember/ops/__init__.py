@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ember.ops import contraction, index, movement, pointwise, reduce
+from ember.ops import activations, contraction, index, movement, pointwise, reduce
+from ember.ops.activations import elu, gelu, hardtanh, leaky_relu, mish, relu, relu6, sigmoid, silu, softplus
 from ember.ops.contraction import bmm, conv2d, conv_transpose2d, dot, linear, matmul, mm, outer
 from ember.ops.creation import (
     arange,
@@ -74,7 +75,6 @@ from ember.ops.pointwise import (
     cos,
     div,
     divide,
-    elu,
     eq,
     erf,
     exp,
@@ -84,14 +84,11 @@ from ember.ops.pointwise import (
     floor_divide,
     fmod,
     ge,
-    gelu,
     gt,
-    hardtanh,
     isfinite,
     isinf,
     isnan,
     le,
-    leaky_relu,
     lerp,
     log,
     log1p,
@@ -104,23 +101,17 @@ from ember.ops.pointwise import (
     masked_fill,
     maximum,
     minimum,
-    mish,
     mul,
     nan_to_num,
     ne,
     neg,
     pow,
     reciprocal,
-    relu,
-    relu6,
     remainder,
     round,
     rsqrt,
-    sigmoid,
     sign,
-    silu,
     sin,
-    softplus,
     sqrt,
     square,
     sub,
@@ -178,7 +169,7 @@ norm cumsum count_nonzero reshape view permute transpose t expand expand_as sque
 unflatten contiguous clone flip repeat tile split chunk unbind narrow roll tril triu repeat_interleave
 matmul mm bmm dot gather scatter_add index_select broadcast_to
 """.split()
-_MODULES = (pointwise, reduce, movement, contraction, index)
+_MODULES = (pointwise, activations, reduce, movement, contraction, index)
 
 
 def _lookup(name: str):

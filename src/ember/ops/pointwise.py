@@ -3,7 +3,7 @@ pointwise primitives' rules (at the end: shape, VJP, reference implementation, T
 
 Every binary op here broadcasts its operands to one shape and casts them to one
 dtype before applying a primitive, so the primitives themselves stay simple.
-Activations (relu, gelu, silu, softplus, sigmoid) are compositions of primitives.
+Activations are compositions of these ops: ember/ops/activations.py.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import numpy as np
 import scipy.special
 
 from ember import dtypes
-from ember.autograd import is_grad_enabled
 from ember.device import as_device
 from ember.dtypes import DType
 from ember.errors import (
@@ -287,72 +286,6 @@ def bitwise_not(x: Tensor) -> Tensor:
     if x.dtype is not dtypes.bool_:
         raise DTypeError(f"bitwise_not (~): only bool tensors are supported, got {operands(x)}")
     return logical_not(x)
-
-
-def sigmoid(x: Tensor) -> Tensor:
-    x = _float_input("sigmoid", x)
-    z = exp(-abs(x))  # in (0, 1]: neither branch nor its gradient overflows
-    return where(x >= 0, reciprocal(z + 1), z / (z + 1))
-
-
-def relu(x: Tensor) -> Tensor:
-    expect_tensors("relu", input=x)
-    return where(x <= 0, 0, x)  # NaN <= 0 is false: NaN passes through, as in torch
-
-
-def relu6(x: Tensor) -> Tensor:
-    expect_tensors("relu6", input=x)
-    return hardtanh(x, 0, 6)
-
-
-def leaky_relu(x: Tensor, negative_slope: float = 0.01) -> Tensor:
-    expect_tensors("leaky_relu", input=x)
-    return where(x > 0, x, x * negative_slope)
-
-
-def gelu(x: Tensor, approximate: str = "none") -> Tensor:
-    """GELU: exact (`x * Φ(x)` through erf) or the tanh approximation, as in PyTorch."""
-    x = _float_input("gelu", x)
-    if approximate == "tanh":
-        inner = (x + x * x * x * 0.044715) * math.sqrt(2 / math.pi)
-        return x * 0.5 * (tanh(inner) + 1)
-    if approximate != "none":
-        raise ValueError(f"gelu: approximate must be 'none' or 'tanh', not {approximate!r}")
-    return x * 0.5 * (erf(x * (1 / math.sqrt(2))) + 1)
-
-
-def silu(x: Tensor) -> Tensor:
-    expect_tensors("silu", input=x)
-    return x * sigmoid(x)
-
-
-def softplus(x: Tensor, beta: float = 1.0, threshold: float = 20.0) -> Tensor:
-    x = _float_input("softplus", x)
-    scaled = x * beta
-    # log1p(exp(z)) overflows for large z, where it equals z anyway
-    return where(scaled > threshold, x, log1p(exp(minimum(scaled, threshold))) / beta)
-
-
-def elu(x: Tensor, alpha: float = 1.0) -> Tensor:
-    expect_tensors("elu", input=x)
-    return where(x > 0, x, (exp(minimum(x, 0)) - 1) * alpha)
-
-
-def hardtanh(x: Tensor, min_val: float = -1.0, max_val: float = 1.0) -> Tensor:
-    """x clamped to [min_val, max_val]; unlike clamp's, the gradient at a bound itself is 0, as in torch."""
-    expect_tensors("hardtanh", input=x)
-    if not x.dtype.is_floating_point:  # integers keep their dtype, the bounds truncated to it, as in torch
-        min_val, max_val = int(min_val), int(max_val)
-    clamped = clamp(x, min_val, max_val)
-    if not (x.requires_grad and is_grad_enabled()):
-        return clamped  # the values alone: a clamp, which an MLP kernel applies in its operand's conversion
-    # the same values, with the gradient through x only strictly inside the bounds
-    return where((x > min_val) & (x < max_val), x, clamped.detach())
-
-
-def mish(x: Tensor) -> Tensor:
-    expect_tensors("mish", input=x)
-    return x * tanh(softplus(x))
 
 
 # -- binary ---------------------------------------------------------------------------

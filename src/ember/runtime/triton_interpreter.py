@@ -10,7 +10,8 @@ into the globals of what it runs, and runs no libdevice).
 The rest of the module fixes bugs of the interpreter that a GPU does not have, so a test failure
 points at the generated code, not at the interpreter; they are applied with the first interpreted
 module and change nothing a compiled kernel does. One of them: the interpreter runs a grid by patching
-`triton.language` and a builder that are process-wide, so grids from several threads run one at a time.
+`triton.language` and a builder that are process-wide, so grids from several threads run one at a time
+(and kernels are parsed one at a time: CPython 3.11's `ast.parse` can fail in two threads at once).
 Two more make it quicker without changing a result: integer arithmetic wraps as a compiled kernel's does
 (without Triton's debug mode; the interpreter otherwise checks every integer addition and multiplication for
 overflow), and a device function called inside a grid finds `triton.language` patched for the grid already
@@ -44,6 +45,7 @@ _Executor = getattr(interpreter, "GridExecutor", None)
 _builder = getattr(interpreter, "interpreter_builder", None)
 _run = _Executor.__dict__.get("__call__") if _Executor is not None else None
 _device_call = interpreter.InterpretedFunction.__dict__.get("__call__")
+_rewrite = interpreter.InterpretedFunction.__dict__.get("rewrite")
 _patch_lang = getattr(interpreter, "_patch_lang", None)
 _Error = getattr(interpreter, "InterpreterError", RuntimeError)
 _patched_for_grid: set[int] = set()  # the language modules the running grid has patched (one grid at a time)
@@ -95,6 +97,14 @@ def _run_quietly(self, *args, **kwargs):
         _running.depth -= 1
 
 
+def _rewrite_one_at_a_time(self):
+    """The interpreter parses a kernel's source with `ast.parse` on its first run, in the caller's thread; in
+    CPython 3.11 two threads making AST objects at once can fail ("AST constructor recursion depth mismatch"),
+    so kernels are parsed one at a time, under the lock grids run under."""
+    with _one_grid_at_a_time:
+        return _rewrite(self)
+
+
 def _languages(fn) -> frozenset[int]:
     """The ids of the `triton.language` modules a function's globals hold (those the interpreter patches)."""
     return frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
@@ -143,6 +153,8 @@ def _apply_fixes() -> None:
         JITFunction.__call__ = _call_interpreted_inside_a_grid
         if _device_call is not None and _patch_lang is not None:
             interpreter.InterpretedFunction.__call__ = _call_device_function
+    if _rewrite is not None:
+        interpreter.InterpretedFunction.rewrite = _rewrite_one_at_a_time
 
 
 def runnable(module: ModuleType, interpret: bool) -> ModuleType:

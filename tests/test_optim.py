@@ -338,8 +338,9 @@ def test_scheduler_state_dict_resumes_the_schedule():
 @pytest.mark.usefixtures("cuda_backend")
 @pytest.mark.parametrize("amsgrad", [False, True])
 def test_an_adam_training_loop_compiles_one_plan(amsgrad):
-    """Adam's state starts as zero buffers, not pending constants, and updates built from a template are the
-    graph the Python builds: the first step's graph is every later step's, so the loop compiles one plan."""
+    """Adam's state starts as zero buffers, not pending constants, made before the first update, and every
+    update, the first included, is built from a template: the first step's graph is every later step's, so the
+    loop compiles one plan."""
     from ember.runtime import cuda, plan_cache
 
     plan_cache.clear()

@@ -92,7 +92,8 @@ def test_a_template_is_not_recorded_across_a_group_change():
         buffer = opt.state[p]["momentum_buffer"].numpy()
         expected = before - 0.5 * (buffer if momentum else np.ones(4, np.float32))
         np.testing.assert_allclose(p.numpy(), expected, rtol=1e-6)
-    assert len(opt._templates) == 2  # one per momentum setting
+    # one per momentum setting (the first update, which makes the momentum buffer, is not a template)
+    assert sum(t is not None for t in opt._templates.values()) == 2
 
 
 def test_one_node_passed_as_two_inputs_is_not_recorded():
@@ -118,3 +119,94 @@ def test_a_subclass_with_its_own_update_is_not_built_from_templates():
         opt.step()
     np.testing.assert_allclose(p.numpy(), np.zeros(3, np.float32))  # 1 - 0.5 - 0.5, then no change
     assert not opt._templates
+
+
+def ops_at_step(opt):
+    """The ops of the pending graph `opt.step()` realizes, in order."""
+    from ember.runtime import executor
+
+    seen = []
+    executor.this_thread.observers.append(lambda order, keep: seen.append([n.op for n in order]))
+    try:
+        opt.step()
+    finally:
+        executor.this_thread.observers.pop()
+    (ops,) = seen
+    return ops
+
+
+@pytest.mark.parametrize("make,results", [
+    (lambda ps: ember.optim.Adam(ps, lr=1e-2), 4),  # the parameter, two moments and the step count
+    (lambda ps: ember.optim.AdamW(ps, lr=1e-2, amsgrad=True), 5),
+    (lambda ps: ember.optim.SGD(ps, lr=1e-2), 1),
+])
+def test_each_parameters_update_is_one_template_node_per_result_from_the_first_step(make, results):
+    from ember.ir import Op
+
+    params = [ember.tensor(RNG.standard_normal(shape).astype(np.float32), requires_grad=True)
+              for shape in [(3, 4), (4,), (3, 4), (1,)]]
+    opt = make(params)
+    for _ in range(2):
+        for p in params:
+            p.grad = ember.tensor(RNG.standard_normal(p.shape).astype(np.float32))
+            p.grad.realize()
+        ops = ops_at_step(opt)
+        assert ops.count(Op.TEMPLATE) == results * len(params) and set(ops) == {Op.TEMPLATE}
+
+
+@pytest.mark.parametrize("change", [dict(betas=(0.8, 0.95)), dict(eps=1e-3), dict(weight_decay=0.3)])
+def test_a_changed_setting_gives_a_new_template_whose_constants_are_the_new_ones(device, change):
+    """Float settings (betas, eps, weight decay) are constants of the template's plan, not kernel arguments."""
+    def run(use_templates):
+        params = [ember.tensor(np.linspace(-1, 1, 12, dtype=np.float32).reshape(shape), requires_grad=True,
+                               device=device) for shape in [(3, 4), (12,)]]
+        opt = ember.optim.AdamW(params, lr=3e-2, weight_decay=0.1)
+        if not use_templates:
+            opt._update_from_template = lambda p, g, state, group, settings: opt._update(p, g, state, group)
+        for step in range(4):
+            if step == 2:
+                opt.param_groups[0].update(change)
+            for p in params:
+                p.grad = (p * p.detach() + 0.37).detach()
+            opt.step()
+        return [p.numpy() for p in params], opt
+
+    expected, _ = run(False)
+    got, opt = run(True)
+    assert sum(t is not None for t in opt._templates.values()) == 2 * 2  # two shapes, two settings
+    for a, b in zip(got, expected):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.usefixtures("cuda_backend")
+def test_an_update_from_templates_passes_no_float_to_its_kernels_and_gives_each_result_its_value():
+    params = [ember.tensor(RNG.standard_normal(shape).astype(np.float32), requires_grad=True, device="cuda")
+              for shape in [(5, 3), (7,), (5, 3)]]
+    opt = ember.optim.Adam(params, lr=1e-2, betas=(0.85, 0.99), eps=1e-6)
+    for p in params:
+        p.grad = ember.tensor(RNG.standard_normal(p.shape).astype(np.float32), device="cuda").realize()
+    before = [p.numpy() for p in params]
+    with ember.explain.capture() as plans:
+        opt.step()
+    (plan,) = plans
+    assert plan.signature.scalars == []  # betas and eps are in the code; the rate is a tensor
+    for p, start in zip(params, before):  # each result where it belongs: the first step moves by about lr
+        state = opt.state[p]
+        assert state["step"].shape == () and state["step"].item() == 1
+        np.testing.assert_allclose(state["exp_avg"].numpy(), 0.15 * p.grad.numpy(), rtol=1e-5)
+        np.testing.assert_allclose(state["exp_avg_sq"].numpy(), 0.01 * p.grad.numpy() ** 2, rtol=1e-5)
+        np.testing.assert_allclose(np.abs(p.numpy() - start), 1e-2, rtol=1e-3)
+
+
+def test_a_templates_digest_is_its_structure():
+    """Two optimizers of one kind make templates of one digest (so a plan file on disk is found again); any
+    change of structure or constant gives another."""
+    def digests(**kwargs):
+        p = ember.tensor(np.ones((2, 3), np.float32), requires_grad=True)
+        opt = ember.optim.Adam([p], lr=1e-3, **kwargs)
+        p.grad = ember.ones(2, 3)
+        opt.step()
+        return {t.digest for t in opt._templates.values() if t is not None}
+
+    assert digests() == digests()
+    assert digests() != digests(eps=1e-7) and digests() != digests(amsgrad=True)

@@ -27,7 +27,7 @@ from ember import dtypes
 from ember.errors import CompileError
 from ember.ir import Kind, Node, Op, toposort
 from ember.ir.node import is_runtime_scalar, static_key
-from ember.ir.ops import RULES
+from ember.ir.ops import RULES, expand
 
 
 def _attr_key(value):
@@ -113,21 +113,22 @@ class Lowered:
                 for o in self.outputs]
 
 
-def expand_composites(order: list[Node], keep: set[int]) -> tuple[list[Node], set[int]]:
+def expand_composites(order: list[Node], keep: set[int]) -> tuple[list[Node], list[Node]]:
     """The graph with every composite node replaced by its primitives (ember.ir.ops.define_composite), the nodes
-    after it made again on them, as (order, keep). Each node keeps its place in `order`, so the kept values come
-    out in the same order. The graph itself is unchanged; the caller's `order` and `keep` when it has no
-    composite."""
+    after it made again on them, as (order, results): `results` are what the kept nodes became, in `order`'s
+    order (an expansion shared by several results may place a later one's nodes first). The graph itself is
+    unchanged; the caller's `order` when it has no composite."""
     if not any(n.op.kind is Kind.COMPOSITE for n in order):
-        return order, keep
+        return order, [n for n in order if id(n) in keep]
     now: dict[int, Node] = {}
     expanded: list[Node] = []
     placed: set[int] = set()
     leaves = {id(i) for n in order for i in n.inputs if i.realized}
+    shared: dict = {}  # the expansions that several composite nodes' results share
     for node in order:
         ins = tuple(now.get(id(i), i) for i in node.inputs)
         if node.op.kind is Kind.COMPOSITE:
-            new = RULES[node.op].expand(ins, node.attrs)
+            new = expand(node.op, ins, node.attrs, shared)
             made = toposort([new], placed)
             added = [n for n in made if n.op is Op.RAND or is_runtime_scalar(n)]
             added += [i for n in made for i in n.inputs if i.realized and id(i) not in leaves]
@@ -141,13 +142,14 @@ def expand_composites(order: list[Node], keep: set[int]) -> tuple[list[Node], se
         expanded += made
         placed.update(map(id, made))
         now[id(node)] = new
-    return expanded, {id(now[id(n)]) for n in order if id(n) in keep}
+    return expanded, [now[id(n)] for n in order if id(n) in keep]
 
 
 def lower(order: list[Node], keep: set[int], sig: Signature, channels_last: bool = False,
-          multiprocessors: int = 0) -> Lowered:
+          multiprocessors: int = 0, results: list[Node] | None = None) -> Lowered:
     """`multiprocessors`: the SMs of the GPU that generated GEMMs run on (0: none, or not generated), which
-    decides what a GEMM sums along K itself."""
+    decides what a GEMM sums along K itself. `results`: the kept nodes in the order the plan gives their values
+    (by default `order`'s)."""
     builder = _Builder()
     builder.channels_last = channels_last
     builder.summed_by_gemms = _summed_by_gemms(order, multiprocessors)
@@ -174,6 +176,8 @@ def lower(order: list[Node], keep: set[int], sig: Signature, channels_last: bool
         mapping[id(node)] = new
         if id(node) in keep:
             outputs.append(new)
+    if results is not None:
+        outputs = [mapping[id(r)] for r in results]
     nodes = toposort(outputs)
     return Lowered(nodes, outputs, builder.inputs, replaced=len(order) - sum(1 for n in nodes if n.inputs))
 

@@ -112,11 +112,11 @@ def compile(order: list[Node], keep: set[int], target: str, context: CompileCont
         return Plan(target, nodes=order, keep=keep)
     start = time.perf_counter()
     sig = signature or passes.signature(order, keep)  # of the graph as built: the plan's key and arguments
-    order, keep = passes.expand_composites(order, keep)
+    order, results = passes.expand_composites(order, keep)
     splitting = context.split_k and context.gemm_backend != "cublas"  # generated GEMMs that split a long K
-    lowered = passes.lower(order, keep, sig,
+    lowered = passes.lower(order, {id(n) for n in results}, sig,
                            channels_last=context.conv_memory_format == "channels_last",
-                           multiprocessors=context.multiprocessors if splitting else 0)
+                           multiprocessors=context.multiprocessors if splitting else 0, results=results)
     kernels, stored = fusion.plan(lowered.nodes, lowered.outputs, context, chosen.costs)
     compiled = [_generate(k, stored, context, chosen) for k in kernels]
     small = [_is_small(ck, context.multiprocessors) for ck in compiled]

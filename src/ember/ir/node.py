@@ -103,9 +103,14 @@ STRUCTURAL_FLOATS = frozenset({0.0, 1.0, -1.0, 2.0, 0.5})
 
 
 def is_runtime_scalar(node: Node) -> bool:
+    """Whether a constant is an argument of the plan (a float that may change from step to step) rather than
+    part of its code: not a whole or infinite value, and not one a composite's expansion fixes ("fixed")."""
     if node.op is not Op.CONST or not node.dtype.is_floating_point:
         return False
-    value = node.attrs["value"]
+    attrs = node.attrs
+    if "fixed" in attrs:
+        return False
+    value = attrs["value"]
     return not (value in STRUCTURAL_FLOATS or math.isinf(value) or math.isnan(value))
 
 

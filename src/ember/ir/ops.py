@@ -18,7 +18,9 @@ tests/test_primitives.py checks that every primitive declares every rule.
 
 A composite op (Kind.COMPOSITE: linear) is one node where a user calls one function, so a step's graph is
 built, keyed and looked up with fewer nodes; it declares a shape rule, a VJP and its expansion into
-primitives (`define_composite`), and the compiler expands it before anything else sees the graph.
+primitives (`define_composite`), and the compiler expands it before anything else sees the graph. A
+composite with several results (an optimizer's update of a parameter and its state: ember.ir.template)
+is one node per result, all on the same inputs; they share one expansion (`expand`).
 """
 
 from __future__ import annotations
@@ -119,6 +121,7 @@ class Op(enum.Enum):
     COPY = ("copy", Kind.DEVICE)
     # composites: one node while the graph is built and looked up, primitives from compilation on
     LINEAR = ("linear", Kind.COMPOSITE)  # x @ weight.T (+ bias), as torch.nn.functional.linear
+    TEMPLATE = ("template", Kind.COMPOSITE)  # one output of a recorded subgraph (ember.ir.template): an update
 
     def __init__(self, label: str, kind: Kind):
         self.label = label
@@ -158,6 +161,9 @@ class Rules:
     lowerings: dict[str, Callable] = field(default_factory=dict)  # target -> lowering
     identity: Callable[[DType], bool | int | float] | None = None  # a reduction's neutral element, per dtype
     expand: Callable | None = None  # a composite's (input nodes, attrs) -> its value, made of primitives
+    # a composite with several results: attrs -> (what its expansion is of, besides the inputs; which result
+    # the node is), and `expand` gives every result
+    result: Callable | None = None
 
 
 RULES: dict[Op, Rules] = {op: Rules() for op in Op}
@@ -172,11 +178,27 @@ def define(op: Op, *, shape: Callable, vjp: Callable | str, reference: Callable,
     RULES[op] = Rules(shape, vjp, reference, dict(lowerings), identity)
 
 
-def define_composite(op: Op, *, shape: Callable, vjp: Callable, expand: Callable) -> None:
+def define_composite(op: Op, *, shape: Callable, vjp: Callable | str, expand: Callable,
+                     result: Callable | None = None) -> None:
     """Declare a composite op: a shape rule (cheap: the node is made at every call), a VJP and its expansion
-    into primitives, which the compiler applies once per plan (and the reference backend where it runs it)."""
+    into primitives, which the compiler applies once per plan (and the reference backend where it runs it).
+    With `result`, the op has several results, one node each (see Rules.result)."""
     assert op.kind is Kind.COMPOSITE and RULES[op].shape is None, f"{op} is declared twice, or is a primitive"
-    RULES[op] = Rules(shape, vjp, expand=expand)
+    RULES[op] = Rules(shape, vjp, expand=expand, result=result)
+
+
+def expand(op: Op, inputs: tuple, attrs: dict, shared: dict):
+    """A composite node's value made of primitives on `inputs`. The results of a composite with several share
+    one expansion, kept in `shared` (a caller's one dict per graph) under the inputs, so each is expanded once."""
+    rules = RULES[op]
+    if rules.result is None:
+        return rules.expand(inputs, attrs)
+    of, k = rules.result(attrs)
+    key = (op, of, tuple(map(id, inputs)))
+    results = shared.get(key)
+    if results is None:
+        results = shared[key] = rules.expand(inputs, attrs)
+    return results[k]
 
 
 # -- shape and dtype rules shared by the pointwise primitives ------------------------------------

@@ -4,8 +4,16 @@ the function's Python.
 An optimizer builds the same subgraph for every parameter of a shape, step after step: an Adam update is
 about 35 nodes, each through operator dispatch, type promotion, broadcasting and the shape rules. Recorded
 once as a template (valid for inputs of the same shapes, dtypes and devices, and for whatever Python values
-the caller keys it by), the update is built again by making its nodes directly, with their recorded shapes
-and dtypes: the graph the Python would build, node for node, so it finds the same compiled plan.
+the caller keys it by), the update is built again in one of two ways:
+
+- `apply`: one composite node per result (`Op.TEMPLATE`: an Adam update is 4 nodes, the new parameter, its two
+  moments and its step count), which the compiler expands into the recorded nodes once per plan (the
+  results of one application share one expansion). The step's graph is then a few nodes per parameter
+  to build, key and look up. The float constants the function made (betas, epsilon) are part of the
+  template, so they are fixed in the plan's code rather than passed to its kernels: the caller keys its
+  templates by them.
+- `build`: the recorded nodes made again directly, with their recorded shapes and dtypes: the graph the
+  Python would build, node for node.
 
 A function can be recorded when every node its outputs depend on is one of its inputs or a node it made,
 pending (not realized while it ran), and not random (a random node draws a new offset each time it is made).
@@ -13,21 +21,51 @@ pending (not realized while it ran), and not random (a random node draws a new o
 
 from __future__ import annotations
 
+import hashlib
 import operator
 import threading
 
 from ember.ir import node as _graph
 from ember.ir.node import Node, static_key
-from ember.ir.ops import Op
+from ember.ir.ops import NOT_DIFFERENTIABLE, Op, define_composite
+
+# the applied templates by digest: a TEMPLATE node names its template by a string (hashed in C when a plan key
+# is looked up, and the same in every process, so a plan stored on disk is found again); one per structure of
+# update an optimizer of this process made
+_by_digest: dict[str, Template] = {}
+_registering = threading.Lock()
 
 
 class Template:
-    __slots__ = ("steps", "outputs")
+    __slots__ = ("steps", "outputs", "digest", "_expansion", "_results")
 
-    def __init__(self, steps: list[tuple], outputs: list[int]):
+    def __init__(self, steps: list[tuple], outputs: list[int], inputs: int, digest: str):
         # (op, a function of the made nodes giving the node's inputs, attrs, shape, dtype, device, static key)
         self.steps = steps
         self.outputs = outputs  # indices into inputs + built nodes
+        self.digest = digest  # of the recorded structure (see `template`)
+        # the steps as an expansion makes them: float constants fixed in the plan's code
+        self._expansion = [(op, pick, {**attrs, "fixed": True} if op is Op.CONST and attrs["dtype"].is_floating_point
+                            else attrs, shape, dtype, device) for op, pick, attrs, shape, dtype, device, _ in steps]
+        # per output: the index of the input it is, or its TEMPLATE node's (attrs, shape, dtype, device, static key)
+        self._results: list = []
+        for k, i in enumerate(outputs):
+            if i < inputs:
+                self._results.append(i)
+                continue
+            _, _, _, shape, dtype, device, _ = steps[i - inputs]
+            attrs = {"template": digest, "output": k}
+            self._results.append((attrs, shape, dtype, device, (Op.TEMPLATE, shape, dtype, tuple(attrs.items()))))
+
+    def apply(self, inputs: list[Node]) -> list[Node]:
+        """The outputs on `inputs` (of the recorded shapes, dtypes and devices) as TEMPLATE nodes, one per
+        output (an output that is an input is that input)."""
+        if self.digest not in _by_digest:
+            with _registering:
+                _by_digest.setdefault(self.digest, self)
+        ins = tuple(inputs)
+        return [ins[r] if type(r) is int else Node(Op.TEMPLATE, ins, r[0], r[1], r[2], r[3], None, r[4])
+                for r in self._results]
 
     def build(self, inputs: list[Node]) -> list[Node]:
         """The recorded nodes made again on `inputs` (of the recorded shapes, dtypes and devices)."""
@@ -37,8 +75,27 @@ class Template:
             append(Node(op, pick(made), attrs, shape, dtype, device, None, static))
         return [made[i] for i in self.outputs]
 
+    def expand(self, inputs: tuple[Node, ...]) -> list[Node]:
+        """Every output made of the recorded nodes on `inputs`, its float constants fixed: a TEMPLATE node's
+        expansion."""
+        made = list(inputs)
+        append = made.append
+        for op, pick, attrs, shape, dtype, device in self._expansion:
+            append(Node(op, pick(made), attrs, shape, dtype, device))
+        return [made[i] for i in self.outputs]
+
     def __len__(self) -> int:
         return len(self.steps)
+
+
+def _shape(inputs, attrs) -> tuple:
+    result = _by_digest[attrs["template"]]._results[attrs["output"]]
+    return (inputs[result].shape, inputs[result].dtype) if type(result) is int else (result[1], result[2])
+
+
+define_composite(Op.TEMPLATE, shape=_shape, vjp=NOT_DIFFERENTIABLE,
+                 expand=lambda inputs, attrs: _by_digest[attrs["template"]].expand(inputs),
+                 result=lambda attrs: (attrs["template"], attrs["output"]))
 
 
 _recordings = threading.Lock()
@@ -85,12 +142,16 @@ def template(inputs: list[Node], outputs: list[Node], made: list[Node]) -> Templ
         needed.add(id(n))
         stack.extend(n.inputs)
     steps = []
+    structure: list = [tuple((n.shape, n.dtype, n.device) for n in inputs)]
     for n in made:  # in the order they were made: inputs before users
         if id(n) in needed:
             index[id(n)] = len(inputs) + len(steps)
-            steps.append((n.op, _picker(tuple(index[id(i)] for i in n.inputs)), n.attrs, n.shape, n.dtype,
-                          n.device, static_key(n)))
-    return Template(steps, [index[id(o)] for o in outputs])
+            refs = tuple(index[id(i)] for i in n.inputs)
+            steps.append((n.op, _picker(refs), n.attrs, n.shape, n.dtype, n.device, static_key(n)))
+            structure.append((n.op.name, refs, tuple(n.attrs.items()), n.shape, n.dtype, n.device))
+    results = [index[id(o)] for o in outputs]
+    structure.append(tuple(results))
+    return Template(steps, results, len(inputs), hashlib.sha256(repr(structure).encode()).hexdigest()[:32])
 
 
 def _picker(refs: tuple[int, ...]):

@@ -237,7 +237,7 @@ def _np_buffer(**attrs) -> np.ndarray:
     raise AssertionError("a buffer is realized data: the reference backend reads it and never evaluates it")
 
 
-def _np_const(shape, dtype: DType, value) -> np.ndarray:
+def _np_const(shape, dtype: DType, value, fixed: bool = False) -> np.ndarray:
     return np.broadcast_to(np.asarray(value, dtype=dtype.np), shape)
 
 

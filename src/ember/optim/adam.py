@@ -65,13 +65,16 @@ class Adam(Optimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                       amsgrad=amsgrad, maximize=maximize))
 
+    def _init_state(self, param: Tensor, state: dict, group: dict) -> None:
+        state["step"] = _zeros((), dtypes.float32, param.device)
+        state["exp_avg"] = _zeros(param.shape, param.dtype, param.device)
+        state["exp_avg_sq"] = _zeros(param.shape, param.dtype, param.device)
+        if group["amsgrad"]:
+            state["max_exp_avg_sq"] = _zeros(param.shape, param.dtype, param.device)
+
     def _update(self, param: Tensor, grad: Tensor, state: dict, group: dict) -> None:
         if not state:
-            state["step"] = _zeros((), dtypes.float32, param.device)
-            state["exp_avg"] = _zeros(param.shape, param.dtype, param.device)
-            state["exp_avg_sq"] = _zeros(param.shape, param.dtype, param.device)
-            if group["amsgrad"]:
-                state["max_exp_avg_sq"] = _zeros(param.shape, param.dtype, param.device)
+            self._init_state(param, state, group)
         if group["maximize"]:
             grad = -grad
         (beta1, beta2), eps, weight_decay = group["betas"], group["eps"], group["weight_decay"]

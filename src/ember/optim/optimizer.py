@@ -10,8 +10,9 @@ guards them: a replay after one of them changed captures the step again.
 
 A parameter's update is built by running `_update` once per kind of parameter (its shapes, dtypes,
 device, state and group settings); that call is recorded as a template (`ember.ir.template`), and the
-update of every later parameter of that kind is built from it directly, without running `_update`'s
-Python again: the bulk of a lazy step's graph building is the optimizer's.
+update of every parameter of that kind is one composite node per result (the new parameter, each new
+state tensor), which the compiler expands into the recorded graph: without the template, the optimizer's
+nodes were the bulk of a lazy step's graph (an Adam update is about 35 nodes, 4 as a template).
 """
 
 from __future__ import annotations
@@ -106,9 +107,11 @@ class Optimizer:
                     if recorder is not None:
                         recorder.note_grad_read(p)
                     state = self.state.setdefault(p, {})
-                    if state and settings is not None and type(self)._update in TEMPLATED:
+                    if settings is not None and type(self)._update in TEMPLATED:
+                        if not state:
+                            self._init_state(p, state, group)
                         self._update_from_template(p, p.grad, state, group, settings)
-                    else:  # the first update makes the state
+                    else:
                         self._update(p, p.grad, state, group)
                     updated.append(p)
         states = [v for p in updated for v in self.state[p].values() if isinstance(v, Tensor)]
@@ -117,6 +120,10 @@ class Optimizer:
 
     def _update(self, param: Tensor, grad: Tensor, state: dict, group: dict) -> None:
         raise NotImplementedError
+
+    def _init_state(self, param: Tensor, state: dict, group: dict) -> None:
+        """Make a parameter's state before its first update (where it does not depend on the update), so the
+        first update's graph is every later one's."""
 
     def _update_from_template(self, param: Tensor, grad: Tensor, state: dict, group: dict, settings: tuple) -> None:
         """`_update`, built from the template of the first update of its kind (recorded now if there is none)."""
@@ -133,13 +140,17 @@ class Optimizer:
                 self._update(param, grad, state, group)
             same = tuple(state) == names and all(state[k] is v for k, v in zip(names, held))
             outputs = [param._node, *(v._node for v in held)]
-            self._templates[key] = template(inputs, outputs, made) if same else None
+            recorded = self._templates[key] = template(inputs, outputs, made) if same else None
+            if recorded is None:
+                return
         elif recorded is None:  # this kind of update cannot be recorded
             self._update(param, grad, state, group)
-        else:
-            for t, node in zip((param, *held), recorded.build(inputs)):
-                if t._node is not node:  # a state the update reads and leaves as it is
-                    t._show(node)
+            return
+        # the update as one node per result, from the first one on (the recorded nodes are dropped), so every
+        # step builds the same graph
+        for t, node in zip((param, *held), recorded.apply(inputs)):
+            if t._node is not node:  # a state the update reads and leaves as it is
+                t._show(node)
 
     def _hyper_parameters(self) -> tuple:
         """Every group's settings but its parameters and learning rate: what a captured step reads from

@@ -27,18 +27,32 @@ def evaluate(node: Node, args: list[np.ndarray]) -> np.ndarray:
     with its other rules, see `ir.ops.RULES`), computed in float32 for half types and rounded to the
     node's dtype. Movement and transfers compute nothing, so they see their input as stored."""
     if node.op.kind is Kind.COMPOSITE:
-        return _expanded(node, args)
+        return _expanded(node, args, {})
     rule = RULES[node.op].reference
     if node.op.kind in (Kind.MOVEMENT, Kind.DEVICE):
         return rule(*args, **node.attrs)
     return np.asarray(rule(*(_widen(a) for a in args), **node.attrs)).astype(node.dtype.np, copy=False)
 
 
-def _expanded(node: Node, args: list[np.ndarray]) -> np.ndarray:
-    """A composite node's value: its expansion into primitives (see ember.ir.ops), evaluated on its inputs."""
-    inputs = tuple(Node.from_buffer(a, i.dtype, i.device) for a, i in zip(args, node.inputs))
-    out = RULES[node.op].expand(inputs, node.attrs)
+def _expanded(node: Node, args: list[np.ndarray], shared: dict) -> np.ndarray:
+    """A composite node's value: its expansion into primitives (see ember.ir.ops), evaluated on its inputs.
+    The results of a composite with several are evaluated together, once per `shared` (one dict per graph)."""
+    rules = RULES[node.op]
+    if rules.result is not None:
+        of, k = rules.result(node.attrs)
+        key = (node.op, of, tuple(map(id, node.inputs)))
+        if key not in shared:
+            results = rules.expand(_leaves(node, args), node.attrs)
+            pending = [r for r in results if not r.realized]
+            computed = run(toposort(pending), {id(r) for r in pending})
+            shared[key] = [r.buffer if r.realized else computed[id(r)] for r in results]
+        return shared[key][k]
+    out = rules.expand(_leaves(node, args), node.attrs)
     return out.buffer if out.realized else run(toposort([out]), {id(out)})[id(out)]
+
+
+def _leaves(node: Node, args: list[np.ndarray]) -> tuple[Node, ...]:
+    return tuple(Node.from_buffer(a, i.dtype, i.device) for a, i in zip(args, node.inputs))
 
 
 def run(order: list[Node], keep: set[int]) -> dict[int, np.ndarray]:
@@ -53,10 +67,11 @@ def run(order: list[Node], keep: set[int]) -> dict[int, np.ndarray]:
             uses[id(i)] = uses.get(id(i), 0) + 1
     values: dict[int, np.ndarray] = {}
     kept: dict[int, np.ndarray] = {}
+    shared: dict = {}
     with np.errstate(all="ignore"):
         for node in order:
             args = [i.buffer if i.realized else values[id(i)] for i in node.inputs]
-            value = evaluate(node, args)
+            value = _expanded(node, args, shared) if node.op.kind is Kind.COMPOSITE else evaluate(node, args)
             assert value.shape == node.shape, f"{node}: reference produced shape {value.shape}"
             values[id(node)] = value
             if id(node) in keep:

@@ -58,8 +58,8 @@ def test_linear_plans_as_the_primitives_it_is_made_of():
     x, _ = pair((33, 20), "float32", grad=False)
     w, _ = pair((12, 20), "float32", grad=False)
     b, _ = pair((12,), "float32", grad=False)
-    composite = F.linear(x, w, b).relu()
-    spelled_out = (x @ w.mT + b).relu()
+    composite = F.linear(x, w, b).tanh()
+    spelled_out = (x @ w.mT + b).tanh()
     assert len(toposort([composite._node])) < len(toposort([spelled_out._node]))
     expanded, _ = passes.expand_composites(toposort([composite._node]), {id(composite._node)})
     assert [n.op for n in expanded] == [n.op for n in toposort([spelled_out._node])]
@@ -79,12 +79,11 @@ def test_linear_operands_that_need_promotion_or_a_vector_weight_take_the_primiti
     close(F.linear(x32, v), torch.nn.functional.linear(tx32, tv), "float32")
 
 
-@pytest.mark.parametrize(("made", "op"), [(lambda x: x * 0.3, "const"),
-                                          (lambda x: x + ember.tensor(np.ones(x.shape, np.float32)), "buffer"),
+@pytest.mark.parametrize(("made", "op"), [(lambda x: x + ember.tensor(np.ones(x.shape, np.float32)), "buffer"),
                                           (lambda x: x + ember.rand(*x.shape), "rand")])
 def test_an_expansion_that_would_add_an_argument_to_the_plan_is_a_compile_error(monkeypatch, made, op):
-    """A runtime scalar, a buffer or a random draw made by an expansion would be an argument the graph's
-    signature does not have (the plan is looked up by the graph as built)."""
+    """A buffer or a random draw made by an expansion would be an argument the graph's signature does not have
+    (the plan is looked up by the graph as built)."""
     from ember.errors import CompileError
     from ember.ir.ops import RULES
     from ember.tensor import Tensor
@@ -95,3 +94,66 @@ def test_an_expansion_that_would_add_an_argument_to_the_plan_is_a_compile_error(
     monkeypatch.setattr(RULES[Op.LINEAR], "expand", lambda inputs, attrs: made(Tensor(inputs[0]))._node)
     with pytest.raises(CompileError, match=f"linear: its expansion makes a {op} node"):
         ember.compiler.compile(toposort([out._node]), {id(out._node)}, "triton", CompileContext())
+
+
+def test_the_floats_an_expansion_makes_are_part_of_the_plans_code(monkeypatch):
+    """A float constant an expansion makes comes from the node's attributes and shapes, which the plan's key
+    holds: it is written into the kernels, not passed to them."""
+    from ember.ir.ops import RULES
+    from ember.tensor import Tensor
+
+    x, _ = pair((2, 3), "float32", grad=False)
+    w, _ = pair((3, 3), "float32", grad=False)
+    out = F.linear(x, w)
+    monkeypatch.setattr(RULES[Op.LINEAR], "expand", lambda inputs, attrs: (Tensor(inputs[0]) * 0.3 - 1.7)._node)
+    compiled = ember.compiler.compile(toposort([out._node]), {id(out._node)}, "triton", CompileContext())
+    assert not [n for n in compiled.lowered.nodes if "arg" in n.attrs]
+    np.testing.assert_allclose(out.numpy(), x.numpy() * np.float32(0.3) - np.float32(1.7), rtol=1e-6)
+
+
+ACTIVATIONS = [("relu", {}, Op.RELU), ("gelu", {}, Op.GELU), ("gelu", {"approximate": "tanh"}, Op.GELU),
+               ("silu", {}, Op.SILU)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize(("name", "kwargs", "op"), ACTIVATIONS, ids=lambda v: str(v) if isinstance(v, str) else "")
+def test_an_activation_is_one_node_with_the_values_and_gradients_of_torch(name, kwargs, op, dtype):
+    x, tx = pair((5, 7), dtype)
+    out = getattr(F, name)(x, **kwargs)
+    assert out._node.op is op and out.dtype is x.dtype
+    expected = getattr(torch.nn.functional, name)(tx.float(), **kwargs)
+    close(out, expected, dtype)
+    g = RNG.standard_normal((5, 7)).astype(np.float32)
+    out.backward(ember.tensor(g).to(x.dtype))
+    expected.backward(torch.tensor(g))
+    close(x.grad, tx.grad, dtype)
+
+
+def test_an_activation_of_integers_keeps_its_dtype_and_is_no_composite():
+    x = ember.tensor(np.array([-2, 0, 3], np.int64))
+    out = F.relu(x)
+    assert out.dtype is ember.int64 and out._node.op is not Op.RELU
+    np.testing.assert_array_equal(out.numpy(), [0, 0, 3])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_mse_loss_is_one_node_with_the_values_and_gradients_of_torch(reduction, dtype):
+    x, tx = pair((6, 5), dtype)
+    y, ty = pair((6, 5), dtype, grad=False)
+    out = F.mse_loss(x, y, reduction=reduction)
+    assert out._node.op is Op.MSE_LOSS and out.dtype is x.dtype
+    expected = torch.nn.functional.mse_loss(tx, ty, reduction=reduction)
+    close(out, expected.float(), dtype)
+    out.sum().backward()
+    expected.sum().backward()
+    close(x.grad, tx.grad.float(), dtype)
+
+
+def test_mse_loss_of_broadcast_operands_is_the_primitives():
+    x, tx = pair((6, 5), "float32")
+    y, ty = pair((5,), "float32", grad=False)
+    with pytest.warns(UserWarning, match="broadcast"):
+        out = F.mse_loss(x, y)
+    assert out._node.op is not Op.MSE_LOSS
+    close(out, torch.nn.functional.mse_loss(tx, ty.expand(6, 5)), "float32")

@@ -20,7 +20,9 @@ from ember.ops.index import gather_in_range
 def _kernels(build):
     out = build()
     order = toposort([out._node])
-    lowered = passes.lower(order, {id(out._node)}, passes.signature(order, {id(out._node)}))
+    sig = passes.signature(order, {id(out._node)})
+    order, results = passes.expand_composites(order, {id(out._node)})  # as the compiler does first
+    lowered = passes.lower(order, {id(n) for n in results}, sig, results=results)
     kernels, stored = fusion.plan(lowered.nodes, lowered.outputs, CompileContext(), fusion.NOMINAL_GPU)
     return kernels, stored
 

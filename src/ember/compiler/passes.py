@@ -130,11 +130,14 @@ def expand_composites(order: list[Node], keep: set[int]) -> tuple[list[Node], li
         if node.op.kind is Kind.COMPOSITE:
             new = expand(node.op, ins, node.attrs, shared)
             made = toposort([new], placed)
-            added = [n for n in made if n.op is Op.RAND or is_runtime_scalar(n)]
+            added = [n for n in made if n.op is Op.RAND]
             added += [i for n in made for i in n.inputs if i.realized and id(i) not in leaves]
             if added:  # the plan's arguments are the graph's (its signature): an expansion may not add one
                 raise CompileError(f"{node.op.label}: its expansion makes a {added[0].op.label} node, which would "
                                    "be an argument of the plan")
+            for n in made:  # a float the expansion computes from the node's attributes and shapes, which the
+                if is_runtime_scalar(n):  # plan's key holds: part of the plan's code, not an argument
+                    n.attrs = {**n.attrs, "fixed": True}
         else:
             new = node if all(a is b for a, b in zip(ins, node.inputs)) else \
                 Node(node.op, ins, node.attrs, node.shape, node.dtype, node.device, static=node.static)

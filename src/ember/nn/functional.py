@@ -16,6 +16,7 @@ import weakref
 from ember import amp, dtypes
 from ember.autograd import no_grad
 from ember.errors import DTypeError, ShapeError, operands
+from ember.ir import Op
 from ember.ops import (
     adaptive_avg_pool2d,
     adaptive_max_pool2d,
@@ -44,7 +45,7 @@ from ember.ops import softmax as _softmax
 from ember.ops.index import checked, gather_in_range, select_in_range
 from ember.ops.pointwise import abs, broadcast_shapes, cast, converted, exp, log, log1p, maximum, where
 from ember.runtime.executor import realize_with_next
-from ember.tensor import Tensor, expect_tensors, realize
+from ember.tensor import Tensor, apply, composite, expect_tensors, realize
 
 __all__ = [
     "adaptive_avg_pool2d", "adaptive_max_pool2d", "avg_pool2d", "batch_norm", "binary_cross_entropy",
@@ -453,8 +454,22 @@ def _check_pair(fn: str, input: Tensor, target: Tensor, same_shape: bool) -> Non
 @amp.autocast_op("mse_loss")
 def mse_loss(input: Tensor, target: Tensor, *, reduction: str = "mean") -> Tensor:
     _check_pair("mse_loss", input, target, same_shape=False)
+    _check_reduction("mse_loss", reduction)
+    if target.shape == input.shape and target.dtype is input.dtype:
+        return apply(Op.MSE_LOSS, input, target, reduction=reduction)  # one node until it is compiled
+    return _mse_loss(input, target, reduction)
+
+
+def _mse_loss(input: Tensor, target: Tensor, reduction: str) -> Tensor:
     diff = input - target
     return _reduce("mse_loss", diff * diff, reduction)
+
+
+def _mse_loss_rule(inputs, attrs) -> tuple:
+    return (inputs[0].shape if attrs["reduction"] == "none" else ()), inputs[0].dtype
+
+
+composite(Op.MSE_LOSS, _mse_loss_rule, _mse_loss)
 
 
 @amp.autocast_op("l1_loss")

@@ -1,11 +1,14 @@
 """Activation functions, as in torch.nn.functional: compositions of pointwise ops (ember/ops/pointwise.py), so
-they fuse with their neighbours and differentiate through the primitives' VJP rules."""
+they fuse with their neighbours and differentiate through the primitives' VJP rules. The most used (relu, gelu,
+silu) are composite ops on float tensors: one node each while a step's graph is built and looked up, their
+compositions from compilation on."""
 
 from __future__ import annotations
 
 import math
 
 from ember.autograd import is_grad_enabled
+from ember.ir import Op
 from ember.ops.pointwise import (
     _float_input,
     abs,
@@ -18,7 +21,7 @@ from ember.ops.pointwise import (
     tanh,
     where,
 )
-from ember.tensor import Tensor, expect_tensors
+from ember.tensor import Tensor, apply, composite, expect_tensors
 
 
 def sigmoid(x: Tensor) -> Tensor:
@@ -29,6 +32,12 @@ def sigmoid(x: Tensor) -> Tensor:
 
 def relu(x: Tensor) -> Tensor:
     expect_tensors("relu", input=x)
+    if x.dtype.is_floating_point:
+        return apply(Op.RELU, x)  # one node until it is compiled
+    return _relu(x)
+
+
+def _relu(x: Tensor) -> Tensor:
     return where(x <= 0, 0, x)  # NaN <= 0 is false: NaN passes through, as in torch
 
 
@@ -45,16 +54,26 @@ def leaky_relu(x: Tensor, negative_slope: float = 0.01) -> Tensor:
 def gelu(x: Tensor, approximate: str = "none") -> Tensor:
     """GELU: exact (`x * Φ(x)` through erf) or the tanh approximation, as in PyTorch."""
     x = _float_input("gelu", x)
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"gelu: approximate must be 'none' or 'tanh', not {approximate!r}")
+    return apply(Op.GELU, x, approximate=approximate)
+
+
+def _gelu(x: Tensor, approximate: str) -> Tensor:
     if approximate == "tanh":
         inner = (x + x * x * x * 0.044715) * math.sqrt(2 / math.pi)
         return x * 0.5 * (tanh(inner) + 1)
-    if approximate != "none":
-        raise ValueError(f"gelu: approximate must be 'none' or 'tanh', not {approximate!r}")
     return x * 0.5 * (erf(x * (1 / math.sqrt(2))) + 1)
 
 
 def silu(x: Tensor) -> Tensor:
     expect_tensors("silu", input=x)
+    if x.dtype.is_floating_point:
+        return apply(Op.SILU, x)
+    return _silu(x)
+
+
+def _silu(x: Tensor) -> Tensor:
     return x * sigmoid(x)
 
 
@@ -85,3 +104,12 @@ def hardtanh(x: Tensor, min_val: float = -1.0, max_val: float = 1.0) -> Tensor:
 def mish(x: Tensor) -> Tensor:
     expect_tensors("mish", input=x)
     return x * tanh(softplus(x))
+
+
+def _same(inputs, attrs) -> tuple:
+    return inputs[0].shape, inputs[0].dtype
+
+
+composite(Op.RELU, _same, _relu)
+composite(Op.GELU, _same, _gelu)
+composite(Op.SILU, _same, _silu)

@@ -157,3 +157,18 @@ def test_mse_loss_of_broadcast_operands_is_the_primitives():
         out = F.mse_loss(x, y)
     assert out._node.op is not Op.MSE_LOSS
     close(out, torch.nn.functional.mse_loss(tx, ty.expand(6, 5)), "float32")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize(("name", "op"), [("softmax", Op.SOFTMAX), ("log_softmax", Op.LOG_SOFTMAX)])
+@pytest.mark.parametrize(("dim", "as_dtype"), [(-1, None), (0, None), (1, "float32")])
+def test_softmax_is_one_node_with_the_values_and_gradients_of_torch(name, op, dim, as_dtype, dtype):
+    x, tx = pair((4, 9), dtype)
+    out = getattr(F, name)(x, dim=dim, dtype=as_dtype and getattr(ember, as_dtype))
+    expected = getattr(torch.nn.functional, name)(tx, dim=dim, dtype=as_dtype and getattr(torch, as_dtype))
+    assert out._node.op is op and out.dtype.name == str(expected.dtype).removeprefix("torch.")
+    close(out, expected.float(), as_dtype or dtype)
+    g = RNG.standard_normal((4, 9)).astype(np.float32)
+    out.backward(ember.tensor(g).to(out.dtype))
+    expected.backward(torch.tensor(g).to(expected.dtype))
+    close(x.grad, tx.grad.float(), dtype)

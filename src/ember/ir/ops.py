@@ -16,11 +16,11 @@ one `define` per primitive in the op-family module (`ember/ops/pointwise.py`, `r
 the table when ember is imported, as JAX's lax.py registers each primitive's rules.
 tests/test_primitives.py checks that every primitive declares every rule.
 
-A composite op (Kind.COMPOSITE: linear, relu, gelu, silu, mse_loss, an optimizer's update) is one node where a
-user calls one function, so a step's graph is built, keyed and looked up with fewer nodes; it declares a shape
-rule, a VJP and its expansion into primitives (`define_composite`), and the compiler expands it before anything
-else sees the graph. A composite with several results (an optimizer's update of a parameter and its state:
-ember.ir.template) is one node per result, all on the same inputs; they share one expansion (`expand`).
+A composite op (Kind.COMPOSITE: linear, relu, gelu, silu, softmax, log_softmax, mse_loss, an optimizer's update)
+is one node where a user calls one function, so a step's graph is built, keyed and looked up with fewer nodes;
+it declares a shape rule, a VJP and its expansion into primitives (`define_composite`), and the compiler expands
+it before anything else sees the graph. A composite with several results (an optimizer's update of a parameter
+and its state: ember.ir.template) is one node per result, all on the same inputs; they share one expansion (`expand`).
 """
 
 from __future__ import annotations
@@ -125,6 +125,8 @@ class Op(enum.Enum):
     GELU = ("gelu", Kind.COMPOSITE)  # x * Φ(x), exact or the tanh approximation (attrs: approximate)
     SILU = ("silu", Kind.COMPOSITE)  # x * sigmoid(x)
     MSE_LOSS = ("mse_loss", Kind.COMPOSITE)  # mean squared error of equal shapes and dtypes (attrs: reduction)
+    SOFTMAX = ("softmax", Kind.COMPOSITE)  # of a float tensor along attrs["axis"], as attrs["dtype"]
+    LOG_SOFTMAX = ("log_softmax", Kind.COMPOSITE)  # likewise
     TEMPLATE = ("template", Kind.COMPOSITE)  # one output of a recorded subgraph (ember.ir.template): an update
 
     def __init__(self, label: str, kind: Kind):

@@ -21,7 +21,7 @@ from ember.ops.creation import full, ones
 from ember.ops.index import gather_in_range
 from ember.ops.movement import normalize_dim, normalize_dims, reshape, transpose, tril
 from ember.ops.pointwise import cast, exp, log, maximum, minimum, where
-from ember.tensor import Tensor, apply, expect_tensors
+from ember.tensor import Tensor, apply, composite, expect_tensors
 
 MaxMin = namedtuple("MaxMin", ["values", "indices"])
 
@@ -241,29 +241,39 @@ def _as_vector(fn, x: Tensor, dim: int, dtype) -> Tensor:
 
 @amp.autocast_op("softmax")
 def softmax(x: Tensor, dim: int, dtype=None) -> Tensor:
-    expect_tensors("softmax", input=x)
-    if x.ndim == 0:
-        return _as_vector(softmax, x, dim, dtype)
-    x, out_dtype = _widened(x, dtype)
-    axes = (normalize_dim("softmax", dim, x.ndim),)
-    if x.numel() == 0:
-        return cast(x, out_dtype)
-    # shifted by the plain maximum: a row holding +inf or only -inf gives NaN, as in torch
-    e = exp(x - amax(x.detach(), axes, keepdim=True))
-    return cast(e / sum(e, axes, keepdim=True), out_dtype)
+    return _normalized(softmax, Op.SOFTMAX, _softmax, x, dim, dtype)
 
 
 @amp.autocast_op("log_softmax")
 def log_softmax(x: Tensor, dim: int, dtype=None) -> Tensor:
-    expect_tensors("log_softmax", input=x)
+    return _normalized(log_softmax, Op.LOG_SOFTMAX, _log_softmax, x, dim, dtype)
+
+
+def _normalized(fn, op: Op, decomposition, x: Tensor, dim: int, dtype) -> Tensor:
+    """softmax or log_softmax of x along dim: one composite node for a float input (see ember.ir.ops)."""
+    expect_tensors(fn.__name__, input=x)
     if x.ndim == 0:
-        return _as_vector(log_softmax, x, dim, dtype)
-    x, out_dtype = _widened(x, dtype)
-    axes = (normalize_dim("log_softmax", dim, x.ndim),)
+        return _as_vector(fn, x, dim, dtype)
+    axis = normalize_dim(fn.__name__, dim, x.ndim)
+    wide, out_dtype = _widened(x, dtype)
     if x.numel() == 0:
-        return cast(x, out_dtype)
-    shifted = x - amax(x.detach(), axes, keepdim=True)
-    return cast(shifted - log(sum(exp(shifted), axes, keepdim=True)), out_dtype)
+        return cast(wide, out_dtype)
+    if x.dtype.is_floating_point:
+        return apply(op, x, axis=axis, dtype=out_dtype)  # one node until it is compiled
+    return decomposition(x, axis, out_dtype)
+
+
+def _softmax(x: Tensor, axis: int, dtype) -> Tensor:
+    x, out_dtype = _widened(x, dtype)
+    # shifted by the plain maximum: a row holding +inf or only -inf gives NaN, as in torch
+    e = exp(x - amax(x.detach(), (axis,), keepdim=True))
+    return cast(e / sum(e, (axis,), keepdim=True), out_dtype)
+
+
+def _log_softmax(x: Tensor, axis: int, dtype) -> Tensor:
+    x, out_dtype = _widened(x, dtype)
+    shifted = x - amax(x.detach(), (axis,), keepdim=True)
+    return cast(shifted - log(sum(exp(shifted), (axis,), keepdim=True)), out_dtype)
 
 
 def norm(x: Tensor, p=2, dim=None, keepdim: bool = False) -> Tensor:
@@ -372,3 +382,11 @@ define(Op.ARGMAX, shape=_reduce_rule(Op.ARGMAX, indices=True), vjp=NOT_DIFFERENT
        identity=_lowest)
 define(Op.ARGMIN, shape=_reduce_rule(Op.ARGMIN, indices=True), vjp=NOT_DIFFERENTIABLE, reference=_np_arg(np.argmin),
        identity=_highest)
+
+
+def _normalized_rule(inputs, attrs) -> tuple:
+    return inputs[0].shape, attrs["dtype"]
+
+
+composite(Op.SOFTMAX, _normalized_rule, _softmax)
+composite(Op.LOG_SOFTMAX, _normalized_rule, _log_softmax)

@@ -172,3 +172,34 @@ def test_softmax_is_one_node_with_the_values_and_gradients_of_torch(name, op, di
     out.backward(ember.tensor(g).to(out.dtype))
     expected.backward(torch.tensor(g).to(expected.dtype))
     close(x.grad, tx.grad.float(), dtype)
+
+
+@pytest.mark.parametrize(("dtype", "params"), [("float32", "float32"), ("float16", "float16"),
+                                               ("bfloat16", "float32"), ("float32", None), ("float16", "bias")])
+def test_layer_norm_is_one_node_with_the_values_and_gradients_of_torch(dtype, params):
+    x, tx = pair((3, 4, 6), dtype)
+    w, tw = pair((4, 6), params if params in TOL else dtype)
+    b, tb = pair((4, 6), params if params in TOL else dtype)
+    if params is None:
+        (w, tw), (b, tb) = (None, None), (None, None)
+    if params == "bias":
+        w, tw = None, None
+    out = F.layer_norm(x, (4, 6), w, b, eps=1e-3)
+    expected = torch.nn.functional.layer_norm(tx, (4, 6), tw, tb, eps=1e-3)
+    assert out._node.op is Op.LAYER_NORM and out.dtype is x.dtype
+    close(out, expected.float(), dtype)
+    (out.float() * out.float()).sum().backward()
+    (expected.float() * expected.float()).sum().backward()
+    rtol, atol = TOL[dtype]
+    for ours, theirs in [(x, tx), (w, tw), (b, tb)]:
+        if ours is not None:  # a sum of squares over the batch: its gradient is as large as that sum
+            np.testing.assert_allclose(ours.grad.float().numpy(), theirs.grad.float().numpy(), rtol=rtol,
+                                       atol=atol * max(1.0, float(theirs.grad.abs().max())))
+
+
+def test_layer_norm_with_parameters_of_a_wider_type_than_float32_inputs_is_the_primitives():
+    x, tx = pair((2, 5), "float32")
+    w = ember.tensor(RNG.standard_normal(5)).to(ember.float64)
+    out = F.layer_norm(x, (5,), w)
+    assert out._node.op is not Op.LAYER_NORM and out.dtype is ember.float64
+    close(out, torch.nn.functional.layer_norm(tx.double(), (5,), torch.tensor(w.numpy())), "float32")

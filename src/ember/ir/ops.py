@@ -16,11 +16,12 @@ one `define` per primitive in the op-family module (`ember/ops/pointwise.py`, `r
 the table when ember is imported, as JAX's lax.py registers each primitive's rules.
 tests/test_primitives.py checks that every primitive declares every rule.
 
-A composite op (Kind.COMPOSITE: linear, relu, gelu, silu, softmax, log_softmax, mse_loss, an optimizer's update)
-is one node where a user calls one function, so a step's graph is built, keyed and looked up with fewer nodes;
-it declares a shape rule, a VJP and its expansion into primitives (`define_composite`), and the compiler expands
-it before anything else sees the graph. A composite with several results (an optimizer's update of a parameter
-and its state: ember.ir.template) is one node per result, all on the same inputs; they share one expansion (`expand`).
+A composite op (Kind.COMPOSITE: linear, relu, gelu, silu, softmax, log_softmax, layer_norm, mse_loss, an
+optimizer's update) is one node where a user calls one function, so a step's graph is built, keyed and looked up
+with fewer nodes; it declares a shape rule, a VJP and its expansion into primitives (`define_composite`), and the
+compiler expands it before anything else sees the graph. A composite with several results (an optimizer's update
+of a parameter and its state: ember.ir.template) is one node per result, all on the same inputs; they share one
+expansion (`expand`).
 """
 
 from __future__ import annotations
@@ -127,6 +128,7 @@ class Op(enum.Enum):
     MSE_LOSS = ("mse_loss", Kind.COMPOSITE)  # mean squared error of equal shapes and dtypes (attrs: reduction)
     SOFTMAX = ("softmax", Kind.COMPOSITE)  # of a float tensor along attrs["axis"], as attrs["dtype"]
     LOG_SOFTMAX = ("log_softmax", Kind.COMPOSITE)  # likewise
+    LAYER_NORM = ("layer_norm", Kind.COMPOSITE)  # over the last attrs["dims"] axes; inputs x (, weight) (, bias)
     TEMPLATE = ("template", Kind.COMPOSITE)  # one output of a recorded subgraph (ember.ir.template): an update
 
     def __init__(self, label: str, kind: Kind):

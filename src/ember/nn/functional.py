@@ -164,8 +164,16 @@ def layer_norm(input: Tensor, normalized_shape, weight: Tensor | None = None, bi
             expect_tensors("layer_norm", **{name: t})
         if t is not None and t.shape != shape:
             raise ShapeError(f"layer_norm: {name} of shape {t.shape} must have normalized_shape {shape}")
+    if all(t is None or t.dtype is input.dtype or (t.dtype is dtypes.float32 and input.dtype.itemsize < 4)
+           for t in (weight, bias)):  # the result has the input's dtype: one node until it is compiled
+        return apply(Op.LAYER_NORM, input, *(t for t in (weight, bias) if t is not None), dims=k, eps=eps,
+                     weight=weight is not None, bias=bias is not None)
+    return _layer_norm(input, weight, bias, k, eps)
+
+
+def _layer_norm(input: Tensor, weight: Tensor | None, bias: Tensor | None, dims: int, eps: float) -> Tensor:
     x = _opmath(input)
-    axes = tuple(range(input.ndim - k, input.ndim))
+    axes = tuple(range(input.ndim - dims, input.ndim))
     mean = x.mean(axes, keepdim=True)
     centred = x - mean
     var = _variance(x, mean, axes)
@@ -182,6 +190,14 @@ def layer_norm(input: Tensor, normalized_shape, weight: Tensor | None = None, bi
     if bias is not None:
         out = out + bias
     return out
+
+
+def _layer_norm_composite(input: Tensor, *params: Tensor, dims: int, eps: float, weight: bool, bias: bool) -> Tensor:
+    given = iter(params)
+    return _layer_norm(input, next(given) if weight else None, next(given) if bias else None, dims, eps)
+
+
+composite(Op.LAYER_NORM, lambda inputs, attrs: (inputs[0].shape, inputs[0].dtype), _layer_norm_composite)
 
 
 # The batch statistics that pending running-stat updates read, by id of the running_mean they

@@ -6,6 +6,9 @@ thousands of long-lived objects torch, triton and the model keep: a third of the
 process has compiled a new plan, the objects alive then are moved out of the collector's sight (`gc.freeze`),
 after a full collection (garbage is not frozen). The first `FREEZES` new plans of a process do it.
 
+The cpu device compiles no plans: its evaluations count instead, and the 1st, 2nd, 4th, 8th... of a process
+freeze (the first `FREEZES` of them).
+
 A frozen object that later becomes part of an unreachable cycle (a dropped trainer holding its own bound
 method, with its model and GPU buffers) is not collected while it is frozen, so ember thaws, collects and
 freezes again (`refresh`): every `REFRESH_STEPS` lazy steps that are at least `REFRESH_SECONDS` apart, and
@@ -28,6 +31,7 @@ ENABLED = os.environ.get("EMBER_GC_FREEZE", "1") not in ("0", "")  # read once, 
 
 _freezes = 0
 _steps = 0
+_host_steps = 0  # lazy steps evaluated on the cpu device
 _refreshed = time.monotonic()
 _settling = threading.Lock()  # threads running plans at once freeze and refresh one at a time
 
@@ -52,6 +56,17 @@ def after_step() -> None:
     _steps += 1
     if _steps >= REFRESH_STEPS and time.monotonic() - _refreshed >= REFRESH_SECONDS:
         _refreeze()
+
+
+def after_host_step() -> None:
+    """A lazy step was evaluated on the cpu device: freeze after the 1st, 2nd, 4th... of them (steps settle as
+    plans do: the model, its optimizer's state, the data), else as after a cached plan's step."""
+    global _host_steps
+    _host_steps += 1
+    if _host_steps & (_host_steps - 1) == 0 and _freezes < FREEZES:
+        after_new_plan()
+    else:
+        after_step()
 
 
 def refresh() -> bool:

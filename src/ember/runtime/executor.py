@@ -24,6 +24,7 @@ from ember.compiler import CompileContext, compile
 from ember.device import Device
 from ember.errors import DeviceError
 from ember.ir import Node, Op, toposort
+from ember.runtime import collector
 
 
 class _ThisThread(threading.local):
@@ -42,7 +43,9 @@ transient: weakref.WeakSet = weakref.WeakSet()
 
 def _evaluate_on_cpu(order: list[Node], keep: set[int]) -> dict[int, np.ndarray]:
     """The cpu device: the reference target's plan, evaluated op by op with NumPy."""
-    return compile(order, keep, "reference", CompileContext()).evaluate()
+    values = compile(order, keep, "reference", CompileContext()).evaluate()
+    collector.after_host_step()
+    return values
 
 
 def _backend(device_type: str):

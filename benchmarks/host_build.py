@@ -1,13 +1,19 @@
 """Host cost of building a lazy training step's graph, against PyTorch eager's whole step, on the CPU.
 
-A plain loop (zero_grad, forward, MSE loss, backward, Adam step) over an MLP 64-64-64-64-64-16 with ReLUs, batch 8,
-float32, on the cpu device. ember's step is timed in two parts: building its graph (everything up to the
-optimizer's realize: forward, backward, the update's nodes) and evaluating it; PyTorch eager's step is timed whole
-(torch.set_num_threads(1)). The target (issue 33): ember's graph building <= PyTorch eager's whole step. Also the
-nodes a step builds, and, for the parts, each one's median.
+A plain loop (zero_grad, forward, loss, backward, optimizer step) on the cpu device, float32, one workload at a time:
 
-    python benchmarks/host_build.py            # prints the table and appends it to RESULTS.md
-    python benchmarks/host_build.py --no-record
+  mlp     an MLP 64-64-64-64-64-16 with ReLUs, batch 8, MSE, Adam (the issue 33 target row)
+  gpt     a GPT of 2 blocks (pre-norm, causal attention written out, GELU MLP), width 32, 4 heads, T 16, batch 2,
+          vocabulary 64, cross entropy, AdamW
+  resnet  ResNet-18's layout (benchmarks/cnn.py) with widths 8, 8x8 images, batch 2, cross entropy, SGD momentum
+
+ember's step is timed in parts: building its graph (everything up to the optimizer's realize: zero_grad, forward
+and loss, backward, the update's nodes) and evaluating it; PyTorch eager's step is timed whole
+(torch.set_num_threads(1)). The target (issue 33): ember's graph building <= PyTorch eager's whole step. Also the
+nodes a step's graph has at its realize.
+
+    python benchmarks/host_build.py                       # every workload; appends the tables to RESULTS.md
+    python benchmarks/host_build.py --workloads mlp --no-record
 """
 
 from __future__ import annotations
@@ -16,7 +22,9 @@ import argparse
 import datetime
 import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -26,83 +34,163 @@ from ember import nn
 from ember.ir import toposort
 from ember.optim import optimizer as optimizer_module
 
+sys.path.insert(0, str(Path(__file__).parent))
+import cnn  # noqa: E402
+
 WIDTHS = [64, 64, 64, 64, 64, 16]
+VOCAB, WIDTH, HEADS, BLOCKS, T = 64, 32, 4, 2, 16
 
 
 def mlp(lib):
     layers = []
     for a, b in zip(WIDTHS[:-1], WIDTHS[1:]):
-        layers += [lib.Linear(a, b), lib.ReLU()]
-    return lib.Sequential(*layers[:-1])
+        layers += [lib.nn.Linear(a, b), lib.nn.ReLU()]
+    return lib.nn.Sequential(*layers[:-1])
+
+
+def gpt(lib):
+    """A small GPT written once for torch and ember: the same modules and functions under both names."""
+    F = lib.nn.functional
+
+    class Block(lib.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = lib.nn.LayerNorm(WIDTH), lib.nn.LayerNorm(WIDTH)
+            self.qkv, self.proj = lib.nn.Linear(WIDTH, 3 * WIDTH), lib.nn.Linear(WIDTH, WIDTH)
+            self.fc1, self.fc2 = lib.nn.Linear(WIDTH, 4 * WIDTH), lib.nn.Linear(4 * WIDTH, WIDTH)
+
+        def forward(self, x):
+            b, t, d = x.shape
+            q, k, v = self.qkv(self.ln1(x)).reshape(b, t, 3, HEADS, d // HEADS).permute(2, 0, 3, 1, 4)
+            scores = (q @ k.transpose(-2, -1)) * (1.0 / (d // HEADS) ** 0.5)
+            mask = lib.tril(lib.ones(t, t, dtype=lib.bool))
+            attention = F.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+            x = x + self.proj((attention @ v).transpose(1, 2).reshape(b, t, d))
+            return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+    class GPT(lib.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding = lib.nn.Embedding(VOCAB, WIDTH)
+            self.blocks = lib.nn.Sequential(*[Block() for _ in range(BLOCKS)])
+            self.ln, self.head = lib.nn.LayerNorm(WIDTH), lib.nn.Linear(WIDTH, VOCAB)
+
+        def forward(self, idx):
+            return self.head(self.ln(self.blocks(self.embedding(idx)))).reshape(-1, VOCAB)
+
+    return GPT()
+
+
+def resnet(lib):
+    return cnn.resnet18(lib.nn, 8, (8, 8, 8, 8), "cpu", lib.float32)
+
+
+def _tokens(lib, y):
+    return lib.tensor(y).reshape(-1)
+
+
+# name: (description, model maker, optimizer maker, input, target, loss, steps)
+WORKLOADS = {
+    "mlp": (f"MLP {'-'.join(map(str, WIDTHS))}, batch 8, float32, MSE, Adam", mlp,
+            lambda lib, ps: lib.optim.Adam(ps, lr=1e-3),
+            lambda rng: rng.standard_normal((8, WIDTHS[0]), np.float32),
+            lambda rng: rng.standard_normal((8, WIDTHS[-1]), np.float32), "mse_loss", 300),
+    "gpt": (f"GPT {BLOCKS} blocks, width {WIDTH}, {HEADS} heads, T {T}, batch 2, vocabulary {VOCAB}, float32, "
+            "cross entropy, AdamW", gpt, lambda lib, ps: lib.optim.AdamW(ps, lr=1e-3),
+            lambda rng: rng.integers(0, VOCAB, (2, T)), lambda rng: rng.integers(0, VOCAB, 2 * T),
+            "cross_entropy", 60),
+    "resnet": ("ResNet-18 layout, widths 8, 8x8 images, batch 2, float32, cross entropy, SGD momentum 0.9", resnet,
+               lambda lib, ps: lib.optim.SGD(ps, lr=0.1, momentum=0.9),
+               lambda rng: rng.standard_normal((2, 3, 8, 8), np.float32), lambda rng: rng.integers(0, 10, 2),
+               "cross_entropy", 20),
+}
+PARTS = ("zero_grad", "forward and loss", "backward", "optimizer's nodes", "evaluation (reference backend)")
 
 
 def median_us(samples: list[float]) -> float:
     return statistics.median(samples) * 1e6
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--no-record", action="store_true")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
+def torch_step_us(name: str, steps: int, warm: int) -> float:
+    _, make, make_opt, x, y, loss, _ = WORKLOADS[name]
+    torch.manual_seed(0)
     rng = np.random.default_rng(0)
-    x, y = rng.standard_normal((args.batch, WIDTHS[0]), np.float32), rng.standard_normal((args.batch, WIDTHS[-1]),
-                                                                                           np.float32)
-
-    model = mlp(torch.nn)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    tx, ty = torch.from_numpy(x), torch.from_numpy(y)
-    torch_step = []
-    for i in range(args.steps + 30):
+    model = make(torch)
+    opt = make_opt(torch, model.parameters())
+    tx, ty = torch.from_numpy(x(rng)), torch.from_numpy(y(rng))
+    loss_fn = getattr(torch.nn.functional, loss)
+    times = []
+    for i in range(steps + warm):
         start = time.perf_counter()
         opt.zero_grad()
-        torch.nn.functional.mse_loss(model(tx), ty).backward()
+        loss_fn(model(tx), ty).backward()
         opt.step()
-        if i >= 30:
-            torch_step.append(time.perf_counter() - start)
+        if i >= warm:
+            times.append(time.perf_counter() - start)
+    return median_us(times)
 
-    model = mlp(nn)
-    opt = ember.optim.Adam(model.parameters(), lr=1e-3)
-    ex, ey = ember.tensor(x), ember.tensor(y)
-    parts: dict[str, list[float]] = {"zero_grad": [], "forward and loss": [], "backward": [], "optimizer's nodes": [],
-                                     "evaluation (reference backend)": []}
+
+def ember_parts_us(name: str, steps: int, warm: int) -> tuple[dict[str, float], float, int]:
+    """The median of each part of ember's step, of the graph building (the first four parts together), and the
+    nodes of the step's graph at its realize."""
+    _, make, make_opt, x, y, loss, _ = WORKLOADS[name]
+    ember.manual_seed(0)
+    rng = np.random.default_rng(0)
+    model = make(ember)
+    opt = make_opt(ember, model.parameters())
+    ex, ey = ember.tensor(x(rng)), ember.tensor(y(rng))
+    loss_fn = getattr(nn.functional, loss)
+    parts: dict[str, list[float]] = {p: [] for p in PARTS}
+    builds: list[float] = []
     held: list = []
     realize = optimizer_module.realize
     optimizer_module.realize = lambda *tensors: held.extend(tensors)  # the step's realize, timed apart
     nodes = 0
     try:
-        for i in range(args.steps + 30):
+        for i in range(steps + warm):
             t0 = time.perf_counter()
             opt.zero_grad()
             t1 = time.perf_counter()
-            loss = nn.functional.mse_loss(model(ex), ey)
+            value = loss_fn(model(ex), ey)
             t2 = time.perf_counter()
-            loss.backward()
+            value.backward()
             t3 = time.perf_counter()
             opt.step()
             t4 = time.perf_counter()
-            nodes = len(toposort([t._node for t in held] + [loss._node]))
-            realize(*held, loss)
+            nodes = len(toposort([t._node for t in held] + [value._node]))
+            realize(*held, value)
             t5 = time.perf_counter()
             held.clear()
-            if i >= 30:
-                for name, (a, b) in zip(parts, [(t0, t1), (t1, t2), (t2, t3), (t3, t4), (t4, t5)]):
-                    parts[name].append(b - a)
+            if i >= warm:
+                for part, (a, b) in zip(PARTS, [(t0, t1), (t1, t2), (t2, t3), (t3, t4), (t4, t5)]):
+                    parts[part].append(b - a)
+                builds.append(t4 - t0)
     finally:
         optimizer_module.realize = realize
-    build = [sum(p[k] for p in list(parts.values())[:4]) for k in range(args.steps)]
-    rows = [("PyTorch eager, whole step", median_us(torch_step)),
-            ("ember: building the step's graph", median_us(build))]
-    rows += [(f"  {name}", median_us(v)) for name, v in parts.items()]
-    ratio = median_us(build) / median_us(torch_step)
+    return {p: median_us(v) for p, v in parts.items()}, median_us(builds), nodes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"some of {', '.join(WORKLOADS)}")
+    parser.add_argument("--steps", type=float, default=1.0, help="a multiple of each workload's step count")
+    parser.add_argument("--no-record", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
     lines = [f"## host_build: {datetime.date.today()}, {platform.processor() or platform.machine()}, "
-             f"{torch.get_num_threads()} torch thread, torch {torch.__version__}, ember {ember.__version__}",
-             "", f"MLP {'-'.join(map(str, WIDTHS))}, batch {args.batch}, float32, Adam, cpu device; median of "
-             f"{args.steps} steps; the step's graph has {nodes} pending nodes at its realize", "",
-             "| part | us |", "| --- | --- |", *(f"| {name} | {us:.0f} |" for name, us in rows), "",
-             f"graph building / PyTorch eager step = {ratio:.2f} (target <= 1)", ""]
+             f"{torch.get_num_threads()} torch thread, torch {torch.__version__}, ember {ember.__version__}", ""]
+    for name in args.workloads.split(","):
+        description, *_, count = WORKLOADS[name]
+        steps = max(3, int(count * args.steps))
+        warm = max(2, steps // 10)
+        eager = torch_step_us(name, steps, warm)
+        parts, build, nodes = ember_parts_us(name, steps, warm)
+        rows = [("PyTorch eager, whole step", eager), ("ember: building the step's graph", build)]
+        rows += [(f"  {part}", us) for part, us in parts.items()]
+        lines += [f"{description}, cpu device; median of {steps} steps; the step's graph has {nodes} pending "
+                  "nodes at its realize", "", "| part | us |", "| --- | --- |",
+                  *(f"| {part} | {us:.0f} |" for part, us in rows), "",
+                  f"graph building / PyTorch eager step = {build / eager:.2f} (target <= 1)", ""]
     print("\n".join(lines))
     if not args.no_record:
         with open("benchmarks/RESULTS.md", "a") as results:

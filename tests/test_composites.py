@@ -203,3 +203,46 @@ def test_layer_norm_with_parameters_of_a_wider_type_than_float32_inputs_is_the_p
     out = F.layer_norm(x, (5,), w)
     assert out._node.op is not Op.LAYER_NORM and out.dtype is ember.float64
     close(out, torch.nn.functional.layer_norm(tx.double(), (5,), torch.tensor(w.numpy())), "float32")
+
+
+@pytest.mark.parametrize(("dtype", "affine"), [("float32", True), ("float16", True), ("bfloat16", False)])
+def test_batch_norm_in_training_is_one_node_per_result_with_torchs_values_gradients_and_statistics(dtype, affine):
+    shape = (4, 3, 5, 2)
+    values = RNG.standard_normal(shape).astype(np.float32) * 2 + 0.7
+    ours = ember.nn.BatchNorm2d(3, affine=affine)
+    theirs = torch.nn.BatchNorm2d(3, affine=affine)
+    if affine:
+        ours.weight.data = ember.tensor(RNG.standard_normal(3).astype(np.float32))
+        with torch.no_grad():
+            theirs.weight.copy_(torch.tensor(ours.weight.numpy()))
+    for step in range(2):
+        x = ember.tensor(values * (step + 1)).to(getattr(ember, dtype)).requires_grad_(True)
+        tx = torch.tensor(values * (step + 1)).to(getattr(torch, dtype)).requires_grad_(True)
+        out = ours(x)
+        expected = torch.nn.functional.batch_norm(tx, theirs.running_mean, theirs.running_var, theirs.weight,
+                                                  theirs.bias, True, 0.1, 1e-5)
+        assert out._node.op is Op.BATCH_NORM and ours.running_var._node.op is Op.BATCH_NORM
+        close(out, expected.float(), dtype)
+        g = RNG.standard_normal(shape).astype(np.float32)
+        out.backward(ember.tensor(g).to(out.dtype))
+        expected.backward(torch.tensor(g).to(expected.dtype))
+        close(x.grad, tx.grad.float(), dtype)
+        np.testing.assert_allclose(ours.running_mean.numpy(), theirs.running_mean.numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(ours.running_var.numpy(), theirs.running_var.numpy(), rtol=1e-5, atol=1e-6)
+    if affine:
+        close(ours.weight.grad, theirs.weight.grad, "float32" if dtype == "float32" else "float16")
+
+
+@pytest.mark.parametrize("momentum", [None, "tensor"])
+def test_batch_norm_with_a_cumulative_or_tensor_momentum_is_the_primitives(momentum):
+    x, tx = pair((6, 2, 3), "float32")
+    ours, theirs = ember.nn.BatchNorm1d(2, momentum=None), torch.nn.BatchNorm1d(2, momentum=None)
+    if momentum == "tensor":
+        ours, theirs = ember.nn.BatchNorm1d(2), torch.nn.BatchNorm1d(2)
+        out = F.batch_norm(x, ours.running_mean, ours.running_var, training=True, momentum=ember.tensor(0.1))
+        expected = torch.nn.functional.batch_norm(tx, theirs.running_mean, theirs.running_var, training=True)
+    else:
+        out, expected = ours(x), theirs(tx)
+    assert out._node.op is not Op.BATCH_NORM
+    close(out, expected, "float32")
+    np.testing.assert_allclose(ours.running_var.numpy(), theirs.running_var.numpy(), rtol=1e-5)

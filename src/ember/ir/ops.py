@@ -16,12 +16,12 @@ one `define` per primitive in the op-family module (`ember/ops/pointwise.py`, `r
 the table when ember is imported, as JAX's lax.py registers each primitive's rules.
 tests/test_primitives.py checks that every primitive declares every rule.
 
-A composite op (Kind.COMPOSITE: linear, relu, gelu, silu, softmax, log_softmax, layer_norm, mse_loss, an
-optimizer's update) is one node where a user calls one function, so a step's graph is built, keyed and looked up
-with fewer nodes; it declares a shape rule, a VJP and its expansion into primitives (`define_composite`), and the
-compiler expands it before anything else sees the graph. A composite with several results (an optimizer's update
-of a parameter and its state: ember.ir.template) is one node per result, all on the same inputs; they share one
-expansion (`expand`).
+A composite op (Kind.COMPOSITE: linear, relu, gelu, silu, softmax, log_softmax, layer_norm, batch_norm, mse_loss,
+an optimizer's update) is one node where a user calls one function, so a step's graph is built, keyed and looked
+up with fewer nodes; it declares a shape rule, a VJP and its expansion into primitives (`define_composite`), and
+the compiler expands it before anything else sees the graph. A composite with several results (batch norm's
+output and running statistics, an optimizer's update of a parameter and its state: ember.ir.template) is one
+node per result, all on the same inputs; they share one expansion (`expand`).
 """
 
 from __future__ import annotations
@@ -129,6 +129,9 @@ class Op(enum.Enum):
     SOFTMAX = ("softmax", Kind.COMPOSITE)  # of a float tensor along attrs["axis"], as attrs["dtype"]
     LOG_SOFTMAX = ("log_softmax", Kind.COMPOSITE)  # likewise
     LAYER_NORM = ("layer_norm", Kind.COMPOSITE)  # over the last attrs["dims"] axes; inputs x (, weight) (, bias)
+    # batch norm in training with running statistics: one node per result (attrs["result"]: 0 the output, 1 and 2
+    # the new running mean and variance); inputs x, running mean, running variance (, weight) (, bias)
+    BATCH_NORM = ("batch_norm", Kind.COMPOSITE)
     TEMPLATE = ("template", Kind.COMPOSITE)  # one output of a recorded subgraph (ember.ir.template): an update
 
     def __init__(self, label: str, kind: Kind):

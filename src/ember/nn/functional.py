@@ -14,9 +14,10 @@ import warnings
 import weakref
 
 from ember import amp, dtypes
-from ember.autograd import no_grad
+from ember.autograd import enable_grad, grad, no_grad
 from ember.errors import DTypeError, ShapeError, operands
 from ember.ir import Op
+from ember.ir.ops import define_composite
 from ember.ops import (
     adaptive_avg_pool2d,
     adaptive_max_pool2d,
@@ -273,7 +274,7 @@ def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor |
     if input.ndim < 2:
         raise ShapeError(f"batch_norm: expected input of shape (N, C, ...), got {input.shape}")
     c = input.shape[1]
-    x = _opmath(input)
+    wide = dtypes.float32 if input.dtype in (dtypes.float16, dtypes.bfloat16) else input.dtype  # see _opmath
     for name, t in (("running_mean", running_mean), ("running_var", running_var), ("weight", weight),
                     ("bias", bias)):
         if t is None:
@@ -281,17 +282,29 @@ def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor |
         expect_tensors("batch_norm", **{name: t})
         if t.shape != (c,):
             raise ShapeError(f"batch_norm: {name} of shape {t.shape} must have shape ({c},) for input {input.shape}")
-        if t.dtype is not input.dtype and t.dtype is not x.dtype:
-            allowed = input.dtype.name if x.dtype is input.dtype else f"{input.dtype.name} or {x.dtype.name}"
+        if t.dtype is not input.dtype and t.dtype is not wide:
+            allowed = input.dtype.name if wide is input.dtype else f"{input.dtype.name} or {wide.name}"
             raise DTypeError(f"batch_norm: {name} of dtype {t.dtype.name} does not go with input of dtype "
                              f"{input.dtype.name}; give it dtype {allowed}")
+    count = input.numel() // c if c else 0
+    if training and count <= 1:
+        raise ValueError(f"batch_norm: expected more than 1 value per channel when training, "
+                         f"got input of shape {input.shape}")
+    if training and running_mean is not None and running_var is not None and type(momentum) in (int, float):
+        # one node per result (the output, the two running statistics) until it is compiled
+        settings = dict(momentum=float(momentum), eps=eps, count=count, weight=weight is not None,
+                        bias=bias is not None)
+        given = (input, running_mean, running_var, *(t for t in (weight, bias) if t is not None))
+        out = apply(Op.BATCH_NORM, *given, result=0, **settings)
+        with no_grad():
+            running_mean.assign(apply(Op.BATCH_NORM, *given, result=1, **settings))
+            running_var.assign(apply(Op.BATCH_NORM, *given, result=2, **settings))
+        _with_the_step(running_mean, running_var)
+        return out
+    x = _opmath(input)
     axes = (0, *range(2, input.ndim))
     stat_shape = (1, c) + (1,) * (input.ndim - 2)
     if training:
-        count = input.numel() // c if c else 0
-        if count <= 1:
-            raise ValueError(f"batch_norm: expected more than 1 value per channel when training, "
-                             f"got input of shape {input.shape}")
         mean = x.mean(axes, keepdim=True)
         centred = x - mean
         var = _variance(x, mean, axes)
@@ -307,6 +320,59 @@ def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor |
     if bias is not None:
         out = out + cast(bias, x.dtype).reshape(stat_shape)
     return cast(out, input.dtype)
+
+
+def _batch_norm_results(input: Tensor, running_mean: Tensor, running_var: Tensor, *params: Tensor, momentum: float,
+                        eps: float, count: int, weight: bool, bias: bool, result: int | None = None) -> list[Tensor]:
+    """batch_norm in training with running statistics, in primitives: [its output, the new running mean, the new
+    running variance], as batch_norm and _update_running_stats compute them."""
+    given = iter(params)
+    weight, bias = next(given) if weight else None, next(given) if bias else None
+    x = _opmath(input)
+    c = input.shape[1]
+    axes = (0, *range(2, input.ndim))
+    stat_shape = (1, c) + (1,) * (input.ndim - 2)
+    mean = x.mean(axes, keepdim=True)
+    centred = x - mean
+    var = _variance(x, mean, axes)
+    batch_mean, batch_var = mean.detach().reshape((c,)), var.detach().reshape((c,))
+    new_mean = cast(cast(running_mean, mean.dtype) * (1 - momentum) + batch_mean * momentum, running_mean.dtype)
+    unbiased = batch_var * (count / (count - 1))
+    new_var = cast(cast(running_var, var.dtype) * (1 - momentum) + unbiased * momentum, running_var.dtype)
+    out = centred * (var + eps).rsqrt()
+    if weight is not None:
+        out = out * cast(weight, x.dtype).reshape(stat_shape)
+    if bias is not None:
+        out = out + cast(bias, x.dtype).reshape(stat_shape)
+    return [cast(out, input.dtype), new_mean, new_var]
+
+
+def _batch_norm_shape(inputs, attrs) -> tuple:
+    made = inputs[attrs["result"]]  # the input, or the running statistic, each result has the shape of
+    return made.shape, made.dtype
+
+
+def _batch_norm_expansion(inputs, attrs) -> list:
+    with no_grad():
+        return [t._node for t in _batch_norm_results(*(Tensor(n) for n in inputs), **attrs)]
+
+
+def _batch_norm_vjp(g: Tensor, xs: list[Tensor], out: Tensor, attrs: dict) -> tuple:
+    """The output's gradient (the running statistics have none), by the primitives' VJP rules."""
+    inputs = [x.detach().requires_grad_(k not in (1, 2)) for k, x in enumerate(xs)]
+    with enable_grad():
+        value = _batch_norm_results(*inputs, **attrs)[0]
+    wanted = [x for x in inputs if x.requires_grad]
+    grads = iter(grad(value, wanted, g, allow_unused=True))
+    return tuple(next(grads) if x.requires_grad else None for x in inputs)
+
+
+def _batch_norm_result(attrs) -> tuple:
+    return tuple((k, v) for k, v in attrs.items() if k != "result"), attrs["result"]
+
+
+define_composite(Op.BATCH_NORM, shape=_batch_norm_shape, vjp=_batch_norm_vjp, expand=_batch_norm_expansion,
+                 result=_batch_norm_result)
 
 
 # -- losses ---------------------------------------------------------------------------

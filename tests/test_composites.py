@@ -246,3 +246,37 @@ def test_batch_norm_with_a_cumulative_or_tensor_momentum_is_the_primitives(momen
     assert out._node.op is not Op.BATCH_NORM
     close(out, expected, "float32")
     np.testing.assert_allclose(ours.running_var.numpy(), theirs.running_var.numpy(), rtol=1e-5)
+
+
+def test_a_composites_gradient_is_derived_once_per_kind_of_node_then_built_from_its_template(monkeypatch):
+    """Without backward templates (a structure seen for the first time), each composite node's VJP would build its
+    decomposition again and differentiate it; it does that once per kind of node."""
+    from ember import autograd
+
+    structure = autograd._structure
+    monkeypatch.setattr(autograd, "_structure", lambda roots, functions: (None, *structure(roots, functions)[1:]))
+    derived = []
+    grad = autograd.grad
+    monkeypatch.setattr(autograd, "grad", lambda *a, **k: derived.append(1) or grad(*a, **k))
+    for step in range(3):
+        x, tx = pair((7, 13), "float32")
+        if step == 1:
+            derived.clear()
+        out = (F.gelu(x, approximate="tanh") * F.softmax(x, dim=-1)).sum()
+        out.backward()
+        (torch.nn.functional.gelu(tx, approximate="tanh") * torch.softmax(tx, dim=-1)).sum().backward()
+        close(x.grad, tx.grad, "float32")
+    assert derived == []
+
+
+def test_a_backward_pass_through_composites_is_still_recorded_as_a_template(monkeypatch):
+    from ember import autograd
+
+    monkeypatch.setattr(autograd, "_templates", {})
+    # the second GELU's gradient is built from the first one's template, inside the backward pass's recording
+    model = ember.nn.Sequential(ember.nn.Linear(5, 6), ember.nn.GELU(), ember.nn.Linear(6, 6), ember.nn.GELU(),
+                                ember.nn.LayerNorm(6), ember.nn.Linear(6, 2))
+    for _ in range(3):
+        x, _ = pair((4, 5), "float32", grad=False)
+        F.mse_loss(model(x), ember.zeros(4, 2)).backward()
+    assert len(autograd._templates) == 1 and None not in autograd._templates.values()

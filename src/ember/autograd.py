@@ -332,6 +332,49 @@ def differentiable(op: Op) -> bool:
     return callable(RULES[op].vjp)
 
 
+# per composite op (see composite_vjp): (attrs, the inputs' and the gradient's shapes, dtypes and devices) -> the
+# template of its VJP and the positions of the inputs it gives gradients to; None where it cannot be a template
+COMPOSITE_VJPS_KEPT = 256
+
+
+def composite_vjp(derive: Callable) -> Callable:
+    """A composite op's VJP from `derive(g, xs, out, attrs)`, the gradient of its decomposition (which builds the
+    decomposition again and differentiates it by the primitives' rules: several times the nodes of the gradient
+    itself), recorded once per kind of node as a template and built from it afterwards, as a backward pass of a
+    known structure is."""
+    recorded: dict[tuple, tuple[Template, list[int]] | None] = {}
+    lock = threading.Lock()
+
+    def vjp(g, xs: list, out, attrs: dict) -> tuple:
+        from ember.tensor import Tensor  # ember.tensor imports this module before it defines Tensor
+
+        key = (tuple(attrs.items()), g.shape, g.dtype, *((x.shape, x.dtype, x.device) for x in xs))
+        try:
+            known = recorded.get(key, False)
+        except TypeError:  # an attribute that cannot be hashed
+            return derive(g, xs, out, attrs)
+        inputs = [g._node, *(x._node for x in xs)]
+        if known is False:
+            with recording() as made:
+                grads = derive(g, xs, out, attrs)
+            given = [k for k, d in enumerate(grads) if d is not None]
+            built = template(inputs, [grads[k]._node for k in given], made)
+            with lock:
+                while len(recorded) >= COMPOSITE_VJPS_KEPT:
+                    del recorded[next(iter(recorded))]
+                recorded[key] = (built, given) if built is not None else None
+            return grads
+        if known is None:
+            return derive(g, xs, out, attrs)
+        built, given = known
+        grads: list = [None] * len(xs)
+        for k, node in zip(given, built.build(inputs)):
+            grads[k] = Tensor(node)
+        return tuple(grads)
+
+    return vjp
+
+
 def _vjp(fn: Function, g):
     from ember.tensor import Tensor  # ember.tensor imports this module before it defines Tensor
 

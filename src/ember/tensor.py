@@ -403,7 +403,8 @@ def apply(op: Op, *inputs: Tensor, **attrs) -> Tensor:
 def composite(op: Op, shape, decomposition) -> None:
     """Declare composite `op` (see ember.ir.ops): `decomposition(*inputs, **attrs)` computes it from Tensors
     with primitives. The compiler expands a node of it with that function; its gradient is that of the
-    decomposition, derived from the VJP rules of the primitives it is made of."""
+    decomposition, derived from the VJP rules of the primitives it is made of (once per kind of node: see
+    autograd.composite_vjp)."""
     def expand(inputs: tuple[Node, ...], attrs: dict) -> Node:
         with autograd.no_grad():
             return decomposition(*(Tensor(n) for n in inputs), **attrs)._node
@@ -416,7 +417,7 @@ def composite(op: Op, shape, decomposition) -> None:
         grads = iter(autograd.grad(value, wanted, g, allow_unused=True) if wanted else ())
         return tuple(next(grads) if x.requires_grad else None for x in inputs)
 
-    define_composite(op, shape=shape, vjp=vjp, expand=expand)
+    define_composite(op, shape=shape, vjp=autograd.composite_vjp(vjp), expand=expand)
 
 
 def leaf(op: Op, device: Device, **attrs) -> Tensor:

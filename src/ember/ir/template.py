@@ -68,11 +68,15 @@ class Template:
                 for r in self._results]
 
     def build(self, inputs: list[Node]) -> list[Node]:
-        """The recorded nodes made again on `inputs` (of the recorded shapes, dtypes and devices)."""
+        """The recorded nodes made again on `inputs` (of the recorded shapes, dtypes and devices); a recording
+        of this thread (`recording`) lists them, as it lists the nodes `Node.make` makes."""
         made = list(inputs)
         append = made.append
         for op, pick, attrs, shape, dtype, device, static in self.steps:
             append(Node(op, pick(made), attrs, shape, dtype, device, None, static))
+        recordings = _graph.made
+        if recordings is not None and threading.get_ident() in recordings:
+            recordings[threading.get_ident()].extend(made[len(inputs):])
         return [made[i] for i in self.outputs]
 
     def expand(self, inputs: tuple[Node, ...]) -> list[Node]:

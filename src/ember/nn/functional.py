@@ -14,7 +14,7 @@ import warnings
 import weakref
 
 from ember import amp, dtypes
-from ember.autograd import enable_grad, grad, no_grad
+from ember.autograd import composite_vjp, enable_grad, grad, no_grad
 from ember.errors import DTypeError, ShapeError, operands
 from ember.ir import Op
 from ember.ir.ops import define_composite
@@ -371,8 +371,8 @@ def _batch_norm_result(attrs) -> tuple:
     return tuple((k, v) for k, v in attrs.items() if k != "result"), attrs["result"]
 
 
-define_composite(Op.BATCH_NORM, shape=_batch_norm_shape, vjp=_batch_norm_vjp, expand=_batch_norm_expansion,
-                 result=_batch_norm_result)
+define_composite(Op.BATCH_NORM, shape=_batch_norm_shape, vjp=composite_vjp(_batch_norm_vjp),
+                 expand=_batch_norm_expansion, result=_batch_norm_result)
 
 
 # -- losses ---------------------------------------------------------------------------

@@ -280,3 +280,33 @@ def test_a_backward_pass_through_composites_is_still_recorded_as_a_template(monk
         x, _ = pair((4, 5), "float32", grad=False)
         F.mse_loss(model(x), ember.zeros(4, 2)).backward()
     assert len(autograd._templates) == 1 and None not in autograd._templates.values()
+
+
+@pytest.mark.parametrize(("shape", "reduction", "smoothing"), [((5, 7), "mean", 0.0), ((3, 4, 2, 2), "sum", 0.2),
+                                                               ((6,), "none", 0.0), ((4, 3), "none", 0.1)])
+def test_cross_entropy_of_class_indices_is_one_node_with_torchs_values_and_gradients(shape, reduction, smoothing):
+    """Its expansion holds a log-softmax, itself a composite: the compiler expands that in turn."""
+    x, tx = pair(shape, "float32")
+    classes = shape[0] if len(shape) == 1 else shape[1]
+    target = RNG.integers(0, classes, shape[:0] if len(shape) == 1 else (shape[0], *shape[2:]))
+    if target.ndim:
+        target.flat[0] = -100  # ignored
+    out = F.cross_entropy(x, ember.tensor(target), reduction=reduction, label_smoothing=smoothing)
+    expected = torch.nn.functional.cross_entropy(tx, torch.tensor(target), reduction=reduction,
+                                                 label_smoothing=smoothing)
+    assert out._node.op is Op.CROSS_ENTROPY
+    close(out, expected, "float32")
+    out.sum().backward()
+    expected.sum().backward()
+    close(x.grad, tx.grad, "float32")
+    expanded, _ = passes.expand_composites(toposort([out._node]), {id(out._node)})
+    assert not [n for n in expanded if n.op.kind is Op.CROSS_ENTROPY.kind]
+
+
+def test_cross_entropy_with_class_weights_is_the_primitives():
+    x, tx = pair((4, 3), "float32")
+    w, tw = pair((3,), "float32", grad=False)
+    target = np.array([0, 2, 1, 2])
+    out = F.cross_entropy(x, ember.tensor(target), weight=w)
+    assert out._node.op is not Op.CROSS_ENTROPY
+    close(out, torch.nn.functional.cross_entropy(tx, torch.tensor(target), weight=tw), "float32")

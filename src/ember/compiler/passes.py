@@ -116,10 +116,24 @@ class Lowered:
 def expand_composites(order: list[Node], keep: set[int]) -> tuple[list[Node], list[Node]]:
     """The graph with every composite node replaced by its primitives (ember.ir.ops.define_composite), the nodes
     after it made again on them, as (order, results): `results` are what the kept nodes became, in `order`'s
-    order (an expansion shared by several results may place a later one's nodes first). The graph itself is
-    unchanged; the caller's `order` when it has no composite."""
-    if not any(n.op.kind is Kind.COMPOSITE for n in order):
-        return order, [n for n in order if id(n) in keep]
+    order (an expansion shared by several results may place a later one's nodes first). An expansion made of
+    composites (cross entropy of log-softmax) is expanded in turn. The graph itself is unchanged; the caller's
+    `order` when it has no composite."""
+    results = [n for n in order if id(n) in keep]
+    for _ in range(COMPOSITE_DEPTH):
+        if not any(n.op.kind is Kind.COMPOSITE for n in order):
+            return order, results
+        order, now = _expand_once(order)
+        results = [now[id(n)] for n in results]
+    raise CompileError(f"composites nested more than {COMPOSITE_DEPTH} deep: "
+                       f"{', '.join(sorted({n.op.label for n in order if n.op.kind is Kind.COMPOSITE}))}")
+
+
+COMPOSITE_DEPTH = 8
+
+
+def _expand_once(order: list[Node]) -> tuple[list[Node], dict[int, Node]]:
+    """`order` with its composite nodes expanded one level; and what each node became, by id."""
     now: dict[int, Node] = {}
     expanded: list[Node] = []
     placed: set[int] = set()
@@ -145,7 +159,7 @@ def expand_composites(order: list[Node], keep: set[int]) -> tuple[list[Node], li
         expanded += made
         placed.update(map(id, made))
         now[id(node)] = new
-    return expanded, [now[id(n)] for n in order if id(n) in keep]
+    return expanded, now
 
 
 def lower(order: list[Node], keep: set[int], sig: Signature, channels_last: bool = False,

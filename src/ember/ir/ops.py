@@ -17,11 +17,11 @@ the table when ember is imported, as JAX's lax.py registers each primitive's rul
 tests/test_primitives.py checks that every primitive declares every rule.
 
 A composite op (Kind.COMPOSITE: linear, relu, gelu, silu, softmax, log_softmax, layer_norm, batch_norm, mse_loss,
-an optimizer's update) is one node where a user calls one function, so a step's graph is built, keyed and looked
-up with fewer nodes; it declares a shape rule, a VJP and its expansion into primitives (`define_composite`), and
-the compiler expands it before anything else sees the graph. A composite with several results (batch norm's
-output and running statistics, an optimizer's update of a parameter and its state: ember.ir.template) is one
-node per result, all on the same inputs; they share one expansion (`expand`).
+cross_entropy, an optimizer's update) is one node where a user calls one function, so a step's graph is built,
+keyed and looked up with fewer nodes; it declares a shape rule, a VJP and its expansion into primitives
+(`define_composite`), and the compiler expands it before anything else sees the graph. A composite with several
+results (batch norm's output and running statistics, an optimizer's update of a parameter and its state:
+ember.ir.template) is one node per result, all on the same inputs; they share one expansion (`expand`).
 """
 
 from __future__ import annotations
@@ -126,6 +126,7 @@ class Op(enum.Enum):
     GELU = ("gelu", Kind.COMPOSITE)  # x * Φ(x), exact or the tanh approximation (attrs: approximate)
     SILU = ("silu", Kind.COMPOSITE)  # x * sigmoid(x)
     MSE_LOSS = ("mse_loss", Kind.COMPOSITE)  # mean squared error of equal shapes and dtypes (attrs: reduction)
+    CROSS_ENTROPY = ("cross_entropy", Kind.COMPOSITE)  # of logits and class indices, without class weights
     SOFTMAX = ("softmax", Kind.COMPOSITE)  # of a float tensor along attrs["axis"], as attrs["dtype"]
     LOG_SOFTMAX = ("log_softmax", Kind.COMPOSITE)  # likewise
     LAYER_NORM = ("layer_norm", Kind.COMPOSITE)  # over the last attrs["dims"] axes; inputs x (, weight) (, bias)

@@ -482,13 +482,24 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, *
     class_dim = _class_dim("cross_entropy", input)
     classes = input.shape[class_dim]
     _check_weight("cross_entropy", weight, classes)
-    logp = _log_softmax(input, class_dim)
     if target.dtype.is_floating_point:
-        return _cross_entropy_probabilities(logp, target, weight, reduction, label_smoothing, class_dim)
+        return _cross_entropy_probabilities(_log_softmax(input, class_dim), target, weight, reduction,
+                                            label_smoothing, class_dim)
     if not target.dtype.is_integer:
         raise DTypeError(f"cross_entropy: target must hold class indices (integer) or class probabilities "
                          f"(floating point), got {operands(target)}")
     _check_class_target("cross_entropy", input, target, class_dim)
+    if weight is None:  # one node until it is compiled
+        return apply(Op.CROSS_ENTROPY, input, target, ignore_index=ignore_index, reduction=reduction,
+                     label_smoothing=float(label_smoothing))
+    return _cross_entropy_indices(input, target, weight, ignore_index, reduction, label_smoothing)
+
+
+def _cross_entropy_indices(input: Tensor, target: Tensor, weight: Tensor | None, ignore_index: int, reduction: str,
+                           label_smoothing: float) -> Tensor:
+    class_dim = _class_dim("cross_entropy", input)
+    classes = input.shape[class_dim]
+    logp = _log_softmax(input, class_dim)
     _, nll, target_weight = _nll("cross_entropy", logp, target, weight, ignore_index, reduction, class_dim)
     if label_smoothing == 0.0:
         return nll
@@ -500,6 +511,14 @@ def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, *
     elif reduction == "sum":
         smooth = smooth.sum()
     return nll * (1 - label_smoothing) + smooth * (label_smoothing / classes)
+
+
+def _cross_entropy_rule(inputs, attrs) -> tuple:
+    return (inputs[1].shape if attrs["reduction"] == "none" else ()), inputs[0].dtype
+
+
+composite(Op.CROSS_ENTROPY, _cross_entropy_rule,
+          lambda input, target, **attrs: _cross_entropy_indices(input, target, None, **attrs))
 
 
 def _cross_entropy_probabilities(logp: Tensor, target: Tensor, weight: Tensor | None, reduction: str,

@@ -246,11 +246,9 @@ def _update_running_stats(running_mean: Tensor | None, running_var: Tensor | Non
     mean, var = mean.detach(), var.detach()
     with no_grad():
         if running_mean is not None:
-            batch_mean = mean.reshape(running_mean.shape)
-            running_mean.assign(cast(running_mean, mean.dtype) * (1 - momentum) + batch_mean * momentum)
+            running_mean.assign(_moved(running_mean, mean.reshape(running_mean.shape), momentum))
         if running_var is not None:
-            unbiased = var.reshape(running_var.shape) * (count / (count - 1))
-            running_var.assign(cast(running_var, var.dtype) * (1 - momentum) + unbiased * momentum)
+            running_var.assign(_moved(running_var, var.reshape(running_var.shape) * (count / (count - 1)), momentum))
     _with_the_step(running_mean, running_var)
     still_pending = [s for s in _pending_stats(key) if not s._node.realized]
     for stale in [k for k, (ref, _) in list(_pending_batch_stats.items()) if ref() is None]:  # (threads add too)
@@ -302,24 +300,41 @@ def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor |
         _with_the_step(running_mean, running_var)
         return out
     x = _opmath(input)
-    axes = (0, *range(2, input.ndim))
-    stat_shape = (1, c) + (1,) * (input.ndim - 2)
     if training:
-        mean = x.mean(axes, keepdim=True)
-        centred = x - mean
-        var = _variance(x, mean, axes)
+        mean, centred, var = _batch_statistics(x)
         _update_running_stats(running_mean, running_var, mean, var, count, momentum)
     else:
         if running_mean is None or running_var is None:
             raise ValueError("batch_norm: running_mean and running_var are required when training=False")
+        stat_shape = (1, c) + (1,) * (input.ndim - 2)
         centred = x - cast(running_mean, x.dtype).reshape(stat_shape)
         var = cast(running_var, x.dtype).reshape(stat_shape)
+    return _normalized(input, x, centred, var, weight, bias, eps)
+
+
+def _batch_statistics(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per channel (dim 1): the batch's mean, x minus it, and the biased variance, kept as (1, C, 1...)."""
+    axes = (0, *range(2, x.ndim))
+    mean = x.mean(axes, keepdim=True)
+    return mean, x - mean, _variance(x, mean, axes)
+
+
+def _normalized(input: Tensor, x: Tensor, centred: Tensor, var: Tensor, weight: Tensor | None, bias: Tensor | None,
+                eps: float) -> Tensor:
+    """The centred values over the standard deviation, scaled and shifted per channel before the output is rounded
+    to the input's dtype."""
+    stat_shape = (1, input.shape[1]) + (1,) * (input.ndim - 2)
     out = centred * (var + eps).rsqrt()
-    if weight is not None:  # scaled and shifted before the output is rounded to the input's dtype
+    if weight is not None:
         out = out * cast(weight, x.dtype).reshape(stat_shape)
     if bias is not None:
         out = out + cast(bias, x.dtype).reshape(stat_shape)
     return cast(out, input.dtype)
+
+
+def _moved(running: Tensor, batch: Tensor, momentum) -> Tensor:
+    """A running statistic moved toward the batch's by `momentum`, in the batch statistic's dtype."""
+    return cast(running, batch.dtype) * (1 - momentum) + batch * momentum
 
 
 def _batch_norm_results(input: Tensor, running_mean: Tensor, running_var: Tensor, *params: Tensor, momentum: float,
@@ -329,22 +344,12 @@ def _batch_norm_results(input: Tensor, running_mean: Tensor, running_var: Tensor
     given = iter(params)
     weight, bias = next(given) if weight else None, next(given) if bias else None
     x = _opmath(input)
+    mean, centred, var = _batch_statistics(x)
     c = input.shape[1]
-    axes = (0, *range(2, input.ndim))
-    stat_shape = (1, c) + (1,) * (input.ndim - 2)
-    mean = x.mean(axes, keepdim=True)
-    centred = x - mean
-    var = _variance(x, mean, axes)
-    batch_mean, batch_var = mean.detach().reshape((c,)), var.detach().reshape((c,))
-    new_mean = cast(cast(running_mean, mean.dtype) * (1 - momentum) + batch_mean * momentum, running_mean.dtype)
-    unbiased = batch_var * (count / (count - 1))
-    new_var = cast(cast(running_var, var.dtype) * (1 - momentum) + unbiased * momentum, running_var.dtype)
-    out = centred * (var + eps).rsqrt()
-    if weight is not None:
-        out = out * cast(weight, x.dtype).reshape(stat_shape)
-    if bias is not None:
-        out = out + cast(bias, x.dtype).reshape(stat_shape)
-    return [cast(out, input.dtype), new_mean, new_var]
+    new_mean = _moved(running_mean, mean.detach().reshape((c,)), momentum)
+    new_var = _moved(running_var, var.detach().reshape((c,)) * (count / (count - 1)), momentum)
+    return [_normalized(input, x, centred, var, weight, bias, eps), cast(new_mean, running_mean.dtype),
+            cast(new_var, running_var.dtype)]
 
 
 def _batch_norm_shape(inputs, attrs) -> tuple:

@@ -1,9 +1,14 @@
-"""Where the host time of a warm-cache step goes: cProfile of realizing a 50-kernel plan."""
+"""Where the host time of a warm-cache step goes, by cProfile.
+
+    python benchmarks/profile_host.py            # realizing a 50-kernel plan (benchmarks/fusion.py's chain)
+    python benchmarks/profile_host.py lazy       # a plain lazy MLP training step (lazy_step.py's B2-like)
+"""
 
 import cProfile
 import pstats
 import sys
 
+import numpy as np
 import torch
 
 import ember
@@ -11,14 +16,40 @@ import ember
 sys.path.insert(0, "benchmarks")
 from fusion import chain_of_reductions  # noqa: E402
 
-x = ember.tensor(torch.randn(64, 64).numpy(), device="cuda")
-for _ in range(3):
-    chain_of_reductions(ember, x).realize()
+
+def chain():
+    x = ember.tensor(torch.randn(64, 64).numpy(), device="cuda")
+    return lambda: chain_of_reductions(ember, x).realize()
+
+
+def lazy(widths=(64, 64, 64, 64, 64, 16), batch=2**18):
+    ember.manual_seed(0)
+    layers = []
+    for a, b in zip(widths[:-1], widths[1:]):
+        layers += [ember.nn.Linear(a, b), ember.nn.ReLU()]
+    model = ember.nn.Sequential(*layers[:-1]).to("cuda").to(ember.float16)
+    opt = ember.optim.Adam(model.parameters(), lr=1e-3, eps=1e-4)
+    rng = np.random.default_rng(0)
+    x, y = (ember.tensor(rng.standard_normal((batch, w), np.float32), device="cuda").to(ember.float16)
+            for w in (widths[0], widths[-1]))
+
+    def step():
+        opt.zero_grad()
+        ember.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return step
+
+
+step = {"chain": chain, "lazy": lazy}[sys.argv[1] if len(sys.argv) > 1 else "chain"]()
+for _ in range(30):
+    step()
 torch.cuda.synchronize()
 profiler = cProfile.Profile()
 profiler.enable()
-for _ in range(20):
-    chain_of_reductions(ember, x).realize()
+for _ in range(50):
+    step()
 torch.cuda.synchronize()
 profiler.disable()
-pstats.Stats(profiler).sort_stats("tottime").print_stats(14)
+stats = pstats.Stats(profiler)
+stats.sort_stats("tottime").print_stats(25)
+stats.sort_stats("cumulative").print_stats(40)

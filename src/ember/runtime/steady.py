@@ -1,0 +1,182 @@
+"""Steady plans: a plan the lazy path runs again and again on the results of its last run (a training step:
+parameters and optimizer state in, their new values out) runs on fixed buffers, and on a GPU as a CUDA graph,
+the mechanism of `ember.jit`, with no decorator and the Python of the step still run as written.
+
+Per plan and thread, from the second run that reads the results of the run before (the same positions each
+time: the step's *chain*), results alternate between two sets of buffers: a run writes the set of the run
+before last once nothing shows its buffers any more (no Tensor, no view into them, no DLPack capsule: their
+references and their storage's say so), so a steady step allocates nothing. A set still shown (a loss kept in
+a list) is left to what shows it and replaced by new buffers. With its buffers fixed, a run is captured as a
+CUDA graph, once per result set, the addresses of the inputs outside the chain (the batch) and the values of
+the runtime scalars; later runs with the same ones replay it in one call, with fresh random offsets.
+
+Anything else runs the plan launch by launch as before: another chain (its sets and graphs are dropped), an
+ember.jit recording, the interpreter (no CUDA graphs; the sets still alternate), more than `GRAPHS_KEPT`
+graphs, a capture that fails, or sets that must be replaced `REPLACED_IN_A_ROW` runs in a row (a loop keeping
+every result: recycling pauses for the plan's next `PAUSE` runs).
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+
+import torch
+
+from ember.compiler import Plan, Signature
+from ember.device import Device
+from ember.runtime import cuda, graphs, launcher
+
+GRAPHS_KEPT = 8
+REPLACED_IN_A_ROW = 3
+PAUSE = 100
+_storage_use_count = torch._C._storage_Use_Count
+stats = cuda.stats
+stats.update(steady_runs=0, graph_replays=0, graph_captures=0)
+
+
+class Steady:
+    """One plan's runs in one thread, on one device."""
+
+    __slots__ = ("last", "chain", "sets", "parity", "graphs", "replay", "replaced", "off", "graphed", "why")
+
+    def __init__(self) -> None:
+        self.last: list[weakref.ref] | None = None  # the last run's results, outside the sets
+        self.chain: tuple[int, ...] | None = None  # per input: the position of the last run's result it is, or -1
+        self.sets: list[list[torch.Tensor] | None] = [None, None]
+        self.parity = 0  # the set the last run wrote
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.replay: graphs.Replay | None = None  # the plan bound to buffers, with a workspace of its own
+        self.replaced = 0  # sets replaced in a row
+        self.off = 0  # runs left before recycling is tried again
+        self.graphed = not cuda.INTERPRET
+        self.why = ""  # why no graph is captured, once one failed
+
+
+def run(plan: Plan, sig: Signature, device: Device, inputs: list[torch.Tensor]) -> tuple[list[torch.Tensor], bool]:
+    """The plan's results on `inputs`, as `launcher.execute` computes them, and whether they are in a set that a
+    later run may overwrite (once nothing shows them): replayed as a CUDA graph where the runs are steady."""
+    if not _recyclable(plan):
+        return launcher.execute(plan, sig, device, inputs), False
+    states = getattr(plan.prepared, "steady", None)
+    if states is None:
+        states = plan.prepared.steady = {}
+    state = states.get(device)
+    if state is None:
+        state = states[device] = Steady()
+    if state.off:  # paused: the sets are dropped, and the graphs with them
+        state.off -= 1
+        state.sets, state.graphs = [None, None], {}
+        return _fresh(state, plan, sig, device, inputs), False
+    previous = state.sets[state.parity] if state.last is None else [r() for r in state.last]
+    if previous is None:
+        return _fresh(state, plan, sig, device, inputs), False
+    where = {id(b): q for q, b in enumerate(previous)}
+    chain = tuple(where.get(id(b), -1) for b in inputs)
+    if chain != state.chain or previous is not state.sets[state.parity]:
+        state.chain, state.graphs, state.replaced = chain, {}, 0
+        state.sets = [previous, None]  # entries the last run's caller dropped are None, allocated when needed
+        state.parity = 0
+        if max(chain, default=-1) < 0:  # no result of the last run is read again: nothing to recycle
+            state.chain, state.sets = None, [None, None]
+            return _fresh(state, plan, sig, device, inputs), False
+    target = 1 - state.parity
+    outputs = state.sets[target]
+    if outputs is not None and None in outputs:
+        outputs = state.sets[target] = _completed(plan, device, outputs)
+    if outputs is not None and not _unshown(outputs):
+        outputs = state.sets[target] = None
+        state.graphs = {k: g for k, g in state.graphs.items() if k[0] != target}
+        state.replaced += 1
+        if state.replaced >= REPLACED_IN_A_ROW:
+            state.off, state.replaced, state.chain = PAUSE, 0, None
+    elif outputs is not None:
+        state.replaced = 0
+    if state.replay is None:
+        step = graphs.ReplayStep(plan, _without_leaves(sig), device, [], [], seed_draws=list(range(len(sig.seeds))),
+                                 draws=launcher.upload_draws(sig.seeds, cuda.torch_device(device))
+                                 if sig.seeds else None)
+        state.replay = graphs.Replay([step])
+    if outputs is None:  # a new set: this run allocates it
+        outputs = launcher.execute(plan, sig, device, inputs, workspace=state.replay.workspaces[0])
+        state.sets[target] = outputs
+    else:
+        _bound_run(state, sig, inputs, outputs, target)
+        stats["steady_runs"] += 1
+    state.parity, state.last = target, None
+    return outputs, True
+
+
+def _fresh(state: Steady, plan: Plan, sig: Signature, device: Device, inputs: list) -> list[torch.Tensor]:
+    """A run into new buffers; its results are remembered weakly, to see whether the next run reads them."""
+    workspace = state.replay.workspaces[0] if state.replay is not None else None
+    outputs = launcher.execute(plan, sig, device, inputs, workspace=workspace)
+    state.last = None if state.off else [weakref.ref(b) for b in outputs]
+    return outputs
+
+
+def _completed(plan: Plan, device: Device, outputs: list) -> list[torch.Tensor]:
+    """A set with new buffers where it has none."""
+    target = cuda.torch_device(device)
+    return [cuda.allocate(o.shape, o.dtype, target, device, "a result") if b is None else b
+            for b, o in zip(outputs, plan.lowered.outputs)]
+
+
+def _without_leaves(sig: Signature) -> Signature:
+    """The signature without its input nodes, which a replay holding it would keep alive (and their buffers
+    shown)."""
+    return Signature(sig.key, [], sig.scalars, sig.seeds)
+
+
+def _bound_run(state: Steady, sig: Signature, inputs: list, outputs: list, target: int) -> None:
+    """Run the plan into `outputs`: by the CUDA graph of this binding, or launch by launch (capturing a graph of
+    the binding after the first such run)."""
+    replay = state.replay
+    (step,) = replay.steps
+    chain = state.chain
+    key = (target, tuple(b.data_ptr() for b, c in zip(inputs, chain) if c < 0), tuple(sig.scalars))
+    graph = state.graphs.get(key) if state.graphed else None
+    if graph is not None:
+        replay.draw(sig.seeds)
+        graph.replay()
+        replay.replayed(outputs)
+        stats["graph_replays"] += 1
+        return
+    step.sig = _without_leaves(sig)
+    step.inputs, step.outputs = inputs, outputs
+    try:
+        replay.run(sig.seeds)
+        if state.graphed and len(state.graphs) < GRAPHS_KEPT:
+            try:
+                state.graphs[key] = replay.capture()
+                stats["graph_captures"] += 1
+            except Exception as error:  # runs stay correct launch by launch
+                state.graphed, state.why = False, f"capture failed: {error}"
+    finally:
+        step.inputs, step.outputs = [], []  # so that a buffer's references say who shows it
+
+
+# references to a set's buffer that the set's list and the check (getrefcount's argument) hold; a storage's
+# uses counted by the buffer and by the check's storage object
+_OWN_REFERENCES = 2
+_OWN_STORAGE_USES = 2
+
+
+def _unshown(buffers: list[torch.Tensor]) -> bool:
+    """Whether nothing outside this module shows any of `buffers`: no node, Tensor or list holds one and no
+    view shares its memory."""
+    if max(map(sys.getrefcount, buffers), default=0) > _OWN_REFERENCES:
+        return False
+    return all(_storage_use_count(b.untyped_storage()._cdata) <= _OWN_STORAGE_USES for b in buffers)
+
+
+def _recyclable(plan: Plan) -> bool:
+    """Whether the plan allocates every result itself, each in a buffer of its own (no result is an input, an
+    intermediate of its arena, or another result)."""
+    known = plan.prepared.__dict__.get("recyclable")
+    if known is None:
+        lowered = plan.lowered
+        taken = {id(n) for n in lowered.inputs} | set(plan.schedule.slots)
+        ids = [id(o) for o in lowered.outputs]
+        known = plan.prepared.recyclable = bool(ids) and len(set(ids)) == len(ids) and taken.isdisjoint(ids)
+    return known

@@ -56,7 +56,7 @@ def signature(order: list[Node], keep: set[int]) -> Signature:
     # attribute values are already hashable tuples, numbers, dtypes and devices.
     sig = Signature(key=())
     inputs, scalars, seeds = sig.inputs, sig.scalars, sig.seeds
-    position: dict[int, int] = {}
+    position: dict[Node, int] = {}  # keyed by the node itself: identity hashing, no id() call per input
     get = position.get
     parts = []
     append = parts.append
@@ -64,9 +64,9 @@ def signature(order: list[Node], keep: set[int]) -> Signature:
     for node in order:
         refs = []
         for i in node.inputs:
-            at = get(id(i))
+            at = get(i)
             if at is None:  # a realized leaf (pending inputs come first in `order`)
-                at = position[id(i)] = -1 - len(inputs)
+                at = position[i] = -1 - len(inputs)
                 inputs.append(i)
                 append((i.shape, i.dtype))
             refs.append(at)
@@ -78,7 +78,7 @@ def signature(order: list[Node], keep: set[int]) -> Signature:
             seeds.append((node.attrs["seed"], node.attrs["offset"]))
         elif op is const and static[3] is None:
             scalars.append(node.attrs["value"])
-        position[id(node)] = len(parts)
+        position[node] = len(parts)
         append((static, tuple(refs), id(node) in keep))
     sig.key = tuple(parts)
     return sig
@@ -136,7 +136,7 @@ def _expand_once(order: list[Node]) -> tuple[list[Node], dict[int, Node]]:
     """`order` with its composite nodes expanded one level; and what each node became, by id."""
     now: dict[int, Node] = {}
     expanded: list[Node] = []
-    placed: set[int] = set()
+    placed: set[Node] = set()
     leaves = {id(i) for n in order for i in n.inputs if i.realized}
     shared: dict = {}  # the expansions that several composite nodes' results share
     for node in order:
@@ -157,7 +157,7 @@ def _expand_once(order: list[Node]) -> tuple[list[Node], dict[int, Node]]:
                 Node(node.op, ins, node.attrs, node.shape, node.dtype, node.device, static=node.static)
             made = [new]
         expanded += made
-        placed.update(map(id, made))
+        placed.update(made)
         now[id(node)] = new
     return expanded, now
 

@@ -130,24 +130,24 @@ def static_key(node: Node) -> tuple:
     return (op, node.shape, node.dtype, own)
 
 
-def toposort(roots: Iterable[Node], placed: set[int] | None = None) -> list[Node]:
-    """Unrealized nodes needed for `roots`, inputs before users (iterative: graphs get deep); nodes whose ids
-    are in `placed` (already ordered by the caller) and what they need are left out."""
+def toposort(roots: Iterable[Node], placed: set[Node] | None = None) -> list[Node]:
+    """Unrealized nodes needed for `roots`, inputs before users (iterative: graphs get deep); nodes in `placed`
+    (already ordered by the caller) and what they need are left out."""
     order: list[Node] = []
     append = order.append
-    seen: set[int] = set(placed) if placed else set()
+    seen: set[Node] = set(placed) if placed else set()  # nodes hash by identity: no id() call per visit
     see = seen.add
     for root in roots:
-        if root.buffer is not None or id(root) in seen:
+        if root.buffer is not None or root in seen:
             continue
-        see(id(root))
+        see(root)
         stack = [(root, iter(root.inputs))]
         push, pop = stack.append, stack.pop
         while stack:
             node, it = stack[-1]
             for child in it:
-                if child.buffer is None and id(child) not in seen:
-                    see(id(child))
+                if child.buffer is None and child not in seen:
+                    see(child)
                     push((child, iter(child.inputs)))
                     break
             else:

@@ -122,8 +122,8 @@ def export(node: Node, **protocol):
 
 def _shareable(node: Node):
     """The node's buffer, made contiguous and writable once (a constant is a read-only broadcast view), and
-    its own (a result of an ember.jit replay shows a buffer the next replay may write)."""
-    if node in executor.transient:
+    its own (a result of an ember.jit replay or of a steady plan shows a buffer a later run may write)."""
+    if node in executor.transient or executor.recycled.get(id(node.buffer)) is node.buffer:
         node.buffer = node.buffer.clone()
         executor.transient.discard(node)
     buffer = node.buffer

@@ -39,6 +39,8 @@ this_thread = _ThisThread()
 # nodes showing a buffer that a later replay of an ember.jit step overwrites (once no returned Tensor shows it):
 # one whose memory is shared outside ember gets a buffer of its own first
 transient: weakref.WeakSet = weakref.WeakSet()
+# buffers, by id, that a later run of a steady plan (runtime.steady) overwrites once nothing shows them: the same
+recycled: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def _evaluate_on_cpu(order: list[Node], keep: set[int]) -> dict[int, np.ndarray]:

@@ -60,16 +60,9 @@ def run(order: list[Node], keep: set[int]) -> dict[int, torch.Tensor]:
     device = order[0].device
     inputs = [leaf.buffer for leaf in sig.inputs]
     recorder = executor.this_thread.recorder
-    if recorder is None:
-        outputs, recycled = steady.run(plan, sig, device, inputs)
-    else:
-        outputs, recycled = execute(plan, sig, device, inputs), False
+    outputs = steady.run(plan, sig, device, inputs) if recorder is None else execute(plan, sig, device, inputs)
     kept = [n for n in order if id(n) in keep]
     values = {id(n): out for n, out in zip(kept, outputs)}
-    if recycled:  # a later run writes these buffers once nothing shows them: shared memory gets its own first
-        add = executor.transient.add
-        for n in kept:
-            add(n)
     if recorder is not None:
         recorder.record_plan(plan, sig, device, inputs, outputs, kept)
     return values

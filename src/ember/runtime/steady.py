@@ -25,7 +25,7 @@ import torch
 
 from ember.compiler import Plan, Signature
 from ember.device import Device
-from ember.runtime import cuda, graphs, launcher
+from ember.runtime import cuda, executor, graphs, launcher
 
 GRAPHS_KEPT = 8
 REPLACED_IN_A_ROW = 3
@@ -53,11 +53,11 @@ class Steady:
         self.why = ""  # why no graph is captured, once one failed
 
 
-def run(plan: Plan, sig: Signature, device: Device, inputs: list[torch.Tensor]) -> tuple[list[torch.Tensor], bool]:
-    """The plan's results on `inputs`, as `launcher.execute` computes them, and whether they are in a set that a
-    later run may overwrite (once nothing shows them): replayed as a CUDA graph where the runs are steady."""
+def run(plan: Plan, sig: Signature, device: Device, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The plan's results on `inputs`, as `launcher.execute` computes them: into a recycled set of buffers
+    (`executor.recycled`), and replayed as a CUDA graph, where the runs are steady."""
     if not _recyclable(plan):
-        return launcher.execute(plan, sig, device, inputs), False
+        return launcher.execute(plan, sig, device, inputs)
     states = getattr(plan.prepared, "steady", None)
     if states is None:
         states = plan.prepared.steady = {}
@@ -67,22 +67,22 @@ def run(plan: Plan, sig: Signature, device: Device, inputs: list[torch.Tensor]) 
     if state.off:  # paused: the sets are dropped, and the graphs with them
         state.off -= 1
         state.sets, state.graphs = [None, None], {}
-        return _fresh(state, plan, sig, device, inputs), False
+        return _fresh(state, plan, sig, device, inputs)
     previous = state.sets[state.parity] if state.last is None else [r() for r in state.last]
     if previous is None:
-        return _fresh(state, plan, sig, device, inputs), False
+        return _fresh(state, plan, sig, device, inputs)
     where = {id(b): q for q, b in enumerate(previous)}
     chain = tuple(where.get(id(b), -1) for b in inputs)
     if chain != state.chain or previous is not state.sets[state.parity]:
         state.chain, state.graphs, state.replaced = chain, {}, 0
-        state.sets = [previous, None]  # entries the last run's caller dropped are None, allocated when needed
+        state.sets = [_adopted(previous), None]  # entries the last run's caller dropped are None until needed
         state.parity = 0
         if max(chain, default=-1) < 0:  # no result of the last run is read again: nothing to recycle
             state.chain, state.sets = None, [None, None]
-            return _fresh(state, plan, sig, device, inputs), False
+            return _fresh(state, plan, sig, device, inputs)
     target = 1 - state.parity
     outputs = state.sets[target]
-    if outputs is not None and None in outputs:
+    if outputs is not None and any(b is None for b in outputs):  # (not `None in`: it compares tensors)
         outputs = state.sets[target] = _completed(plan, device, outputs)
     if outputs is not None and not _unshown(outputs):
         outputs = state.sets[target] = None
@@ -99,12 +99,12 @@ def run(plan: Plan, sig: Signature, device: Device, inputs: list[torch.Tensor]) 
         state.replay = graphs.Replay([step])
     if outputs is None:  # a new set: this run allocates it
         outputs = launcher.execute(plan, sig, device, inputs, workspace=state.replay.workspaces[0])
-        state.sets[target] = outputs
+        state.sets[target] = _adopted(outputs)
     else:
         _bound_run(state, sig, inputs, outputs, target)
         stats["steady_runs"] += 1
     state.parity, state.last = target, None
-    return outputs, True
+    return outputs
 
 
 def _fresh(state: Steady, plan: Plan, sig: Signature, device: Device, inputs: list) -> list[torch.Tensor]:
@@ -118,8 +118,18 @@ def _fresh(state: Steady, plan: Plan, sig: Signature, device: Device, inputs: li
 def _completed(plan: Plan, device: Device, outputs: list) -> list[torch.Tensor]:
     """A set with new buffers where it has none."""
     target = cuda.torch_device(device)
-    return [cuda.allocate(o.shape, o.dtype, target, device, "a result") if b is None else b
-            for b, o in zip(outputs, plan.lowered.outputs)]
+    return _adopted([cuda.allocate(o.shape, o.dtype, target, device, "a result") if b is None else b
+                     for b, o in zip(outputs, plan.lowered.outputs)])
+
+
+def _adopted(buffers: list) -> list:
+    """A list of buffers as a set that later runs overwrite: whoever shares their memory outside ember gets a
+    copy first (see dlpack)."""
+    recycled = executor.recycled
+    for b in buffers:
+        if b is not None:
+            recycled[id(b)] = b
+    return buffers
 
 
 def _without_leaves(sig: Signature) -> Signature:

@@ -73,13 +73,14 @@ def run(plan: Plan, sig: Signature, device: Device, inputs: list[torch.Tensor]) 
         return _fresh(state, plan, sig, device, inputs)
     where = {id(b): q for q, b in enumerate(previous)}
     chain = tuple(where.get(id(b), -1) for b in inputs)
+    if max(chain, default=-1) < 0:  # no result of the last run is read again: nothing to recycle
+        if state.chain is not None:
+            state.chain, state.sets, state.graphs = None, [None, None], {}
+        return _fresh(state, plan, sig, device, inputs)
     if chain != state.chain or previous is not state.sets[state.parity]:
         state.chain, state.graphs, state.replaced = chain, {}, 0
         state.sets = [_adopted(previous), None]  # entries the last run's caller dropped are None until needed
         state.parity = 0
-        if max(chain, default=-1) < 0:  # no result of the last run is read again: nothing to recycle
-            state.chain, state.sets = None, [None, None]
-            return _fresh(state, plan, sig, device, inputs)
     target = 1 - state.parity
     outputs = state.sets[target]
     if outputs is not None and any(b is None for b in outputs):  # (not `None in`: it compares tensors)

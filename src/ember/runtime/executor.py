@@ -165,15 +165,18 @@ def realize(nodes: Iterable[Node]) -> None:
     order = pending_on_one_device(requested)
     if not order:
         return
-    keep = {id(n) for n in requested} | {id(n) for n in order if n.handles and n.is_held()}
-    by_device: dict = {}
-    for n in order:
-        by_device.setdefault(n.device.type, []).append(n)
-    if len(by_device) > 1:
-        raise DeviceError(f"one graph spans several devices: {', '.join(by_device)}")
+    keep = {id(n) for n in requested}
+    for n in order:  # and what a live Tensor shows (Node.is_held, inlined: this runs on every realization)
+        for ref in n.handles:
+            if ref() is not None:
+                keep.add(id(n))
+                break
+    device_types = {n.device.type for n in order}
+    if len(device_types) > 1:
+        raise DeviceError(f"one graph spans several devices: {', '.join(sorted(device_types))}")
     for observe in this_thread.observers:
         observe(order, keep)
-    ((device_type, _),) = by_device.items()
+    (device_type,) = device_types
     if device_type == "cpu" and this_thread.recorder is not None:
         this_thread.recorder.note_host_work(order)
     values = _backend(device_type)(order, keep)

@@ -125,3 +125,28 @@ def test_a_steady_loop_replays_cuda_graphs_that_compute_what_launches_do(monkeyp
     replayed = train(monkeypatch, steps=12, dropout=dropout, dtype=ember.bfloat16)
     assert cuda.stats["graph_replays"] - before >= 6
     _equal(replayed, train(monkeypatch, steps=12, dropout=dropout, dtype=ember.bfloat16, recycle=False))
+
+
+def test_results_the_compiler_finds_to_be_one_value_share_their_recycled_buffer(monkeypatch):
+    """Two Tensors kept from one step whose values the compiler computes once (common subexpressions): the
+    step's results include one buffer twice, which recycling keeps shared."""
+
+    def run(recycle: bool):
+        with monkeypatch.context() as m:
+            if not recycle:
+                m.setattr(steady, "_recyclable", lambda plan: None)
+            w = ember.tensor(np.random.default_rng(3).standard_normal((3, 5), np.float32), device="cuda")
+            seen = []
+            for _ in range(6):
+                w = w - 0.1 * w.tanh()
+                a, b = w * 2, w * 2  # (2, not a runtime scalar: the two products are one)
+                ember.realize(w, a, b)
+                seen.append(np.concatenate([a.numpy(), b.numpy()]))
+            return seen, [w.numpy()]
+
+    before = cuda.stats["steady_runs"]
+    recycled = run(True)
+    assert cuda.stats["steady_runs"] - before >= 3
+    for u, v in zip(recycled[0], run(False)[0]):
+        np.testing.assert_array_equal(u, v)
+    np.testing.assert_array_equal(recycled[1][0], run(False)[1][0])

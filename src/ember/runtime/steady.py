@@ -18,6 +18,7 @@ every result: recycling pauses for the plan's next `PAUSE` runs).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import weakref
 
@@ -56,7 +57,8 @@ class Steady:
 def run(plan: Plan, sig: Signature, device: Device, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """The plan's results on `inputs`, as `launcher.execute` computes them: into a recycled set of buffers
     (`executor.recycled`), and replayed as a CUDA graph, where the runs are steady."""
-    if not _recyclable(plan):
+    layout = _recyclable(plan)
+    if not layout:
         return launcher.execute(plan, sig, device, inputs)
     states = getattr(plan.prepared, "steady", None)
     if states is None:
@@ -84,8 +86,8 @@ def run(plan: Plan, sig: Signature, device: Device, inputs: list[torch.Tensor]) 
     target = 1 - state.parity
     outputs = state.sets[target]
     if outputs is not None and any(b is None for b in outputs):  # (not `None in`: it compares tensors)
-        outputs = state.sets[target] = _completed(plan, device, outputs)
-    if outputs is not None and not _unshown(outputs):
+        outputs = state.sets[target] = _completed(plan, device, outputs, layout)
+    if outputs is not None and not _unshown(outputs, layout):
         outputs = state.sets[target] = None
         state.graphs = {k: g for k, g in state.graphs.items() if k[0] != target}
         state.replaced += 1
@@ -116,11 +118,14 @@ def _fresh(state: Steady, plan: Plan, sig: Signature, device: Device, inputs: li
     return outputs
 
 
-def _completed(plan: Plan, device: Device, outputs: list) -> list[torch.Tensor]:
-    """A set with new buffers where it has none."""
+def _completed(plan: Plan, device: Device, outputs: list, layout: Layout) -> list[torch.Tensor]:
+    """A set with new buffers where it has none (a result the plan computes twice shows its first buffer)."""
     target = cuda.torch_device(device)
-    return _adopted([cuda.allocate(o.shape, o.dtype, target, device, "a result") if b is None else b
-                     for b, o in zip(outputs, plan.lowered.outputs)])
+    done: list[torch.Tensor] = []
+    for b, o, first in zip(outputs, plan.lowered.outputs, layout.first):
+        done.append(done[first] if first < len(done) else
+                    cuda.allocate(o.shape, o.dtype, target, device, "a result") if b is None else b)
+    return _adopted(done)
 
 
 def _adopted(buffers: list) -> list:
@@ -167,27 +172,40 @@ def _bound_run(state: Steady, sig: Signature, inputs: list, outputs: list, targe
         step.inputs, step.outputs = [], []  # so that a buffer's references say who shows it
 
 
-# references to a set's buffer that the set's list and the check (getrefcount's argument) hold; a storage's
-# uses counted by the buffer and by the check's storage object
-_OWN_REFERENCES = 2
+# a storage's uses counted by its buffer and by the check's storage object
 _OWN_STORAGE_USES = 2
 
 
-def _unshown(buffers: list[torch.Tensor]) -> bool:
+def _unshown(buffers: list[torch.Tensor], layout: Layout) -> bool:
     """Whether nothing outside this module shows any of `buffers`: no node, Tensor or list holds one and no
     view shares its memory."""
-    if max(map(sys.getrefcount, buffers), default=0) > _OWN_REFERENCES:
+    getrefcount = sys.getrefcount
+    if any(getrefcount(buffers[q]) > allowed for q, allowed in layout.checks):
         return False
-    return all(_storage_use_count(b.untyped_storage()._cdata) <= _OWN_STORAGE_USES for b in buffers)
+    return all(_storage_use_count(buffers[q].untyped_storage()._cdata) <= _OWN_STORAGE_USES
+               for q, _ in layout.checks)
 
 
-def _recyclable(plan: Plan) -> bool:
-    """Whether the plan allocates every result itself, each in a buffer of its own (no result is an input, an
-    intermediate of its arena, or another result)."""
-    known = plan.prepared.__dict__.get("recyclable")
-    if known is None:
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where a plan's results go: per result, the position of the first result that is the same node (a value
+    kept by several Tensors that the compiler found to be one); per distinct result, its position and the
+    references a set of them holds when nothing else shows it (the set's list, once per position, the check's
+    own: getrefcount's argument)."""
+
+    first: tuple[int, ...]
+    checks: tuple[tuple[int, int], ...]
+
+
+def _recyclable(plan: Plan) -> Layout | None:
+    """The plan's layout of results, if it allocates every result itself (none is an input or an intermediate
+    of its arena); None otherwise."""
+    prepared = plan.prepared.__dict__
+    if "layout" not in prepared:
         lowered = plan.lowered
         taken = {id(n) for n in lowered.inputs} | set(plan.schedule.slots)
         ids = [id(o) for o in lowered.outputs]
-        known = plan.prepared.recyclable = bool(ids) and len(set(ids)) == len(ids) and taken.isdisjoint(ids)
-    return known
+        first = tuple(ids.index(i) for i in ids)
+        checks = tuple((q, 1 + first.count(q)) for q in range(len(ids)) if first[q] == q)
+        prepared["layout"] = Layout(first, checks) if ids and taken.isdisjoint(ids) else None
+    return prepared["layout"]

@@ -256,7 +256,8 @@ TEMPLATES_KEPT = 64
 def _backward_by_structure(roots, functions: dict[int, Function], retain_graph: bool) -> dict[int, tuple]:
     """`_walk`'s gradients at the leaves, built from the template of the first backward pass of this structure
     where there is one: a training step's backward is the same graph step after step, and building it again
-    node for node from the template skips the VJP rules' Python (dispatch, promotion, shape rules)."""
+    as the template's results skips the VJP rules' Python (dispatch, promotion, shape rules) and the nodes
+    themselves: a step's graph holds one node per gradient, which the compiler expands (ir.template)."""
     from ember.tensor import Tensor  # ember.tensor imports this module before it defines Tensor
 
     key, inputs, leaves = _structure(roots, functions)
@@ -270,14 +271,31 @@ def _backward_by_structure(roots, functions: dict[int, Function], retain_graph: 
             while len(_templates) >= TEMPLATES_KEPT:
                 del _templates[next(iter(_templates))]
             _templates[key] = (built, given) if built is not None else None
-        return arrived
+        if built is None:
+            return arrived
+        # the template's results from the first pass on (the recorded nodes are dropped), so the first step's
+        # graph is every later one's: a training loop compiles one plan
+        return _from_template(built, given, inputs, leaves)
     if recorded is None:
         return _walk(roots, functions, retain_graph, False)[0]
     built, given = recorded
     if not retain_graph:
         for fn in functions.values():
             fn.release()
-    return {id(leaves[p]): (leaves[p], Tensor(node)) for p, node in zip(given, built.build(inputs))}
+    return _from_template(built, given, inputs, leaves)
+
+
+def _from_template(built: Template, given: list[int], inputs: list[Node], leaves: list) -> dict[int, tuple]:
+    """The gradients of a backward pass from its template: one TEMPLATE node per gradient (all sharing one tuple
+    of inputs), which the compiler expands once per plan; node for node where the pass spans devices (a node's
+    inputs are on its device)."""
+    from ember.tensor import Tensor  # ember.tensor imports this module before it defines Tensor
+
+    device = inputs[0].device if inputs else None
+    made = built.apply(inputs) if all(n.device == device for n in inputs) else None
+    if made is None or any(n.device != device for n in made):
+        made = built.build(inputs)
+    return {id(leaves[p]): (leaves[p], Tensor(node)) for p, node in zip(given, made)}
 
 
 def _structure(roots, functions: dict[int, Function]) -> tuple[tuple | None, list[Node], list]:

@@ -61,15 +61,18 @@ def signature(order: list[Node], keep: set[int]) -> Signature:
     parts = []
     append = parts.append
     rand, const = Op.RAND, Op.CONST
+    last_inputs, refs = None, ()
     for node in order:
-        refs = []
-        for i in node.inputs:
-            at = get(i)
-            if at is None:  # a realized leaf (pending inputs come first in `order`)
-                at = position[i] = -1 - len(inputs)
-                inputs.append(i)
-                append((i.shape, i.dtype))
-            refs.append(at)
+        if node.inputs is not last_inputs:  # (a template's results share one tuple of inputs: read it once)
+            last_inputs, refs = node.inputs, []
+            for i in last_inputs:
+                at = get(i)
+                if at is None:  # a realized leaf (pending inputs come first in `order`)
+                    at = position[i] = -1 - len(inputs)
+                    inputs.append(i)
+                    append((i.shape, i.dtype))
+                refs.append(at)
+            refs = tuple(refs)
         static = node.static
         if static is None:
             static = node.static = static_key(node)
@@ -79,7 +82,7 @@ def signature(order: list[Node], keep: set[int]) -> Signature:
         elif op is const and static[3] is None:
             scalars.append(node.attrs["value"])
         position[node] = len(parts)
-        append((static, tuple(refs), id(node) in keep))
+        append((static, refs, id(node) in keep))
     sig.key = tuple(parts)
     return sig
 

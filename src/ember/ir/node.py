@@ -137,22 +137,26 @@ def toposort(roots: Iterable[Node], placed: set[Node] | None = None) -> list[Nod
     append = order.append
     seen: set[Node] = set(placed) if placed else set()  # nodes hash by identity: no id() call per visit
     see = seen.add
+    # tuples of inputs already ordered whole (a template's results share one, often of hundreds of nodes)
+    done: set[int] = set()
     for root in roots:
         if root.buffer is not None or root in seen:
             continue
         see(root)
-        stack = [(root, iter(root.inputs))]
+        stack = [(root, iter(()) if id(root.inputs) in done else iter(root.inputs))]
         push, pop = stack.append, stack.pop
         while stack:
             node, it = stack[-1]
             for child in it:
                 if child.buffer is None and child not in seen:
                     see(child)
-                    push((child, iter(child.inputs)))
+                    push((child, iter(()) if id(child.inputs) in done else iter(child.inputs)))
                     break
             else:
                 pop()
                 append(node)
+                if len(node.inputs) > 8:
+                    done.add(id(node.inputs))
     return order
 
 

@@ -258,8 +258,6 @@ def _backward_by_structure(roots, functions: dict[int, Function], retain_graph: 
     where there is one: a training step's backward is the same graph step after step, and building it again
     as the template's results skips the VJP rules' Python (dispatch, promotion, shape rules) and the nodes
     themselves: a step's graph holds one node per gradient, which the compiler expands (ir.template)."""
-    from ember.tensor import Tensor  # ember.tensor imports this module before it defines Tensor
-
     key, inputs, leaves = _structure(roots, functions)
     recorded = _templates.get(key, False) if key is not None else None
     if recorded is False:

@@ -150,3 +150,19 @@ def test_results_the_compiler_finds_to_be_one_value_share_their_recycled_buffer(
     for u, v in zip(recycled[0], run(False)[0]):
         np.testing.assert_array_equal(u, v)
     np.testing.assert_array_equal(recycled[1][0], run(False)[1][0])
+
+
+def test_running_out_of_memory_releases_the_spare_sets_and_the_loop_goes_on(monkeypatch):
+    """What a failed GPU allocation frees before it is tried again: the spare result sets of steady plans (held
+    after a loop ends). The loop that owned them starts over and computes the same values."""
+    assert steady.release in cuda.on_out_of_memory
+
+    def keep(i, model):
+        if i == 3:
+            assert steady.release()  # a steady plan had sets to drop
+            assert not steady.release()  # and then none
+
+    before = cuda.stats["steady_runs"]
+    released = train(monkeypatch, steps=9, keep=keep)
+    assert cuda.stats["steady_runs"] - before >= 5  # steady again after the release
+    _equal(released, train(monkeypatch, steps=9, recycle=False))

@@ -170,6 +170,11 @@ def take_arena(plan: Plan, target: torch.device, device: Device) -> Arena:
     return arena if arena is not None and arena.plan is plan else Arena(plan, target, device)
 
 
+# called when an allocation fails for want of memory, before it is tried again: each frees what it can do without
+# (the lazy path's spare result sets, runtime.steady) and says whether it freed anything
+on_out_of_memory: list = []
+
+
 def allocate(shape: tuple[int, ...], dtype, target: torch.device, device: Device, what: str) -> torch.Tensor:
     for last in (False, True):
         try:
@@ -178,7 +183,8 @@ def allocate(shape: tuple[int, ...], dtype, target: torch.device, device: Device
         except torch.cuda.OutOfMemoryError:
             pass
         # buffers that only unreachable cycles hold (frozen ones too) are freed by a full collection
-        if last or not collector.refresh():
+        freed = [release() for release in on_out_of_memory]
+        if last or not (collector.refresh() or any(freed)):
             break
     asked = math.prod(shape) * dtype.itemsize
     raise OutOfMemoryError(f"out of GPU memory on {device}: asked {_mib(asked)} for {what} {list(shape)} "

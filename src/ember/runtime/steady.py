@@ -26,7 +26,7 @@ import torch
 
 from ember.compiler import Plan, Signature
 from ember.device import Device
-from ember.runtime import cuda, executor, graphs, launcher
+from ember.runtime import cuda, executor, graphs, launcher, plan_cache
 
 GRAPHS_KEPT = 8
 REPLACED_IN_A_ROW = 3
@@ -108,6 +108,20 @@ def run(plan: Plan, sig: Signature, device: Device, inputs: list[torch.Tensor]) 
         stats["steady_runs"] += 1
     state.parity, state.last = target, None
     return outputs
+
+
+def release() -> bool:
+    """Drop this thread's spare result sets and graphs of every cached plan (called when GPU memory runs out;
+    the steps that were steady allocate new sets from their next runs). Whether there were any."""
+    dropped = False
+    for plan in list(plan_cache._plans.values()):
+        for state in (getattr(plan.prepared, "steady", None) or {}).values():
+            dropped = dropped or any(s is not None for s in state.sets) or bool(state.graphs)
+            state.chain, state.sets, state.graphs, state.last = None, [None, None], {}, None
+    return dropped
+
+
+cuda.on_out_of_memory.append(release)
 
 
 def _fresh(state: Steady, plan: Plan, sig: Signature, device: Device, inputs: list) -> list[torch.Tensor]:

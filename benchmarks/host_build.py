@@ -30,7 +30,6 @@ import numpy as np
 import torch
 
 import ember
-from ember import nn
 from ember.ir import toposort
 from ember.optim import optimizer as optimizer_module
 
@@ -111,14 +110,19 @@ def median_us(samples: list[float]) -> float:
     return statistics.median(samples) * 1e6
 
 
-def torch_step_us(name: str, steps: int, warm: int) -> float:
+def setup(lib, name: str) -> tuple:
+    """The workload in `lib` (torch or ember), from the same seeds: model, optimizer, inputs, targets, loss."""
     _, make, make_opt, x, y, loss, _ = WORKLOADS[name]
-    torch.manual_seed(0)
+    lib.manual_seed(0)
     rng = np.random.default_rng(0)
-    model = make(torch)
-    opt = make_opt(torch, model.parameters())
-    tx, ty = torch.from_numpy(x(rng)), torch.from_numpy(y(rng))
-    loss_fn = getattr(torch.nn.functional, loss)
+    model = make(lib)
+    as_tensor = torch.from_numpy if lib is torch else ember.tensor
+    return (model, make_opt(lib, model.parameters()), as_tensor(x(rng)), as_tensor(y(rng)),
+            getattr(lib.nn.functional, loss))
+
+
+def torch_step_us(name: str, steps: int, warm: int) -> float:
+    model, opt, tx, ty, loss_fn = setup(torch, name)
     times = []
     for i in range(steps + warm):
         start = time.perf_counter()
@@ -133,13 +137,7 @@ def torch_step_us(name: str, steps: int, warm: int) -> float:
 def ember_parts_us(name: str, steps: int, warm: int) -> tuple[dict[str, float], float, int]:
     """The median of each part of ember's step, of the graph building (the first four parts together), and the
     nodes of the step's graph at its realize."""
-    _, make, make_opt, x, y, loss, _ = WORKLOADS[name]
-    ember.manual_seed(0)
-    rng = np.random.default_rng(0)
-    model = make(ember)
-    opt = make_opt(ember, model.parameters())
-    ex, ey = ember.tensor(x(rng)), ember.tensor(y(rng))
-    loss_fn = getattr(nn.functional, loss)
+    model, opt, ex, ey, loss_fn = setup(ember, name)
     parts: dict[str, list[float]] = {p: [] for p in PARTS}
     builds: list[float] = []
     held: list = []

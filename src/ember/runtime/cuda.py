@@ -92,13 +92,12 @@ def multiprocessors(device: Device) -> int:
 
 def compile_context(device: Device) -> CompileContext:
     """What the user's settings ask of the compiler now, for plans run on `device`; it keys the plan cache.
-    Made once per device and settings (every realization asks; the device's properties cost a driver call)."""
-    settings = (device, get_matmul_precision(), gemm_backend, max_streams, get_conv_memory_format(),
-                os.environ.get("EMBER_SPLIT_K"), multiprocessors)  # (the function: tests replace it)
+    Made once per device and settings (every realization asks)."""
+    settings = (device, get_matmul_precision(), gemm_backend, max_streams, multiprocessors(device),
+                get_conv_memory_format(), os.environ.get("EMBER_SPLIT_K"))
     context = _contexts.get(settings)
     if context is None:
-        context = _contexts[settings] = CompileContext(settings[1], gemm_backend, max_streams,
-                                                       multiprocessors(device), settings[4], split_k=split_k())
+        context = _contexts[settings] = CompileContext(*settings[1:6], split_k=split_k())
     return context
 
 

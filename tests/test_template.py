@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 import ember
 import ember.nn as nn
@@ -65,7 +66,7 @@ def test_optimizer_updates_from_templates_equal_the_python(make):
         model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
         opt = make(list(model.parameters()))
         if not use_templates:
-            opt._update_from_template = lambda p, g, state, group, settings: opt._update(p, g, state, group)
+            per_parameter(opt)
         data = np.random.default_rng(2)
         for _ in range(4):
             x = ember.tensor(data.standard_normal((5, 6)).astype(np.float32))
@@ -162,7 +163,7 @@ def test_a_changed_setting_gives_a_new_template_whose_constants_are_the_new_ones
                                device=device) for shape in [(3, 4), (12,)]]
         opt = ember.optim.AdamW(params, lr=3e-2, weight_decay=0.1)
         if not use_templates:
-            opt._update_from_template = lambda p, g, state, group, settings: opt._update(p, g, state, group)
+            per_parameter(opt)
         for step in range(4):
             if step == 2:
                 opt.param_groups[0].update(change)
@@ -173,7 +174,7 @@ def test_a_changed_setting_gives_a_new_template_whose_constants_are_the_new_ones
 
     expected, _ = run(False)
     got, opt = run(True)
-    assert sum(t is not None for t in opt._templates.values()) == 2 * 2  # two shapes, two settings
+    assert sum(t is not None for t in opt._templates.values()) == 2  # one per setting, for the whole group
     for a, b in zip(got, expected):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
@@ -210,3 +211,56 @@ def test_a_templates_digest_is_its_structure():
 
     assert digests() == digests()
     assert digests() != digests(eps=1e-7) and digests() != digests(amsgrad=True)
+
+
+def per_parameter(opt):
+    """`opt` with each update built by its own Python, parameter by parameter (no template)."""
+    opt._update_group = lambda batch, group, settings: [opt._update(p, p.grad, state, group) for p, state in batch]
+    return opt
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: ember.optim.Adam(ps, lr=3e-2),
+    lambda ps: ember.optim.SGD([{"params": ps[:2], "momentum": 0.9}, {"params": ps[2:]}], lr=0.1),
+])
+def test_a_group_update_follows_which_parameters_have_gradients_and_what_their_state_holds(make):
+    """One multi-tensor update per group and kind of step: parameters without a gradient this step are left
+    alone, a parameter whose state holds a non-tensor is updated on its own, and every value is the Python's."""
+    def run(use_templates):
+        params = [ember.tensor(np.linspace(-1, 1, n, dtype=np.float32), requires_grad=True) for n in (1, 4, 6, 4)]
+        opt = make(params)
+        if not use_templates:
+            per_parameter(opt)
+        data = np.random.default_rng(7)
+        for step in range(6):
+            for k, p in enumerate(params):  # the second parameter has no gradient every other step
+                p.grad = None if k == 1 and step % 2 else ember.tensor(data.standard_normal(p.shape).astype(np.float32))
+            if step == 3:
+                opt.state[params[2]]["note"] = "kept as it is"  # not a tensor: not in a template
+            opt.step()
+        return [p.numpy() for p in params], opt
+
+    expected, _ = run(False)
+    got, opt = run(True)
+    assert sum(t is not None for t in opt._templates.values()) >= 2  # with and without the second's gradient
+    for a, b in zip(got, expected):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.usefixtures("cuda_backend")
+def test_a_group_on_two_devices_is_one_update_per_device():
+    params = [ember.tensor(np.linspace(-1, 1, 5, dtype=np.float32), requires_grad=True, device=d)
+              for d in ("cpu", "cuda", "cpu", "cuda")]
+    opt = ember.optim.Adam(params, lr=0.1)
+    expected = [torch.tensor(np.linspace(-1, 1, 5, dtype=np.float32), requires_grad=True) for _ in params]
+    reference = torch.optim.Adam(expected, lr=0.1)
+    for step in range(3):
+        for p, e in zip(params, expected):
+            g = np.full(5, 0.3 + step, np.float32)
+            p.grad, e.grad = ember.tensor(g, device=p.device), torch.tensor(g)
+        opt.step()
+        reference.step()
+    assert [p.device.type for p in params] == ["cpu", "cuda", "cpu", "cuda"]
+    for p, e in zip(params, expected):
+        np.testing.assert_allclose(p.numpy(), e.detach().numpy(), rtol=1e-5, atol=1e-5)  # float32 rounding
+    assert sum(t is not None for t in opt._templates.values()) == 2

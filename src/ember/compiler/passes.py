@@ -61,9 +61,13 @@ def signature(order: list[Node], keep: set[int]) -> Signature:
     parts = []
     append = parts.append
     rand, const = Op.RAND, Op.CONST
-    last_inputs, refs = None, ()
+    last_inputs = None
     for node in order:
-        if node.inputs is not last_inputs:  # (a template's results share one tuple of inputs: read it once)
+        # a template's results share one tuple of inputs (often hundreds): it is read, and put in the key, once;
+        # the nodes after the first that read it say so by None
+        if node.inputs is last_inputs:
+            refs = None
+        else:
             last_inputs, refs = node.inputs, []
             for i in last_inputs:
                 at = get(i)

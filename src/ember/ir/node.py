@@ -7,6 +7,7 @@ its inputs, so the graph behind a realized value can be freed.
 from __future__ import annotations
 
 import math
+import operator
 import threading
 import weakref
 from collections.abc import Iterable
@@ -162,3 +163,14 @@ def toposort(roots: Iterable[Node], placed: set[Node] | None = None) -> list[Nod
 
 def is_elementwise(op: Op) -> bool:
     return op.kind in (Kind.UNARY, Kind.BINARY, Kind.TERNARY)
+
+
+def picker(refs: tuple[int, ...] | list[int]):
+    """A function of a list giving its entries at `refs`, as a tuple (itemgetter: C speed): a template's
+    step picks its inputs from the nodes made so far with one."""
+    if len(refs) >= 2:
+        return operator.itemgetter(*refs)
+    if len(refs) == 1:
+        (only,) = refs
+        return lambda made: (made[only],)
+    return lambda made: ()

@@ -1,15 +1,16 @@
 """Templates: the nodes a function built, recorded once, to build again from other inputs without running
 the function's Python.
 
-An optimizer builds the same subgraph for every parameter of a shape, step after step: an Adam update is
-about 35 nodes, each through operator dispatch, type promotion, broadcasting and the shape rules. Recorded
-once as a template (valid for inputs of the same shapes, dtypes and devices, and for whatever Python values
-the caller keys it by), the update is built again in one of two ways:
+An optimizer builds the same subgraph for its parameters step after step: an Adam update is about 35 nodes
+per parameter, each through operator dispatch, type promotion, broadcasting and the shape rules; a backward
+pass, hundreds. Recorded once as a template (valid for inputs of the same shapes, dtypes and devices, and for
+whatever Python values the caller keys it by), such a graph is built again in one of two ways:
 
-- `apply`: one composite node per result (`Op.TEMPLATE`: an Adam update is 4 nodes, the new parameter, its two
-  moments and its step count), which the compiler expands into the recorded nodes once per plan (the
-  results of one application share one expansion). The step's graph is then a few nodes per parameter
-  to build, key and look up. The float constants the function made (betas, epsilon) are part of the
+- `apply`: one composite node per result (`Op.TEMPLATE`: a group's Adam update is 4 nodes per parameter, the
+  new parameter, its two moments and its step count), all reading one tuple of inputs, which the compiler
+  expands into the recorded nodes once per plan (the results of one application share one expansion). The
+  step's graph is then a few nodes per parameter to build, key and look up; the plan's key and the walks
+  over the graph read the shared inputs once. The float constants the function made (betas, epsilon) are part of the
   template, so they are fixed in the plan's code rather than passed to its kernels: the caller keys its
   templates by them.
 - `build`: the recorded nodes made again directly, with their recorded shapes and dtypes: the graph the
@@ -22,11 +23,10 @@ pending (not realized while it ran), and not random (a random node draws a new o
 from __future__ import annotations
 
 import hashlib
-import operator
 import threading
 
 from ember.ir import node as _graph
-from ember.ir.node import Node, static_key
+from ember.ir.node import Node, picker, static_key
 from ember.ir.ops import NOT_DIFFERENTIABLE, Op, define_composite
 
 # the applied templates by digest: a TEMPLATE node names its template by a string (hashed in C when a plan key
@@ -151,18 +151,9 @@ def template(inputs: list[Node], outputs: list[Node], made: list[Node]) -> Templ
         if id(n) in needed:
             index[id(n)] = len(inputs) + len(steps)
             refs = tuple(index[id(i)] for i in n.inputs)
-            steps.append((n.op, _picker(refs), n.attrs, n.shape, n.dtype, n.device, static_key(n)))
+            steps.append((n.op, picker(refs), n.attrs, n.shape, n.dtype, n.device, static_key(n)))
             structure.append((n.op.name, refs, tuple(n.attrs.items()), n.shape, n.dtype, n.device))
     results = [index[id(o)] for o in outputs]
     structure.append(tuple(results))
     return Template(steps, results, len(inputs), hashlib.sha256(repr(structure).encode()).hexdigest()[:32])
 
-
-def _picker(refs: tuple[int, ...]):
-    """A function of the nodes made so far that gives the inputs at `refs`, as a tuple (itemgetter: C speed)."""
-    if len(refs) >= 2:
-        return operator.itemgetter(*refs)
-    if len(refs) == 1:
-        (only,) = refs
-        return lambda made: (made[only],)
-    return lambda made: ()

@@ -8,11 +8,13 @@ step updates; hyper-parameters (the learning rate, betas, momentum...) enter the
 as Python floats, runtime scalars of the kernels, and a captured step (`ember.jit`)
 guards them: a replay after one of them changed captures the step again.
 
-A parameter's update is built by running `_update` once per kind of parameter (its shapes, dtypes,
-device, state and group settings); that call is recorded as a template (`ember.ir.template`), and the
-update of every parameter of that kind is one composite node per result (the new parameter, each new
-state tensor), which the compiler expands into the recorded graph: without the template, the optimizer's
-nodes were the bulk of a lazy step's graph (an Adam update is about 35 nodes, 4 as a template).
+A group's updates are one multi-tensor update, as torch's foreach optimizers are one call: `_update` runs
+for every parameter of the group with a gradient once per kind of group step (which parameters, their shapes,
+dtypes, devices and state, the group's settings); that run is recorded as a template (`ember.ir.template`),
+and every later step of that kind is one composite node per result (each new parameter and state tensor),
+all reading one tuple of inputs, which the compiler expands into the recorded graph once per plan. An Adam
+update is about 35 nodes built through operator dispatch; as part of a template it is 4 nodes made without
+running the optimizer's Python, and a realize reads the group's inputs once.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections.abc import Callable, Iterable
 from ember import dtypes
 from ember.autograd import enable_grad, no_grad
 from ember.errors import describe
+from ember.ir.node import Node
 from ember.ir.template import Template, recording, template
 from ember.ops.creation import tensor as _tensor
 from ember.ops.creation import zeros_like
@@ -33,6 +36,7 @@ from ember.tensor import Tensor, expect_tensors, realize
 # tensors (shapes, dtypes, devices), the group's settings other than the learning rate, and `self._lr`'s tensor.
 # A subclass's own `_update` (which may read group["lr"], or a value read back with .item()) is not in it.
 TEMPLATED: set = set()
+TEMPLATES_KEPT = 16  # per optimizer: kinds of group update (which parameters have gradients, their shapes...)
 
 
 class _Required:
@@ -101,19 +105,23 @@ class Optimizer:
         with no_grad():
             for group in self.param_groups:
                 settings = _settings(group)
+                templated = settings is not None and type(self)._update in TEMPLATED
+                batch = []  # (parameter, state) of the group's templated updates
                 for p in group["params"]:
                     if p.grad is None:
                         continue
                     if recorder is not None:
                         recorder.note_grad_read(p)
                     state = self.state.setdefault(p, {})
-                    if settings is not None and type(self)._update in TEMPLATED:
+                    if templated:
                         if not state:
                             self._init_state(p, state, group)
-                        self._update_from_template(p, p.grad, state, group, settings)
+                        batch.append((p, state))
                     else:
                         self._update(p, p.grad, state, group)
                     updated.append(p)
+                if batch:
+                    self._update_group(batch, group, settings)
         states = [v for p in updated for v in self.state[p].values() if isinstance(v, Tensor)]
         realize(*updated, *states, *([loss] if isinstance(loss, Tensor) else []))
         return loss
@@ -125,32 +133,76 @@ class Optimizer:
         """Make a parameter's state before its first update (where it does not depend on the update), so the
         first update's graph is every later one's."""
 
-    def _update_from_template(self, param: Tensor, grad: Tensor, state: dict, group: dict, settings: tuple) -> None:
-        """`_update`, built from the template of the first update of its kind (recorded now if there is none)."""
-        names = tuple(state)
-        held = [state[k] for k in names]
-        if not all(isinstance(v, Tensor) for v in held):
-            self._update(param, grad, state, group)
+    def _update_group(self, batch: list[tuple[Tensor, dict]], group: dict, settings: tuple) -> None:
+        """`_update` of every (parameter, state) of `batch`, a group's, built as one multi-tensor update per device:
+        from the template of the first such update (recorded now if there is none), one node per new parameter
+        and state tensor, all reading one tuple of inputs. A parameter whose state holds more than tensors, or
+        whose gradient or state is on another device, is updated by `_update` itself."""
+        device = batch[0][0]._node.device
+        if any(p._node.device != device for p, _ in batch):
+            for where in dict.fromkeys(p._node.device for p, _ in batch):
+                self._update_group([(p, s) for p, s in batch if p._node.device == where], group, settings)
             return
-        inputs = [param._node, grad._node, self._lr(group, param.device, param.dtype)._node, *(v._node for v in held)]
-        key = (settings, names, *((n.shape, n.dtype, n.device) for n in inputs))
+        rates: dict = {}  # the learning rates' nodes, one per dtype: inputs read once
+        inputs: list[Node] = []
+        parts: list[tuple] = []
+        shown: list[tuple] = []  # per update: the Tensors its results go to
+        for param, state in batch:
+            held = tuple(state.values())
+            node, grad = param._node, param.grad._node
+            nodes = [node, grad]
+            for v in held:  # (a loop, not all(): this runs for every parameter at every step)
+                if not isinstance(v, Tensor) or (v._node.device is not device and v._node.device != device):
+                    break
+                nodes.append(v._node)
+            else:
+                if grad.device is device or grad.device == device:
+                    dtype = node.dtype
+                    if dtype not in rates:
+                        rates[dtype] = self._lr(group, device, dtype)._node
+                    inputs += nodes
+                    parts.append(tuple(state))
+                    parts += [(n.shape, n.dtype) for n in nodes]
+                    shown.append((param, *held))
+                    continue
+            self._update(param, param.grad, state, group)
+        if not shown:
+            return
+        inputs[:0] = rates.values()
+        key = (settings, device, tuple(rates), *parts)
         recorded = self._templates.get(key, False)
         if recorded is False:
-            with recording() as made:
-                self._update(param, grad, state, group)
-            same = tuple(state) == names and all(state[k] is v for k, v in zip(names, held))
-            outputs = [param._node, *(v._node for v in held)]
-            recorded = self._templates[key] = template(inputs, outputs, made) if same else None
-            if recorded is None:
+            while len(self._templates) >= TEMPLATES_KEPT:  # (a group whose parameters with gradients keep changing)
+                del self._templates[next(iter(self._templates))]
+            recorded = self._templates[key] = self._record(batch, group, inputs, shown)
+            if recorded is None:  # the updates are built by now, node for node
                 return
         elif recorded is None:  # this kind of update cannot be recorded
-            self._update(param, grad, state, group)
+            for param, *_ in shown:
+                self._update(param, param.grad, self.state[param], group)
             return
-        # the update as one node per result, from the first one on (the recorded nodes are dropped), so every
-        # step builds the same graph
-        for t, node in zip((param, *held), recorded.apply(inputs)):
-            if t._node is not node:  # a state the update reads and leaves as it is
-                t._show(node)
+        # one node per result, from the first update on (the recorded nodes are dropped), so every step builds
+        # the same graph
+        results = iter(recorded.apply(inputs))
+        for tensors in shown:
+            for t in tensors:
+                node = next(results)
+                if t._node is not node:  # a state the update reads and leaves as it is
+                    t._show(node)
+
+    def _record(self, batch: list[tuple[Tensor, dict]], group: dict, inputs: list[Node],
+                shown: list[tuple]) -> Template | None:
+        """Run `_update` for the updates `shown` lists, recording a template of them all (None where they cannot
+        be recorded: one reads a node twice, or changes which tensors its state holds)."""
+        params = {id(tensors[0]) for tensors in shown}
+        states = [(state, tuple(state.items())) for p, state in batch if id(p) in params]
+        with recording() as made:
+            for param, state in batch:
+                if id(param) in params:
+                    self._update(param, param.grad, state, group)
+        if not all(len(state) == len(items) and all(state[k] is v for k, v in items) for state, items in states):
+            return None
+        return template(inputs, [t._node for tensors in shown for t in tensors], made)
 
     def _hyper_parameters(self) -> tuple:
         """Every group's settings but its parameters and learning rate: what a captured step reads from

@@ -172,6 +172,10 @@ def realize(nodes: Iterable[Node]) -> None:
                 keep.add(id(n))
                 break
     device_types = {n.device.type for n in order}
+    if len(device_types) > 1 and len({n.device for n in requested}) > 1:  # values on several devices: one by one
+        for device in dict.fromkeys(n.device for n in requested):
+            realize([n for n in requested if n.device == device])
+        return
     if len(device_types) > 1:
         raise DeviceError(f"one graph spans several devices: {', '.join(sorted(device_types))}")
     for observe in this_thread.observers:

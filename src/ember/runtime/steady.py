@@ -19,6 +19,7 @@ every result: recycling pauses for the plan's next `PAUSE` runs).
 from __future__ import annotations
 
 import dataclasses
+import operator
 import sys
 import weakref
 
@@ -26,6 +27,7 @@ import torch
 
 from ember.compiler import Plan, Signature
 from ember.device import Device
+from ember.ir.node import picker
 from ember.runtime import cuda, executor, graphs, launcher, plan_cache
 
 GRAPHS_KEPT = 8
@@ -39,11 +41,13 @@ stats.update(steady_runs=0, graph_replays=0, graph_captures=0)
 class Steady:
     """One plan's runs in one thread, on one device."""
 
-    __slots__ = ("last", "chain", "sets", "parity", "graphs", "replay", "replaced", "off", "graphed", "why")
+    __slots__ = ("last", "chain", "reads", "wrote", "outside", "sets", "parity", "graphs", "replay", "replaced",
+                 "off", "graphed", "why")
 
     def __init__(self) -> None:
         self.last: list[weakref.ref] | None = None  # the last run's results, outside the sets
         self.chain: tuple[int, ...] | None = None  # per input: the position of the last run's result it is, or -1
+        self.reads = self.wrote = self.outside = picker([])  # the chain's inputs, its results, the other inputs
         self.sets: list[list[torch.Tensor] | None] = [None, None]
         self.parity = 0  # the set the last run wrote
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
@@ -73,16 +77,23 @@ def run(plan: Plan, sig: Signature, device: Device, inputs: list[torch.Tensor]) 
     previous = state.sets[state.parity] if state.last is None else [r() for r in state.last]
     if previous is None:
         return _fresh(state, plan, sig, device, inputs)
-    where = {id(b): q for q, b in enumerate(previous)}
-    chain = tuple(where.get(id(b), -1) for b in inputs)
-    if max(chain, default=-1) < 0:  # no result of the last run is read again: nothing to recycle
-        if state.chain is not None:
-            state.chain, state.sets, state.graphs = None, [None, None], {}
-        return _fresh(state, plan, sig, device, inputs)
-    if chain != state.chain or previous is not state.sets[state.parity]:
-        state.chain, state.graphs, state.replaced = chain, {}, 0
-        state.sets = [_adopted(previous), None]  # entries the last run's caller dropped are None until needed
-        state.parity = 0
+    # the chain as before (the step's inputs that were results are those results again: C-speed check), or
+    # worked out again
+    if state.last is not None or state.chain is None or \
+            not all(map(operator.is_, state.reads(inputs), state.wrote(previous))):
+        where = {id(b): q for q, b in enumerate(previous)}
+        chain = tuple(where.get(id(b), -1) for b in inputs)
+        if max(chain, default=-1) < 0:  # no result of the last run is read again: nothing to recycle
+            if state.chain is not None:
+                state.chain, state.sets, state.graphs = None, [None, None], {}
+            return _fresh(state, plan, sig, device, inputs)
+        if chain != state.chain or previous is not state.sets[state.parity]:
+            state.chain, state.graphs, state.replaced = chain, {}, 0
+            state.reads = picker([k for k, c in enumerate(chain) if c >= 0])
+            state.wrote = picker([c for c in chain if c >= 0])
+            state.outside = picker([k for k, c in enumerate(chain) if c < 0])
+            state.sets = [_adopted(previous), None]  # entries the last run's caller dropped are None until needed
+            state.parity = 0
     target = 1 - state.parity
     outputs = state.sets[target]
     if outputs is not None and any(b is None for b in outputs):  # (not `None in`: it compares tensors)
@@ -163,8 +174,7 @@ def _bound_run(state: Steady, sig: Signature, inputs: list, outputs: list, targe
     the binding after the first such run)."""
     replay = state.replay
     (step,) = replay.steps
-    chain = state.chain
-    key = (target, tuple(b.data_ptr() for b, c in zip(inputs, chain) if c < 0), tuple(sig.scalars))
+    key = (target, tuple([b.data_ptr() for b in state.outside(inputs)]), tuple(sig.scalars))
     graph = state.graphs.get(key) if state.graphed else None
     if graph is not None:
         replay.draw(sig.seeds)
@@ -193,11 +203,15 @@ _OWN_STORAGE_USES = 2
 def _unshown(buffers: list[torch.Tensor], layout: Layout) -> bool:
     """Whether nothing outside this module shows any of `buffers`: no node, Tensor or list holds one and no
     view shares its memory."""
-    getrefcount = sys.getrefcount
-    if any(getrefcount(buffers[q]) > allowed for q, allowed in layout.checks):
+    distinct = layout.distinct(buffers)  # (C-speed maps: a set holds hundreds of buffers)
+    if not all(map(operator.le, map(sys.getrefcount, distinct), layout.allowed)):
         return False
-    return all(_storage_use_count(buffers[q].untyped_storage()._cdata) <= _OWN_STORAGE_USES
-               for q, _ in layout.checks)
+    return all(map(_OWN_STORAGE_USES.__ge__, map(_storage_use_count, map(_cdata, map(_storage, distinct)))))
+
+
+_storage = operator.methodcaller("untyped_storage")
+_cdata = operator.attrgetter("_cdata")
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,6 +223,12 @@ class Layout:
 
     first: tuple[int, ...]
     checks: tuple[tuple[int, int], ...]
+
+    def __post_init__(self) -> None:
+        # the distinct results, and their allowed references plus one: getrefcount's argument, and the
+        # tuple `distinct` makes
+        object.__setattr__(self, "distinct", picker([q for q, _ in self.checks]))
+        object.__setattr__(self, "allowed", tuple(allowed + 1 for _, allowed in self.checks))
 
 
 def _recyclable(plan: Plan) -> Layout | None:

@@ -227,10 +227,11 @@ def measure(line: Line, step: Callable[[], object], args) -> list[float] | None:
     return [first, *rest] if rest is not None else None
 
 
-def table(lines: list[Line], cpu: bool) -> str:
+def table(lines: list[Line], cpu: bool, unit: str = "images") -> str:
+    """The lines as a markdown table; `unit` names what a line's `images` counts (per second in the table)."""
     gpu_only = (lambda value, fmt="{:.4g}": "-") if cpu else cell
     eager = {line.row: line.ms for line in lines if line.variant == "torch eager"}
-    head = ["row", "workload", "variant", "ms per step", "vs torch eager", "images/s", "kernels' GPU ms",
+    head = ["row", "workload", "variant", "ms per step", "vs torch eager", f"{unit}/s", "kernels' GPU ms",
             "peak GiB", "first step s", "loss check"]
     body = []
     for line in lines:

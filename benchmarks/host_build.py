@@ -3,8 +3,8 @@
 A plain loop (zero_grad, forward, loss, backward, optimizer step) on the cpu device, float32, one workload at a time:
 
   mlp     an MLP 64-64-64-64-64-16 with ReLUs, batch 8, MSE, Adam (the issue 33 target row)
-  gpt     a GPT of 2 blocks (pre-norm, causal attention written out, GELU MLP), width 32, 4 heads, T 16, batch 2,
-          vocabulary 64, cross entropy, AdamW
+  gpt     a GPT of 2 blocks (gpt.py's model: pre-norm, causal attention written out, GELU MLP), width 32,
+          4 heads, T 16, batch 2, vocabulary 64, cross entropy, AdamW
   resnet  ResNet-18's layout (benchmarks/cnn.py) with widths 8, 8x8 images, batch 2, cross entropy, SGD momentum
 
 ember's step is timed in parts: building its graph (everything up to the optimizer's realize: zero_grad, forward
@@ -35,6 +35,7 @@ from ember.optim import optimizer as optimizer_module
 
 sys.path.insert(0, str(Path(__file__).parent))
 import cnn  # noqa: E402
+from gpt import model as gpt_model  # noqa: E402
 
 WIDTHS = [64, 64, 64, 64, 64, 16]
 VOCAB, WIDTH, HEADS, BLOCKS, T = 64, 32, 4, 2, 16
@@ -48,36 +49,8 @@ def mlp(lib):
 
 
 def gpt(lib):
-    """A small GPT written once for torch and ember: the same modules and functions under both names."""
-    F = lib.nn.functional
-
-    class Block(lib.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.ln1, self.ln2 = lib.nn.LayerNorm(WIDTH), lib.nn.LayerNorm(WIDTH)
-            self.qkv, self.proj = lib.nn.Linear(WIDTH, 3 * WIDTH), lib.nn.Linear(WIDTH, WIDTH)
-            self.fc1, self.fc2 = lib.nn.Linear(WIDTH, 4 * WIDTH), lib.nn.Linear(4 * WIDTH, WIDTH)
-
-        def forward(self, x):
-            b, t, d = x.shape
-            q, k, v = self.qkv(self.ln1(x)).reshape(b, t, 3, HEADS, d // HEADS).permute(2, 0, 3, 1, 4)
-            scores = (q @ k.transpose(-2, -1)) * (1.0 / (d // HEADS) ** 0.5)
-            mask = lib.tril(lib.ones(t, t, dtype=lib.bool))
-            attention = F.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-            x = x + self.proj((attention @ v).transpose(1, 2).reshape(b, t, d))
-            return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-    class GPT(lib.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embedding = lib.nn.Embedding(VOCAB, WIDTH)
-            self.blocks = lib.nn.Sequential(*[Block() for _ in range(BLOCKS)])
-            self.ln, self.head = lib.nn.LayerNorm(WIDTH), lib.nn.Linear(WIDTH, VOCAB)
-
-        def forward(self, idx):
-            return self.head(self.ln(self.blocks(self.embedding(idx)))).reshape(-1, VOCAB)
-
-    return GPT()
+    """A small GPT written once for torch and ember (gpt.py's model)."""
+    return gpt_model(lib, VOCAB, WIDTH, HEADS, BLOCKS, T)
 
 
 def resnet(lib):

@@ -1,0 +1,175 @@
+"""GPT training benchmark: a decoder-only transformer's training step (forward, cross entropy, backward, AdamW) in
+ember (a plain lazy loop, and ember.jit) against PyTorch eager and torch.compile, with tokens/s, the GPU time of
+each variant's kernels, peak memory and the first step's time.
+
+The model is written once for torch.nn and ember.nn (`model`): token and position embeddings, pre-norm blocks
+of causal self-attention written out (scores, mask, softmax, weighted sum: the T x T matrix is in memory in
+every variant but torch.compile's fusions) and a GELU MLP, a final layer norm and an untied head.
+
+Rows:
+ 1  6 layers, width 512, 8 heads, T 512, batch 16, vocabulary 8192, bfloat16 parameters and inputs
+
+Steps are timed back to back, from the first call until the GPU is done, divided by the steps; "first step" is a
+variant's first call in this process until its loss is on the host (point EMBER_CACHE_DIR and TRITON_CACHE_DIR at
+empty directories for a cold start). Every variant's first losses are checked against torch eager's (same
+initial weights, same batch).
+
+    python benchmarks/gpt.py                             # full size on a CUDA GPU, appended to RESULTS.md
+    python benchmarks/gpt.py --skip torch.compile
+    EMBER_INTERPRET=1 python benchmarks/gpt.py --cpu-smoke   # no GPU: a tiny model, every code path
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as TF
+from cnn import Line, _assign, measure, table
+from common import environment, guarded, parse_options, publish, release_memory, to_ember, training_step
+
+import ember
+import ember.nn.functional as EF
+
+# row: (layers, width, heads, T, batch, vocabulary) at (full, --quick, --cpu-smoke)
+ROWS = {"1": ((6, 512, 8, 512, 16, 8192), (2, 256, 4, 128, 4, 1024), (1, 32, 4, 16, 2, 64))}
+LOSS_TOL = 5e-2  # relative, bfloat16
+VARIANTS = ("torch eager", "torch.compile", "ember lazy", "ember.jit")
+
+
+def model(lib, vocab: int, width: int, heads: int, blocks: int, context: int):
+    """A GPT in `lib` (torch or ember): the same modules and functions under both names."""
+    F = lib.nn.functional
+
+    class Block(lib.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = lib.nn.LayerNorm(width), lib.nn.LayerNorm(width)
+            self.qkv, self.proj = lib.nn.Linear(width, 3 * width), lib.nn.Linear(width, width)
+            self.fc1, self.fc2 = lib.nn.Linear(width, 4 * width), lib.nn.Linear(4 * width, width)
+
+        def forward(self, x):
+            b, t, d = x.shape
+            q, k, v = self.qkv(self.ln1(x)).reshape(b, t, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
+            scores = (q @ k.transpose(-2, -1)) * (1.0 / (d // heads) ** 0.5)
+            mask = lib.tril(lib.ones(t, t, dtype=lib.bool, device=x.device))
+            attention = F.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+            x = x + self.proj((attention @ v).transpose(1, 2).reshape(b, t, d))
+            return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+    class GPT(lib.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding, self.position = lib.nn.Embedding(vocab, width), lib.nn.Embedding(context, width)
+            self.blocks = lib.nn.Sequential(*[Block() for _ in range(blocks)])
+            self.ln, self.head = lib.nn.LayerNorm(width), lib.nn.Linear(width, vocab)
+
+        def forward(self, idx):
+            positions = lib.arange(idx.shape[1], device=idx.device)
+            h = self.blocks(self.embedding(idx) + self.position(positions))
+            return self.head(self.ln(h)).reshape(-1, vocab)
+
+    return GPT()
+
+
+class Workload:
+    """One initial state and batch, from which each variant builds its own model and optimizer."""
+
+    def __init__(self, layers: int, width: int, heads: int, context: int, batch: int, vocab: int, dev: str):
+        self.shape, self.dev = (vocab, width, heads, layers, context), dev
+        self.init = [t.detach().clone() for t in self.torch_model().state_dict().values()]
+        self.x = torch.randint(0, vocab, (batch, context), device=dev)
+        self.y = torch.randint(0, vocab, (batch * context,), device=dev)
+
+    def torch_model(self):
+        made = model(torch, *self.shape).to(self.dev, torch.bfloat16)
+        if hasattr(self, "init"):
+            with torch.no_grad():
+                for t, value in zip(made.state_dict().values(), self.init):
+                    t.copy_(value)
+        return made
+
+    def torch_step(self, compiled: bool, cpu: bool) -> Callable[[], object]:
+        made = self.torch_model()
+        step = training_step(TF, made, torch.optim.AdamW(made.parameters(), lr=3e-4))
+        if compiled:
+            step = torch.compile(step, backend="eager") if cpu else torch.compile(step)
+        return lambda: step(self.x, self.y)
+
+    def ember_step(self, jit: bool) -> Callable[[], object]:
+        made = model(ember, *self.shape).to("cuda").to(ember.bfloat16)
+        for name, value in zip(made.state_dict(), self.init):
+            _assign(made, name, to_ember(value.clone()))
+        step = training_step(EF, made, ember.optim.AdamW(made.parameters(), lr=3e-4))
+        step = ember.jit(step) if jit else step
+        x, y = to_ember(self.x), to_ember(self.y)
+        return lambda: step(x, y)
+
+
+def run_row(row: str, args) -> list[Line]:
+    cpu = args.cpu_smoke
+    layers, width, heads, context, batch, vocab = ROWS[row][args.which]
+    work = Workload(layers, width, heads, context, batch, vocab, args.dev)
+    workload = f"GPT {layers} layers, width {width}, {heads} heads, T {context} x {batch}, vocabulary {vocab}, bf16"
+    makers = {"torch eager": lambda: work.torch_step(False, cpu), "torch.compile": lambda: work.torch_step(True, cpu),
+              "ember lazy": lambda: work.ember_step(False), "ember.jit": lambda: work.ember_step(True)}
+    lines, losses = [], {}
+    for name in VARIANTS:
+        if name in args.skip:
+            continue
+        print(f"  {name}", flush=True)
+        line = Line(row, workload, name, None, batch * context)
+        if not cpu:
+            torch.cuda.reset_peak_memory_stats()
+        step = guarded(f"{row} {name} (setup)", makers[name])
+        if step is not None:
+            losses[name] = measure(line, step, args)
+        lines.append(line)
+        del step
+        release_memory(cpu)
+    reference = losses.get("torch eager")
+    for line in lines:
+        mine = losses.get(line.variant)
+        if line.variant == "torch eager":
+            line.check = "reference"
+        elif mine and reference:
+            err = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(mine, reference))
+            line.check = f"{err:.1e}" + ("" if err <= LOSS_TOL else " FAIL")
+        else:
+            line.check = "error"
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    def options(parser):
+        parser.add_argument("--skip", default="", help=f"variants to leave out, comma-separated, of {VARIANTS}")
+
+    opts = parse_options(argv, "gpt.py", __doc__, lambda which, dev: ((row, None) for row in ROWS),
+                         rows_example="1", add_options=options)
+    args = opts.args
+    args.which, args.dev = opts.which, opts.dev
+    args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    if args.skip - set(VARIANTS):
+        raise SystemExit(f"--skip: no variant {sorted(args.skip - set(VARIANTS))}; variants are {VARIANTS}")
+    ember.manual_seed(0)
+    lines: list[Line] = []
+    for row in opts.selected:
+        print(f"row {row}", flush=True)
+        lines += guarded(f"row {row}", lambda row=row: run_row(row, args)) or [Line(row, "", "setup", None, 0)]
+        release_memory(args.cpu_smoke)
+    notes = ["time per step of steps run back to back (median of 3 bursts), first call to GPU done; kernels' GPU "
+             "ms: the profiler's sum of the step's kernel and copy durations; peak: torch.cuda.max_memory_allocated "
+             "during the variant; first step: the variant's first call until its loss is on the host, compilation "
+             "included", "loss check: the first losses against torch eager's, relative tolerance "
+             f"{LOSS_TOL}", "AdamW lr 3e-4; torch.compile compiles the whole step, optimizer.step() included"]
+    if args.skip:
+        notes.append(f"variants left out of this run: {', '.join(sorted(args.skip))}")
+    if args.cpu_smoke:
+        notes.append("--cpu-smoke: times mean nothing (torch on the CPU, ember's kernels through Triton's "
+                     "interpreter, a tiny model); torch.compile ran with backend='eager'")
+    publish(f"GPT benchmark: {environment(args.cpu_smoke)}" + (" (--quick sizes)" if args.quick else ""),
+            table(lines, args.cpu_smoke, "tokens"), notes, opts.results_file)
+
+
+if __name__ == "__main__":
+    main()

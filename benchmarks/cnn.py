@@ -184,20 +184,27 @@ def run_row(row: str, args) -> list[Line]:
         "ember.jit": lambda: work.ember_step(jit=True),
         "ember.jit from_torch": lambda: work.ember_step(jit=True, imported=True),
     }
+    return run_variants(row, workload, makers, VARIANTS, batch, args)
+
+
+def run_variants(row: str, workload: str, makers: dict[str, Callable[[], Callable[[], object]]],
+                 variants: tuple[str, ...], count: int, args) -> list[Line]:
+    """Measure each variant's step (made by `makers[variant]`, one at a time; `count` items per step) and check
+    its first losses against torch eager's."""
     lines, losses = [], {}
-    for name in VARIANTS:
+    for name in variants:
         if name in args.skip:
             continue
         print(f"  {name}", flush=True)
-        line = Line(row, workload, name, None, batch)
-        if not cpu:
+        line = Line(row, workload, name, None, count)
+        if not args.cpu_smoke:
             torch.cuda.reset_peak_memory_stats()
         step = guarded(f"{row} {name} (setup)", makers[name])
         if step is not None:
             losses[name] = measure(line, step, args)
         lines.append(line)
         del step
-        release_memory(cpu)
+        release_memory(args.cpu_smoke)
     reference = losses.get("torch eager")
     for line in lines:
         mine = losses.get(line.variant)
@@ -244,17 +251,27 @@ def table(lines: list[Line], cpu: bool, unit: str = "images") -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    def options(parser):
-        parser.add_argument("--skip", default="", help=f"variants to leave out, comma-separated, of {VARIANTS}")
+    notes = ["torch.backends.cudnn.benchmark = True for every variant; SGD lr 0.05 momentum 0.9; torch.compile "
+             "compiles the whole step, optimizer.step() included"]
+    torch.backends.cudnn.benchmark = True  # torch's variants pick their convolution algorithms as users do
+    bench_main(argv, "cnn.py", __doc__, ROWS, VARIANTS, run_row, "CNN benchmark", "images", notes,
+               "a network 16x narrower")
 
-    opts = parse_options(argv, "cnn.py", __doc__, lambda which, dev: ((row, None) for row in ROWS),
-                         rows_example="1,3", add_options=options)
+
+def bench_main(argv: list[str] | None, script: str, doc: str, rows: dict, variants: tuple[str, ...],
+               run_row: Callable[[str, object], list[Line]], title: str, unit: str, notes: list[str],
+               smoke_model: str) -> None:
+    """A training benchmark's command line, rows and report (this script's and gpt.py's)."""
+    def options(parser):
+        parser.add_argument("--skip", default="", help=f"variants to leave out, comma-separated, of {variants}")
+
+    opts = parse_options(argv, script, doc, lambda which, dev: ((row, None) for row in rows),
+                         rows_example=",".join(list(rows)[:2]), add_options=options)
     args = opts.args
     args.which, args.dev = opts.which, opts.dev
     args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-    if args.skip - set(VARIANTS):
-        raise SystemExit(f"--skip: no variant {sorted(args.skip - set(VARIANTS))}; variants are {VARIANTS}")
-    torch.backends.cudnn.benchmark = True  # torch's variants pick their convolution algorithms as users do
+    if args.skip - set(variants):
+        raise SystemExit(f"--skip: no variant {sorted(args.skip - set(variants))}; variants are {variants}")
     ember.manual_seed(0)
     lines: list[Line] = []
     for row in opts.selected:
@@ -265,17 +282,14 @@ def main(argv: list[str] | None = None) -> None:
              "ms: the profiler's sum of the step's kernel and copy durations; peak: torch.cuda.max_memory_allocated "
              "during the variant (ember allocates through torch); first step: the variant's first call until its "
              "loss is on the host, compilation included",
-             f"loss check: the first {CHECK_STEPS} losses against torch eager's, relative tolerance {LOSS_TOL}",
-             "torch.backends.cudnn.benchmark = True for every variant; SGD lr 0.05 momentum 0.9; torch.compile "
-             "compiles the whole step, optimizer.step() included"]
+             f"loss check: the first {CHECK_STEPS} losses against torch eager's, relative tolerance {LOSS_TOL}", *notes]
     if args.skip:
         notes.append(f"variants left out of this run: {', '.join(sorted(args.skip))}")
     if args.cpu_smoke:
         notes.append("--cpu-smoke: times mean nothing (torch on the CPU, ember's kernels through Triton's "
-                     "interpreter, a network 16x narrower); torch.compile variants ran with backend='eager'")
-    publish(f"CNN benchmark: {environment(args.cpu_smoke)}" + (" (--quick sizes)" if args.quick else ""),
-            table(lines, args.cpu_smoke), notes, opts.results_file)
-
+                     f"interpreter, {smoke_model}); torch.compile variants ran with backend='eager'")
+    publish(f"{title}: {environment(args.cpu_smoke)}" + (" (--quick sizes)" if args.quick else ""),
+            table(lines, args.cpu_smoke, unit), notes, opts.results_file)
 
 if __name__ == "__main__":
     main()

@@ -25,15 +25,14 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as TF
-from cnn import Line, _assign, measure, table
-from common import environment, guarded, parse_options, publish, release_memory, to_ember, training_step
+from cnn import Line, _assign, bench_main, run_variants
+from common import to_ember, training_step
 
 import ember
 import ember.nn.functional as EF
 
 # row: (layers, width, heads, T, batch, vocabulary) at (full, --quick, --cpu-smoke)
 ROWS = {"1": ((6, 512, 8, 512, 16, 8192), (2, 256, 4, 128, 4, 1024), (1, 32, 4, 16, 2, 64))}
-LOSS_TOL = 5e-2  # relative, bfloat16
 VARIANTS = ("torch eager", "torch.compile", "ember lazy", "ember.jit")
 
 
@@ -113,63 +112,12 @@ def run_row(row: str, args) -> list[Line]:
     workload = f"GPT {layers} layers, width {width}, {heads} heads, T {context} x {batch}, vocabulary {vocab}, bf16"
     makers = {"torch eager": lambda: work.torch_step(False, cpu), "torch.compile": lambda: work.torch_step(True, cpu),
               "ember lazy": lambda: work.ember_step(False), "ember.jit": lambda: work.ember_step(True)}
-    lines, losses = [], {}
-    for name in VARIANTS:
-        if name in args.skip:
-            continue
-        print(f"  {name}", flush=True)
-        line = Line(row, workload, name, None, batch * context)
-        if not cpu:
-            torch.cuda.reset_peak_memory_stats()
-        step = guarded(f"{row} {name} (setup)", makers[name])
-        if step is not None:
-            losses[name] = measure(line, step, args)
-        lines.append(line)
-        del step
-        release_memory(cpu)
-    reference = losses.get("torch eager")
-    for line in lines:
-        mine = losses.get(line.variant)
-        if line.variant == "torch eager":
-            line.check = "reference"
-        elif mine and reference:
-            err = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(mine, reference))
-            line.check = f"{err:.1e}" + ("" if err <= LOSS_TOL else " FAIL")
-        else:
-            line.check = "error"
-    return lines
+    return run_variants(row, workload, makers, VARIANTS, batch * context, args)
 
 
 def main(argv: list[str] | None = None) -> None:
-    def options(parser):
-        parser.add_argument("--skip", default="", help=f"variants to leave out, comma-separated, of {VARIANTS}")
-
-    opts = parse_options(argv, "gpt.py", __doc__, lambda which, dev: ((row, None) for row in ROWS),
-                         rows_example="1", add_options=options)
-    args = opts.args
-    args.which, args.dev = opts.which, opts.dev
-    args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-    if args.skip - set(VARIANTS):
-        raise SystemExit(f"--skip: no variant {sorted(args.skip - set(VARIANTS))}; variants are {VARIANTS}")
-    ember.manual_seed(0)
-    lines: list[Line] = []
-    for row in opts.selected:
-        print(f"row {row}", flush=True)
-        lines += guarded(f"row {row}", lambda row=row: run_row(row, args)) or [Line(row, "", "setup", None, 0)]
-        release_memory(args.cpu_smoke)
-    notes = ["time per step of steps run back to back (median of 3 bursts), first call to GPU done; kernels' GPU "
-             "ms: the profiler's sum of the step's kernel and copy durations; peak: torch.cuda.max_memory_allocated "
-             "during the variant; first step: the variant's first call until its loss is on the host, compilation "
-             "included", "loss check: the first losses against torch eager's, relative tolerance "
-             f"{LOSS_TOL}", "AdamW lr 3e-4; torch.compile compiles the whole step, optimizer.step() included"]
-    if args.skip:
-        notes.append(f"variants left out of this run: {', '.join(sorted(args.skip))}")
-    if args.cpu_smoke:
-        notes.append("--cpu-smoke: times mean nothing (torch on the CPU, ember's kernels through Triton's "
-                     "interpreter, a tiny model); torch.compile ran with backend='eager'")
-    publish(f"GPT benchmark: {environment(args.cpu_smoke)}" + (" (--quick sizes)" if args.quick else ""),
-            table(lines, args.cpu_smoke, "tokens"), notes, opts.results_file)
-
+    bench_main(argv, "gpt.py", __doc__, ROWS, VARIANTS, run_row, "GPT benchmark", "tokens",
+               ["AdamW lr 3e-4; torch.compile compiles the whole step, optimizer.step() included"], "a tiny model")
 
 if __name__ == "__main__":
     main()

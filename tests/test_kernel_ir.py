@@ -321,3 +321,39 @@ def test_only_kernels_too_small_to_fill_the_gpu_hoist_their_loads():
 
     assert first_store_after_loads(100)
     assert not first_store_after_loads(1 << 22)
+
+
+def test_positions_of_a_row_read_by_several_loops_over_it_are_computed_before_them(monkeypatch):
+    """A row kernel whose rows are read through a transpose unravels the row's position into two; computed inside
+    the first loop over the row, they would be undefined in the next ones on a GPU (Python, the interpreter,
+    keeps a loop's names after it): they are computed once, before the loops."""
+    monkeypatch.setattr(lower, "ROW_TILE", 256)  # rows longer than 256 are reduced in a loop, 128 columns a step
+    monkeypatch.setattr(lower, "LOOP_CHUNK", 128)
+    rng = np.random.default_rng(3)
+    a, b = rng.standard_normal((4, 3, 700)).astype(np.float32), rng.standard_normal(700).astype(np.float32)
+    x, bias = ember.tensor(a, device="cuda"), ember.tensor(b, device="cuda")
+    out = (x.transpose(0, 1) + bias).reshape(12, 700).softmax(-1)
+    kernels, stored = _kernels(lambda: out)
+    (row,) = [k for k in kernels if k.kind is fusion.KernelKind.REDUCE]
+    ir = lower.lower(row, stored, CompileContext())
+    assert all(not lower.unbound_reads(f) for f in ir.functions)
+    (function,) = ir.functions
+    loops = [s for s in function.body if isinstance(s, Loop)]
+    assert len(loops) == 3 and any("//" in str(s.value) for s in loops[0].prelude if isinstance(s, Assign))
+    shifted = (a.transpose(1, 0, 2) + b).reshape(12, 700)
+    want = np.exp(shifted - shifted.max(-1, keepdims=True))
+    np.testing.assert_allclose(out.numpy(), want / want.sum(-1, keepdims=True), rtol=1e-5, atol=1e-7)
+
+
+def test_names_a_loop_or_one_branch_defines_are_unbound_after_it():
+    from ember.compiler.kernel import Function, Param
+
+    one = Lit(1)
+    loop = Loop(Var("k"), Lit(0), Var("n"), one, body=[Assign((Var("inside"),), Bin("+", Var("k"), one))])
+    branch = Branch(Var("n"), body=[Assign((Var("both"),), one), Assign((Var("left"),), one)],
+                    orelse=[Assign((Var("both"),), one)])
+    body = [Assign((Var("before"),), Var("n")), loop, branch,
+            Assign((Var("after"),), Bin("+", Bin("+", Var("inside"), Var("before")), Bin("+", Var("both"),
+                                                                                          Var("left"))))]
+    function = Function("", [Param("size", 4, "n")], {"BLOCK": 16}, body, 1)
+    assert lower.unbound_reads(function) == {"inside", "left"}

@@ -204,24 +204,39 @@ class Emitter:
     def unravel(self, linear: Expr, shape: tuple[int, ...]) -> tuple[Expr, ...]:
         key = (linear, shape)
         if key not in self.unravelled:
-            dims: list[Expr] = []
-            rest = linear
-            for d in range(len(shape) - 1, -1, -1):
-                s = shape[d]
-                if s == 1:
-                    dims.append(ZERO)
-                    continue
-                if all(x == 1 for x in shape[:d]):
-                    dims.append(rest)
-                    break
-                # a literal divisor: the division compiles to a multiply and shifts (a size 0, in a kernel
-                # with nothing to compute, stays an argument: a literal would fold into a division by zero)
-                size = Lit(s) if s else self.ctx.size(s)
-                dims.append(self.define(Bin("%", rest, size), "i"))
-                rest = self.define(Bin("//", rest, size), "q")
-            dims += [ZERO] * (len(shape) - len(dims))
-            self.unravelled[key] = tuple(reversed(dims))
+            # positions of a value the column loop does not change (a row's) are computed once, before the loop,
+            # where every later loop over the row reads them too
+            hoist = self.loop is not None and not self.hoisting and not (_names(linear) & self._loop_names())
+            self.hoisting = self.hoisting or hoist
+            try:
+                self.unravelled[key] = self._unravel(linear, shape)
+            finally:
+                self.hoisting = self.hoisting and not hoist
         return self.unravelled[key]
+
+    def _loop_names(self) -> set[str]:
+        """The names the column loop being emitted assigns (its variable included)."""
+        return {self.loop.var.name, *(t.name for s in _flat(self.loop.body) if isinstance(s, Assign)
+                                      for t in s.targets)}
+
+    def _unravel(self, linear: Expr, shape: tuple[int, ...]) -> tuple[Expr, ...]:
+        dims: list[Expr] = []
+        rest = linear
+        for d in range(len(shape) - 1, -1, -1):
+            s = shape[d]
+            if s == 1:
+                dims.append(ZERO)
+                continue
+            if all(x == 1 for x in shape[:d]):
+                dims.append(rest)
+                break
+            # a literal divisor: the division compiles to a multiply and shifts (a size 0, in a kernel
+            # with nothing to compute, stays an argument: a literal would fold into a division by zero)
+            size = Lit(s) if s else self.ctx.size(s)
+            dims.append(self.define(Bin("%", rest, size), "i"))
+            rest = self.define(Bin("//", rest, size), "q")
+        dims += [ZERO] * (len(shape) - len(dims))
+        return tuple(reversed(dims))
 
     def dims(self, idx: Index, shape: tuple[int, ...]) -> tuple[Expr, ...]:
         return idx.dims if idx.dims is not None else self.unravel(idx.linear, shape)
@@ -528,7 +543,38 @@ def lower(kernel: FusedKernel, stored: set[int], context: CompileContext) -> Ker
         functions = _mlp(ctx, kernel)
     else:
         raise CompileError(f"no generated code for {kernel.kind} kernels")
+    for function in functions:
+        unbound = unbound_reads(function)
+        if unbound:
+            raise CompileError(f"kernel {kernel.index} ({kernel.kind}): {', '.join(sorted(unbound))} read where not "
+                               "defined (a value of a loop read after it)")
     return KernelIR(str(kernel.kind), _header(kernel), functions)
+
+
+def unbound_reads(function: Function) -> set[str]:
+    """The names `function` reads where they are not defined, by the scoping of a compiled kernel (Triton's): a
+    name first assigned inside a loop's body is not defined after the loop; one assigned in one branch of an
+    `if` only, not after it. The interpreter runs kernels as Python, where both are defined: this check is what
+    tells it apart on a machine without a GPU."""
+    unbound: set[str] = set()
+
+    def walk(block: list, scope: set[str]) -> set[str]:
+        for s in block:
+            if isinstance(s, Loop):
+                unbound.update(_names(s.start) - scope, _names(s.stop) - scope, _names(s.step) - scope)
+                walk(s.prelude, scope)
+                walk(s.body, {*scope, s.var.name})
+            elif isinstance(s, Branch):
+                unbound.update(_names(s.condition) - scope)
+                scope |= walk(s.body, set(scope)) & walk(s.orelse, set(scope))
+            else:
+                unbound.update(_names(s.value) - scope)
+                if isinstance(s, Assign):
+                    scope.update(t.name for t in s.targets)
+        return scope
+
+    walk(function.body, {p.name for p in function.params} | set(function.constexprs))
+    return unbound
 
 
 def _header(kernel: FusedKernel) -> list[str]:

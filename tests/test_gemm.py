@@ -816,7 +816,7 @@ def split_k(monkeypatch):
     ((0, 64, 2**18), 132, 1),  # no tiles
 ])
 def test_a_gemm_splits_a_long_k_only_where_its_tiles_leave_the_gpu_idle(mnk, sms, splits):
-    from ember.compiler.lower import gemm_splits
+    from ember.compiler.patterns.gemm import gemm_splits
 
     assert gemm_splits(*mnk, sms) == splits
 

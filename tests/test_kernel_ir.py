@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 import ember
-from ember.compiler import fusion, lower, passes
+from ember.compiler import emit, fusion, lower, passes
 from ember.compiler.context import CompileContext
 from ember.compiler.kernel import Assign, Bin, Block, Branch, Call, Effect, Expr, KernelIR, Lit, Loop, Prim, Range, Var
+from ember.compiler.patterns import pointwise, rows
 from ember.compiler.targets import triton as renderer
 from ember.ir import toposort
 from ember.ops.index import gather_in_range
@@ -156,8 +157,8 @@ def test_independent_reductions_of_a_row_share_one_pass_and_dependent_ones_take_
 
 
 def test_reductions_sharing_a_pass_compute_what_separate_passes_do(monkeypatch):
-    monkeypatch.setattr(lower, "ROW_TILE", 256)  # rows longer than 256 are reduced in a loop, 128 columns a step
-    monkeypatch.setattr(lower, "LOOP_CHUNK", 128)
+    monkeypatch.setattr(rows, "ROW_TILE", 256)  # rows longer than 256 are reduced in a loop, 128 columns a step
+    monkeypatch.setattr(rows, "LOOP_CHUNK", 128)
     rng = np.random.default_rng(2)
     a = rng.standard_normal((5, 700)).astype(np.float32)
     x = ember.tensor(a, device="cuda")
@@ -177,7 +178,7 @@ def test_reductions_sharing_a_pass_compute_what_separate_passes_do(monkeypatch):
 ])
 def test_a_pointwise_kernels_programs_take_fewer_elements_when_heavy_or_too_few_to_fill_the_gpu(numel, nodes, sms,
                                                                                                 block):
-    assert lower.pointwise_block(numel, nodes, sms) == block
+    assert pointwise.pointwise_block(numel, nodes, sms) == block
 
 
 def test_a_flattened_index_unflattened_again_costs_no_division():
@@ -241,7 +242,7 @@ def test_a_heavy_kernel_computes_a_short_axis_whole_in_each_thread_sharing_what_
     (source,) = ember.explain.plan(out).sources.values()
     code = source.text.split("@triton.jit")[1]
     inner = max((d for d, s in enumerate(shape) if s != 1), default=0)
-    short = [s for d, s in enumerate(shape) if 2 <= s <= lower.POINTWISE_UNROLL and d < inner]
+    short = [s for d, s in enumerate(shape) if 2 <= s <= pointwise.POINTWISE_UNROLL and d < inner]
     # one store per position along the last short axis but the innermost (whose neighbours threads side by side
     # store at once); the chain along the last axis once per thread
     assert code.count("tl.store(") == (short[-1] if short else 1), source.text
@@ -291,7 +292,7 @@ def test_loads_after_a_store_are_hoisted_above_it_where_their_addresses_are_know
             Assign((c,), _load(Bin("+", Var("in2"), t))),  # address computed after it: stays
             Assign((d,), _load(Bin("+", Var("in3"), b))),  # its address reads a hoisted load: follows it
             _store(Var("out1"), Bin("+", b, Bin("+", c, d)))]
-    hoisted = lower.hoist_loads(body)
+    hoisted = emit.hoist_loads(body)
     assert hoisted == [body[0], body[3], body[5], body[1], body[2], body[4], body[6]]
 
 
@@ -299,7 +300,7 @@ def test_a_load_reading_a_name_assigned_again_after_the_store_stays_below_it():
     a, b = Var("a"), Var("b")
     body = [Assign((a,), _load(Var("in0"))), _store(Var("out0"), a),
             Assign((a,), Bin("*", a, Lit(2))), Assign((b,), _load(Bin("+", Var("in1"), a))), _store(Var("out1"), b)]
-    assert lower.hoist_loads(body) == body
+    assert emit.hoist_loads(body) == body
 
 
 def test_only_kernels_too_small_to_fill_the_gpu_hoist_their_loads():
@@ -314,7 +315,7 @@ def test_only_kernels_too_small_to_fill_the_gpu_hoist_their_loads():
         kernels, stored = fusion.plan(lowered.nodes, lowered.outputs, CompileContext(), fusion.NOMINAL_GPU)
         (kernel,) = [k for k in kernels if k.kind is fusion.KernelKind.POINTWISE]
         body = lower.lower(kernel, stored, CompileContext()).functions[0].body
-        kinds = ["store" if isinstance(s, Effect) else "load" if isinstance(s, Assign) and lower._loads(s.value)
+        kinds = ["store" if isinstance(s, Effect) else "load" if isinstance(s, Assign) and emit.reads_memory(s.value)
                  else "" for s in body]
         kinds = [k for k in kinds if k]
         return kinds.index("store") > max(i for i, k in enumerate(kinds) if k == "load")
@@ -327,8 +328,8 @@ def test_positions_of_a_row_read_by_several_loops_over_it_are_computed_before_th
     """A row kernel whose rows are read through a transpose unravels the row's position into two; computed inside
     the first loop over the row, they would be undefined in the next ones on a GPU (Python, the interpreter,
     keeps a loop's names after it): they are computed once, before the loops."""
-    monkeypatch.setattr(lower, "ROW_TILE", 256)  # rows longer than 256 are reduced in a loop, 128 columns a step
-    monkeypatch.setattr(lower, "LOOP_CHUNK", 128)
+    monkeypatch.setattr(rows, "ROW_TILE", 256)  # rows longer than 256 are reduced in a loop, 128 columns a step
+    monkeypatch.setattr(rows, "LOOP_CHUNK", 128)
     rng = np.random.default_rng(3)
     a, b = rng.standard_normal((4, 3, 700)).astype(np.float32), rng.standard_normal(700).astype(np.float32)
     x, bias = ember.tensor(a, device="cuda"), ember.tensor(b, device="cuda")
@@ -336,7 +337,7 @@ def test_positions_of_a_row_read_by_several_loops_over_it_are_computed_before_th
     kernels, stored = _kernels(lambda: out)
     (row,) = [k for k in kernels if k.kind is fusion.KernelKind.REDUCE]
     ir = lower.lower(row, stored, CompileContext())
-    assert all(not lower.unbound_reads(f) for f in ir.functions)
+    assert all(not emit.unbound_reads(f) for f in ir.functions)
     (function,) = ir.functions
     loops = [s for s in function.body if isinstance(s, Loop)]
     assert len(loops) == 3 and any("//" in str(s.value) for s in loops[0].prelude if isinstance(s, Assign))
@@ -356,4 +357,4 @@ def test_names_a_loop_or_one_branch_defines_are_unbound_after_it():
             Assign((Var("after"),), Bin("+", Bin("+", Var("inside"), Var("before")), Bin("+", Var("both"),
                                                                                           Var("left"))))]
     function = Function("", [Param("size", 4, "n")], {"BLOCK": 16}, body, 1)
-    assert lower.unbound_reads(function) == {"inside", "left"}
+    assert emit.unbound_reads(function) == {"inside", "left"}

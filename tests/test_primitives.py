@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import ember  # importing ember declares the rules
-from ember.compiler import lower
+from ember.compiler import emit
 from ember.compiler.targets import reference
 from ember.ir import Kind, Node, Op
 from ember.ir.ops import NOT_DIFFERENTIABLE, RULES, TARGETS, infer
@@ -43,11 +43,11 @@ def test_every_primitive_has_a_lowering_for_every_target(op):
     as a Prim, unless the lowering computes it itself (an index check, which also records what it finds);
     every other primitive is lowered into the kernel IR by compiler/lower.py (folded into an index, reduced,
     a GEMM core, a vendor call), which says how for each."""
-    if op in POINTWISE and op not in lower.STRUCTURAL:
+    if op in POINTWISE and op not in emit.STRUCTURAL:
         for target in TARGETS:
             assert callable(RULES[op].lowerings.get(target)), f"{op}: no {target} lowering"
     else:
-        assert lower.STRUCTURAL.get(op), f"{op}: the kernel IR has no lowering for it"
+        assert emit.STRUCTURAL.get(op), f"{op}: the kernel IR has no lowering for it"
 
 
 @pytest.mark.parametrize("dtype", [ember.float32, ember.float16, ember.int32, ember.int8, ember.bool],

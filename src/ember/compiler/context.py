@@ -21,7 +21,7 @@ class CompileContext:
     multiprocessors: int = 0  # the GPU's SMs, which tell a kernel too small to fill it (0: unknown)
     # "channels_last": half-precision convolutions, and the ops between them, on (N, H, W, C) memory
     conv_memory_format: str = "contiguous"
-    # GEMMs with few output tiles and a long K split it over several programs per tile (see lower.gemm_splits;
+    # GEMMs with few output tiles and a long K split it over several programs per tile (see patterns.gemm.gemm_splits;
     # EMBER_SPLIT_K=0 turns it off)
     split_k: bool = True
 

@@ -224,9 +224,9 @@ def _transposed_products(order: list[Node], keep: set[int]) -> set[int]:
 
 def _summed_by_gemms(order: list[Node], multiprocessors: int) -> set[tuple[int, int]]:
     """(id(node), axis) of the operands of 2-d matmuls whose long K a generated GEMM splits over several
-    programs per tile (see lower.gemm_splits): a sum of such an operand along K is taken in that GEMM's
+    programs per tile (see patterns.gemm.gemm_splits): a sum of such an operand along K is taken in that GEMM's
     mainloop in float32, spread as widely as the GEMM is, so it is not staged as a reduction of its own."""
-    from ember.compiler.lower import gemm_splits  # the GEMM's own decision
+    from ember.compiler.patterns.gemm import gemm_splits  # the GEMM's own decision
 
     found = set()
     for node in order:

@@ -15,8 +15,9 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from ember.compiler import fusion, lower, passes, schedule
+from ember.compiler import fusion, passes, schedule
 from ember.compiler.context import CompileContext
+from ember.compiler.patterns import gemm
 from ember.compiler.targets import TARGETS, Target, reference
 from ember.compiler.targets.triton import KernelSource
 from ember.ir import Kind, Node
@@ -134,7 +135,7 @@ def _generate(kernel: fusion.FusedKernel, stored: set[int], context: CompileCont
         ck.fallback = streamed if streamed.text != ck.source.text else None
     if kernel.core is not None:
         ck.split = [_generate(part, stored | kernel.split_stored, context, target) for part in kernel.split]
-        ck.atomic_outputs = [(o, RULES[op].identity(o.dtype)) for o, op in lower.epilogue_reduction_outputs(kernel)]
+        ck.atomic_outputs = [(o, RULES[op].identity(o.dtype)) for o, op in gemm.epilogue_reduction_outputs(kernel)]
     return ck
 
 

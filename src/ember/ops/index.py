@@ -338,7 +338,7 @@ def setitem(x: Tensor, index, value) -> None:
 # -- the index primitives -----------------------------------------------------------------------------
 # Each primitive's rules side by side: shape and dtype, VJP, and reference implementation (NumPy, half
 # types computed in float32, the attributes as keywords). CHECK_INDEX's lowering is the kernel's own
-# (compiler/lower.py: it records an index out of range in the plan's flags).
+# (compiler/emit.py: it records an index out of range in the plan's flags).
 
 def _gather_vjp(g, xs, out, a):
     x, index = xs

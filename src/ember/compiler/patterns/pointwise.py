@@ -1,0 +1,186 @@
+"""The pointwise pattern's lowering: one program per block of elements of the kernel's space (`lower_pointwise`),
+several pointwise kernels as ranges of programs of one launch (`lower_segmented`), and scatter-add kernels
+(an initialising function, then atomic adds at checked positions: `lower_scatter_add`).
+"""
+
+from __future__ import annotations
+
+import math
+
+from ember import dtypes
+from ember.compiler.emit import (
+    BLOCK,
+    UNKNOWN_MULTIPROCESSORS,
+    ZERO,
+    Context,
+    Emitter,
+    Index,
+    hoist_loads,
+    program_index,
+)
+from ember.compiler.fusion import FULL, OTHER, FusedKernel, KernelKind
+from ember.compiler.kernel import Bin, Branch, Effect, Expr, Function, Lit, Loop, Range, Var, add, call
+
+POINTWISE_BLOCK = 1024
+
+
+def _pointwise_body(ctx: Context, kernel: FusedKernel, block: list, tag: str, first_block: Expr,
+                    axis: int | None) -> None:
+    emitter = Emitter(ctx, kernel, block, tag)
+    start = call("cast", first_block, dtype=dtypes.int64) if emitter.big else first_block
+    offs = emitter.bind(f"offs{tag}", Bin("+", Bin("*", start, BLOCK), Range(BLOCK)))
+    mask = emitter.bind(f"mask{tag}", Bin("<", offs, ctx.size(_threads(kernel, axis))))
+    if axis is None:
+        for out in kernel.outputs:
+            emitter.store(out, Index(None, offs, mask, FULL), (BLOCK,))
+        return
+    # each element of offs is a position along the other axes, computed for every position along `axis`: what
+    # does not vary along it is memoized under the same index, so emitted once
+    other = emitter.unravel(offs, kernel.space[:axis] + kernel.space[axis + 1:])
+    for position in range(kernel.space[axis]):
+        at = Index(other[:axis] + (Lit(position),) + other[axis:], None, mask, FULL)
+        for out in kernel.outputs:
+            emitter.store(out, at, (BLOCK,))
+
+
+# A heavy pointwise kernel (more nodes than POINTWISE_HEAVY) may compute all positions along an axis this short
+# in one thread (an image's channels): what does not vary along that axis (sample positions, the index
+# arithmetic of gathers) is then computed once for all of them. It does so where that saves at least
+# 1 - UNROLL_SHARE (a tenth) of the statements a thread would run for those positions one by one (loads and
+# index arithmetic shared by the positions cost more than the statements repeated for each: NV12 to planar RGB
+# saves 12% of its statements and a fifth of its time).
+POINTWISE_UNROLL = 4
+
+UNROLL_SHARE = 0.9
+
+
+def unrolled_axis(ctx: Context, kernel: FusedKernel) -> int | None:
+    """The axis of a pointwise kernel's space that each thread computes whole, or None: the last short axis
+    but the innermost, where unrolling it pays (both forms are emitted and their statements counted)."""
+    key = ("unrolled", id(kernel))
+    if key in ctx.decisions:
+        return ctx.decisions[key]
+    # not the innermost axis: positions along it are neighbours in memory, which threads side by side store at once
+    inner = max((d for d, s in enumerate(kernel.space) if s != 1), default=0)
+    short = [d for d, s in enumerate(kernel.space) if 2 <= s <= POINTWISE_UNROLL and d < inner]
+    axis = None
+    if short and len(kernel.covers) > POINTWISE_HEAVY and all(o.shape == kernel.space for o in kernel.outputs):
+        params, names = list(ctx.params), dict(ctx.names)  # the trial's parameters are not the kernel's
+        plain: list = []
+        unrolled: list = []
+        _pointwise_body(ctx, kernel, plain, "", Var("pid"), None)
+        _pointwise_body(ctx, kernel, unrolled, "", Var("pid"), short[-1])
+        ctx.params[:], ctx.names = params, names
+        if _statements(unrolled) <= UNROLL_SHARE * kernel.space[short[-1]] * _statements(plain):
+            axis = short[-1]
+    ctx.decisions[key] = axis
+    return axis
+
+
+def _statements(block: list) -> int:
+    return sum(_statements(s.prelude) + _statements(s.body) if isinstance(s, Loop) else
+               _statements(s.body) + _statements(s.orelse) if isinstance(s, Branch) else 1 for s in block)
+
+
+def _threads(kernel: FusedKernel, axis: int | None) -> int:
+    """The positions a pointwise kernel's programs cover: its elements, less an unrolled axis."""
+    return math.prod(kernel.space) // (1 if axis is None else kernel.space[axis])
+
+
+def lower_pointwise(ctx: Context, kernel: FusedKernel) -> Function:
+    body: list = []
+    pid = program_index(Emitter(ctx, kernel, body))
+    axis = unrolled_axis(ctx, kernel)
+    _pointwise_body(ctx, kernel, body, "", pid, axis)
+    numel = _threads(kernel, axis)
+    block = pointwise_block(numel, len(kernel.covers), ctx.settings.multiprocessors)
+    grid = -(-numel // block)
+    if _latency_bound(ctx, grid):
+        body[:] = hoist_loads(body)
+    return ctx.function("", body, {"BLOCK": block}, grid, 4)
+
+
+def _latency_bound(ctx: Context, programs: int) -> bool:
+    """Whether a kernel's programs are too few to fill the GPU: no other programs' warps hide a load's
+    latency, so each load paid in turn adds up (an optimizer's update of a few small tensors)."""
+    return programs < (ctx.settings.multiprocessors or UNKNOWN_MULTIPROCESSORS)
+
+
+# A pointwise kernel computing more nodes than this per element (gathers and the index arithmetic that places
+# them: image sampling) gives each program a quarter of POINTWISE_BLOCK: its many live values per element
+# otherwise take so many registers that few programs fit on an SM
+POINTWISE_HEAVY = 64
+
+POINTWISE_PROGRAMS_PER_SM = 4  # a small kernel's programs shrink (to 128 elements, one per thread) to fill the GPU
+
+
+def pointwise_block(numel: int, nodes: int, multiprocessors: int) -> int:
+    """Elements per program of a pointwise kernel computing `nodes` nodes at each of `numel` elements."""
+    block = POINTWISE_BLOCK if nodes <= POINTWISE_HEAVY else POINTWISE_BLOCK // 4
+    while block > 128 and multiprocessors and -(-numel // block) < POINTWISE_PROGRAMS_PER_SM * multiprocessors:
+        block //= 2
+    return block
+
+
+def lower_segmented(ctx: Context, kernel: FusedKernel) -> Function:
+    """Many independent pointwise kernels in one launch: program ids are split into ranges."""
+    body: list = []
+    pid = program_index(Emitter(ctx, kernel, body))
+    total = 0
+    branches = body
+    axes = [unrolled_axis(ctx, part) for part in kernel.segments]
+    block = pointwise_block(sum(_threads(part, a) for part, a in zip(kernel.segments, axes)),
+                            max(len(part.covers) for part in kernel.segments), ctx.settings.multiprocessors)
+    for k, part in enumerate(kernel.segments):
+        blocks = -(-_threads(part, axes[k]) // block)
+        begin = total
+        total += blocks
+        bound = ctx.param("bound", total, "end")
+        branch = Branch(Bin("<", pid, bound),
+                        comment=f"segment {k}: {', '.join(o.op.label for o in part.outputs)} over {list(part.space)}")
+        branches.append(branch)
+        branches = branch.orelse
+        first = pid if begin == 0 else Bin("-", pid, ctx.param("bound", begin, "end"))
+        _pointwise_body(ctx, part, branch.body, f"_{k}", first, axes[k])
+        if _latency_bound(ctx, total):
+            branch.body[:] = hoist_loads(branch.body)
+    return ctx.function("", body, {"BLOCK": block}, total, 4)
+
+
+def lower_scatter_add(ctx: Context, kernel: FusedKernel) -> list[Function]:
+    """Copy the base into the output, then add each source element at its index atomically."""
+    node = kernel.outputs[0]
+    base, index, src = node.inputs
+    axis = node.attrs["axis"]
+    init = FusedKernel(KernelKind.POINTWISE, node.shape, (), [node], {id(node): FULL}, covers=kernel.covers,
+                       reads=kernel.reads)
+    # the first launch writes the base (its cone inlined) into the output
+    init_ctx = Context(ctx.stored, ctx.settings)
+    copy_body: list = []
+    emitter = Emitter(init_ctx, init, copy_body)
+    pid = program_index(emitter)
+    offs = emitter.bind("offs", Bin("+", Bin("*", pid, BLOCK), Range(BLOCK)))
+    mask = emitter.bind("mask", Bin("<", offs, init_ctx.size(node.numel)))
+    value, dt = emitter.value(base, Index(None, offs, mask, OTHER))
+    pointer = init_ctx.param("write", node, "out")
+    copied = call("cast", Bin("+", value, call("zeros", shape=(BLOCK,), dtype=dt)), dtype=node.dtype)
+    emitter.emit(Effect(call("store", Bin("+", pointer, offs), copied, mask=mask)))
+    first = init_ctx.function("_init", copy_body, {"BLOCK": POINTWISE_BLOCK}, -(-node.numel // POINTWISE_BLOCK), 4)
+    body: list = []
+    emitter = Emitter(ctx, init, body)
+    pid = program_index(emitter)
+    offs = emitter.bind("offs", Bin("+", Bin("*", pid, BLOCK), Range(BLOCK)))
+    mask = emitter.bind("mask", Bin("<", offs, ctx.size(index.numel)))
+    at = Index(None, offs, mask, OTHER)
+    picked, _ = emitter.value(index, at)
+    addend, _ = emitter.value(src, at)
+    dims = list(emitter.dims(at, index.shape))
+    valid = emitter.bind("valid", emitter.in_range(picked, node.shape[axis]))
+    dims[axis] = emitter.clamp(picked, node.shape[axis])
+    target = emitter.linear(Index(tuple(dims), None, mask, OTHER), node.shape)
+    pointer = ctx.param("write", node, "out")
+    # an index out of range adds nothing (at a clamped address, so the access stays in bounds)
+    added = call("cast", call("where", valid, addend, ZERO), dtype=node.dtype)
+    emitter.emit(Effect(call("atomic", add(pointer, target), added, mask=mask, combine="sum")))
+    second = ctx.function("_scatter", body, {"BLOCK": POINTWISE_BLOCK}, -(-index.numel // POINTWISE_BLOCK), 4)
+    return [first, second]

@@ -1,0 +1,195 @@
+"""The row pattern's lowering (softmax, norms, cross entropy and every reduction along a kernel's last axes): a
+program per block of rows, each reduction accumulated over the row in registers, a row that does not fit one
+tile walked in loops of chunks; what reads the reductions' results stored after them (`RowKernel`).
+"""
+
+from __future__ import annotations
+
+from ember import dtypes
+from ember.compiler.emit import ZERO, Context, Emitter, Index, identity, next_pow2, program_index
+from ember.compiler.fusion import FULL, ROW, FusedKernel
+from ember.compiler.kernel import Assign, Bin, Block, Expr, Function, Loop, Range, Var, add, call
+from ember.dtypes import compute_dtype
+from ember.ir import Node, Op
+
+ROW_TILE = 4096  # elements of a row kernel's tile; rows longer than this are reduced in a loop
+
+LOOP_CHUNK = 1024  # columns per step of that loop
+
+BLOCK_M, BLOCK_N = Block("BLOCK_M", "m"), Block("BLOCK_N", "n")  # a row kernel's tile
+
+
+def lower_rows(ctx: Context, kernel: FusedKernel) -> Function:
+    return RowKernel(ctx, kernel).lower()
+
+
+class RowKernel:
+    """A row kernel: each program holds BLOCK_M rows; reductions over the row run in registers, in one
+    tile when a row fits (persistent) or in a loop over chunks of BLOCK_N columns, one loop per phase."""
+
+    def __init__(self, ctx: Context, kernel: FusedKernel):
+        self.ctx, self.kernel = ctx, kernel
+        space, axes = kernel.space, kernel.axes
+        m, n = kernel.rows, kernel.cols
+        self.kept = [i for i in range(len(space)) if i not in axes]
+        self.trailing = tuple(axes) == tuple(range(len(space) - len(axes), len(space)))
+        if self.trailing:  # rows are contiguous in memory: a program takes few, long rows
+            block_n = min(next_pow2(n), ROW_TILE)
+            if next_pow2(n) > ROW_TILE:  # a row that does not fit is walked in small chunks (registers)
+                block_n = LOOP_CHUNK
+            block_m = max(1, min(ROW_TILE // block_n, next_pow2(m), 64)) if block_n != LOOP_CHUNK else 1
+        else:  # the kept axes are the contiguous ones: wide along them, so loads coalesce
+            block_m = min(next_pow2(m), 128)
+            block_n = max(1, min(next_pow2(n), ROW_TILE // block_m))
+        self.block_m, self.block_n = block_m, block_n
+        self.persistent = next_pow2(n) <= block_n
+        self.body: list = []
+        self.emitter = emitter = Emitter(ctx, kernel, self.body)
+        pid = program_index(emitter)
+        first_row = call("cast", pid, dtype=dtypes.int64) if emitter.big else pid
+        self.rows = emitter.bind("rows", Bin("+", Bin("*", first_row, BLOCK_M), Range(BLOCK_M, 0, 2)))
+        self.rmask = emitter.bind("rmask", Bin("<", self.rows, ctx.size(m)))
+        emitter.row_index = Index(None, self.rows, self.rmask, ROW)
+        emitter.unravel(self.rows, tuple(space[i] for i in self.kept))  # before any loop: every phase uses it
+        self.n_size = ctx.size(n)
+        self.cols: Var | None = None  # the columns of the chunk being computed, and their mask
+        self.mask: Var | None = None
+
+    def lower(self) -> Function:
+        if self.persistent:
+            self.open_chunk(ZERO)
+        for phase in self.phases():
+            self.reduce(phase)
+        levels = self.kernel.levels
+        full_outputs = [o for o in self.kernel.outputs if levels[id(o)] == FULL]
+        if full_outputs:
+            self.open_loop()
+            for o in full_outputs:
+                self.emitter.store(o, self.full_index(), (BLOCK_M, BLOCK_N))
+            self.close_loop()
+        for o in self.kernel.outputs:
+            if levels[id(o)] == ROW:
+                self.emitter.store(o, self.emitter.row_index, (BLOCK_M, 1))
+        grid = -(-self.kernel.rows // self.block_m)
+        warps = 4 if self.block_m * self.block_n <= 2048 else 8
+        return self.ctx.function("", self.body, {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n}, grid, warps)
+
+    def full_index(self) -> Index:
+        """The index of the chunk's elements in the kernel's space."""
+        space, emitter = self.kernel.space, self.emitter
+        row_dims = emitter.unravel(self.rows, tuple(space[i] for i in self.kept))
+        col_dims = emitter.unravel(self.cols, tuple(space[i] for i in self.kernel.axes))
+        dims: list[Expr] = [ZERO] * len(space)
+        for i, d in zip(self.kept, row_dims):
+            dims[i] = d
+        for i, d in zip(self.kernel.axes, col_dims):
+            dims[i] = d
+        linear = Bin("+", Bin("*", self.rows, self.n_size), self.cols) if self.trailing else None
+        return Index(tuple(dims), linear, self.mask, FULL)
+
+    def open_chunk(self, start: Expr) -> None:
+        self.cols = self.emitter.bind("cols", add(start, Range(BLOCK_N, 1, 2)))
+        self.mask = self.emitter.bind("mask", Bin("&", self.rmask, Bin("<", self.cols, self.n_size)))
+
+    def open_loop(self) -> None:
+        """A loop over the row's chunks (nothing when the row is one tile)."""
+        if self.persistent:
+            return
+        loop = Loop(Var("start"), ZERO, self.n_size, BLOCK_N)
+        self.emitter.emit(loop)
+        self.emitter.loop, self.emitter.block = loop, loop.body
+        self.open_chunk(loop.var)
+
+    def close_loop(self) -> None:
+        """Back at the program's level: values computed inside the loop are out of scope, except the
+        reductions' results and the row-level values hoisted before it."""
+        emitter = self.emitter
+        emitter.block = self.body
+        if self.persistent:
+            return
+        emitter.loop = None
+        emitter.memo = {k: v for k, v in emitter.memo.items() if k[0] in emitter.reduced or k in emitter.hoisted}
+        emitter.unravelled = {k: v for k, v in emitter.unravelled.items() if k[0] == self.rows}
+
+    def phases(self) -> list[list[Node]]:
+        """The reductions grouped into loops over the row: one that reads no result of the reductions
+        before it in the current loop joins that loop, so independent sums (batch norm's backward)
+        share one pass over their inputs; one that reads such a result starts the next loop."""
+        inside = {id(n) for n in self.kernel.covers}
+        reducing = {id(r) for r in self.kernel.reductions}
+
+        def reduced_below(node: Node) -> frozenset[int]:
+            """The kernel's reductions that `node`'s value reads, directly or through nodes inside."""
+            stack, found, seen = [node], set(), set()
+            while stack:
+                n = stack.pop()
+                for x in n.inputs:
+                    if id(x) in seen or id(x) not in inside:
+                        continue
+                    seen.add(id(x))
+                    if id(x) in reducing:
+                        found.add(id(x))
+                    else:
+                        stack.append(x)
+            return frozenset(found)
+
+        phases: list[list[Node]] = []
+        current: set[int] = set()
+        for r in self.kernel.reductions:
+            if phases and not (reduced_below(r) & current):
+                phases[-1].append(r)
+            else:
+                phases.append([r])
+                current = set()
+            current.add(id(r))
+        return phases
+
+    def reduce(self, phase: list[Node]) -> None:
+        """One loop over the row that accumulates every reduction of `phase`."""
+        emitter = self.emitter
+        accs = []
+        for r in phase:
+            arg_reduction = r.op in (Op.ARGMAX, Op.ARGMIN)
+            dt = compute_dtype(r.inputs[0].dtype if arg_reduction else r.dtype)
+            acc_dt = dtypes.int32 if dt is dtypes.bool_ else dt
+            acc = Var(emitter.fresh("acc"), frozenset({"m"}))
+            arg = Var(emitter.fresh("arg"), frozenset({"m"})) if arg_reduction else None
+            start_value = identity(r.op, dt)
+            emitter.emit(Assign((acc,), call("full", start_value, shape=(BLOCK_M, 1), dtype=acc_dt)))
+            if arg:
+                emitter.emit(Assign((arg,), call("zeros", shape=(BLOCK_M, 1), dtype=dtypes.int64)))
+            accs.append((r, dt, acc_dt, start_value, acc, arg))
+        self.open_loop()
+        for r, _, acc_dt, start_value, acc, arg in accs:
+            self.accumulate(r, start_value, acc_dt, acc, arg)
+        emitter.block = self.body
+        for r, dt, acc_dt, _, acc, arg in accs:
+            result = arg if arg else acc
+            if acc_dt is not dt and not arg:  # a bool max or min, accumulated in int32
+                result = emitter.define(Bin("!=", acc, ZERO))
+            emitter.reduced[id(r)] = result
+        self.close_loop()
+
+    def accumulate(self, r: Node, start_value, acc_dt, acc: Var, arg: Var | None) -> None:
+        """Fold the chunk's values of `r`'s input into its accumulator (and, for an arg reduction, the
+        column of the best)."""
+        emitter = self.emitter
+        value, _ = emitter.value(r.inputs[0], self.full_index())
+        tile = emitter.define(call("where", self.mask,
+                                   Bin("+", value, call("zeros", shape=(BLOCK_M, BLOCK_N), dtype=acc_dt)),
+                                   start_value), "t")
+        combine = r.op.label
+        if r.op is Op.SUM:
+            emitter.emit(Assign((acc,), Bin("+", acc, call("reduce", tile, combine="sum", axis=1, drop="n"))))
+        elif r.op is Op.PROD:
+            emitter.emit(Assign((acc,), Bin("*", acc, call("reduce", tile, combine="prod", axis=1, drop="n"))))
+        elif r.op in (Op.MAX, Op.MIN):
+            part = call("reduce", tile, combine=combine, axis=1, drop="n", nan="propagate")
+            emitter.emit(Assign((acc,), call("combine", acc, part, combine=combine)))
+        else:  # the chunk's best (value, column), then the best of it and the rows' best so far
+            columns = emitter.define(Bin("+", self.cols, call("zeros", shape=(BLOCK_M, BLOCK_N),
+                                                              dtype=dtypes.int32)), "j")
+            best, where = Var(emitter.fresh("b"), acc.varies), Var(emitter.fresh("w"), acc.varies)
+            emitter.emit(Assign((best, where), call("reduce2", tile, columns, combine=combine, axis=1, drop="n")))
+            emitter.emit(Assign((acc, arg), call("combine", acc, arg, best, call("cast", where, dtype=dtypes.int64),
+                                                 combine=combine)))

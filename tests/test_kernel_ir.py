@@ -347,7 +347,7 @@ def test_positions_of_a_row_read_by_several_loops_over_it_are_computed_before_th
 
 
 def test_names_a_loop_or_one_branch_defines_are_unbound_after_it():
-    from ember.compiler.kernel import Function, Param
+    from ember.compiler.kernel import Function, Param, ParamKind
 
     one = Lit(1)
     loop = Loop(Var("k"), Lit(0), Var("n"), one, body=[Assign((Var("inside"),), Bin("+", Var("k"), one))])
@@ -356,5 +356,5 @@ def test_names_a_loop_or_one_branch_defines_are_unbound_after_it():
     body = [Assign((Var("before"),), Var("n")), loop, branch,
             Assign((Var("after"),), Bin("+", Bin("+", Var("inside"), Var("before")), Bin("+", Var("both"),
                                                                                           Var("left"))))]
-    function = Function("", [Param("size", 4, "n")], {"BLOCK": 16}, body, 1)
+    function = Function("", [Param(ParamKind.SIZE, 4, "n")], {"BLOCK": 16}, body, 1)
     assert emit.unbound_reads(function) == {"inside", "left"}

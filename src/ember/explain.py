@@ -62,6 +62,7 @@ class Plan:
         self.signature = signature(order, keep)
         compiled = compile(order, keep, "triton", _context(order), self.signature)
         self.lowered, self.stored, self.schedule = compiled.lowered, compiled.stored, compiled.schedule
+        self.context = compiled.context
         self.kernels = [ck.kernel for ck in compiled.kernels]
         self.sources = {id(ck.kernel): ck.source for ck in compiled.kernels if ck.source is not None}
         self.unfused = sum(1 for n in order if _is_work(n))
@@ -84,7 +85,7 @@ class Plan:
         choice = {"chosen": "triton", "triton_ms": None, "cublas_ms": None, "config": None}
         if k.core.device.type != "cuda":
             return choice
-        from ember.runtime import autotune, cuda  # torch and triton: only for a cuda graph's GEMM
+        from ember.runtime import autotune  # torch and triton: only for a cuda graph's GEMM
 
         problem = autotune.Problem.of(source.launches[0], k.core.dtype, source.launches[0].layout)
         ranked = autotune.cached_configs(problem)
@@ -93,8 +94,8 @@ class Plan:
         if timed and timed.get("config"):
             config = autotune.Config(**timed["config"])
         choice["config"] = str(config)
-        if cuda.gemm_backend != "auto":
-            return dict(choice, chosen=cuda.gemm_backend, forced=True)
+        if self.context.gemm_backend != "auto":
+            return dict(choice, chosen=self.context.gemm_backend, forced=True)
         return dict(choice, **{key: timed[key] for key in ("chosen", "triton_ms", "cublas_ms")}) if timed else choice
 
     def name(self, n: Node) -> str:

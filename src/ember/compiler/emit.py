@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from ember import dtypes
 from ember.compiler.context import CompileContext
-from ember.compiler.fusion import OTHER, ROW, FusedKernel, input_level
+from ember.compiler.fusion import OTHER, ROW, FusedKernel, Level, input_level
 from ember.compiler.kernel import (
     Assign,
     Bin,
@@ -33,6 +33,7 @@ from ember.compiler.kernel import (
     Lit,
     Loop,
     Param,
+    ParamKind,
     Prim,
     Var,
     add,
@@ -99,7 +100,7 @@ class Index:
     dims: tuple[Expr, ...] | None
     linear: Expr | None
     mask: Expr | None
-    level: str
+    level: Level
 
     def key(self) -> tuple:
         return (self.dims, self.linear if self.dims is None else None, self.mask, self.level)
@@ -115,7 +116,7 @@ class Context:
         self.names: dict[tuple, str] = {}
         self.decisions: dict[tuple, object] = {}  # choices made once per kernel (an unrolled axis)
 
-    def param(self, kind: str, value, prefix: str, dtype: DType | None = None) -> Var:
+    def param(self, kind: ParamKind, value, prefix: str, dtype: DType | None = None) -> Var:
         key = (kind, id(value) if isinstance(value, Node) else value)
         if key not in self.names:
             self.names[key] = f"{prefix}{sum(1 for p in self.params if p.kind == kind)}"
@@ -123,10 +124,10 @@ class Context:
         return Var(self.names[key])
 
     def size(self, value: int) -> Expr:
-        return ONE if value == 1 else self.param("size", value, "n")
+        return ONE if value == 1 else self.param(ParamKind.SIZE, value, "n")
 
     def function(self, suffix: str, body: list, constexprs: dict[str, int], grid: int, num_warps: int) -> Function:
-        order = ("read", "write", "scratch", "flag", "draws", "size", "scalar", "bound")
+        order = list(ParamKind)
         self.params.sort(key=lambda p: order.index(p.kind))
         return Function(suffix, list(self.params), constexprs, body, grid, num_warps)
 
@@ -328,7 +329,7 @@ class Emitter:
 
     def load(self, node: Node, idx: Index) -> tuple[Expr, DType]:
         """A stored node's value, computed in float32 if it is a half type."""
-        pointer = self.ctx.param("read", node, "in")
+        pointer = self.ctx.param(ParamKind.READ, node, "in")
         offset = self.linear(idx, node.shape)
         # an offset every lane shares is a scalar load, in bounds by construction
         needed = self.load_mask(idx.mask, offset)
@@ -354,7 +355,7 @@ class Emitter:
                 tile = (self.blocks[next(iter(rows.axes))], self.blocks[next(iter(cols.axes))])
                 offset = Bin("+", offset, call("zeros", shape=tile, dtype=dtypes.int32))
             masked = {"mask": idx.mask, "other": ZERO} if idx.mask is not None else {}  # None: a whole tile
-            value = self.define(call("load", add(self.ctx.param("read", view, "in"), offset), **masked))
+            value = self.define(call("load", add(self.ctx.param(ParamKind.READ, view, "in"), offset), **masked))
             layout = "t" if idx.dims and idx.dims[-1] not in (cols, ZERO) else "n"
             return (value if view.dtype is dtype else self.define(call("cast", value, dtype=dtype), "x")), layout
         value, _ = self.value(view, idx)
@@ -367,7 +368,7 @@ class Emitter:
             out = compute_dtype(node.dtype)
             if "arg" in node.attrs:
                 # typed, so a float64 constant stays float64 (a launch passes a plain Python float)
-                scalar = self.ctx.param("scalar", node.attrs["arg"], "c", out)
+                scalar = self.ctx.param(ParamKind.SCALAR, node.attrs["arg"], "c", out)
                 return self.define(call("full", scalar, shape=(), dtype=out)), out
             return Lit(node.attrs["value"], node.dtype), out
         if node.op is Op.IOTA:
@@ -378,7 +379,7 @@ class Emitter:
         if node.op is Op.RAND:
             # (seed, offset) pairs are read from device memory, so a replayed CUDA graph draws fresh numbers
             k = node.attrs["seed_arg"]
-            draws = self.ctx.param("draws", "draws", "draws")
+            draws = self.ctx.param(ParamKind.DRAWS, "draws", "draws")
             seed = self.define(call("load", add(draws, Lit(2 * k))), "seed")
             start = self.define(call("load", add(draws, Lit(2 * k + 1))), "start")
             fn = "rand" if node.attrs["distribution"] == "uniform" else "randn"
@@ -483,13 +484,13 @@ class Emitter:
         below = Bin("<", Bin("+", value, size), ZERO) if a["negative"] else Bin("<", value, ZERO)
         outside = Bin("|", below, Bin(">=", value, size))
         bad = self.define(both(idx.mask, outside) if idx.mask is not None else outside, "bad")
-        self.emit(Effect(call("record_index", self.ctx.param("flag", node, "flag"), value, bad)))
+        self.emit(Effect(call("record_index", self.ctx.param(ParamKind.FLAG, node, "flag"), value, bad)))
         return value, dt
 
     # -- stores ------------------------------------------------------------------------------
     def store(self, node: Node, idx: Index, tile: tuple[Block | int, ...]) -> None:
         value, dt = self.value(node, idx)
-        pointer = self.ctx.param("write", node, "out")
+        pointer = self.ctx.param(ParamKind.WRITE, node, "out")
         if not value.is_tile:  # a literal or a scalar: give it the tile's shape
             value = Bin("+", value, call("zeros", shape=tile, dtype=dt))
         if dt is not node.dtype:
@@ -648,7 +649,8 @@ def widened(emitter: Emitter, x: Expr) -> Expr:
 
 def scratch_buffer(ctx: Context, kernel: FusedKernel, key, elements: int) -> Var:
     """The float32 scratch buffer of a GEMM's partials: its tiles' ("partial") or an operand sum's (its key)."""
-    return ctx.param("scratch", ("partial" if key == "partial" else "sum", elements, key, id(kernel.core)), "scratch")
+    what = ("partial" if key == "partial" else "sum", elements, key, id(kernel.core))
+    return ctx.param(ParamKind.SCRATCH, what, "scratch")
 
 
 UNKNOWN_MULTIPROCESSORS = 132  # the SMs a kernel plans for where the GPU's size is not known

@@ -59,8 +59,19 @@ from ember.compiler.context import CompileContext
 from ember.ir import Kind, Node, Op
 from ember.ir.ops import STRIDED_VIEWS
 
-FULL, ROW, OTHER = "full", "row", "other"
-MAINLOOP = "mainloop"  # the level of a GEMM kernel's operand reductions: no other kernel reads them in registers
+
+class Level(enum.Enum):
+    """Where in a kernel a value is computed, relative to its reductions: at every element of its space (FULL),
+    once per row of a row kernel (ROW), apart from both (OTHER), or in a GEMM's mainloop (MAINLOOP: its operand
+    reductions, which no other kernel reads in registers)."""
+
+    FULL = "full"
+    ROW = "row"
+    OTHER = "other"
+    MAINLOOP = "mainloop"
+
+
+FULL, ROW, OTHER, MAINLOOP = Level.FULL, Level.ROW, Level.OTHER, Level.MAINLOOP
 OPAQUE = (Op.MATMUL, Op.CONV2D, Op.CONV2D_INPUT_GRAD, Op.CONV2D_WEIGHT_GRAD)  # the vendor's, or a GEMM core
 MAX_SEGMENTS = 64  # pointwise kernels fused into one launch at most
 MAX_RECOMPUTE_OPS = 48  # a shared producer with a larger cone is stored, not recomputed
@@ -130,7 +141,7 @@ class FusedKernel:
     space: tuple[int, ...]
     axes: tuple[int, ...]
     outputs: list[Node] = field(default_factory=list)
-    levels: dict[int, str] = field(default_factory=dict)  # id(output) -> FULL or ROW
+    levels: dict[int, Level] = field(default_factory=dict)  # id(output) -> FULL or ROW
     reductions: list[Node] = field(default_factory=list)  # computed in registers, inputs first
     covers: list[Node] = field(default_factory=list)  # every node computed inside, for explain
     reads: list[Node] = field(default_factory=list)  # stored nodes and inputs it loads
@@ -184,7 +195,7 @@ def is_leaf(node: Node) -> bool:
     return node.op.kind is Kind.LEAF
 
 
-def input_level(node: Node, level: str, space: tuple[int, ...], axes: tuple[int, ...], position: int) -> str:
+def input_level(node: Node, level: Level, space: tuple[int, ...], axes: tuple[int, ...], position: int) -> Level:
     """The level of input `position` of `node`, when `node` sits at `level` in a kernel over (space, axes)."""
     if level == OTHER:
         return OTHER
@@ -398,9 +409,9 @@ class Planner:
                 return FusedKernel(KernelKind.REDUCE, space, axes, [n], {id(n): ROW})
         return FusedKernel(KernelKind.POINTWISE, n.shape, (), [n], {id(n): FULL})
 
-    def references(self, kernel: FusedKernel) -> dict[int, set[str]]:
+    def references(self, kernel: FusedKernel) -> dict[int, set[Level]]:
         """Stored nodes the kernel reads, with the levels it reads them at."""
-        refs: dict[int, set[str]] = defaultdict(set)
+        refs: dict[int, set[Level]] = defaultdict(set)
         if kernel.kind is KernelKind.MLP:  # its layers, outputs and the values between them are computed inside
             inside = {id(n) for n in kernel.outputs + kernel.cores + [g.core for g in kernel.absorbed]}
             stack, seen = list(kernel.outputs), set()

@@ -11,6 +11,7 @@ it as Triton source.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -227,15 +228,26 @@ class Branch:
     comment: str = ""
 
 
+class ParamKind(enum.Enum):
+    """What a kernel argument is, so the launcher knows what to pass; a function's parameters come in this order."""
+
+    READ = "read"  # a stored node's buffer, read
+    WRITE = "write"  # a result's buffer, written
+    SCRATCH = "scratch"  # a float32 buffer the runtime keeps with the kernel's launches (one writes, one reads)
+    FLAG = "flag"  # the two int64 words of the plan's flags for a CHECK_INDEX node (set, the index)
+    DRAWS = "draws"  # the plan's (seed, offset) pairs, int64 in device memory, one pair per random draw
+    SIZE = "size"  # a size of the kernel's space (an int)
+    SCALAR = "scalar"  # a runtime float constant (its index among the signature's scalars)
+    BOUND = "bound"  # a segment's first program (an int)
+
+
 @dataclass
 class Param:
     """One argument of a kernel function, as the launcher must supply it."""
 
-    kind: str  # "read", "write", "scratch", "flag", "draws", "size", "scalar", "bound"
-    value: object  # a Node for read/write, an int for size/bound, an index for scalar; "draws": the plan's
-    # (seed, offset) pairs, int64 in device memory, one pair per random draw; "scratch": (what, elements, ...),
-    # a float32 buffer the runtime keeps with the kernel's launches, written by one before another reads it;
-    # "flag": a CHECK_INDEX node, whose two int64 words of the plan's flags (set, the index) the runtime keeps
+    kind: ParamKind
+    value: object  # a Node for READ/WRITE, an int for SIZE/BOUND, an index for SCALAR, "draws" for DRAWS;
+    # SCRATCH: (what, elements, ...); FLAG: a CHECK_INDEX node
     name: str
     dtype: DType | None = None  # a scalar's type; without one a Python float reaches the GPU as float32
 

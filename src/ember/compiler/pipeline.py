@@ -51,6 +51,7 @@ class Plan:
     nodes: list[Node] = field(default_factory=list, repr=False)
     keep: set[int] = field(default_factory=set, repr=False)
     compile_seconds: float = 0.0
+    context: CompileContext | None = None  # the settings it was compiled under, which its launches follow too
     # what the target's launcher prepares from the plan on its first run in a thread (launch recipes), per
     # thread; never stored
     prepared: object = field(default=None, repr=False, compare=False)
@@ -123,7 +124,8 @@ def compile(order: list[Node], keep: set[int], target: str, context: CompileCont
     small = [_is_small(ck, context.multiprocessors) for ck in compiled]
     sched = schedule.schedule(kernels, lowered.outputs, small, context.max_streams)
     compiled = [compiled[i] for i in sched.order]
-    return Plan(target, lowered, compiled, stored, sched, compile_seconds=time.perf_counter() - start)
+    return Plan(target, lowered, compiled, stored, sched, compile_seconds=time.perf_counter() - start,
+                context=context)
 
 
 def _generate(kernel: fusion.FusedKernel, stored: set[int], context: CompileContext, target: Target) -> CompiledKernel:

@@ -42,7 +42,7 @@ import torch
 import triton
 
 from ember import dtypes
-from ember.compiler import CompileContext, compile
+from ember.compiler import CompileContext, ParamKind, compile
 from ember.device import as_device
 from ember.ir import Node, Op, toposort
 from ember.runtime import compiling, cuda, disk
@@ -292,9 +292,9 @@ def _bare(problem: Problem) -> _Bare:
             source = _bare_gemm(problem, a, b)
             launch = source.launches[0]
             out = torch.empty((problem.m, problem.n), device="cuda", dtype=dtype)
-            given = {"read": iter([a, b]), "write": iter([out])}
-            args = [next(given[arg.kind]) if arg.kind in given else
-                    cuda.scratch(arg.value, out.device) if arg.kind == "scratch" else arg.value for arg in launch.args]
+            given = {ParamKind.READ: iter([a, b]), ParamKind.WRITE: iter([out])}
+            args = [next(given[arg.kind]) if arg.kind in given else cuda.scratch(arg.value, out.device)
+                    if arg.kind is ParamKind.SCRATCH else arg.value for arg in launch.args]
             _bares[problem] = _Bare(getattr(disk.load_source(source), launch.function), args, launch.splits)
         return _bares[problem]
 

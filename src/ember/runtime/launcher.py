@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ember.compiler import CompiledKernel, KernelKind, Plan, Signature
+from ember.compiler import CompiledKernel, KernelKind, ParamKind, Plan, Signature
 from ember.device import Device
 from ember.errors import CompileError, OutOfMemoryError
 from ember.ir import Node, Op
@@ -135,7 +135,7 @@ def _int64(value: int) -> int:
 def _run_streams(plan: Plan, steps: list, buffers: dict[int, torch.Tensor], sig: Signature, target) -> None:
     """Launch in schedule order; each parallel group forks from the main stream and joins back into it."""
     main = torch.cuda.current_stream(target)
-    streams = [main, *_side_streams(target)]
+    streams = [main, *_side_streams(target, plan.context.max_streams)]
     groups = dict(plan.schedule.groups)
     position, count = 0, len(steps)
     while position < count:
@@ -156,12 +156,12 @@ def _run_streams(plan: Plan, steps: list, buffers: dict[int, torch.Tensor], sig:
         position = stop
 
 
-def _side_streams(target) -> list:
-    """This thread's side streams on the device (a stream is captured into one graph at a time)."""
-    side = this_thread.side_streams
-    if target not in side:
-        side[target] = [torch.cuda.Stream(target) for _ in range(max(cuda.max_streams - 1, 1))]
-    return side[target]
+def _side_streams(target, streams: int) -> list:
+    """This thread's side streams on the device (a stream is captured into one graph at a time), at least
+    `streams` - 1 of them."""
+    side = this_thread.side_streams.setdefault(target, [])
+    side += [torch.cuda.Stream(target) for _ in range(max(streams - 1, 1) - len(side))]
+    return side
 
 
 # -- steps -------------------------------------------------------------------------------------
@@ -170,17 +170,17 @@ def _steps(plan: Plan, device: Device) -> list:
     """A plan's steps: one per kernel, then, where its kernels check indices, the copy of their flags to the
     host (see index_checks)."""
     flags = index_checks.flags_for(plan.lowered.nodes, device)
-    steps = [_step(ck, flags) for ck in plan.kernels]
+    steps = [_step(ck, flags, plan.context.gemm_backend) for ck in plan.kernels]
     return steps if flags is None else [*steps, CopyFlags(flags)]
 
 
-def _step(ck: CompiledKernel, flags: index_checks.IndexFlags | None):
+def _step(ck: CompiledKernel, flags: index_checks.IndexFlags | None, gemm_backend: str):
     """A callable running one fused kernel from the buffers of a run; its argument lists are
     prepared once per plan, so a plan-cache hit costs little more than the launches. `flags`: where the
-    plan's index checks record what they find."""
+    plan's index checks record what they find; `gemm_backend`: the plan's setting (CompileContext)."""
     kernel = ck.kernel
     if kernel.core is not None:
-        return _GemmStep(ck, flags)
+        return _GemmStep(ck, flags, gemm_backend)
     if kernel.kind is KernelKind.MATMUL:
         return functools.partial(_matmul, kernel.outputs[0])
     if kernel.kind is KernelKind.CONV2D:
@@ -261,7 +261,9 @@ def _on(target, job) -> None:
         job()
 
 
-_ARG_KINDS = {"read": 0, "write": 0, "draws": 0, "size": 1, "bound": 1, "scratch": 1, "flag": 1, "scalar": 2}
+# per kind of kernel argument: a buffer (0), a value passed as it is (1), or a runtime scalar (2)
+_ARG_KINDS = {ParamKind.READ: 0, ParamKind.WRITE: 0, ParamKind.DRAWS: 0, ParamKind.SIZE: 1, ParamKind.BOUND: 1,
+              ParamKind.SCRATCH: 1, ParamKind.FLAG: 1, ParamKind.SCALAR: 2}
 DRAWS = 0  # the key of a run's (seed, offset) pairs among its buffers (no node's id is 0)
 
 
@@ -272,10 +274,11 @@ def _prepared_launch(module, launch: Launch, device: Device, config: autotune.Co
     the next reads), made here as the launches first name them; `flags`: the plan's index checks' flags."""
     scratch = {} if scratch is None else scratch
     for a in launch.args:
-        if a.kind == "scratch" and a.value not in scratch:
+        if a.kind is ParamKind.SCRATCH and a.value not in scratch:
             scratch[a.value] = cuda.scratch(a.value, cuda.torch_device(device))
-    recipe = [(_ARG_KINDS[a.kind], id(a.value) if a.kind in ("read", "write") else DRAWS if a.kind == "draws"
-               else scratch[a.value] if a.kind == "scratch" else flags.slot(a.value) if a.kind == "flag"
+    recipe = [(_ARG_KINDS[a.kind], id(a.value) if a.kind in (ParamKind.READ, ParamKind.WRITE)
+               else DRAWS if a.kind is ParamKind.DRAWS else scratch[a.value] if a.kind is ParamKind.SCRATCH
+               else flags.slot(a.value) if a.kind is ParamKind.FLAG
                else a.value)
               for a in launch.args]
     fn = getattr(module, launch.function)
@@ -298,8 +301,8 @@ class _GemmStep:
     forms from timing both on the first run with real buffers (both compute the same outputs from the
     same inputs, so running either any number of times leaves the right values)."""
 
-    def __init__(self, ck: CompiledKernel, flags: index_checks.IndexFlags | None):
-        self.ck, self.flags = ck, flags
+    def __init__(self, ck: CompiledKernel, flags: index_checks.IndexFlags | None, backend: str):
+        self.ck, self.flags, self.backend = ck, flags, backend  # backend: "auto", "triton" or "cublas"
         self.module = disk.load_source(ck.source)
         self.device = ck.kernel.core.device
         self.problem = gemm_problem(ck)
@@ -307,7 +310,7 @@ class _GemmStep:
         self.launches: dict[autotune.Config, list] = {}
         self.fused: list = []
         self.scratch: dict = {}  # a split GEMM's scratch, one set for every configuration (they run one at a time)
-        self.split = [_step(c, flags) for c in ck.split]
+        self.split = [_step(c, flags, backend) for c in ck.split]
         self.workspace = ck.kernel.split_stored_nodes()
         self.atomic = [(id(o), identity) for o, identity in ck.atomic_outputs]
         self.choice: dict | None = None  # "chosen" ("triton" or "cublas"), "triton_ms", "cublas_ms", "config"
@@ -329,7 +332,7 @@ class _GemmStep:
         where it may run."""
         jobs = autotune.compile_jobs(self.problem) if autotune.needs_profiling(self.problem) else []
         choice = self._cached_choice()
-        if cuda.gemm_backend == "cublas" or (choice or {}).get("chosen") != "triton":
+        if self.backend == "cublas" or (choice or {}).get("chosen") != "triton":
             jobs += [job for step in self.split if hasattr(step, "compile_jobs")
                      for job in step.compile_jobs(buffers, sig)]
         return jobs
@@ -337,7 +340,7 @@ class _GemmStep:
     def tuned_compile_jobs(self, buffers: dict[int, torch.Tensor], sig: Signature) -> list:
         """The second wave (tuning the bare GEMM now if needed): the fused kernel under the configurations
         it may run with."""
-        if cuda.gemm_backend == "cublas" or (self._cached_choice() or {}).get("chosen") == "cublas":
+        if self.backend == "cublas" or (self._cached_choice() or {}).get("chosen") == "cublas":
             return []
         self._tuned()
         return [job for launches in self.launches.values() for job in _compile_jobs(launches, buffers, sig)]
@@ -387,8 +390,8 @@ class _GemmStep:
         return any(buffers[id(o)].data_ptr() in read for o in kernel.outputs)
 
     def _chosen(self, buffers: dict[int, torch.Tensor], sig: Signature) -> str:
-        if cuda.gemm_backend != "auto":
-            return cuda.gemm_backend
+        if self.backend != "auto":
+            return self.backend
         choice = self.choice
         if choice is None:
             choice = {"chosen": "triton", "triton_ms": None, "cublas_ms": None, "config": None}

@@ -32,7 +32,21 @@ from ember.compiler.fusion import (
     summed_operand,
     summed_output,
 )
-from ember.compiler.kernel import Assign, Bin, Block, Branch, Effect, Expr, Function, Lit, Loop, Range, Var, call
+from ember.compiler.kernel import (
+    Assign,
+    Bin,
+    Block,
+    Branch,
+    Effect,
+    Expr,
+    Function,
+    Lit,
+    Loop,
+    ParamKind,
+    Range,
+    Var,
+    call,
+)
 from ember.ir import Node, Op
 
 
@@ -125,7 +139,7 @@ def _epilogue(ctx: Context, kernel: FusedKernel, epilogue: Emitter, tile: _Tile,
         if r is None or id(r) not in summed:
             continue
         position, keep = tile.keeps(summed[id(r)])
-        pointer = ctx.param("write", o, "out")  # a reshape of the sum: the same positions
+        pointer = ctx.param(ParamKind.WRITE, o, "out")  # a reshape of the sum: the same positions
         epilogue.emit(Effect(call("store", Bin("+", pointer, position), call("cast", sums[id(r)], dtype=o.dtype),
                                   mask=keep)))
     epilogue.bind("mask", Bin("&", mask_m, mask_n))
@@ -407,7 +421,7 @@ def _epilogue_reductions(ctx: Context, kernel: FusedKernel, epilogue: Emitter, a
         position, keep = kept[axis]
         for o in kernel.outputs:
             if summed_output(kernel, o) is r:
-                pointer = ctx.param("write", o, "out")
+                pointer = ctx.param(ParamKind.WRITE, o, "out")
                 epilogue.emit(Effect(call("atomic", Bin("+", pointer, position), part, mask=keep,
                                           combine=r.op.label)))
 

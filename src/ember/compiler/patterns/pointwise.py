@@ -19,7 +19,7 @@ from ember.compiler.emit import (
     program_index,
 )
 from ember.compiler.fusion import FULL, OTHER, FusedKernel, KernelKind
-from ember.compiler.kernel import Bin, Branch, Effect, Expr, Function, Lit, Loop, Range, Var, add, call
+from ember.compiler.kernel import Bin, Branch, Effect, Expr, Function, Lit, Loop, ParamKind, Range, Var, add, call
 
 POINTWISE_BLOCK = 1024
 
@@ -135,12 +135,12 @@ def lower_segmented(ctx: Context, kernel: FusedKernel) -> Function:
         blocks = -(-_threads(part, axes[k]) // block)
         begin = total
         total += blocks
-        bound = ctx.param("bound", total, "end")
+        bound = ctx.param(ParamKind.BOUND, total, "end")
         branch = Branch(Bin("<", pid, bound),
                         comment=f"segment {k}: {', '.join(o.op.label for o in part.outputs)} over {list(part.space)}")
         branches.append(branch)
         branches = branch.orelse
-        first = pid if begin == 0 else Bin("-", pid, ctx.param("bound", begin, "end"))
+        first = pid if begin == 0 else Bin("-", pid, ctx.param(ParamKind.BOUND, begin, "end"))
         _pointwise_body(ctx, part, branch.body, f"_{k}", first, axes[k])
         if _latency_bound(ctx, total):
             branch.body[:] = hoist_loads(branch.body)
@@ -162,7 +162,7 @@ def lower_scatter_add(ctx: Context, kernel: FusedKernel) -> list[Function]:
     offs = emitter.bind("offs", Bin("+", Bin("*", pid, BLOCK), Range(BLOCK)))
     mask = emitter.bind("mask", Bin("<", offs, init_ctx.size(node.numel)))
     value, dt = emitter.value(base, Index(None, offs, mask, OTHER))
-    pointer = init_ctx.param("write", node, "out")
+    pointer = init_ctx.param(ParamKind.WRITE, node, "out")
     copied = call("cast", Bin("+", value, call("zeros", shape=(BLOCK,), dtype=dt)), dtype=node.dtype)
     emitter.emit(Effect(call("store", Bin("+", pointer, offs), copied, mask=mask)))
     first = init_ctx.function("_init", copy_body, {"BLOCK": POINTWISE_BLOCK}, -(-node.numel // POINTWISE_BLOCK), 4)
@@ -178,7 +178,7 @@ def lower_scatter_add(ctx: Context, kernel: FusedKernel) -> list[Function]:
     valid = emitter.bind("valid", emitter.in_range(picked, node.shape[axis]))
     dims[axis] = emitter.clamp(picked, node.shape[axis])
     target = emitter.linear(Index(tuple(dims), None, mask, OTHER), node.shape)
-    pointer = ctx.param("write", node, "out")
+    pointer = ctx.param(ParamKind.WRITE, node, "out")
     # an index out of range adds nothing (at a clamped address, so the access stays in bounds)
     added = call("cast", call("where", valid, addend, ZERO), dtype=node.dtype)
     emitter.emit(Effect(call("atomic", add(pointer, target), added, mask=mask, combine="sum")))

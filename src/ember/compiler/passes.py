@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ember import dtypes
+from ember.compiler.patterns.gemm import gemm_splits  # the GEMM pattern's own decision (_summed_by_gemms)
 from ember.errors import CompileError
 from ember.ir import Kind, Node, Op, toposort
 from ember.ir.node import is_runtime_scalar, static_key
@@ -226,8 +227,6 @@ def _summed_by_gemms(order: list[Node], multiprocessors: int) -> set[tuple[int, 
     """(id(node), axis) of the operands of 2-d matmuls whose long K a generated GEMM splits over several
     programs per tile (see patterns.gemm.gemm_splits): a sum of such an operand along K is taken in that GEMM's
     mainloop in float32, spread as widely as the GEMM is, so it is not staged as a reduction of its own."""
-    from ember.compiler.patterns.gemm import gemm_splits  # the GEMM's own decision
-
     found = set()
     for node in order:
         if node.op is not Op.MATMUL or len(node.shape) != 2 or not node.dtype.is_floating_point:

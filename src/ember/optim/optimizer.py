@@ -139,7 +139,7 @@ class Optimizer:
         and state tensor, all reading one tuple of inputs. A parameter whose state holds more than tensors, or
         whose gradient or state is on another device, is updated by `_update` itself."""
         device = batch[0][0]._node.device
-        if any(p._node.device != device for p, _ in batch):
+        if any(p._node.device is not device and p._node.device != device for p, _ in batch):
             for where in dict.fromkeys(p._node.device for p, _ in batch):
                 self._update_group([(p, s) for p, s in batch if p._node.device == where], group, settings)
             return

@@ -368,9 +368,9 @@ def _wrapped(items) -> list:
 def plan_unfused(monkeypatch, tmp_path) -> None:
     """From here on, plan without MLP kernels: a fresh plan cache, in memory and on disk, so that no plan made
     with them is found again (a plan's key does not hold the planner's settings)."""
-    from ember.compiler import fusion
+    from ember.compiler.patterns.mlp import planning
 
-    monkeypatch.setattr(fusion, "MLP_MAX_WIDTH", 0)
+    monkeypatch.setattr(planning, "MLP_MAX_WIDTH", 0)
     use_fresh_caches(monkeypatch, tmp_path)
 
 
@@ -381,7 +381,7 @@ def check_relu_rounding(rows: int) -> None:
     exactly max(round(x * s + b), 0), computed here in NumPy."""
     import torch
 
-    from ember.compiler.fusion import KernelKind
+    from ember.compiler.fused import KernelKind
     from ember.explain import plan
 
     tiny = 2.0**-24  # float16's smallest subnormal

@@ -20,7 +20,7 @@ from conftest import plan_unfused
 
 import ember
 import ember.nn.functional as F
-from ember.compiler.fusion import summed_operand
+from ember.compiler.fused import summed_operand
 from ember.explain import plan
 
 pytestmark = pytest.mark.usefixtures("cuda_backend")
@@ -495,7 +495,7 @@ def test_every_gemm_backend_computes_the_same_fused_graph(backend, rng, monkeypa
     p = plan(out)
     kernel, explained = only_gemm(p)
     assert explained["mainloop"] and explained["epilogue"], str(p)
-    assert [k.kind.value for k in kernel.split] == ["pointwise", "matmul", "pointwise"], str(p)
+    assert [k.kind.value for k in kernel.payload.kernels] == ["pointwise", "matmul", "pointwise"], str(p)
     expected_choice = "cublas" if backend == "cublas" else "triton"  # "auto" times nothing without a GPU
     assert p.gemm_choices[0]["chosen"] == expected_choice
     before = cuda.stats["launches"]
@@ -516,7 +516,7 @@ def test_the_split_weight_gradient_sums_the_bias_gradient_in_a_kernel_of_its_own
     plan_unfused(monkeypatch, tmp_path)
     p = _linear_grads(rng, activation=True)
     (summing,) = [k for k in p.kernels if k.reductions]
-    assert "reduce" in [k.kind.value for k in summing.split], str(p)
+    assert "reduce" in [k.kind.value for k in summing.payload.kernels], str(p)
 
 
 # -- plan caches ------------------------------------------------------------------------------------

@@ -95,7 +95,7 @@ def test_random_numbers_on_the_gpu_match_the_reference_generator():
 def test_narrow_mlp_is_one_kernel_and_matches_torch_at_scale(width, depth, dtype, activation):
     """Persistent programs walking row tiles, biases loaded before the walk; ReLU clamps the float16 operand
     after its cast, NaN passing through as in torch."""
-    from ember.compiler.fusion import KernelKind
+    from ember.compiler.fused import KernelKind
     from ember.explain import plan
 
     torch.manual_seed(width + depth)
@@ -127,7 +127,7 @@ def test_relu_in_an_mlp_operands_conversion_rounds_and_clamps_as_torch(rows):
 def test_sums_over_a_narrow_mlps_rows_are_taken_inside_its_kernel_at_scale():
     """A mean squared error and column means of an MLP's output over 2^18 + 3 rows (both staged in two
     reductions by the passes) are summed by the MLP kernel's programs: one kernel, values as torch's."""
-    from ember.compiler.fusion import KernelKind
+    from ember.compiler.fused import KernelKind
     from ember.explain import plan
 
     torch.manual_seed(5)
@@ -141,7 +141,7 @@ def test_sums_over_a_narrow_mlps_rows_are_taken_inside_its_kernel_at_scale():
         loss = ((out - ember.from_dlpack(y).float()) ** 2).mean()
         columns = out.mean(0)
         kernels = plan(loss, columns).kernels
-        assert [k.kind for k in kernels] == [KernelKind.MLP] and len(kernels[0].summed) == 2
+        assert [k.kind for k in kernels] == [KernelKind.MLP] and len(kernels[0].payload.summed) == 2
         got = [torch.from_dlpack(t.realize()).double() for t in (loss, columns)]
     with torch.no_grad():
         ref = model.double()(x.double())
@@ -164,7 +164,7 @@ def _checked_training_step(model: torch.nn.Sequential, x: torch.Tensor, y: torch
     gradients in float16's subnormal range, where both lose most digits."""
     import copy
 
-    from ember.compiler.fusion import KernelKind
+    from ember.compiler.fused import KernelKind
     from ember.explain import plan
 
     scale = 2.0**16
@@ -240,7 +240,7 @@ def test_the_narrow_layers_between_wide_ones_are_one_kernel_at_scale(monkeypatch
     """A 784-wide input and a 256-wide hidden layer around 64-wide layers: the narrow layers are one MLP kernel
     in the forward and one in the backward, the wide ones GEMMs; the output, the loss and every gradient as
     torch's (within twice its own error in float16)."""
-    from ember.compiler.fusion import KernelKind
+    from ember.compiler.fused import KernelKind
     from ember.explain import plan
 
     monkeypatch.setenv("EMBER_SPLIT_K", "1")

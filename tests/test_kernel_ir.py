@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import ember
-from ember.compiler import emit, fusion, lower, passes
+from ember.compiler import emit, fused, fusion, lower, passes
 from ember.compiler.context import CompileContext
 from ember.compiler.kernel import Assign, Bin, Block, Branch, Call, Effect, Expr, KernelIR, Lit, Loop, Prim, Range, Var
 from ember.compiler.patterns import pointwise, rows
@@ -24,7 +24,7 @@ def _kernels(build):
     sig = passes.signature(order, {id(out._node)})
     order, results = passes.expand_composites(order, {id(out._node)})  # as the compiler does first
     lowered = passes.lower(order, {id(n) for n in results}, sig, results=results)
-    kernels, stored = fusion.plan(lowered.nodes, lowered.outputs, CompileContext(), fusion.NOMINAL_GPU)
+    kernels, stored = fusion.plan(lowered.nodes, lowered.outputs, CompileContext(), fused.NOMINAL_GPU)
     return kernels, stored
 
 
@@ -66,7 +66,7 @@ def _graphs():
 def test_lowered_kernels_hold_statements_and_trees_not_source_text(name):
     kernels, stored = _kernels(_graphs()[name])
     for kernel in kernels:
-        if kernel.kind in fusion.VENDOR_KINDS and kernel.core is None:
+        if kernel.kind in fused.VENDOR_KINDS and kernel.core is None:
             continue
         ir = lower.lower(kernel, stored, CompileContext())
         assert isinstance(ir, KernelIR) and ir.functions
@@ -138,7 +138,7 @@ def _row_loops(build) -> list[int]:
     kernels, stored = _kernels(build)
     counts = []
     for kernel in kernels:
-        if kernel.kind is fusion.KernelKind.REDUCE:
+        if kernel.kind is fused.KernelKind.REDUCE:
             ir = lower.lower(kernel, stored, CompileContext())
             counts.append(sum(isinstance(s, Loop) for f in ir.functions for s in _walk(f.body)))
     return counts
@@ -312,8 +312,8 @@ def test_only_kernels_too_small_to_fill_the_gpu_hoist_their_loads():
         order = toposort([o._node for o in outs])
         keep = {id(o._node) for o in outs}
         lowered = passes.lower(order, keep, passes.signature(order, keep))
-        kernels, stored = fusion.plan(lowered.nodes, lowered.outputs, CompileContext(), fusion.NOMINAL_GPU)
-        (kernel,) = [k for k in kernels if k.kind is fusion.KernelKind.POINTWISE]
+        kernels, stored = fusion.plan(lowered.nodes, lowered.outputs, CompileContext(), fused.NOMINAL_GPU)
+        (kernel,) = [k for k in kernels if k.kind is fused.KernelKind.POINTWISE]
         body = lower.lower(kernel, stored, CompileContext()).functions[0].body
         kinds = ["store" if isinstance(s, Effect) else "load" if isinstance(s, Assign) and emit.reads_memory(s.value)
                  else "" for s in body]
@@ -335,7 +335,7 @@ def test_positions_of_a_row_read_by_several_loops_over_it_are_computed_before_th
     x, bias = ember.tensor(a, device="cuda"), ember.tensor(b, device="cuda")
     out = (x.transpose(0, 1) + bias).reshape(12, 700).softmax(-1)
     kernels, stored = _kernels(lambda: out)
-    (row,) = [k for k in kernels if k.kind is fusion.KernelKind.REDUCE]
+    (row,) = [k for k in kernels if k.kind is fused.KernelKind.REDUCE]
     ir = lower.lower(row, stored, CompileContext())
     assert all(not emit.unbound_reads(f) for f in ir.functions)
     (function,) = ir.functions

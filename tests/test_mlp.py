@@ -14,7 +14,7 @@ from conftest import check_relu_rounding, plan_unfused
 
 import ember
 import ember.nn as nn
-from ember.compiler.fusion import KernelKind
+from ember.compiler.fused import KernelKind
 from ember.explain import plan
 
 pytestmark = pytest.mark.usefixtures("cuda_backend")
@@ -291,10 +291,10 @@ def test_weight_gradients_summed_inside_mlp_kernels_match_torch(widths, rows, ac
     in its epilogue is the MLP kernel's sum over its rows)."""
     monkeypatch.setenv("EMBER_SPLIT_K", "1")
     kernels, got, want, theirs = training_step(widths, rows, activation, dtype, seed=rows + len(widths))
-    absorbing = [k for k in kernels if k.kind is KernelKind.MLP and k.absorbed]
+    absorbing = [k for k in kernels if k.kind is KernelKind.MLP and k.payload.absorbed]
     for k in absorbing:
-        assert sum(1 for d in k.decisions if d.startswith("sums the weight gradient")) == len(k.absorbed)
-        for g in k.absorbed:  # a [fan_out, fan_in] product over the kernel's rows, read from its layers
+        assert sum(1 for d in k.decisions if d.startswith("sums the weight gradient")) == len(k.payload.absorbed)
+        for g in k.payload.absorbed:  # a [fan_out, fan_in] product over the kernel's rows, read from its layers
             assert g.core.inputs[0].inputs[0].shape[0] == k.cores[0].shape[0] == rows
     if rows >= FUSED_TRAINING_BATCH:
         assert absorbing, [(k.kind, len(k.cores)) for k in kernels]
@@ -352,18 +352,18 @@ def test_a_sum_over_an_mlps_rows_is_taken_inside_its_kernel_and_matches_torch(wi
     kernels, got, want, theirs = sum_step(widths, rows, activation, dtype, what, seed=rows + len(widths))
     assert [k.kind for k in kernels] == [KernelKind.MLP]
     (mlp,) = kernels
-    assert len(mlp.summed) == 1 and any(d.startswith(f"sums [{rows}, {widths[-1]}]") for d in mlp.decisions)
-    assert not mlp.layers, "the output layer's values are summed in registers, never written"
+    assert len(mlp.payload.summed) == 1 and any(d.startswith(f"sums [{rows}, {widths[-1]}]") for d in mlp.decisions)
+    assert not mlp.payload.layers, "the output layer's values are summed in registers, never written"
     assert got.shape == want.shape
     assert relative(got, want) < max(TOL[dtype], 2 * relative(theirs, want))
 
 
 def test_a_sum_taken_inside_an_mlp_kernel_equals_the_separate_reduction(monkeypatch):
-    from ember.compiler import fusion
+    from ember.compiler.patterns.mlp import planning
 
     case = ([32, 48, 48, 10], 2**12 + 7, "relu", "float16", "mse")
     fused_kernels, fused, _, _ = sum_step(*case, seed=61)
-    monkeypatch.setattr(fusion, "MLP_MAX_SUMS", 0)
+    monkeypatch.setattr(planning, "MLP_MAX_SUMS", 0)
     separate_kernels, separate, _, _ = sum_step(*case, seed=61)
     assert [k.kind for k in fused_kernels] == [KernelKind.MLP]
     assert KernelKind.REDUCE in [k.kind for k in separate_kernels]
@@ -383,7 +383,7 @@ def test_a_sum_of_values_that_need_another_sum_of_the_kernel_stays_a_kernel_of_i
         kernels = plan(columns, weighted).kernels
         got = [columns.numpy().astype(np.float64), weighted.numpy().astype(np.float64)]
     mlps = [k for k in kernels if k.kind is KernelKind.MLP]
-    assert len(mlps) == 1 and len(mlps[0].summed) == 1 and KernelKind.REDUCE in [k.kind for k in kernels]
+    assert len(mlps) == 1 and len(mlps[0].payload.summed) == 1 and KernelKind.REDUCE in [k.kind for k in kernels]
     ref = reference(model, x)
     assert relative(got[0], ref.sum(0)) < TOL["float16"]
     assert relative(got[1], (ref * ref.sum(0)).mean()) < TOL["float16"]
@@ -403,7 +403,7 @@ def test_a_gradient_reading_a_sum_of_the_same_kernel_is_not_finished_beside_it()
         kernels = plan(columns, scaled).kernels
         got = [t.numpy().astype(np.float64) for t in (columns, scaled)]
     mlps = [k for k in kernels if k.kind is KernelKind.MLP]
-    assert len(mlps) == 1 and len(mlps[0].summed) == 1 and not mlps[0].absorbed
+    assert len(mlps) == 1 and len(mlps[0].payload.summed) == 1 and not mlps[0].payload.absorbed
     with torch.no_grad():
         hd = model.double()[1](model.double()[0](torch.from_numpy(x.astype(np.float64))))
         od = model.double()[2](hd)
@@ -423,11 +423,11 @@ def test_an_mlp_kernel_sums_gradients_in_registers_for_only_as_many_as_fit(monke
     loss.backward()
     p = plan(loss, *[q.grad for q in em.parameters()])
     forward, backward = [k for k in p.kernels if k.kind is KernelKind.MLP]
-    assert [list(g.core.shape) for g in forward.absorbed] == [[16, 64]]
-    assert [list(g.core.shape) for g in backward.absorbed] == [[64, 64], [64, 64]]
+    assert [list(g.core.shape) for g in forward.payload.absorbed] == [[16, 64]]
+    assert [list(g.core.shape) for g in backward.payload.absorbed] == [[64, 64], [64, 64]]
     # it sums the gradients of its later layers and writes its first layer's result for a GEMM (ties are broken
     # that way: see absorb_gradients)
-    assert sorted(set(backward.layers.values())) == [0, 3]
+    assert sorted(set(backward.payload.layers.values())) == [0, 3]
     assert [k.kind for k in p.kernels].count(KernelKind.MATMUL) == 2
     text = str(p)
     assert text.count("  gradient  ") == 3 and "sums the weight gradient [64, 64] over its 2048 rows" in text
@@ -451,7 +451,8 @@ def test_a_gradient_is_not_summed_by_a_kernel_that_reads_its_update(monkeypatch)
     loss = ((h.float() - ey) ** 2).mean()
     kernels = plan(loss).kernels
     for k in kernels:  # no kernel sums a gradient whose update its own layers read
-        updates = {id(o) for g in k.absorbed for o in g.outputs}
+        absorbed = k.payload.absorbed if k.kind is KernelKind.MLP else []
+        updates = {id(o) for g in absorbed for o in g.outputs}
         assert not any(id(n) in updates for n in k.reads), k.index
 
     ref = torch_mlp(widths, "relu", seed=50, bias=False).double()
@@ -482,7 +483,7 @@ def test_an_mlp_kernel_summing_gradients_streams_its_weights_on_a_smaller_gpu(mo
     refused, ran = [], []
 
     def small_gpu(launches, ck, buffers, sig):
-        if ck.kernel.kind is KernelKind.MLP and ck.kernel.absorbed and ck.fallback is not None:
+        if ck.kernel.kind is KernelKind.MLP and ck.kernel.payload.absorbed and ck.fallback is not None:
             refused.append(ck.source.text)
             raise CompileError("kernel failed: out of resource: shared memory, Required: 300000")
         ran.append(ck.source.text)
@@ -520,7 +521,7 @@ def test_jit_replays_a_training_step_whose_mlp_kernels_sum_and_update_the_weight
         if jitted:
             with ember.explain.capture() as plans:
                 step(x, y).realize()  # the plan of one step, run once lazily: the replays below start after it
-            assert any(k.absorbed for p in plans for k in p.kernels)
+            assert any(k.kind is KernelKind.MLP and k.payload.absorbed for p in plans for k in p.kernels)
         losses = [float(run(x, y).item()) for _ in range(3 - jitted)]
         finals.append((losses[-1], [q.numpy().astype(np.float64) for q in em.parameters()]))
     (lazy_loss, lazy), (jit_loss, jitted_params) = finals

@@ -10,7 +10,7 @@ import contextlib
 import dataclasses
 
 from ember.compiler import CompileContext, compile, signature
-from ember.compiler.fusion import VENDOR_KINDS, FusedKernel, KernelKind, summed_views
+from ember.compiler.fused import VENDOR_KINDS, FusedKernel, KernelKind, summed_views
 from ember.device import get_conv_memory_format, get_matmul_precision
 from ember.ir import Kind, Node, Op
 from ember.runtime import executor
@@ -147,10 +147,11 @@ class Plan:
             if part.kind is KernelKind.MLP:  # layer by layer: a core, then what its result goes through; each
                 # gradient it sums, then its finishing epilogue
                 sections = [(mainloop, "mainloop")]
-                gradients = {id(g.core): [g.core] for g in part.absorbed}
-                summed = {id(r): gradients[id(g.core)] for g in part.absorbed for r in g.reductions}  # bias sums
+                chain = part.payload
+                gradients = {id(g.core): [g.core] for g in chain.absorbed}
+                summed = {id(r): gradients[id(g.core)] for g in chain.absorbed for r in g.reductions}  # bias sums
                 sums, stages = {}, {}  # each sum over its rows, and its first stage's (a staged sum's) with it
-                for f in part.summed:
+                for f in chain.summed:
                     (r,) = f.reductions
                     sums[id(r)] = []
                     first = summed_views(r)[2]
@@ -186,7 +187,8 @@ class Plan:
     def _gemm_how(self, k: FusedKernel) -> str:
         choice = self._gemm_choice(k)
         config = choice["config"] or "BLOCK sizes tuned on the GPU"
-        split = f"cuBLAS + {len(k.split) - 1} kernel{'s' if len(k.split) != 2 else ''}"
+        parts = len(k.payload.kernels) - 1  # the split form's kernels besides the vendor call
+        split = f"cuBLAS + {parts} kernel{'s' if parts != 1 else ''}"
         if choice.get("forced"):
             timing = f"forced: {'the generated kernel' if choice['chosen'] == 'triton' else split}"
         elif choice["triton_ms"] is None and choice["chosen"] == "cublas":

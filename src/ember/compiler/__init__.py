@@ -8,7 +8,7 @@ their launches, and the kinds of a launch's arguments).
 from pathlib import Path
 
 from ember.compiler.context import CompileContext
-from ember.compiler.fusion import KernelKind
+from ember.compiler.fused import KernelKind
 from ember.compiler.kernel import ParamKind
 from ember.compiler.passes import Signature, signature
 from ember.compiler.pipeline import CompiledKernel, Plan, compile

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from ember import dtypes
 from ember.compiler.context import CompileContext
-from ember.compiler.fusion import OTHER, ROW, FusedKernel, Level, input_level
+from ember.compiler.fused import OTHER, ROW, FusedKernel, Level, input_level
 from ember.compiler.kernel import (
     Assign,
     Bin,
@@ -80,6 +80,11 @@ STRUCTURAL = {
     Op.CHECK_INDEX: "the index itself; where it is out of range, recorded in the plan's flags (record_index)",
     Op.COPY: "a transfer between devices, made by the runtime at a plan's edges",
 }
+
+
+def padded_width(width: int) -> int:
+    """A width as an MLP kernel lays it along a tile: a power of two, at least 16."""
+    return max(16, 1 << (width - 1).bit_length())
 
 
 def next_pow2(n: int) -> int:

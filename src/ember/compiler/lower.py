@@ -1,38 +1,24 @@
-"""Lowering: a FusedKernel becomes a KernelIR (compiler/kernel.py), for any target to render, by its pattern's
-lowering (compiler/patterns/: pointwise, rows, gemm, mlp), each built on the shared emitter (compiler/emit.py).
-Every lowered function is checked for names read where a compiled kernel has them undefined.
+"""Lowering: a FusedKernel becomes a KernelIR (compiler/kernel.py), for any target to render, by the lowering of
+the pattern that claims it (compiler/patterns/), each built on the shared emitter (compiler/emit.py). Every
+lowered function is checked for names read where a compiled kernel has them undefined.
 """
 
 from __future__ import annotations
 
 from ember.compiler.context import CompileContext
 from ember.compiler.emit import Context, unbound_reads
-from ember.compiler.fusion import FusedKernel, KernelKind
+from ember.compiler.fused import FusedKernel, pattern_of
 from ember.compiler.kernel import KernelIR
-from ember.compiler.patterns.gemm import lower_gemm
-from ember.compiler.patterns.mlp import lower_mlp
-from ember.compiler.patterns.pointwise import lower_pointwise, lower_scatter_add, lower_segmented
-from ember.compiler.patterns.rows import lower_rows
+from ember.compiler.patterns import PATTERNS
 from ember.errors import CompileError
 
 
 def lower(kernel: FusedKernel, stored: set[int], context: CompileContext) -> KernelIR:
-    """The kernel IR of a pointwise, reduce, segmented, scatter_add or GEMM kernel."""
-    ctx = Context(stored, context)
-    if kernel.kind is KernelKind.POINTWISE:
-        functions = [lower_pointwise(ctx, kernel)]
-    elif kernel.kind is KernelKind.SEGMENTED:
-        functions = [lower_segmented(ctx, kernel)]
-    elif kernel.kind is KernelKind.REDUCE:
-        functions = [lower_rows(ctx, kernel)]
-    elif kernel.kind is KernelKind.SCATTER_ADD:
-        functions = lower_scatter_add(ctx, kernel)
-    elif kernel.kind is KernelKind.MATMUL and kernel.core is not None:
-        functions = lower_gemm(ctx, kernel)
-    elif kernel.kind is KernelKind.MLP:
-        functions = lower_mlp(ctx, kernel)
-    else:
+    """The kernel IR of a planned kernel that a pattern generates code for."""
+    pattern = pattern_of(kernel, PATTERNS)
+    if pattern is None:
         raise CompileError(f"no generated code for {kernel.kind} kernels")
+    functions = pattern.lower(Context(stored, context), kernel)
     for function in functions:
         unbound = unbound_reads(function)
         if unbound:

@@ -10,14 +10,14 @@ and the tests, under one compile context.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
 
 from ember.compiler import fusion, passes, schedule
 from ember.compiler.context import CompileContext
-from ember.compiler.patterns import gemm
+from ember.compiler.fused import VENDOR_KINDS, FusedKernel, KernelKind, pattern_of
+from ember.compiler.patterns import PATTERNS, gemm
 from ember.compiler.targets import TARGETS, Target, reference
 from ember.compiler.targets.triton import KernelSource
 from ember.ir import Kind, Node
@@ -29,10 +29,11 @@ class CompiledKernel:
     """A planned kernel with its generated source (None for a vendor call) and, for a GEMM, its split
     form and the outputs its tiles reduce into atomically (with the reduction's identity to start from)."""
 
-    kernel: fusion.FusedKernel
+    kernel: FusedKernel
     source: KernelSource | None = None
     split: list[CompiledKernel] = field(default_factory=list)
     atomic_outputs: list[tuple[Node, float]] = field(default_factory=list)
+    workspace: list[Node] = field(default_factory=list)  # the intermediates its split form stores
     # an MLP kernel whose programs hold the weights on chip: the same kernel streaming them, for a GPU
     # with less shared memory than the plan assumed
     fallback: KernelSource | None = None
@@ -81,17 +82,17 @@ class Plan:
             return True
         # the part writing it: a segment of a segmented launch, or a gradient an MLP kernel sums (its finishing launch
         # runs after the layers', so only the finishing use counts); no other part may read the source
-        parts = kernel.segments + kernel.absorbed + kernel.summed
+        parts = kernel.parts()
         part = next((s for s in parts if result in s.outputs), kernel)
         if any(source in s.reads for s in parts if s is not part):
             return False
         # a GEMM's epilogue (an optimizer update fused after a weight gradient) reads element for element too;
         # a value read by its mainloop is used at other positions, which _elementwise_use rejects
-        elementwise_kernel = part.kind is fusion.KernelKind.POINTWISE and not part.reductions or part.core is not None
+        elementwise_kernel = part.kind is KernelKind.POINTWISE and not part.reductions or part.core is not None
         return elementwise_kernel and _elementwise_use(part, source)
 
 
-def _elementwise_use(kernel: fusion.FusedKernel, source: Node) -> bool:
+def _elementwise_use(kernel: FusedKernel, source: Node) -> bool:
     """Every value of the kernel derived from `source` is computed element for element (no view,
     broadcast or gather moves an element of `source` to another position)."""
     derived = {id(source)}
@@ -128,21 +129,24 @@ def compile(order: list[Node], keep: set[int], target: str, context: CompileCont
                 context=context)
 
 
-def _generate(kernel: fusion.FusedKernel, stored: set[int], context: CompileContext, target: Target) -> CompiledKernel:
-    if kernel.kind in fusion.VENDOR_KINDS and kernel.core is None:
+def _generate(kernel: FusedKernel, stored: set[int], context: CompileContext, target: Target) -> CompiledKernel:
+    if kernel.kind in VENDOR_KINDS and kernel.core is None:
         return CompiledKernel(kernel)
     ck = CompiledKernel(kernel, target.render(kernel, stored, context))
-    if kernel.kind is fusion.KernelKind.MLP:
-        streamed = target.render(dataclasses.replace(kernel, streamed=True), stored, context)
-        ck.fallback = streamed if streamed.text != ck.source.text else None
-    if kernel.core is not None:
-        ck.split = [_generate(part, stored | kernel.split_stored, context, target) for part in kernel.split]
+    pattern = pattern_of(kernel, PATTERNS)
+    other = pattern.fallback(kernel) if pattern.fallback is not None else None
+    if other is not None:
+        fallback = target.render(other, stored, context)
+        ck.fallback = fallback if fallback.text != ck.source.text else None
+    if isinstance(kernel.payload, gemm.SplitForm):
+        ck.split = [_generate(part, stored | kernel.payload.stored, context, target) for part in kernel.payload.kernels]
+        ck.workspace = kernel.payload.stored_nodes()
         ck.atomic_outputs = [(o, RULES[op].identity(o.dtype)) for o, op in gemm.epilogue_reduction_outputs(kernel)]
     return ck
 
 
 def _is_small(ck: CompiledKernel, multiprocessors: int) -> bool:
     """Whether a kernel leaves most of the GPU idle, so another may run beside it."""
-    if ck.kernel.kind in fusion.VENDOR_KINDS:  # its grid comes from the tuned configuration
+    if ck.kernel.kind in VENDOR_KINDS:  # its grid comes from the tuned configuration
         return math.prod(ck.kernel.space) < 64 * 64 * multiprocessors  # fewer 64 x 64 tiles than SMs
     return max((launch.grid for launch in ck.source.launches), default=0) < multiprocessors // 2

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ember.compiler.fusion import FusedKernel
+from ember.compiler.fused import FusedKernel
 from ember.ir import Node
 
 ALIGN = 256  # bytes; slices start where a vectorised load of any dtype is aligned

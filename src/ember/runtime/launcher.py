@@ -311,7 +311,7 @@ class _GemmStep:
         self.fused: list = []
         self.scratch: dict = {}  # a split GEMM's scratch, one set for every configuration (they run one at a time)
         self.split = [_step(c, flags, backend) for c in ck.split]
-        self.workspace = ck.kernel.split_stored_nodes()
+        self.workspace = ck.workspace
         self.atomic = [(id(o), identity) for o, identity in ck.atomic_outputs]
         self.choice: dict | None = None  # "chosen" ("triton" or "cublas"), "triton_ms", "cublas_ms", "config"
 

@@ -79,20 +79,15 @@ def _save_plan(key: tuple, context: CompileContext, plan: Plan) -> None:
     plan holds by node id (arena slots, stored nodes) is written by position in the lowered graph."""
     position = {id(n): i for i, n in enumerate(plan.lowered.nodes)}
     slots, prepared, stored = plan.schedule.slots, plan.prepared, plan.stored
-    split_stored = [ck.kernel.split_stored for ck in plan.kernels]
     try:
         plan.prepared = None
         plan.schedule.slots = {position[k]: v for k, v in slots.items()}
         plan.stored = {position[k] for k in stored if k in position}
-        for ck in plan.kernels:
-            ck.kernel.split_stored = {position[k] for k in ck.kernel.split_stored}
         payload = pickle.dumps((key, plan), protocol=pickle.HIGHEST_PROTOCOL)
     except (pickle.PicklingError, TypeError, AttributeError, KeyError):
         return  # a plan that cannot be stored is still used in this process
     finally:
         plan.schedule.slots, plan.prepared, plan.stored = slots, prepared, stored
-        for ck, ids in zip(plan.kernels, split_stored):
-            ck.kernel.split_stored = ids
     disk.write_atomically(_plan_path(key, context), payload)
 
 
@@ -108,8 +103,6 @@ def _load_plan(key: tuple, context: CompileContext) -> Plan | None:
         nodes = plan.lowered.nodes
         plan.schedule.slots = {id(nodes[i]): v for i, v in plan.schedule.slots.items()}
         plan.stored = {id(nodes[i]) for i in plan.stored}
-        for ck in plan.kernels:
-            ck.kernel.split_stored = {id(nodes[i]) for i in ck.kernel.split_stored}
         for ck in plan.kernels:
             for c in (ck, *ck.split):
                 if c.source is not None:

@@ -1,13 +1,20 @@
-"""The GEMM pattern's lowering: a tiled matmul core with cheap ops fused into its operand loads (prologues) and
-its epilogue (pointwise ops, reductions of the tile by atomics), and split-K: programs that each walk a share
-of K storing partial tiles, then a finishing function adding them and running the epilogue (`lower_gemm`,
-`finishing_function`, which the MLP pattern shares for its weight gradients and row sums).
+"""The GEMM pattern: a generated matmul (a 2-d or batched `MATMUL` of a GEMM dtype) with the cheap ops that produce
+its operands applied to the tiles as they are loaded (its mainloop, or prologue; an operand's sum along K too, the
+bias gradient beside a weight gradient), and an epilogue: any pointwise DAG over the accumulator, with broadcast
+and full-size loads, several outputs and reductions of its rows or columns (added across tiles atomically).
+
+Planning: an operand whose producers cost more in the mainloop than storing them is stored (`store_operands`);
+a GEMM kernel takes the pointwise kernels over its output that read it and the reductions of its operands and
+epilogue (`fuse_gemms`); each GEMM kernel carries its split form, the same nodes with a vendor matmul
+(`plan_splits`, payload `SplitForm`). Lowering: a tiled matmul (`lower_gemm`); a GEMM whose K splits runs it in
+programs that each walk a share of K storing partial tiles, then a finishing function adding them and running
+the epilogue (`finishing_function`, which the MLP pattern shares for its weight gradients and row sums).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ember import dtypes
 from ember.compiler.emit import (
@@ -18,19 +25,27 @@ from ember.compiler.emit import (
     Index,
     identity,
     next_pow2,
+    padded_width,
     program_index,
     scratch_buffer,
     widened,
 )
-from ember.compiler.fusion import (
+from ember.compiler.fused import (
     FULL,
+    MAINLOOP,
     OTHER,
     ROW,
     FusedKernel,
+    KernelKind,
+    Pattern,
+    Payload,
+    Stage,
+    dot_kind,
+    mib,
     operand_sums,
-    padded_width,
     summed_operand,
     summed_output,
+    under_reshapes,
 )
 from ember.compiler.kernel import (
     Assign,
@@ -47,9 +62,172 @@ from ember.compiler.kernel import (
     Var,
     call,
 )
-from ember.ir import Node, Op
+from ember.compiler.planner import Planner
+from ember.ir import Kind, Node, Op
 
 
+# -- planning ------------------------------------------------------------------------------------------------------
+def store_operands(planner: Planner, kernels: list[FusedKernel]) -> list[FusedKernel]:
+    """A generated GEMM's operand whose producers the cost model rejects in its mainloop is stored."""
+    for n in planner.nodes:
+        if planner.is_gemm(n):
+            for position, operand in enumerate(n.inputs):
+                if not _prologue_pays(planner, n, position, operand):
+                    planner.stored.add(id(planner.view_base(operand)))
+    return kernels
+
+
+def fuse_gemms(planner: Planner, kernels: list[FusedKernel]) -> list[FusedKernel]:
+    """GEMM kernels take the pointwise kernels over their output space that read them (epilogues), the
+    reductions of their epilogues' rows or columns, and the reductions of their operands along K (mainloop)."""
+    refs = {id(k): planner.references(k) for k in kernels}
+    # a reduction that sums some GEMM's operand along K goes to that GEMM's mainloop (where the bias gradient
+    # of a training step belongs: beside its weight gradient), not to the epilogue of the GEMM producing it
+    cores = [k.core for k in kernels if k.core is not None]
+    summing = {id(r) for k in kernels if k.kind is KernelKind.REDUCE for r in k.reductions
+               if any(summed_operand(core, r) is not None for core in cores)}
+    for gemm in [k for k in kernels if k.core is not None]:
+        taken = True
+        while taken:  # an epilogue may read another epilogue's output: repeat until none joins
+            taken = False
+            for other in list(kernels):
+                if other is gemm or not _joins(planner, gemm, other, refs, summing):
+                    continue
+                same_space = other.space == gemm.space
+                if not (planner.mergeable if same_space else planner.acyclic)(gemm, other, kernels, refs):
+                    continue
+                planner.absorb(gemm, other)
+                if other.kind is KernelKind.REDUCE:
+                    gemm.levels.update({id(o): MAINLOOP for o in other.outputs})
+                kernels.remove(other)
+                del refs[id(other)]
+                refs[id(gemm)] = planner.references(gemm)
+                taken = True
+        core = gemm.core
+        read_elsewhere = any(id(core) in r for key, r in refs.items() if key != id(gemm))
+        if id(core) not in planner.output_ids and not read_elsewhere and len(gemm.outputs) > 1:
+            gemm.outputs.remove(core)  # the accumulator feeds the epilogue in registers only
+            del gemm.levels[id(core)]
+            planner.stored.discard(id(core))
+    return kernels
+
+
+def _joins(planner: Planner, gemm: FusedKernel, other: FusedKernel, refs: dict, summing: set[int]) -> bool:
+    """Whether `other` is an epilogue of `gemm` (pointwise over its output, reading it) or the
+    sum of one of its operands along K (`summing`: the reductions that sum some GEMM's operand along K)."""
+    if other.kind is KernelKind.POINTWISE and other.space == gemm.space:
+        return any(id(o) in refs[id(other)] for o in gemm.outputs)
+    if other.kind is KernelKind.POINTWISE and math.prod(other.space) == math.prod(gemm.space):
+        return _reads_in_order(planner, other, gemm)
+    if other.kind is not KernelKind.REDUCE:
+        return False
+    if not all(under_reshapes(o) in other.reductions for o in other.outputs):
+        return False
+    if len(other.reductions) == 1 and summed_operand(gemm.core, other.reductions[0]) is not None:
+        return True
+    if any(id(r) in summing for r in other.reductions):
+        return False
+    return _reduces_tiles(planner, other, gemm, refs)
+
+
+def _reduces_tiles(planner: Planner, kernel: FusedKernel, gemm: FusedKernel, refs: dict) -> bool:
+    """Whether a reduce kernel sums (or takes the max or min of) rows or columns of the GEMM's epilogue
+    values, each reduction on its own: every tile then reduces its part, combined atomically, which
+    needs a float32 result (the accumulator's type)."""
+    if kernel.space != gemm.space or len(gemm.space) != 2 or kernel.axes not in ((0,), (1,)):
+        return False
+    if not any(id(o) in refs[id(kernel)] for o in gemm.outputs):
+        return False
+    for r in kernel.reductions:
+        if r.op not in (Op.SUM, Op.MAX, Op.MIN) or r.dtype is not dtypes.float32:
+            return False
+        if planner.cone_reaches(r.inputs[0], set(map(id, kernel.reductions))):
+            return False  # one reduction needs another's result (softmax, variance): two passes
+    return True
+
+
+def _reads_in_order(planner: Planner, kernel: FusedKernel, gemm: FusedKernel) -> bool:
+    """Whether a pointwise kernel over a reshape of the GEMM's output space reads the GEMM's results,
+    and only through pointwise ops and reshapes: element i of its space reads element i of theirs
+    (a linear layer over [batch, tokens, features], whose GEMM runs over [batch x tokens, features])."""
+    results = {id(o): gemm.levels[id(o)] for o in gemm.outputs}
+    reaches, seen = False, set()
+    stack = [(o, True) for o in kernel.outputs]
+    while stack:
+        n, in_order = stack.pop()
+        if (id(n), in_order) in seen:
+            continue
+        seen.add((id(n), in_order))
+        if id(n) in results and n not in kernel.outputs:
+            if not in_order or results[id(n)] != FULL:
+                return False
+            reaches = True
+            continue
+        if n not in kernel.outputs and (id(n) in planner.stored or n.op is Op.BUFFER):
+            continue
+        keeps = in_order and (n.op.kind in (Kind.UNARY, Kind.BINARY, Kind.TERNARY) or n.op is Op.RESHAPE)
+        stack.extend((i, keeps) for i in n.inputs)
+    return reaches
+
+
+def _prologue_pays(planner: Planner, mm: Node, position: int, operand: Node) -> bool:
+    """Whether a GEMM computes an operand's producers in its mainloop rather than loading it stored.
+    The decision is kept for explain."""
+    base = planner.view_base(operand)
+    if base.op is Op.BUFFER or id(base) in planner.stored:
+        return True  # a view of a stored value: strided loads, nothing to decide
+    ops, reads = planner.cone(operand)
+    if ops == 0:
+        return True
+    m, k = mm.inputs[0].shape[-2:]
+    n = mm.shape[-1]
+    costs = planner.costs
+    passes = -(-(n if position == 0 else m) // costs.tile)
+    own = operand.numel * operand.dtype.itemsize
+    read = sum(min(r.numel, operand.numel) * r.dtype.itemsize for r in reads)
+    work = ops * operand.numel * passes / costs.alu_rate
+    dot = 2 * mm.numel * k / costs.dot(dot_kind(mm.dtype, planner.context))
+    share = work / dot if dot else 0.0
+    storing = 2 * own / costs.bandwidth + costs.launch_seconds  # a producer kernel's write, the GEMM's read of it
+    pays = False
+    if read > 2 * own:
+        verdict = (f"stored: recomputing it would read {mib(read)} to save writing and reading "
+                   f"{mib(own)}")
+    elif share > costs.prologue_share and work > storing:
+        verdict = (f"stored: {ops} ops x {passes} tile passes would take {share:.0%} of the dot's time "
+                   f"(at most {costs.prologue_share:.0%}) and more than storing it costs")
+    else:
+        pays = True
+        verdict = (f"recomputed in the mainloop: reads {mib(read)} instead of writing and reading "
+                   f"{mib(own)}; {ops} ops x {passes} tile passes, {share:.0%} of the dot's time")
+    planner.decisions[id(mm)].append(f"operand {position} ({ops} ops over {list(operand.shape)}) {verdict}")
+    return pays
+
+
+@dataclass(eq=False)
+class SplitForm(Payload):
+    """A generated GEMM kernel's vendor form: the same nodes planned with the matmul as a vendor call (operands
+    stored, epilogue in kernels of its own), which the runtime times against the fused kernel and runs when it
+    is faster; `stored`: the intermediates it stores."""
+
+    kernels: list[FusedKernel] = field(default_factory=list)
+    stored: set[int] = field(default_factory=set)
+
+    def stored_nodes(self) -> list[Node]:
+        return [n for k in self.kernels for n in k.outputs if id(n) in self.stored]
+
+
+def plan_splits(planner: Planner, kernels: list[FusedKernel]) -> list[FusedKernel]:
+    """Each generated GEMM kernel's split form, its reads the split plan's inputs."""
+    for gemm in kernels:
+        if gemm.core is not None:
+            nodes = sorted(gemm.reads + gemm.covers, key=lambda n: planner.position[id(n)])
+            split, stored = planner.plan_apart(nodes, list(gemm.outputs), {id(n) for n in gemm.reads})
+            gemm.payload = SplitForm(split, stored - {id(o) for o in gemm.outputs})
+    return kernels
+
+
+# -- lowering ------------------------------------------------------------------------------------------------------
 def lower_gemm(ctx: Context, kernel: FusedKernel) -> list[Function]:
     """A tiled GEMM over the core's output: each program computes a BLOCK_M x BLOCK_N tile, walking K
     in BLOCK_K steps; operand tiles come through the mainloop (prologue), the accumulator through
@@ -382,7 +560,7 @@ def _over_splits(emitter: Emitter, splits: int, block: Block) -> tuple[Var, Var]
 
 @dataclass
 class RowSum:
-    """A sum over an MLP kernel's rows that it absorbed (`fusion.Planner.absorb_sums`): the row kernel whose
+    """A sum over an MLP kernel's rows that it absorbed (`patterns.mlp.planning.absorb_sums`): the row kernel whose
     reduction it is, the value summed, the layer after which that value is computed, its column range, whether
     the sum keeps each column apart, and, once emitted, its accumulator."""
 
@@ -434,3 +612,7 @@ def epilogue_reduction_outputs(kernel: FusedKernel) -> list[tuple[Node, Op]]:
     with the reduction's identity before each launch."""
     sums = operand_sums(kernel)
     return [(o, r.op) for o in kernel.outputs if (r := summed_output(kernel, o)) is not None and r not in sums]
+
+
+PATTERN = Pattern("gemm", ((Stage.STORE, store_operands), (Stage.CLAIM, fuse_gemms), (Stage.FINISH, plan_splits)),
+                  lowers=lambda k: k.kind is KernelKind.MATMUL and k.core is not None, lower=lower_gemm)

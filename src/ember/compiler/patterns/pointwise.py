@@ -1,6 +1,10 @@
-"""The pointwise pattern's lowering: one program per block of elements of the kernel's space (`lower_pointwise`),
-several pointwise kernels as ranges of programs of one launch (`lower_segmented`), and scatter-add kernels
-(an initialising function, then atomic adds at checked positions: `lower_scatter_add`).
+"""The pointwise pattern: elementwise work over one space, every value at one element of it (the kernels rooted
+at stored values that no other pattern claims, merged and grouped by the generic planner), segmented launches
+of such kernels, and scatter-add kernels. It has no planner step of its own.
+
+Lowering: one program per block of elements of the kernel's space (`lower_pointwise`), several pointwise kernels
+as ranges of programs of one launch (`lower_segmented`), and scatter-add kernels (an initialising function, then
+atomic adds at checked positions: `lower_scatter_add`).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from ember.compiler.emit import (
     hoist_loads,
     program_index,
 )
-from ember.compiler.fusion import FULL, OTHER, FusedKernel, KernelKind
+from ember.compiler.fused import FULL, OTHER, FusedKernel, KernelKind, Pattern
 from ember.compiler.kernel import Bin, Branch, Effect, Expr, Function, Lit, Loop, ParamKind, Range, Var, add, call
 
 POINTWISE_BLOCK = 1024
@@ -184,3 +188,13 @@ def lower_scatter_add(ctx: Context, kernel: FusedKernel) -> list[Function]:
     emitter.emit(Effect(call("atomic", add(pointer, target), added, mask=mask, combine="sum")))
     second = ctx.function("_scatter", body, {"BLOCK": POINTWISE_BLOCK}, -(-index.numel // POINTWISE_BLOCK), 4)
     return [first, second]
+
+
+def lower(ctx: Context, kernel: FusedKernel) -> list[Function]:
+    if kernel.kind is KernelKind.SCATTER_ADD:
+        return lower_scatter_add(ctx, kernel)
+    return [(lower_segmented if kernel.kind is KernelKind.SEGMENTED else lower_pointwise)(ctx, kernel)]
+
+
+PATTERN = Pattern("pointwise", (), lowers=lambda k: k.kind in (KernelKind.POINTWISE, KernelKind.SEGMENTED,
+                                                                KernelKind.SCATTER_ADD), lower=lower)

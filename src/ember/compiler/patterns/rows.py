@@ -1,22 +1,58 @@
-"""The row pattern's lowering (softmax, norms, cross entropy and every reduction along a kernel's last axes): a
-program per block of rows, each reduction accumulated over the row in registers, a row that does not fit one
-tile walked in loops of chunks; what reads the reductions' results stored after them (`RowKernel`).
+"""The row pattern: kernels that reduce rows of their space along some axes (softmax, norms, cross entropy and
+every reduction), with the values the reductions read (FULL level) and those computed from their results
+(ROW level, or FULL again by broadcast).
+
+Planning: a stored reduction read by exactly one row kernel over its own space, at ROW level, is computed in
+that kernel instead of being stored (`pull_reductions`). Lowering: a program per block of rows, each reduction
+accumulated over the row in registers, a row that does not fit one tile walked in loops of chunks; what reads
+the reductions' results stored after them (`RowKernel`).
 """
 
 from __future__ import annotations
 
 from ember import dtypes
 from ember.compiler.emit import ZERO, Context, Emitter, Index, identity, next_pow2, program_index
-from ember.compiler.fusion import FULL, ROW, FusedKernel
+from ember.compiler.fused import FULL, ROW, FusedKernel, KernelKind, Pattern, Stage
 from ember.compiler.kernel import Assign, Bin, Block, Expr, Function, Loop, Range, Var, add, call
+from ember.compiler.planner import Planner
 from ember.dtypes import compute_dtype
-from ember.ir import Node, Op
+from ember.ir import Kind, Node, Op
 
 ROW_TILE = 4096  # elements of a row kernel's tile; rows longer than this are reduced in a loop
 
 LOOP_CHUNK = 1024  # columns per step of that loop
 
 BLOCK_M, BLOCK_N = Block("BLOCK_M", "m"), Block("BLOCK_N", "n")  # a row kernel's tile
+
+
+def pull_reductions(planner: Planner, kernels: list[FusedKernel]) -> list[FusedKernel]:
+    """A stored reduction that exactly one row kernel reads, at ROW level over the reduction's own space and axes,
+    is computed in that kernel (still written where it is an output)."""
+    by_root = {id(k.root): k for k in kernels}
+    refs = {id(k): planner.references(k) for k in kernels}
+    for r in reversed(planner.nodes):
+        if r.op.kind is not Kind.REDUCE or id(r) not in planner.stored or id(r) in planner.given:
+            continue
+        readers = [k for k in kernels if id(r) in refs[id(k)]]
+        if len(readers) != 1:
+            continue
+        (k,) = readers
+        space, axes = r.inputs[0].shape, tuple(r.attrs["axes"])
+        if refs[id(k)][id(r)] != {ROW} or (k.space, k.axes) != (space, axes) or k.kind is not KernelKind.REDUCE:
+            continue
+        own = by_root.get(id(r))
+        k.reductions.append(r)
+        k.reductions.sort(key=lambda n: planner.position[id(n)])
+        if id(r) in planner.output_ids:
+            k.outputs.append(r)
+            k.levels[id(r)] = ROW
+        else:
+            planner.stored.discard(id(r))
+        if own is not None and own is not k:
+            kernels.remove(own)
+            del refs[id(own)]
+        refs[id(k)] = planner.references(k)
+    return kernels
 
 
 def lower_rows(ctx: Context, kernel: FusedKernel) -> Function:
@@ -193,3 +229,7 @@ class RowKernel:
             emitter.emit(Assign((best, where), call("reduce2", tile, columns, combine=combine, axis=1, drop="n")))
             emitter.emit(Assign((acc, arg), call("combine", acc, arg, best, call("cast", where, dtype=dtypes.int64),
                                                  combine=combine)))
+
+
+PATTERN = Pattern("rows", ((Stage.CLAIM, pull_reductions),), lowers=lambda k: k.kind is KernelKind.REDUCE,
+                  lower=lambda ctx, kernel: [lower_rows(ctx, kernel)])

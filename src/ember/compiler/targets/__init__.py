@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ember.compiler.fusion import NOMINAL_GPU, Costs
+from ember.compiler.fused import NOMINAL_GPU, Costs
 from ember.compiler.targets import triton
 
 

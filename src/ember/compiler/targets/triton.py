@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from ember import dtypes
 from ember.compiler.context import CompileContext
-from ember.compiler.fusion import FusedKernel
+from ember.compiler.fused import FusedKernel
 from ember.compiler.kernel import (
     Assign,
     Bin,

@@ -56,7 +56,7 @@ def main() -> None:
             print(f"kernel {ck.kernel.index}: {ck.kernel.kind} (vendor)")
             continue
         for launch in ck.source.launches:
-            fn = getattr(disk.load_source(ck.source), launch.function)
+            fn = getattr(disk.load_source(ck.source, interpret=False), launch.function)
             compiled = [k for cache in getattr(fn, "device_caches", {}).values() for k in cache[0].values()]
             info = ", ".join(f"regs {getattr(k, 'n_regs', '?')} spills {getattr(k, 'n_spills', '?')}"
                              for k in compiled[:2])

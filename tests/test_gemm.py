@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections import defaultdict
 
 import ml_dtypes
@@ -623,40 +624,47 @@ def test_the_matmul_precision_reaches_the_generated_dot_through_the_compile_cont
 
 
 def test_autotuning_is_off_under_the_interpreter_and_with_ember_autotune_0(monkeypatch):
-    from ember.runtime import autotune, cuda
+    from ember.runtime import autotune
 
-    monkeypatch.setattr(cuda, "INTERPRET", False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
+    for setting, mode in (("1", "1"), ("max", "max"), ("0", "0"), ("off", "0")):
+        monkeypatch.setenv("EMBER_AUTOTUNE", setting)
+        assert autotune.mode(interpret=False) == mode
     monkeypatch.setenv("EMBER_AUTOTUNE", "1")
-    assert autotune.enabled()
-    monkeypatch.setenv("EMBER_AUTOTUNE", "0")
-    assert not autotune.enabled()
-    monkeypatch.setenv("EMBER_AUTOTUNE", "1")
+    assert autotune.mode(interpret=True) == "0"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # explain on a machine without a GPU
-    assert not autotune.enabled()
-    monkeypatch.setenv("EMBER_AUTOTUNE", "1")
-    monkeypatch.setattr(cuda, "INTERPRET", True)
-    assert not autotune.enabled()
-    assert autotune.cached("config anything") is None
+    assert autotune.mode(interpret=False) == "0"
+    assert not autotune.enabled("0")
+    assert autotune.cached("config anything", "0") is None
     problem = _problem(100, 200, 300)
-    assert autotune.configs_for(problem) == [autotune.default_config(problem)]  # nothing profiled
+    assert autotune.configs_for(problem, "0") == [autotune.default_config(problem)]  # nothing profiled
+
+
+def test_a_plans_steps_are_given_the_autotune_mode_read_when_they_are_prepared(monkeypatch, fresh_caches):
+    from ember.runtime import autotune, cuda, launcher, plan_cache
+
+    asked = []
+    monkeypatch.setattr(autotune, "mode", lambda interpret: asked.append(interpret) or "max")
+    a = ember.randn(64, 32, device="cuda").realize()
+    for _ in range(3):
+        (a @ a.mT).relu().realize()
+    steps = [step for plan in plan_cache._plans.values() for step in getattr(launcher.prepared(plan), "steps", [])]
+    gemms = [step for step in steps if isinstance(step, launcher._GemmStep)]
+    assert gemms and all(step.tuning == "max" for step in gemms)
+    assert asked and set(asked) == {cuda.TARGET.interpret}  # once per plan prepared, for its runtime target
 
 
 @pytest.mark.parametrize("mnk", [(512, 512, 512), (4096, 4096, 4096), (8192, 64, 4096), (64, 8192, 1024)])
 @pytest.mark.parametrize("dtype", [ember.float16, ember.float32])
-def test_the_short_list_is_bounded_fits_the_problem_and_holds_the_default(monkeypatch, mnk, dtype):
+def test_the_short_list_is_bounded_fits_the_problem_and_holds_the_default(mnk, dtype):
     from ember.runtime import autotune
 
     problem = _problem(*mnk, dtype=dtype)
-    monkeypatch.setenv("EMBER_AUTOTUNE", "1")
-    short = autotune.candidates(problem)
-    assert autotune.mode() == "1" and short[0] == autotune.default_config(problem)
+    short = autotune.candidates(problem, "1")
+    assert short[0] == autotune.default_config(problem)
     assert 1 <= len(short) <= autotune.SHORT_LIST and len(set(short)) == len(short)
     assert all(c.block_m <= problem.m and c.block_n <= problem.n for c in short)
-    monkeypatch.setenv("EMBER_AUTOTUNE", "max")
-    assert autotune.mode() == "max" and len(autotune.candidates(problem)) == len(autotune.CANDIDATES)
-    monkeypatch.setenv("EMBER_AUTOTUNE", "0")
-    assert autotune.mode() == "0"
+    assert len(autotune.candidates(problem, "max")) == len(autotune.CANDIDATES)
 
 
 def test_the_fused_kernel_can_always_fall_back_on_the_default_configuration(monkeypatch):
@@ -665,13 +673,13 @@ def test_the_fused_kernel_can_always_fall_back_on_the_default_configuration(monk
 
     problem = _problem(2048, 2048, 1024, dtype=ember.bfloat16)
     big = [autotune.Config(128, 256, 64, 8, 8, 4), autotune.Config(256, 128, 64, 8, 8, 3)]
-    monkeypatch.setattr(autotune, "worth_tuning", lambda p: True)
-    monkeypatch.setattr(autotune, "cached_configs", lambda p: [])
+    monkeypatch.setattr(autotune, "worth_tuning", lambda p, mode: True)
+    monkeypatch.setattr(autotune, "cached_configs", lambda p, mode: [])
     monkeypatch.setattr(autotune, "_remember", lambda key, value: None)
-    monkeypatch.setattr(autotune, "_profile_bare", lambda p: [(c, 1.0) for c in big])
-    assert autotune.configs_for(problem) == [*big, autotune.default_config(problem)]
-    monkeypatch.setattr(autotune, "_profile_bare", lambda p: [(autotune.default_config(p), 1.0)])
-    assert autotune.configs_for(problem) == [autotune.default_config(problem)]
+    monkeypatch.setattr(autotune, "_profile_bare", lambda p, mode: [(c, 1.0) for c in big])
+    assert autotune.configs_for(problem, "1") == [*big, autotune.default_config(problem)]
+    monkeypatch.setattr(autotune, "_profile_bare", lambda p, mode: [(autotune.default_config(p), 1.0)])
+    assert autotune.configs_for(problem, "1") == [autotune.default_config(problem)]
 
 
 def test_gemms_too_small_to_matter_are_not_profiled(monkeypatch):
@@ -679,12 +687,11 @@ def test_gemms_too_small_to_matter_are_not_profiled(monkeypatch):
     spend seconds of compiling on the first step for nothing."""
     from ember.runtime import autotune
 
-    monkeypatch.setattr(autotune, "enabled", lambda: True)  # as on a GPU machine
-    monkeypatch.setattr(autotune, "_profile_bare", lambda problem: pytest.fail(f"profiled {problem}"))
-    small = _problem(64, 128, 64)
-    assert not autotune.worth_tuning(small)
-    assert autotune.configs_for(small) == [autotune.default_config(small)]
-    assert autotune.worth_tuning(_problem(512, 512, 512)) and autotune.worth_tuning(_problem(4096, 4096, 64))
+    monkeypatch.setattr(autotune, "_profile_bare", lambda problem, mode: pytest.fail(f"profiled {problem}"))
+    small = _problem(64, 128, 64)  # under EMBER_AUTOTUNE=1 on a GPU machine
+    assert not autotune.worth_tuning(small, "1")
+    assert autotune.configs_for(small, "1") == [autotune.default_config(small)]
+    assert autotune.worth_tuning(_problem(512, 512, 512), "1") and autotune.worth_tuning(_problem(4096, 4096, 64), "1")
 
 
 @pytest.fixture
@@ -709,7 +716,6 @@ def test_tuning_results_are_written_whole_and_read_back(tuning_cache):
 
 
 def test_a_write_cut_short_leaves_the_previous_tuning_file_intact(tuning_cache, monkeypatch):
-    import os
 
     from ember.runtime import autotune
 

@@ -27,7 +27,7 @@ def train(monkeypatch, steps=7, recycle=True, dropout=0.0, dtype=ember.float32, 
     """Losses and final parameters of a plain loop; `keep(step, model)` may hold values between steps."""
     with monkeypatch.context() as m:
         if not recycle:
-            m.setattr(steady, "_recyclable", lambda plan: False)
+            m.setattr(steady, "_recyclable", lambda plan, prepared: False)
         model = _model(dropout, dtype)
         opt = ember.optim.Adam(model.parameters(), lr=1e-2)
         rng = np.random.default_rng(1)
@@ -100,7 +100,7 @@ def test_a_loop_that_alternates_two_steps_computes_the_same(monkeypatch):
     def run(recycle: bool):
         with monkeypatch.context() as m:
             if not recycle:
-                m.setattr(steady, "_recyclable", lambda plan: False)
+                m.setattr(steady, "_recyclable", lambda plan, prepared: False)
             a, b = _model(0.0, ember.float32), _model(0.0, ember.float32)
             opts = [ember.optim.Adam(a.parameters(), lr=1e-2), ember.optim.SGD(b.parameters(), lr=1e-1)]
             x = ember.tensor(np.random.default_rng(2).standard_normal((4, 6), np.float32), device="cuda")
@@ -134,7 +134,7 @@ def test_results_the_compiler_finds_to_be_one_value_share_their_recycled_buffer(
     def run(recycle: bool):
         with monkeypatch.context() as m:
             if not recycle:
-                m.setattr(steady, "_recyclable", lambda plan: None)
+                m.setattr(steady, "_recyclable", lambda plan, prepared: None)
             w = ember.tensor(np.random.default_rng(3).standard_normal((3, 5), np.float32), device="cuda")
             seen = []
             for _ in range(6):

@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ember.runtime import cuda, triton_launch  # noqa: E402
+from ember.runtime import triton_launch  # noqa: E402
 
 
 class _Param:
@@ -46,7 +46,6 @@ class _Fn:
 
 @pytest.fixture
 def direct(monkeypatch):
-    monkeypatch.setattr(cuda, "INTERPRET", False)
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
 
@@ -54,7 +53,7 @@ def direct(monkeypatch):
 def test_warm_launches_call_the_kept_kernel_with_runs_arguments(direct):
     fn = _Fn()
     launch = triton_launch.Launch(fn, (5, 2), [(0, "x"), (0, "out"), (1, 4096), (2, 0)],
-                                  {"BLOCK": 1024, "num_warps": 4})
+                                  {"BLOCK": 1024, "num_warps": 4}, interpret=False)
     x, out = torch.empty(64), torch.empty(64)
     for scale in (0.5, 0.25, 2.0):
         launch(launch.arguments({"x": x, "out": out}, [scale]))
@@ -69,7 +68,8 @@ def test_warm_launches_call_the_kept_kernel_with_runs_arguments(direct):
 
 def test_each_specialization_class_gets_its_own_kernel(direct):
     fn = _Fn()
-    launch = triton_launch.Launch(fn, (1,), [(0, "x"), (0, "out"), (1, 7), (2, 0)], {"BLOCK": 16, "FLAG": 1})
+    launch = triton_launch.Launch(fn, (1,), [(0, "x"), (0, "out"), (1, 7), (2, 0)], {"BLOCK": 16, "FLAG": 1},
+                                  interpret=False)
     base = torch.empty(100)
     cases = [(base[:64], 8), (base[1:65], 8), (base[:64], 1), (base[:64], 32), (base[:64], 2**40),
              (base[4:68], 8), (base[:64], 9), (base[2:66], 5)]
@@ -82,17 +82,18 @@ def test_each_specialization_class_gets_its_own_kernel(direct):
     assert fn.log[-1][2][-2:] == (16, 1)  # the constexprs given override the default
 
 
-def test_launch_hooks_and_the_interpreter_go_through_run(direct, monkeypatch):
+def test_the_interpreter_launches_through_run_every_time(direct):
     fn = _Fn()
-    launch = triton_launch.Launch(fn, (1,), [(0, "x")], {})
     fn.params = fn.params[:1]
     args = [torch.empty(8)]
-    launch(args)
-    launch(args)
+    direct_launch = triton_launch.Launch(fn, (1,), [(0, "x")], {}, interpret=False)
+    direct_launch(args)
+    direct_launch(args)
     assert fn.compiled == 1
-    monkeypatch.setattr(cuda, "INTERPRET", True)
-    launch(args)
-    assert fn.compiled == 2
+    interpreted = triton_launch.Launch(fn, (1,), [(0, "x")], {}, interpret=True)
+    interpreted(args)
+    interpreted(args)
+    assert fn.compiled == 3
 
 
 def test_hooks_count_only_when_a_chain_has_calls():

@@ -85,12 +85,13 @@ class Plan:
         choice = {"chosen": "triton", "triton_ms": None, "cublas_ms": None, "config": None}
         if k.core.device.type != "cuda":
             return choice
-        from ember.runtime import autotune  # torch and triton: only for a cuda graph's GEMM
+        from ember.runtime import autotune, cuda  # torch and triton: only for a cuda graph's GEMM
 
+        tuning = autotune.mode(cuda.TARGET.interpret)
         problem = autotune.Problem.of(source.launches[0], k.core.dtype, source.launches[0].layout)
-        ranked = autotune.cached_configs(problem)
+        ranked = autotune.cached_configs(problem, tuning)
         config = ranked[0] if ranked else autotune.default_config(problem)
-        timed = autotune.cached_choice(source.name, problem)
+        timed = autotune.cached_choice(source.name, problem, tuning)
         if timed and timed.get("config"):
             config = autotune.Config(**timed["config"])
         choice["config"] = str(config)

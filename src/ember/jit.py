@@ -397,7 +397,7 @@ class _Program:
         not, or "" once captured."""
         from ember.runtime import cuda  # torch is imported only once a step is replayed
 
-        if cuda.INTERPRET:
+        if cuda.TARGET.interpret:
             return "no GPU: the interpreter replays launch by launch"
         try:
             self.plans.bind(arguments, self.results[0])

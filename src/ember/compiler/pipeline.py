@@ -53,9 +53,6 @@ class Plan:
     keep: set[int] = field(default_factory=set, repr=False)
     compile_seconds: float = 0.0
     context: CompileContext | None = None  # the settings it was compiled under, which its launches follow too
-    # what the target's launcher prepares from the plan on its first run in a thread (launch recipes), per
-    # thread; never stored
-    prepared: object = field(default=None, repr=False, compare=False)
 
     def evaluate(self) -> dict:
         """Run a reference plan: the values of the kept nodes, by node id."""

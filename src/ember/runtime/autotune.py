@@ -13,13 +13,14 @@ generated kernel (under each of those configurations) against its split form (cu
 prologue and epilogue in kernels of their own). Both times and the winner are kept
 on disk too, and `ember.explain` shows them.
 
-How much is searched is bounded by `EMBER_AUTOTUNE`:
+How much is searched is bounded by `EMBER_AUTOTUNE`, read (`mode`) once where a plan's steps are prepared
+(launcher.RunSettings), which pass it to the functions here:
 - `1` (the default): a short list (`SHORT_LIST` candidates whose tiles fit the problem, the
   size-based default among them), compiled in parallel before any is timed, and the fused kernel
   tried under the best `RANKED_SHORT` of them: seconds for a first training step;
 - `max`: every candidate, the fused kernel under the best `RANKED` (minutes for a first step);
 - `0`: nothing profiled: a size-based default configuration and the generated kernel.
-Under the interpreter nothing is profiled either, and neither is a problem too small for
+Under the interpreter the mode is `0` (no GPU to time), and nothing is profiled for a problem too small for
 tuning to matter (`SMALLEST_TUNED`). A tuned problem is tuned once: the disk cache answers
 every later process, whatever the mode. Threads tune one problem at a time; a process storing
 an entry adds it to the file as it is on disk then, so entries other processes stored stay.
@@ -122,29 +123,31 @@ def default_config(problem: Problem) -> Config:
     return Config(block_m, block_n, min(depth, problem.k), 8, warps, 3)
 
 
-def mode() -> str:
-    """EMBER_AUTOTUNE: "0" (nothing profiled), "1" (a short list, the default) or "max" (every candidate)."""
+def mode(interpret: bool) -> str:
+    """EMBER_AUTOTUNE: "0" (nothing profiled), "1" (a short list, the default) or "max" (every candidate); "0"
+    wherever no GPU runs the kernels (`interpret`: the runtime target's)."""
     value = os.environ.get("EMBER_AUTOTUNE", "1").strip().lower()
-    if value in ("0", "", "off", "false"):
+    if interpret or not torch.cuda.is_available() or value in ("0", "", "off", "false"):
         return "0"
     return "max" if value == "max" else "1"
 
 
-def enabled() -> bool:
-    return not cuda.INTERPRET and torch.cuda.is_available() and mode() != "0"
+def enabled(mode: str) -> bool:
+    """Whether the search mode (see `mode`) profiles anything."""
+    return mode != "0"
 
 
 SHORT_LIST = 4  # candidates timed under EMBER_AUTOTUNE=1
 RANKED_SHORT = 2  # of which the fused kernel tries the best
 
 
-def candidates(problem: Problem) -> list[Config]:
+def candidates(problem: Problem, mode: str) -> list[Config]:
     """The configurations timed on the bare GEMM: every candidate under EMBER_AUTOTUNE=max; else the
     size-based default and the first candidates whose tiles the problem fills."""
     depth = 1 if problem.dtype != "float32" else 2  # float32 tiles take half the K depth
     every = [Config(c.block_m, c.block_n, c.block_k // depth, c.group_m, c.num_warps, c.num_stages)
              for c in CANDIDATES]
-    if mode() == "max":
+    if mode == "max":
         return every
     short = [default_config(problem)]
     for c in every:
@@ -159,8 +162,8 @@ def candidates(problem: Problem) -> list[Config]:
 SMALLEST_TUNED = 2**27
 
 
-def worth_tuning(problem: Problem) -> bool:
-    return enabled() and problem.m * problem.n * problem.k >= SMALLEST_TUNED
+def worth_tuning(problem: Problem, mode: str) -> bool:
+    return enabled(mode) and problem.m * problem.n * problem.k >= SMALLEST_TUNED
 
 
 # -- the disk cache ----------------------------------------------------------------------------
@@ -204,8 +207,8 @@ def _store(key: str, value: dict) -> None:
         _entries = entries
 
 
-def cached(key: str) -> dict | None:
-    if not enabled():
+def cached(key: str, mode: str) -> dict | None:
+    if not enabled(mode):
         return None
     return _load().get(f"{_scope()} | {key}")
 
@@ -219,18 +222,18 @@ def _remember(key: str, value: dict) -> None:
 RANKED = 3  # the bare GEMM's fastest configurations, each tried with the fused kernel's epilogue (max)
 
 
-def configs_for(problem: Problem) -> list[Config]:
+def configs_for(problem: Problem, mode: str) -> list[Config]:
     """The problem's fastest configurations on the bare GEMM, best first: from the disk cache, or
     profiled now (with a progress bar). Without profiling, or for a small problem, the size-based
     default alone."""
-    if not worth_tuning(problem):
+    if not worth_tuning(problem, mode):
         return [default_config(problem)]
-    known = cached_configs(problem)
+    known = cached_configs(problem, mode)
     if not known:
         with _tuning:  # a thread asking for a problem another is profiling waits for its result
-            known = cached_configs(problem)
+            known = cached_configs(problem, mode)
             if not known:
-                ranked = _profile_bare(problem)
+                ranked = _profile_bare(problem, mode)
                 _remember(f"config {problem.key}", {"ranked": [asdict(c) for c, _ in ranked],
                                                     "ms": [ms for _, ms in ranked]})
                 known = [c for c, _ in ranked]
@@ -240,31 +243,31 @@ def configs_for(problem: Problem) -> list[Config]:
     return known if default in known else [*known, default]
 
 
-def needs_profiling(problem: Problem) -> bool:
-    return worth_tuning(problem) and not cached_configs(problem)
+def needs_profiling(problem: Problem, mode: str) -> bool:
+    return worth_tuning(problem, mode) and not cached_configs(problem, mode)
 
 
-def compile_jobs(problem: Problem) -> list:
+def compile_jobs(problem: Problem, mode: str) -> list:
     """Calls that compile the problem's bare GEMM under each candidate (without running it), for a
     pool to run before `configs_for` times them."""
     bare = _bare(problem)
     return [functools.partial(compiling.compile_and_load, bare.fn, bare.args,
                               config.grid(1, problem.m, problem.n, bare.splits), config.launch_options())
-            for config in candidates(problem)]
+            for config in candidates(problem, mode)]
 
 
-def cached_configs(problem: Problem) -> list[Config]:
+def cached_configs(problem: Problem, mode: str) -> list[Config]:
     """The problem's ranked configurations from the disk cache, or none."""
-    entry = cached(f"config {problem.key}")
+    entry = cached(f"config {problem.key}", mode)
     try:
         return [Config(**c) for c in entry["ranked"]] if entry else []
     except (KeyError, TypeError):  # an entry of another shape: profiled again
         return []
 
 
-def cached_choice(kernel_name: str, problem: Problem) -> dict | None:
+def cached_choice(kernel_name: str, problem: Problem, mode: str) -> dict | None:
     """A fused kernel's timed choice (see timed_choice) from the disk cache, or None."""
-    entry = cached(f"choice {kernel_name} {problem.key}")
+    entry = cached(f"choice {kernel_name} {problem.key}", mode)
     return entry if entry is not None and entry.get("chosen") in ("triton", "cublas") and "cublas_ms" in entry \
         else None
 
@@ -295,16 +298,17 @@ def _bare(problem: Problem) -> _Bare:
             given = {ParamKind.READ: iter([a, b]), ParamKind.WRITE: iter([out])}
             args = [next(given[arg.kind]) if arg.kind in given else cuda.scratch(arg.value, out.device)
                     if arg.kind is ParamKind.SCRATCH else arg.value for arg in launch.args]
-            _bares[problem] = _Bare(getattr(disk.load_source(source), launch.function), args, launch.splits)
+            module = disk.load_source(source, cuda.TARGET.interpret)
+            _bares[problem] = _Bare(getattr(module, launch.function), args, launch.splits)
         return _bares[problem]
 
 
-def _profile_bare(problem: Problem) -> list[tuple[Config, float]]:
+def _profile_bare(problem: Problem, mode: str) -> list[tuple[Config, float]]:
     from tqdm import tqdm  # a progress bar only while profiling
 
     bare = _bare(problem)
     timed = []
-    bar = tqdm(candidates(problem), desc=f"ember: tuning GEMM {problem.key}", leave=False, file=sys.stderr,
+    bar = tqdm(candidates(problem, mode), desc=f"ember: tuning GEMM {problem.key}", leave=False, file=sys.stderr,
                disable=None)
     for config in bar:
         grid, options = config.grid(1, problem.m, problem.n, bare.splits), config.launch_options()
@@ -317,7 +321,7 @@ def _profile_bare(problem: Problem) -> list[tuple[Config, float]]:
     bar.close()
     _bares.pop(problem, None)  # its operands are not needed again
     timed.sort(key=lambda pair: pair[1])
-    return timed[:RANKED if mode() == "max" else RANKED_SHORT] or [(default_config(problem), math.inf)]
+    return timed[:RANKED if mode == "max" else RANKED_SHORT] or [(default_config(problem), math.inf)]
 
 
 def _bare_gemm(problem: Problem, a: torch.Tensor, b: torch.Tensor):
@@ -332,7 +336,7 @@ def _bare_gemm(problem: Problem, a: torch.Tensor, b: torch.Tensor):
     core = Node.make(Op.MATMUL, tuple(operands))
     context = CompileContext(matmul_precision="highest" if problem.precision == "ieee" else "high",
                              multiprocessors=cuda.multiprocessors(device), split_k=cuda.split_k())  # as the real one
-    plan = compile(toposort([core]), {id(core)}, "triton", context)
+    plan = compile(toposort([core]), {id(core)}, cuda.TARGET.name, context)
     return plan.kernels[0].source
 
 
@@ -349,11 +353,11 @@ def time_ms(run) -> float:
     return begin.elapsed_time(end) / REPS
 
 
-def timed_choice(kernel_name: str, problem: Problem, fused: dict[Config, object], split) -> dict:
+def timed_choice(kernel_name: str, problem: Problem, fused: dict[Config, object], split, mode: str) -> dict:
     """Time a fused kernel under each of its configurations (callables) against its split form, keep
     the fastest, remember the times: "chosen" ("triton" or "cublas"), "config", "triton_ms", "cublas_ms"."""
     with _tuning:  # the same kernel in several threads is timed once
-        return cached_choice(kernel_name, problem) or _timed_choice(kernel_name, problem, fused, split)
+        return cached_choice(kernel_name, problem, mode) or _timed_choice(kernel_name, problem, fused, split)
 
 
 def _timed_choice(kernel_name: str, problem: Problem, fused: dict[Config, object], split) -> dict:

@@ -26,11 +26,11 @@ from ember import dtypes
 from ember.compiler import CompileContext, Plan
 from ember.device import Device, get_conv_memory_format, get_matmul_precision, on_matmul_precision
 from ember.errors import DeviceError, OutOfMemoryError
-from ember.runtime import collector
+from ember.runtime import collector, targets
 
-# ember's choice, read once: generated kernels are interpreted (see triton_interpreter), whatever
-# Triton's own TRITON_INTERPRET says
-INTERPRET = os.environ.get("EMBER_INTERPRET", "0") not in ("", "0")
+# the runtime target running this device's plans: generated Triton kernels on the GPU, or (EMBER_INTERPRET=1)
+# their interpreted variant, which runs `cuda:0` on the CPU (see runtime/targets.py)
+TARGET = targets.for_device("cuda")
 
 # Streams a plan's independent small kernels may spread over when it is captured into a CUDA graph
 # (`ember.jit`); 1 runs everything in order. Outside a graph a plan always runs on one stream:
@@ -59,13 +59,13 @@ on_matmul_precision(apply_matmul_precision)
 
 
 def is_available() -> bool:
-    return INTERPRET or torch.cuda.is_available()
+    return TARGET.interpret or torch.cuda.is_available()
 
 
 def device_count() -> int:
     """How many cuda devices exist: the GPUs torch sees, or one under the interpreter, which runs
     `cuda:0` on the CPU and so behaves like a machine with one GPU."""
-    if INTERPRET:
+    if TARGET.interpret:
         return 1
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -78,16 +78,16 @@ def torch_device(device: Device) -> torch.device:
                           "(set EMBER_INTERPRET=1 to run the cuda backend on the CPU through Triton's interpreter)")
     count = device_count()
     if device.index >= count:
-        found = ("the interpreter (EMBER_INTERPRET=1) runs 1 cuda device" if INTERPRET else
+        found = ("the interpreter (EMBER_INTERPRET=1) runs 1 cuda device" if TARGET.interpret else
                  f"{count} GPU{'s' if count != 1 else ''} found")
         choices = "cuda:0" if count == 1 else f"cuda:0 to cuda:{count - 1}"
         raise DeviceError(f"device {device} does not exist: {found}; use {choices}")
-    return torch.device("cpu") if INTERPRET else torch.device("cuda", device.index)
+    return torch.device("cpu") if TARGET.interpret else torch.device("cuda", device.index)
 
 
 @functools.cache  # asked for every plan looked up
 def multiprocessors(device: Device) -> int:
-    return 132 if INTERPRET else torch.cuda.get_device_properties(torch_device(device)).multi_processor_count
+    return 132 if TARGET.interpret else torch.cuda.get_device_properties(torch_device(device)).multi_processor_count
 
 
 def compile_context(device: Device) -> CompileContext:
@@ -178,7 +178,7 @@ def allocate(shape: tuple[int, ...], dtype, target: torch.device, device: Device
     for last in (False, True):
         try:
             buffer = torch.empty(shape, dtype=dtypes.to_torch(dtype), device=target)
-            return _count(buffer) if INTERPRET else buffer
+            return _count(buffer) if TARGET.interpret else buffer
         except torch.cuda.OutOfMemoryError:
             pass
         # buffers that only unreachable cycles hold (frozen ones too) are freed by a full collection
@@ -208,7 +208,7 @@ def memory_stats(device: Device) -> dict:
     executor allocated itself."""
     with _arenas_lock:
         arena = sum(a.plan.schedule.arena_bytes for a in list(_arenas))
-    if INTERPRET:
+    if TARGET.interpret:
         return {"allocated": _interpreted["allocated"], "peak": _interpreted["peak"], "cached": arena,
                 "arena": arena}
     target = torch_device(device)

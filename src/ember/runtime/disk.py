@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 
 from ember.errors import CompileError
 from ember.runtime import triton_interpreter
-from ember.runtime.cuda import INTERPRET
 
 if TYPE_CHECKING:
     from ember.compiler import KernelSource
@@ -54,7 +53,7 @@ def write_atomically(path: Path, data: str | bytes) -> None:
         raise
 
 
-_modules: dict[str, object] = {}
+_modules: dict[tuple[str, bool], object] = {}  # (kernel name, interpreted) -> its module
 _loading = threading.Lock()  # a kernel is imported once, whichever thread asks first
 
 
@@ -62,18 +61,19 @@ def source_path(source: KernelSource) -> Path:
     return cache_dir() / f"{source.name}.py"
 
 
-def load_source(source: KernelSource):
-    """Write the source to the cache directory and import it, once per process."""
-    module = _modules.get(source.name)
+def load_source(source: KernelSource, interpret: bool):
+    """Write the source to the cache directory and import it, once per process and way of running (compiled for
+    the GPU, or `interpret`ed: see RuntimeTarget.interpret)."""
+    module = _modules.get((source.name, interpret))
     if module is not None:
         return module
     with _loading:
-        if source.name in _modules:
-            return _modules[source.name]
-        return _import(source)
+        if (source.name, interpret) in _modules:
+            return _modules[source.name, interpret]
+        return _import(source, interpret)
 
 
-def _import(source: KernelSource):
+def _import(source: KernelSource, interpret: bool):
     path = source_path(source)
     if not path.exists() or path.read_bytes() != source.text.encode():  # absent, or not this source
         write_atomically(path, source.text)
@@ -85,5 +85,5 @@ def _import(source: KernelSource):
         spec.loader.exec_module(module)
     except Exception as error:  # a generated kernel that does not import is a compiler bug
         raise CompileError(f"generated kernel {source.name} failed to load: {error} (source: {path})") from error
-    _modules[source.name] = triton_interpreter.runnable(module, INTERPRET)
+    _modules[source.name, interpret] = triton_interpreter.runnable(module, interpret)
     return module

@@ -3,7 +3,8 @@
 `realize(nodes)` evaluates everything the requested nodes need in one go. Besides
 the requested nodes, every node of that graph that a live Tensor still shows to the
 user is kept, so a value is computed once even when the user reads it later (the
-loss of a step realized together with the optimizer update, for example).
+loss of a step realized together with the optimizer update, for example). The runtime target of the
+graph's device type (runtime/targets.py) computes the values.
 
 `this_thread.recorder` is the observer `ember.jit` installs while it records a step: realization tells it
 what the host reads and computes and what it uploads; the launcher, the plans it executes. It, the observers
@@ -20,11 +21,10 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from ember.compiler import CompileContext, compile
 from ember.device import Device
 from ember.errors import DeviceError
 from ember.ir import Node, Op, toposort
-from ember.runtime import collector
+from ember.runtime import targets
 
 
 class _ThisThread(threading.local):
@@ -41,23 +41,6 @@ this_thread = _ThisThread()
 transient: weakref.WeakSet = weakref.WeakSet()
 # buffers, by id, that a later run of a steady plan (runtime.steady) overwrites once nothing shows them: the same
 recycled: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
-
-def _evaluate_on_cpu(order: list[Node], keep: set[int]) -> dict[int, np.ndarray]:
-    """The cpu device: the reference target's plan, evaluated op by op with NumPy."""
-    values = compile(order, keep, "reference", CompileContext()).evaluate()
-    collector.after_host_step()
-    return values
-
-
-def _backend(device_type: str):
-    if device_type == "cpu":
-        return _evaluate_on_cpu
-    if device_type == "cuda":
-        from ember.runtime import launcher  # torch and triton are imported only when a GPU value is needed
-
-        return launcher.run
-    raise DeviceError(f"no backend for device type {device_type!r}")
 
 
 def to_host(buffer, device: Device) -> np.ndarray:
@@ -183,7 +166,7 @@ def realize(nodes: Iterable[Node]) -> None:
     (device_type,) = device_types
     if device_type == "cpu" and this_thread.recorder is not None:
         this_thread.recorder.note_host_work(order)
-    values = _backend(device_type)(order, keep)
+    values = targets.for_device(device_type).run(order, keep)
     with deferred_interrupt():  # every result is bound, or (interrupted before) none: never half a step
         for n in order:
             if id(n) in values:

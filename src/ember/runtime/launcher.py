@@ -4,7 +4,11 @@ convolution through torch, and streams for plans captured into CUDA graphs.
 
 What a run uses besides its inputs and outputs (a `Workspace`: the plan's arena of intermediates and its
 prepared steps, whose launches hold the kernels' scratch buffers) is the running thread's own, or an
-ember.jit program's: runs of one plan in several threads at once share nothing they write.
+ember.jit program's: runs of one plan in several threads at once share nothing they write. What is prepared
+from a plan is kept here (`prepared`), never on the compiled plan.
+
+This is the triton target's runner (see runtime/targets.py); its variant, the interpreter, prepares the same
+steps with kernels loaded and launched for Triton's interpreter, and compiles nothing ahead of the first run.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,7 +26,18 @@ from ember.device import Device
 from ember.errors import CompileError, OutOfMemoryError
 from ember.ir import Node, Op
 from ember.ir.ops import STRIDED_VIEWS
-from ember.runtime import autotune, compiling, cuda, disk, executor, index_checks, plan_cache, steady, triton_launch
+from ember.runtime import (
+    autotune,
+    compiling,
+    cuda,
+    disk,
+    executor,
+    index_checks,
+    plan_cache,
+    steady,
+    targets,
+    triton_launch,
+)
 
 if TYPE_CHECKING:
     from ember.compiler import Launch
@@ -46,11 +62,32 @@ class Workspace:
     steps: list | None = None
 
 
+def prepared(plan: Plan) -> threading.local:
+    """What is prepared from `plan` to run it, in this thread: its `steps` (see _steps) and runtime.steady's
+    states. Kept by the plan's identity for as long as the plan lives."""
+    local = _prepared.get(id(plan))
+    return local if local is not None else _prepare(plan)
+
+
+_prepared: dict[int, threading.local] = {}  # id(plan) -> what is prepared from it
+_preparing = threading.Lock()
+
+
+def _prepare(plan: Plan) -> threading.local:
+    with _preparing:  # one entry per plan, whichever thread asks first
+        local = _prepared.get(id(plan))
+        if local is None:
+            local = _prepared[id(plan)] = threading.local()
+            weakref.finalize(plan, _prepared.pop, id(plan), None)  # dropped with the plan, before its id is reused
+    return local
+
+
 def take_workspace(plan: Plan, device: Device) -> Workspace:
     """This thread's workspace for the plan, for a holder of its own (an ember.jit program): the thread's
     next run of the plan prepares another."""
-    steps = getattr(plan.prepared, "steps", None)
-    plan.prepared.steps = None
+    local = prepared(plan)
+    steps = getattr(local, "steps", None)
+    local.steps = None
     return Workspace(cuda.take_arena(plan, cuda.torch_device(device), device), steps)
 
 
@@ -80,7 +117,8 @@ def execute(plan: Plan, sig: Signature, device: Device, inputs: list[torch.Tenso
     if sig.seeds:
         buffers[DRAWS] = draws if draws is not None else upload_draws(sig.seeds, target)
     if workspace is None:
-        steps = getattr(plan.prepared, "steps", None)
+        local = prepared(plan)
+        steps = getattr(local, "steps", None)
         buffers.update(cuda.arena_views(plan, target, device))
     else:
         steps = workspace.steps
@@ -93,11 +131,12 @@ def execute(plan: Plan, sig: Signature, device: Device, inputs: list[torch.Tenso
             buffers[id(o)] = out if out is not None else cuda.allocate(o.shape, o.dtype, target, device, "a result")
         result.append(buffers[id(o)])
     if steps is None:
-        steps = _steps(plan, device)
-        if not cuda.INTERPRET:
+        settings = RunSettings.of(plan)
+        steps = _steps(plan, device, settings)
+        if not settings.interpret:
             _compile_all(steps, buffers, sig, target)
         if workspace is None:
-            plan.prepared.steps = steps
+            local.steps = steps
         else:
             workspace.steps = steps
     try:
@@ -166,26 +205,40 @@ def _side_streams(target, streams: int) -> list:
 
 # -- steps -------------------------------------------------------------------------------------
 
-def _steps(plan: Plan, device: Device) -> list:
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+    """How a plan's steps run besides what its compile context says: read once, when they are prepared, and
+    passed down to them."""
+
+    interpret: bool  # its runtime target's variant: kernels run in Triton's interpreter (RuntimeTarget.interpret)
+    autotune: str  # how much GEMM tuning searches (autotune.mode: EMBER_AUTOTUNE)
+
+    @staticmethod
+    def of(plan: Plan) -> RunSettings:
+        interpret = targets.for_plan(plan).interpret
+        return RunSettings(interpret, autotune.mode(interpret))
+
+
+def _steps(plan: Plan, device: Device, settings: RunSettings) -> list:
     """A plan's steps: one per kernel, then, where its kernels check indices, the copy of their flags to the
     host (see index_checks)."""
     flags = index_checks.flags_for(plan.lowered.nodes, device)
-    steps = [_step(ck, flags, plan.context.gemm_backend) for ck in plan.kernels]
+    steps = [_step(ck, flags, plan.context.gemm_backend, settings) for ck in plan.kernels]
     return steps if flags is None else [*steps, CopyFlags(flags)]
 
 
-def _step(ck: CompiledKernel, flags: index_checks.IndexFlags | None, gemm_backend: str):
+def _step(ck: CompiledKernel, flags: index_checks.IndexFlags | None, gemm_backend: str, settings: RunSettings):
     """A callable running one fused kernel from the buffers of a run; its argument lists are
     prepared once per plan, so a plan-cache hit costs little more than the launches. `flags`: where the
     plan's index checks record what they find; `gemm_backend`: the plan's setting (CompileContext)."""
     kernel = ck.kernel
     if kernel.core is not None:
-        return _GemmStep(ck, flags, gemm_backend)
+        return _GemmStep(ck, flags, gemm_backend, settings)
     if kernel.kind is KernelKind.MATMUL:
         return functools.partial(_matmul, kernel.outputs[0])
     if kernel.kind is KernelKind.CONV2D:
         return functools.partial(_conv2d, kernel.outputs[0])
-    return _KernelStep(ck, flags)
+    return _KernelStep(ck, flags, settings.interpret)
 
 
 @dataclasses.dataclass
@@ -206,14 +259,14 @@ def index_flags(steps: list | None) -> list[index_checks.IndexFlags]:
 class _KernelStep:
     """A generated kernel (one launch, or a few for a staged reduction or an MLP kernel's gradients)."""
 
-    def __init__(self, ck: CompiledKernel, flags: index_checks.IndexFlags | None):
-        self.ck, self.flags = ck, flags
+    def __init__(self, ck: CompiledKernel, flags: index_checks.IndexFlags | None, interpret: bool):
+        self.ck, self.flags, self.interpret = ck, flags, interpret
         self.scratch: dict = {}  # what one launch leaves for the next (an MLP kernel's gradient partials)
         self.launches = self._prepare(ck.source)
 
     def _prepare(self, source) -> list:
-        module, device = disk.load_source(source), self.ck.kernel.outputs[0].device
-        return [_prepared_launch(module, launch, device, scratch=self.scratch, flags=self.flags)
+        module, device = disk.load_source(source, self.interpret), self.ck.kernel.outputs[0].device
+        return [_prepared_launch(module, launch, device, self.interpret, scratch=self.scratch, flags=self.flags)
                 for launch in source.launches if launch.grid]
 
     def __call__(self, buffers: dict[int, torch.Tensor], sig: Signature) -> None:
@@ -267,11 +320,12 @@ _ARG_KINDS = {ParamKind.READ: 0, ParamKind.WRITE: 0, ParamKind.DRAWS: 0, ParamKi
 DRAWS = 0  # the key of a run's (seed, offset) pairs among its buffers (no node's id is 0)
 
 
-def _prepared_launch(module, launch: Launch, device: Device, config: autotune.Config | None = None,
+def _prepared_launch(module, launch: Launch, device: Device, interpret: bool, config: autotune.Config | None = None,
                      scratch: dict | None = None, flags: index_checks.IndexFlags | None = None
                      ) -> triton_launch.Launch:
-    """`scratch`: the scratch buffers of the kernel's launches, shared between them (one launch writes what
-    the next reads), made here as the launches first name them; `flags`: the plan's index checks' flags."""
+    """`interpret`: the module's kernels run in Triton's interpreter; `scratch`: the scratch buffers of the
+    kernel's launches, shared between them (one launch writes what the next reads), made here as the launches
+    first name them; `flags`: the plan's index checks' flags."""
     scratch = {} if scratch is None else scratch
     for a in launch.args:
         if a.kind is ParamKind.SCRATCH and a.value not in scratch:
@@ -284,8 +338,10 @@ def _prepared_launch(module, launch: Launch, device: Device, config: autotune.Co
     fn = getattr(module, launch.function)
     if config is not None and launch.gemm is not None:  # a GEMM: grid and block sizes from its tuned configuration
         batch, m, n, _ = launch.gemm
-        return triton_launch.Launch(fn, config.grid(batch, m, n, launch.splits), recipe, config.launch_options())
-    return triton_launch.Launch(fn, (launch.grid,), recipe, dict(launch.constexprs, num_warps=launch.num_warps))
+        return triton_launch.Launch(fn, config.grid(batch, m, n, launch.splits), recipe, config.launch_options(),
+                                    interpret)
+    return triton_launch.Launch(fn, (launch.grid,), recipe, dict(launch.constexprs, num_warps=launch.num_warps),
+                                interpret)
 
 
 
@@ -301,36 +357,39 @@ class _GemmStep:
     forms from timing both on the first run with real buffers (both compute the same outputs from the
     same inputs, so running either any number of times leaves the right values)."""
 
-    def __init__(self, ck: CompiledKernel, flags: index_checks.IndexFlags | None, backend: str):
+    def __init__(self, ck: CompiledKernel, flags: index_checks.IndexFlags | None, backend: str,
+                 settings: RunSettings):
         self.ck, self.flags, self.backend = ck, flags, backend  # backend: "auto", "triton" or "cublas"
-        self.module = disk.load_source(ck.source)
+        self.interpret, self.tuning = settings.interpret, settings.autotune
+        self.module = disk.load_source(ck.source, self.interpret)
         self.device = ck.kernel.core.device
         self.problem = gemm_problem(ck)
         self.configs: list[autotune.Config] = []  # best first, known once the problem is tuned
         self.launches: dict[autotune.Config, list] = {}
         self.fused: list = []
         self.scratch: dict = {}  # a split GEMM's scratch, one set for every configuration (they run one at a time)
-        self.split = [_step(c, flags, backend) for c in ck.split]
+        self.split = [_step(c, flags, backend, settings) for c in ck.split]
         self.workspace = ck.workspace
         self.atomic = [(id(o), identity) for o, identity in ck.atomic_outputs]
         self.choice: dict | None = None  # "chosen" ("triton" or "cublas"), "triton_ms", "cublas_ms", "config"
 
     def _tuned(self) -> None:
         if not self.configs:
-            self.configs = autotune.configs_for(self.problem)
+            self.configs = autotune.configs_for(self.problem, self.tuning)
             for c in self.configs:
                 self._prepare(c)
             self.fused = self.launches[self.configs[0]]
 
     def _prepare(self, config: autotune.Config) -> None:
         """The kernel's launches under `config`: the GEMM's, then (a split GEMM) the one that finishes it."""
-        self.launches[config] = [_prepared_launch(self.module, launch, self.device, config, self.scratch,
-                                                  self.flags) for launch in self.ck.source.launches]
+        self.launches[config] = [_prepared_launch(self.module, launch, self.device, self.interpret, config,
+                                                  self.scratch, self.flags) for launch in self.ck.source.launches]
 
     def compile_jobs(self, buffers: dict[int, torch.Tensor], sig: Signature) -> list:
         """The first wave: the bare GEMM's candidates if its problem is not tuned yet, and the split form
         where it may run."""
-        jobs = autotune.compile_jobs(self.problem) if autotune.needs_profiling(self.problem) else []
+        profiling = autotune.needs_profiling(self.problem, self.tuning)
+        jobs = autotune.compile_jobs(self.problem, self.tuning) if profiling else []
         choice = self._cached_choice()
         if self.backend == "cublas" or (choice or {}).get("chosen") != "triton":
             jobs += [job for step in self.split if hasattr(step, "compile_jobs")
@@ -346,8 +405,8 @@ class _GemmStep:
         return [job for launches in self.launches.values() for job in _compile_jobs(launches, buffers, sig)]
 
     def _cached_choice(self) -> dict | None:
-        if self.choice is None and autotune.worth_tuning(self.problem):
-            return autotune.cached_choice(self.ck.source.name, self.problem)
+        if self.choice is None and autotune.worth_tuning(self.problem, self.tuning):
+            return autotune.cached_choice(self.ck.source.name, self.problem, self.tuning)
         return self.choice
 
     def _use(self, config: autotune.Config) -> None:
@@ -395,12 +454,12 @@ class _GemmStep:
         choice = self.choice
         if choice is None:
             choice = {"chosen": "triton", "triton_ms": None, "cublas_ms": None, "config": None}
-            if autotune.worth_tuning(self.problem) and not this_thread.capturing \
+            if autotune.worth_tuning(self.problem, self.tuning) and not this_thread.capturing \
                     and not self._writes_its_inputs(buffers):
                 runs = {c: functools.partial(self._run_fused, launches, buffers, sig)
                         for c, launches in self.launches.items()}
                 choice = autotune.timed_choice(self.ck.source.name, self.problem, runs,
-                                               lambda: self._run_split(buffers, sig))
+                                               lambda: self._run_split(buffers, sig), self.tuning)
                 if choice.get("config"):
                     self._use(autotune.Config(**choice["config"]))
             self.choice = choice

@@ -22,15 +22,18 @@ import triton
 
 from ember.compiler import CompileContext, Plan, Signature, compile, signature
 from ember.ir import Node
-from ember.runtime import collector, cuda, disk
+from ember.runtime import collector, cuda, disk, targets
 
 _plans: dict[tuple, Plan] = {}
 _compiling = threading.RLock()  # held while a plan is compiled or loaded into _plans
 
 
 def plan_for(order: list[Node], keep: set[int]) -> tuple[Plan, Signature]:
+    """The plan of a pending graph on a cuda device (compiled, loaded or cached), for its device type's runtime
+    target, and the graph's signature."""
     sig = signature(order, keep)
-    context = cuda.compile_context(order[0].device)
+    device = order[0].device
+    context = cuda.compile_context(device)
     plan = _plans.get((sig.key, context))
     if plan is not None:
         cuda.stats["plan_hits"] += 1
@@ -39,12 +42,12 @@ def plan_for(order: list[Node], keep: set[int]) -> tuple[Plan, Signature]:
     with _compiling:
         plan = _plans.get((sig.key, context))  # another thread may have made it meanwhile
         if plan is None:
-            plan = _load_plan(sig.key, context)
+            target = targets.for_device(device.type)
+            plan = _load_plan(sig.key, context, target)
             if plan is None:
-                plan = compile(order, keep, "triton", context, sig)
+                plan = compile(order, keep, target.name, context, sig)
                 cuda.stats["plans_compiled"] += 1
-                _save_plan(sig.key, context, plan)
-            plan.prepared = threading.local()  # what the launcher prepares from it, per thread
+                _save_plan(sig.key, context, plan, target)
             _plans[sig.key, context] = plan
     collector.after_new_plan()
     return plan, sig
@@ -55,11 +58,11 @@ def clear() -> None:
     _plans.clear()
 
 
-def _plan_path(key: tuple, context: CompileContext) -> Path:
-    """A plan's file: the graph's structure plus what the plan was made with (device, ember's own source,
+def _plan_path(key: tuple, context: CompileContext, target: targets.RuntimeTarget) -> Path:
+    """A plan's file: the graph's structure plus what the plan was made with (target, device, ember's own source,
     library versions, settings)."""
-    gpu = "interpreter" if cuda.INTERPRET else torch.cuda.get_device_name()
-    identity = repr((key, gpu, context, _code_digest(),
+    gpu = "interpreter" if target.interpret else torch.cuda.get_device_name()
+    identity = repr((key, target.name, gpu, context, _code_digest(),
                      torch.__version__, triton.__version__))
     return disk.cache_dir("plans") / (hashlib.sha256(identity.encode()).hexdigest()[:32] + ".pkl")
 
@@ -74,26 +77,25 @@ def _code_digest() -> str:
     return digest.hexdigest()[:16]
 
 
-def _save_plan(key: tuple, context: CompileContext, plan: Plan) -> None:
+def _save_plan(key: tuple, context: CompileContext, plan: Plan, target: targets.RuntimeTarget) -> None:
     """Write a plan atomically; launch recipes are not stored (sources are, and are re-imported). What the
     plan holds by node id (arena slots, stored nodes) is written by position in the lowered graph."""
     position = {id(n): i for i, n in enumerate(plan.lowered.nodes)}
-    slots, prepared, stored = plan.schedule.slots, plan.prepared, plan.stored
+    slots, stored = plan.schedule.slots, plan.stored
     try:
-        plan.prepared = None
         plan.schedule.slots = {position[k]: v for k, v in slots.items()}
         plan.stored = {position[k] for k in stored if k in position}
         payload = pickle.dumps((key, plan), protocol=pickle.HIGHEST_PROTOCOL)
     except (pickle.PicklingError, TypeError, AttributeError, KeyError):
         return  # a plan that cannot be stored is still used in this process
     finally:
-        plan.schedule.slots, plan.prepared, plan.stored = slots, prepared, stored
-    disk.write_atomically(_plan_path(key, context), payload)
+        plan.schedule.slots, plan.stored = slots, stored
+    disk.write_atomically(_plan_path(key, context, target), payload)
 
 
-def _load_plan(key: tuple, context: CompileContext) -> Plan | None:
+def _load_plan(key: tuple, context: CompileContext, target: targets.RuntimeTarget) -> Plan | None:
     """A plan from disk, or None; an entry that does not load or is not this graph's is rebuilt."""
-    path = _plan_path(key, context)
+    path = _plan_path(key, context, target)
     if not path.exists():
         return None
     try:
@@ -106,7 +108,7 @@ def _load_plan(key: tuple, context: CompileContext) -> Plan | None:
         for ck in plan.kernels:
             for c in (ck, *ck.split):
                 if c.source is not None:
-                    disk.load_source(c.source)
+                    disk.load_source(c.source, target.interpret)
     except Exception:  # corrupt, truncated or from an incompatible ember: never trusted
         return None
     cuda.stats["plans_loaded"] += 1

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import sys
+import threading
 import weakref
 
 import torch
@@ -28,7 +29,7 @@ import torch
 from ember.compiler import Plan, Signature
 from ember.device import Device
 from ember.ir.node import picker
-from ember.runtime import cuda, executor, graphs, launcher, plan_cache
+from ember.runtime import cuda, executor, graphs, launcher, plan_cache, targets
 
 GRAPHS_KEPT = 8
 REPLACED_IN_A_ROW = 3
@@ -44,7 +45,7 @@ class Steady:
     __slots__ = ("last", "chain", "reads", "wrote", "outside", "sets", "parity", "graphs", "replay", "replaced",
                  "off", "graphed", "why")
 
-    def __init__(self) -> None:
+    def __init__(self, graphed: bool) -> None:
         self.last: list[weakref.ref] | None = None  # the last run's results, outside the sets
         self.chain: tuple[int, ...] | None = None  # per input: the position of the last run's result it is, or -1
         self.reads = self.wrote = self.outside = picker([])  # the chain's inputs, its results, the other inputs
@@ -54,22 +55,23 @@ class Steady:
         self.replay: graphs.Replay | None = None  # the plan bound to buffers, with a workspace of its own
         self.replaced = 0  # sets replaced in a row
         self.off = 0  # runs left before recycling is tried again
-        self.graphed = not cuda.INTERPRET
+        self.graphed = graphed
         self.why = ""  # why no graph is captured, once one failed
 
 
 def run(plan: Plan, sig: Signature, device: Device, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """The plan's results on `inputs`, as `launcher.execute` computes them: into a recycled set of buffers
     (`executor.recycled`), and replayed as a CUDA graph, where the runs are steady."""
-    layout = _recyclable(plan)
+    prepared = launcher.prepared(plan)
+    layout = _recyclable(plan, prepared)
     if not layout:
         return launcher.execute(plan, sig, device, inputs)
-    states = getattr(plan.prepared, "steady", None)
+    states = getattr(prepared, "steady", None)
     if states is None:
-        states = plan.prepared.steady = {}
+        states = prepared.steady = {}
     state = states.get(device)
-    if state is None:
-        state = states[device] = Steady()
+    if state is None:  # CUDA graphs where kernels run on a GPU (not in the interpreter)
+        state = states[device] = Steady(not targets.for_plan(plan).interpret)
     if state.off:  # paused: the sets are dropped, and the graphs with them
         state.off -= 1
         state.sets, state.graphs = [None, None], {}
@@ -126,7 +128,7 @@ def release() -> bool:
     the steps that were steady allocate new sets from their next runs). Whether there were any."""
     dropped = False
     for plan in list(plan_cache._plans.values()):
-        for state in (getattr(plan.prepared, "steady", None) or {}).values():
+        for state in (getattr(launcher.prepared(plan), "steady", None) or {}).values():
             dropped = dropped or any(s is not None for s in state.sets) or bool(state.graphs)
             state.chain, state.sets, state.graphs, state.last = None, [None, None], {}, None
     return dropped
@@ -231,15 +233,15 @@ class Layout:
         object.__setattr__(self, "allowed", tuple(allowed + 1 for _, allowed in self.checks))
 
 
-def _recyclable(plan: Plan) -> Layout | None:
+def _recyclable(plan: Plan, prepared: threading.local) -> Layout | None:
     """The plan's layout of results, if it allocates every result itself (none is an input or an intermediate
-    of its arena); None otherwise."""
-    prepared = plan.prepared.__dict__
-    if "layout" not in prepared:
+    of its arena); None otherwise. `prepared`: what this thread prepared from the plan (launcher.prepared)."""
+    known = prepared.__dict__
+    if "layout" not in known:
         lowered = plan.lowered
         taken = {id(n) for n in lowered.inputs} | set(plan.schedule.slots)
         ids = [id(o) for o in lowered.outputs]
         first = tuple(ids.index(i) for i in ids)
         checks = tuple((q, 1 + first.count(q)) for q in range(len(ids)) if first[q] == q)
-        prepared["layout"] = Layout(first, checks) if ids and taken.isdisjoint(ids) else None
-    return prepared["layout"]
+        known["layout"] = Layout(first, checks) if ids and taken.isdisjoint(ids) else None
+    return known["layout"]

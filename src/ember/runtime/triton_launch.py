@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from ember.runtime import cuda
-
 try:
     from triton import knobs as _knobs
 except ImportError:  # the cpu path needs no Triton; a Launch is made only where it is installed
@@ -26,12 +24,15 @@ except ImportError:  # the cpu path needs no Triton; a Launch is made only where
 
 class Launch:
     """A kernel function, its grid and options, and a recipe for its arguments: per parameter,
-    (0, key) a buffer of the run, (1, value) a fixed value, (2, index) one of the signature's scalars."""
+    (0, key) a buffer of the run, (1, value) a fixed value, (2, index) one of the signature's scalars;
+    `interpret`: the function runs in Triton's interpreter (the runtime target's `interpret`)."""
 
-    __slots__ = ("fn", "grid", "recipe", "options", "_kernels", "_tail", "_grid3", "_tensors", "_scalars")
+    __slots__ = ("fn", "grid", "recipe", "options", "_direct", "_kernels", "_tail", "_grid3", "_tensors",
+                 "_scalars")
 
-    def __init__(self, fn, grid: tuple, recipe: list, options: dict):
+    def __init__(self, fn, grid: tuple, recipe: list, options: dict, interpret: bool):
         self.fn, self.grid, self.recipe, self.options = fn, grid, recipe, options
+        self._direct = not interpret and _knobs is not None  # warm calls may skip Triton's `run`
         self._kernels: dict[tuple, object] = {}  # (device, specialization class) -> Triton's compiled kernel
         self._tail: list | None = None  # the constexpr parameters' values, after the positional arguments
         self._grid3 = (*grid, 1, 1)[:3]
@@ -45,8 +46,7 @@ class Launch:
         return args
 
     def __call__(self, args: list) -> None:
-        if cuda.INTERPRET or _knobs is None or _hooked(_knobs.runtime.launch_enter_hook) \
-                or _hooked(_knobs.runtime.launch_exit_hook):
+        if not self._direct or _hooked(_knobs.runtime.launch_enter_hook) or _hooked(_knobs.runtime.launch_exit_hook):
             self.fn.run(*args, grid=self.grid, warmup=False, **self.options)
             return
         device = torch._C._cuda_getDevice()

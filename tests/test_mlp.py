@@ -765,3 +765,13 @@ def test_a_training_steps_plan_does_not_depend_on_object_addresses(width, monkey
     assert "ember_mlp" in forward
     assert planned(lambda x: -builtins.id(x)) == forward
     assert planned(lambda x: builtins.id(x) ^ 0x5A5A50) == forward
+
+
+def test_an_mlp_kernel_holds_its_weights_on_chip_only_where_the_gpus_shared_memory_fits_them():
+    from ember.compiler.patterns.mlp.chain import NOMINAL_SHARED_MEMORY, mlp_blocks
+
+    widths = [128] * 5 + [16]  # 132 KiB of float16 weights: held with 64-row tiles on an H100 (227 KiB a block)
+    assert mlp_blocks(widths, 2, 0) == mlp_blocks(widths, 2, NOMINAL_SHARED_MEMORY) == ([128] * 5 + [16], 64, 4, True)
+    assert mlp_blocks(widths, 2, 163 * 1024) == ([128] * 5 + [16], 128, 4, False)  # an A100's 163 KiB: streamed
+    small = [64] * 4 + [16]  # 26 KiB: held with 128-row tiles on both
+    assert mlp_blocks(small, 2, 163 * 1024)[1:] == mlp_blocks(small, 2, 0)[1:] == (128, 4, True)

@@ -24,6 +24,7 @@ class CompileContext:
     # GEMMs with few output tiles and a long K split it over several programs per tile (see patterns.gemm.gemm_splits;
     # EMBER_SPLIT_K=0 turns it off)
     split_k: bool = True
+    shared_memory: int = 0  # bytes of shared memory one block may use on the GPU (0: unknown, an H100's assumed)
 
     def dot_precision(self, dtype: DType) -> str:
         """How a dot multiplies tiles of `dtype`: "tf32" for float32 unless the precision is "highest"."""

@@ -90,6 +90,14 @@ def multiprocessors(device: Device) -> int:
     return 132 if TARGET.interpret else torch.cuda.get_device_properties(torch_device(device)).multi_processor_count
 
 
+@functools.cache
+def shared_memory(device: Device) -> int:
+    """Bytes of shared memory one block may use on the GPU (0 in the interpreter: unknown)."""
+    if TARGET.interpret:
+        return 0
+    return getattr(torch.cuda.get_device_properties(torch_device(device)), "shared_memory_per_block_optin", 0)
+
+
 def compile_context(device: Device) -> CompileContext:
     """What the user's settings ask of the compiler now, for plans run on `device`; it keys the plan cache.
     Made once per device and settings (every realization asks)."""
@@ -97,7 +105,8 @@ def compile_context(device: Device) -> CompileContext:
                 get_conv_memory_format(), os.environ.get("EMBER_SPLIT_K"))
     context = _contexts.get(settings)
     if context is None:
-        context = _contexts[settings] = CompileContext(*settings[1:6], split_k=split_k())
+        context = _contexts[settings] = CompileContext(*settings[1:6], split_k=split_k(),
+                                                       shared_memory=shared_memory(device))
     return context
 
 

@@ -15,8 +15,10 @@ MLP_MAX_WIDTH = 128  # widths of a chained MLP's layers (padded to powers of two
 # spill); 8 warps instead of 4 did worse with two or three)
 MLP_GRADIENT_ELEMENTS = 2 * 64 * 64 + 64 * 16
 # Weights a persistent MLP program keeps on chip across its row tiles: up to the first size with 128-row
-# tiles, up to the second with 64-row tiles (measured on H100/H200, 227 KiB of shared memory per block)
+# tiles, up to the second with 64-row tiles, measured on H100/H200, whose blocks may use NOMINAL_SHARED_MEMORY;
+# on a GPU with more or less (CompileContext.shared_memory, read from the device), in proportion
 MLP_RESIDENT_BYTES = (48 * 1024, 144 * 1024)
+NOMINAL_SHARED_MEMORY = 227 * 1024
 MLP_MAX_SUMS = 8  # sums over its rows (see planning.absorb_sums) an MLP kernel takes at most
 
 
@@ -48,10 +50,11 @@ def written_intermediates(kernel: FusedKernel) -> int:
     return sum(1 for o in kernel.outputs if kernel.payload.layers.get(id(o), last) < last)
 
 
-def mlp_blocks(widths: list[int], itemsize: int, written: int = 0, streamed: bool = False
+def mlp_blocks(widths: list[int], itemsize: int, shared_memory: int, written: int = 0, streamed: bool = False
                ) -> tuple[list[int], int, int, bool]:
     """An MLP kernel's widths padded for the matrix units (powers of two, at least 16), its rows per tile, its
     warps, and whether its programs are persistent (each loads the weights once and walks row tiles).
+    `shared_memory`: what a block may use on the GPU (0: unknown, NOMINAL_SHARED_MEMORY assumed).
     `written`: the intermediate tiles it also stores, each of which may take a tile of shared memory to lay
     out for its store; `streamed`: hold no weights (the form that fits any GPU; the runtime falls back on it
     when a GPU cannot hold them)."""
@@ -59,7 +62,8 @@ def mlp_blocks(widths: list[int], itemsize: int, written: int = 0, streamed: boo
     weight_bytes = sum(a * b for a, b in zip(padded, padded[1:])) * itemsize
     if streamed:
         return padded, 128, 4, False
+    share = (shared_memory or NOMINAL_SHARED_MEMORY) / NOMINAL_SHARED_MEMORY
     for rows, budget in ((128, MLP_RESIDENT_BYTES[0]), (64, MLP_RESIDENT_BYTES[1])):
-        if weight_bytes + written * rows * max(padded) * itemsize <= budget:
+        if weight_bytes + written * rows * max(padded) * itemsize <= int(budget * share):
             return padded, rows, 4, True
     return padded, 128, 4, False

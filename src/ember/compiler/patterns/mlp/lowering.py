@@ -81,7 +81,8 @@ class _MlpKernel:
         self.widths = widths = mlp_widths(kernel)
         # each gradient's dot lays its two operand tiles out in shared memory, as a written intermediate does
         self.padded, self.rows, self.warps, hold = mlp_blocks(
-            widths, cores[0].dtype.itemsize, written_intermediates(kernel) + 2 * len(chain.absorbed), chain.streamed)
+            widths, cores[0].dtype.itemsize, ctx.settings.shared_memory,
+            written_intermediates(kernel) + 2 * len(chain.absorbed), chain.streamed)
         self.tiles = -(-m // self.rows)
         self.programs = self.tiles
         sms = ctx.settings.multiprocessors

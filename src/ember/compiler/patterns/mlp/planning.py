@@ -303,7 +303,8 @@ def _absorb_score(planner: Planner, mlp: FusedKernel, g: FusedKernel, kernels: l
     if padded_width(p.shape[1]) * padded_width(q.shape[1]) > room:
         return 0
     # its programs walk row tiles holding the weights on chip, beside the gradient's two operand tiles
-    if not mlp_blocks(widths, core.dtype.itemsize, written_intermediates(mlp) + 2 * (len(mlp.payload.absorbed) + 1))[3]:
+    written = written_intermediates(mlp) + 2 * (len(mlp.payload.absorbed) + 1)
+    if not mlp_blocks(widths, core.dtype.itemsize, planner.context.shared_memory, written)[3]:
         return 0
     computed = {id(o) for o in mlp.outputs}
     loaded = set(refs[id(mlp)])

@@ -3,10 +3,10 @@ its space and the levels of its values are). The generic steps are the `Planner`
 fusion patterns (compiler/patterns/) add theirs at the stage each runs at (`Stage`), in the order of PATTERNS.
 
 Planning goes in six steps:
-1. choose what must be stored (`materialized`): outputs, results of matmuls and
-   convolutions, the operands of the vendor ones, reductions for now, shared
-   producers that the cost model below says are cheaper to store than to
-   recompute, and GEMM operands whose prologue the cost model rejects;
+1. choose what must be stored: outputs, results of matmuls and convolutions,
+   the operands of the vendor ones, reductions for now, shared producers that
+   the cost model (`Planner._store_is_cheaper`) says are cheaper to store than
+   to recompute, and GEMM operands whose prologue the cost model rejects;
 2. every stored node roots a kernel that inlines everything unstored above it;
 3. a reduction referenced by exactly one kernel, at ROW level over that kernel's
    space, is pulled into it instead of being stored;

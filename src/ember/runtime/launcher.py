@@ -5,7 +5,7 @@ convolution through torch, and streams for plans captured into CUDA graphs.
 What a run uses besides its inputs and outputs (a `Workspace`: the plan's arena of intermediates and its
 prepared steps, whose launches hold the kernels' scratch buffers) is the running thread's own, or an
 ember.jit program's: runs of one plan in several threads at once share nothing they write. What is prepared
-from a plan is kept here (`prepared`), never on the compiled plan.
+from a plan is kept beside it by the plan cache (`plan_cache.prepared`), never on the compiled plan.
 
 This is the triton target's runner (see runtime/targets.py); its variant, the interpreter, prepares the same
 steps with kernels loaded and launched for Triton's interpreter, and compiles nothing ahead of the first run.
@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
-import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -62,30 +61,10 @@ class Workspace:
     steps: list | None = None
 
 
-def prepared(plan: Plan) -> threading.local:
-    """What is prepared from `plan` to run it, in this thread: its `steps` (see _steps) and runtime.steady's
-    states. Kept by the plan's identity for as long as the plan lives."""
-    local = _prepared.get(id(plan))
-    return local if local is not None else _prepare(plan)
-
-
-_prepared: dict[int, threading.local] = {}  # id(plan) -> what is prepared from it
-_preparing = threading.Lock()
-
-
-def _prepare(plan: Plan) -> threading.local:
-    with _preparing:  # one entry per plan, whichever thread asks first
-        local = _prepared.get(id(plan))
-        if local is None:
-            local = _prepared[id(plan)] = threading.local()
-            weakref.finalize(plan, _prepared.pop, id(plan), None)  # dropped with the plan, before its id is reused
-    return local
-
-
 def take_workspace(plan: Plan, device: Device) -> Workspace:
     """This thread's workspace for the plan, for a holder of its own (an ember.jit program): the thread's
     next run of the plan prepares another."""
-    local = prepared(plan)
+    local = plan_cache.prepared(plan)
     steps = getattr(local, "steps", None)
     local.steps = None
     return Workspace(cuda.take_arena(plan, cuda.torch_device(device), device), steps)
@@ -117,7 +96,7 @@ def execute(plan: Plan, sig: Signature, device: Device, inputs: list[torch.Tenso
     if sig.seeds:
         buffers[DRAWS] = draws if draws is not None else upload_draws(sig.seeds, target)
     if workspace is None:
-        local = prepared(plan)
+        local = plan_cache.prepared(plan)
         steps = getattr(local, "steps", None)
         buffers.update(cuda.arena_views(plan, target, device))
     else:

@@ -54,8 +54,30 @@ def plan_for(order: list[Node], keep: set[int]) -> tuple[Plan, Signature]:
 
 
 def clear() -> None:
-    """Forget the plans compiled in this process (their files stay), as a new process starts."""
+    """Forget the plans compiled in this process (their files stay), as a new process starts, and what was prepared
+    from them."""
     _plans.clear()
+    _prepared.clear()
+
+
+# What the runtime prepares from each plan it runs, per thread (launch recipes, runtime.steady's states): kept here,
+# beside the plans and never on them, and dropped with them. An entry holds its plan, so no other plan takes its id
+# while it lasts.
+_prepared: dict[int, tuple[Plan, threading.local]] = {}
+
+
+def prepared(plan: Plan) -> threading.local:
+    """What is prepared from `plan` to run it, as this thread sees it: its `steps` (launcher) and steady states."""
+    entry = _prepared.get(id(plan))
+    if entry is None:
+        with _compiling:  # one entry per plan, whichever thread asks first
+            entry = _prepared.setdefault(id(plan), (plan, threading.local()))
+    return entry[1]
+
+
+def prepared_states() -> list[threading.local]:
+    """What is prepared from each plan, for this thread (runtime.steady.release drops its recycled sets)."""
+    return [local for _, local in list(_prepared.values())]
 
 
 def _plan_path(key: tuple, context: CompileContext, target: targets.RuntimeTarget) -> Path:

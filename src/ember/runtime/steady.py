@@ -62,7 +62,7 @@ class Steady:
 def run(plan: Plan, sig: Signature, device: Device, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """The plan's results on `inputs`, as `launcher.execute` computes them: into a recycled set of buffers
     (`executor.recycled`), and replayed as a CUDA graph, where the runs are steady."""
-    prepared = launcher.prepared(plan)
+    prepared = plan_cache.prepared(plan)
     layout = _recyclable(plan, prepared)
     if not layout:
         return launcher.execute(plan, sig, device, inputs)
@@ -127,8 +127,8 @@ def release() -> bool:
     """Drop this thread's spare result sets and graphs of every cached plan (called when GPU memory runs out;
     the steps that were steady allocate new sets from their next runs). Whether there were any."""
     dropped = False
-    for plan in list(plan_cache._plans.values()):
-        for state in (getattr(launcher.prepared(plan), "steady", None) or {}).values():
+    for prepared in plan_cache.prepared_states():
+        for state in (getattr(prepared, "steady", None) or {}).values():
             dropped = dropped or any(s is not None for s in state.sets) or bool(state.graphs)
             state.chain, state.sets, state.graphs, state.last = None, [None, None], {}, None
     return dropped

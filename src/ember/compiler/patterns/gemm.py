@@ -208,7 +208,8 @@ def _prologue_pays(planner: Planner, mm: Node, position: int, operand: Node) -> 
 class SplitForm(Payload):
     """A generated GEMM kernel's vendor form: the same nodes planned with the matmul as a vendor call (operands
     stored, epilogue in kernels of its own), which the runtime times against the fused kernel and runs when it
-    is faster; `stored`: the intermediates it stores."""
+    is faster; `stored`: the ids of the intermediates it stores, at compile time (a plan loaded from disk has other
+    nodes: the compiled kernel's `workspace` holds them)."""
 
     kernels: list[FusedKernel] = field(default_factory=list)
     stored: set[int] = field(default_factory=set)

@@ -291,33 +291,176 @@ def test_step_guards_every_hyper_parameter_but_the_parameters_and_the_rate(monke
 
 # -- schedules -----------------------------------------------------------------------------
 
-SCHEDULES = [
-    ("StepLR", dict(step_size=3, gamma=0.5)),
-    ("MultiStepLR", dict(milestones=[2, 5, 5, 9], gamma=0.3)),
-    ("ExponentialLR", dict(gamma=0.9)),
-    ("CosineAnnealingLR", dict(T_max=7)),
-    ("CosineAnnealingLR", dict(T_max=5, eta_min=0.01)),
-    ("LambdaLR", dict(lr_lambda=lambda epoch: 1 / (epoch + 1))),
-]
+def two_group_optimizer(framework, kind):
+    """An SGD (with momentum) or Adam of two parameter groups with their own rates and momenta, in torch or ember."""
+    lib = torch if framework == "torch" else ember
+    first, second = lib.nn.Parameter(lib.zeros(1)), lib.nn.Parameter(lib.zeros(2))
+    if kind == "SGD":
+        return lib.optim.SGD([{"params": [first]}, {"params": [second], "lr": 0.05, "momentum": 0.5}],
+                             lr=0.2, momentum=0.9)
+    return lib.optim.Adam([{"params": [first]}, {"params": [second], "lr": 0.05, "betas": (0.8, 0.99)}], lr=0.2)
 
 
-@pytest.mark.parametrize("name,kwargs", SCHEDULES, ids=[s[0] + str(i) for i, s in enumerate(SCHEDULES)])
-def test_learning_rate_sequence_matches_torch(name, kwargs):
-    tparam = torch.nn.Parameter(torch.zeros(1))
-    topt = torch.optim.SGD([tparam], lr=0.2)
-    eopt = optim.SGD([nn.Parameter(ember.zeros(1))], lr=0.2)
-    tsched = getattr(torch.optim.lr_scheduler, name)(topt, **kwargs)
-    esched = getattr(lr_scheduler, name)(eopt, **kwargs)
-    tlrs, elrs = [], []
-    for _ in range(25):
-        topt.step()
-        eopt.step()
-        tsched.step()
-        esched.step()
-        tlrs.append(topt.param_groups[0]["lr"])
-        elrs.append(eopt.param_groups[0]["lr"])
-        assert esched.get_last_lr() == [elrs[-1]]
-    assert elrs == pytest.approx(tlrs, rel=1e-12, abs=1e-15)
+def group_values(opt):
+    """Each group's learning rate and momentum (SGD's `momentum`, Adam's `betas`)."""
+    return [(g["lr"], g.get("momentum"), g.get("betas")) for g in opt.param_groups]
+
+
+# each made alike from torch.optim.lr_scheduler and from ember's: f(module, optimizer) -> scheduler
+SCHEDULES = {
+    "StepLR": lambda s, opt: s.StepLR(opt, step_size=3, gamma=0.5),
+    "MultiStepLR": lambda s, opt: s.MultiStepLR(opt, milestones=[2, 5, 5, 9], gamma=0.3),
+    "ExponentialLR": lambda s, opt: s.ExponentialLR(opt, gamma=0.9),
+    "CosineAnnealingLR": lambda s, opt: s.CosineAnnealingLR(opt, T_max=7),
+    "CosineAnnealingLR-eta_min": lambda s, opt: s.CosineAnnealingLR(opt, T_max=5, eta_min=0.01),
+    "LambdaLR": lambda s, opt: s.LambdaLR(opt, lr_lambda=lambda epoch: 1 / (epoch + 1)),
+    "LinearLR": lambda s, opt: s.LinearLR(opt),
+    "LinearLR-down": lambda s, opt: s.LinearLR(opt, start_factor=0.9, end_factor=0.05, total_iters=11),
+    "CosineAnnealingWarmRestarts": lambda s, opt: s.CosineAnnealingWarmRestarts(opt, T_0=4, eta_min=0.01),
+    "CosineAnnealingWarmRestarts-T_mult": lambda s, opt: s.CosineAnnealingWarmRestarts(opt, T_0=2, T_mult=3),
+    "OneCycleLR": lambda s, opt: s.OneCycleLR(opt, max_lr=[1.0, 0.4], total_steps=25),
+    "OneCycleLR-linear-three-phase": lambda s, opt: s.OneCycleLR(
+        opt, max_lr=0.8, epochs=5, steps_per_epoch=5, pct_start=0.35, anneal_strategy="linear", three_phase=True,
+        base_momentum=[0.7, 0.6], max_momentum=0.9, div_factor=10.0, final_div_factor=50.0),
+    "OneCycleLR-without-momentum": lambda s, opt: s.OneCycleLR(opt, max_lr=0.5, total_steps=26, pct_start=0.5,
+                                                               cycle_momentum=False),
+    "SequentialLR": lambda s, opt: s.SequentialLR(opt, [s.LinearLR(opt, start_factor=0.1, total_iters=4),
+                                                        s.CosineAnnealingLR(opt, T_max=6),
+                                                        s.ExponentialLR(opt, gamma=0.8)], milestones=[5, 12]),
+    "SequentialLR-into-StepLR-and-MultiStepLR": lambda s, opt: s.SequentialLR(
+        opt, [s.ExponentialLR(opt, gamma=0.7), s.StepLR(opt, step_size=2, gamma=0.5),
+              s.MultiStepLR(opt, milestones=[3, 4], gamma=0.5)], milestones=[3, 10]),
+    "SequentialLR-into-LambdaLR-and-warm-restarts": lambda s, opt: s.SequentialLR(
+        opt, [s.LambdaLR(opt, lambda epoch: epoch + 1), s.CosineAnnealingWarmRestarts(opt, T_0=3, T_mult=2)],
+        milestones=[4]),
+    "ChainedScheduler": lambda s, opt: s.ChainedScheduler([s.LinearLR(opt, start_factor=0.5, total_iters=6),
+                                                           s.ExponentialLR(opt, gamma=0.9)]),
+}
+
+
+def run_schedule(opt, scheduler, steps):
+    values = [group_values(opt)]
+    for _ in range(steps):
+        opt.step()
+        scheduler.step()
+        values.append(group_values(opt))
+        assert scheduler.get_last_lr() == [lr for lr, _, _ in values[-1]]
+    return values
+
+
+@pytest.mark.parametrize("kind", ["SGD", "Adam"])
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_learning_rates_and_momenta_of_every_group_match_torch_to_the_bit(name, kind):
+    """25 steps cover every phase of each schedule (warm-up, restarts, milestones, each cycle's phases)."""
+    topt, eopt = two_group_optimizer("torch", kind), two_group_optimizer("ember", kind)
+    theirs = run_schedule(topt, SCHEDULES[name](torch.optim.lr_scheduler, topt), 25)
+    ours = run_schedule(eopt, SCHEDULES[name](lr_scheduler, eopt), 25)
+    assert ours == theirs
+
+
+def test_one_cycle_cycles_sgds_momentum_and_adams_first_beta():
+    sgd, adam = two_group_optimizer("ember", "SGD"), two_group_optimizer("ember", "Adam")
+    for opt in (sgd, adam):
+        lr_scheduler.OneCycleLR(opt, max_lr=1.0, total_steps=10, base_momentum=0.8, max_momentum=0.9)
+    assert [g["momentum"] for g in sgd.param_groups] == [0.9, 0.9]
+    assert [g["betas"] for g in adam.param_groups] == [(0.9, 0.999), (0.9, 0.99)]
+
+
+def test_one_cycle_refuses_to_step_past_total_steps_as_torch_does():
+    messages = []
+    for framework, schedulers in (("torch", torch.optim.lr_scheduler), ("ember", lr_scheduler)):
+        opt = two_group_optimizer(framework, "SGD")
+        scheduler = schedulers.OneCycleLR(opt, max_lr=1.0, total_steps=3)
+        for _ in range(3):
+            opt.step()
+            scheduler.step()
+        with pytest.raises(ValueError) as error:
+            scheduler.step()
+        messages.append(str(error.value))
+    assert messages[0] == messages[1] == "Tried to step 4 times. The specified number of total steps is 3"
+
+
+@pytest.mark.parametrize("T_mult", [1, 2])
+def test_warm_restarts_stepped_with_fractional_epochs_match_torch(T_mult):  # noqa: N803
+    """`step(epoch + batch / batches)` once per batch, as torch's documentation shows."""
+    values = []
+    for framework, schedulers in (("torch", torch.optim.lr_scheduler), ("ember", lr_scheduler)):
+        opt = two_group_optimizer(framework, "SGD")
+        scheduler = schedulers.CosineAnnealingWarmRestarts(opt, T_0=2, T_mult=T_mult, eta_min=0.001)
+        lrs = []
+        for epoch in range(9):
+            for batch in range(4):
+                opt.step()
+                scheduler.step(epoch + batch / 4)
+                lrs.append((scheduler.get_last_lr(), scheduler.T_cur, scheduler.T_i, scheduler.last_epoch))
+        values.append(lrs)
+    assert values[0] == values[1]
+
+
+# a first plateau (bad epochs, a reduction, a cooldown), an improvement that resets the count, one smaller than the
+# threshold that does not, then a long plateau: a reduction every patience + cooldown + 1 epochs down to min_lr
+PLATEAU_METRICS = [1.0, 0.8, 0.8, 0.81, 0.8, 0.8, 0.8, 0.8, 0.7, 0.69995, 0.7] + [0.7] * 17
+
+
+@pytest.mark.parametrize("threshold_mode", ["rel", "abs"])
+@pytest.mark.parametrize("mode", ["min", "max"])
+def test_reduce_on_plateau_waits_patience_then_cools_down_and_stops_at_min_lr_as_torch_does(mode, threshold_mode):
+    """A plateau reduces the rates after `patience` bad epochs, then ignores `cooldown` epochs; the rates stop at
+    each group's min_lr; an improvement smaller than `threshold` is not one."""
+    metrics = PLATEAU_METRICS if mode == "min" else [2 - m for m in PLATEAU_METRICS]  # the same run, upside down
+    kwargs = dict(mode=mode, factor=0.5, patience=2, threshold=1e-3, threshold_mode=threshold_mode, cooldown=2,
+                  min_lr=[0.02, 0.01])
+    runs = []
+    for framework, schedulers in (("torch", torch.optim.lr_scheduler), ("ember", lr_scheduler)):
+        opt = two_group_optimizer(framework, "SGD")
+        scheduler = schedulers.ReduceLROnPlateau(opt, **kwargs)
+        run = [scheduler.get_last_lr()]
+        for metric in metrics:
+            opt.step()
+            scheduler.step((torch if framework == "torch" else ember).tensor(metric))  # a 0-d float32 tensor
+            run.append((scheduler.get_last_lr(), scheduler.best, scheduler.num_bad_epochs,
+                        scheduler.cooldown_counter, scheduler.in_cooldown, scheduler.last_epoch))
+        runs.append(run)
+    assert runs[1] == runs[0]
+    lrs = [step[0] for step in runs[1][1:]]
+    assert lrs[-1] == [0.02, 0.01] and lrs[-2] == lrs[-1]  # the sequence reaches min_lr and stays there
+    assert len({tuple(lr) for lr in lrs}) >= 4  # several reductions
+
+
+def test_reduce_on_plateau_takes_one_min_lr_for_all_groups():
+    opt = two_group_optimizer("ember", "SGD")
+    scheduler = lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.1, min_lr=0.01)
+    for _ in range(4):
+        scheduler.step(1.0)
+    assert scheduler.get_last_lr() == [0.01, 0.01]
+
+
+RESUMABLE = {**SCHEDULES, "ReduceLROnPlateau": lambda s, opt: s.ReduceLROnPlateau(opt, patience=1, cooldown=1)}
+
+
+def step_scheduler(opt, scheduler, i):
+    opt.step()
+    if isinstance(scheduler, lr_scheduler.ReduceLROnPlateau):
+        scheduler.step(PLATEAU_METRICS[i])
+    else:
+        scheduler.step()
+    return group_values(opt), scheduler.get_last_lr()
+
+
+@pytest.mark.parametrize("name", RESUMABLE)
+def test_a_scheduler_loaded_from_a_state_dict_continues_the_schedule(name):
+    opt = two_group_optimizer("ember", "Adam")
+    scheduler = RESUMABLE[name](lr_scheduler, opt)
+    for i in range(7):
+        step_scheduler(opt, scheduler, i)
+    state = scheduler.state_dict()
+    assert "optimizer" not in state
+    resumed_opt = two_group_optimizer("ember", "Adam")
+    resumed = RESUMABLE[name](lr_scheduler, resumed_opt)
+    resumed_opt.load_state_dict(opt.state_dict())
+    resumed.load_state_dict(state)
+    for i in range(7, 20):
+        assert step_scheduler(resumed_opt, resumed, i) == step_scheduler(opt, scheduler, i)
 
 
 def test_scheduler_state_dict_resumes_the_schedule():
@@ -333,6 +476,58 @@ def test_scheduler_state_dict_resumes_the_schedule():
     sched.step()
     sched2.step()
     assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+
+
+# each made from torch.optim.lr_scheduler and from ember's: f(module, optimizer) raises
+BAD_SCHEDULES = {
+    "not-an-optimizer": lambda s, opt: s.OneCycleLR(object(), max_lr=1.0, total_steps=3),
+    "LinearLR-start_factor-0": lambda s, opt: s.LinearLR(opt, start_factor=0),
+    "LinearLR-start_factor-above-1": lambda s, opt: s.LinearLR(opt, start_factor=1.5),
+    "LinearLR-end_factor-negative": lambda s, opt: s.LinearLR(opt, end_factor=-0.1),
+    "warm-restarts-T_0-0": lambda s, opt: s.CosineAnnealingWarmRestarts(opt, T_0=0),
+    "warm-restarts-T_0-float": lambda s, opt: s.CosineAnnealingWarmRestarts(opt, T_0=2.5),
+    "warm-restarts-T_mult-0": lambda s, opt: s.CosineAnnealingWarmRestarts(opt, T_0=2, T_mult=0),
+    "warm-restarts-eta_min-str": lambda s, opt: s.CosineAnnealingWarmRestarts(opt, T_0=2, eta_min="0"),
+    "warm-restarts-negative-epoch": lambda s, opt: s.CosineAnnealingWarmRestarts(opt, T_0=2).step(-1),
+    "OneCycleLR-no-length": lambda s, opt: s.OneCycleLR(opt, max_lr=1.0),
+    "OneCycleLR-total_steps-0": lambda s, opt: s.OneCycleLR(opt, max_lr=1.0, total_steps=0),
+    "OneCycleLR-epochs-0": lambda s, opt: s.OneCycleLR(opt, max_lr=1.0, epochs=0, steps_per_epoch=2),
+    "OneCycleLR-steps_per_epoch-negative": lambda s, opt: s.OneCycleLR(opt, max_lr=1.0, epochs=2,
+                                                                       steps_per_epoch=-1),
+    "OneCycleLR-pct_start-1.5": lambda s, opt: s.OneCycleLR(opt, max_lr=1.0, total_steps=9, pct_start=1.5),
+    "OneCycleLR-pct_start-int": lambda s, opt: s.OneCycleLR(opt, max_lr=1.0, total_steps=9, pct_start=1),
+    "OneCycleLR-anneal_strategy": lambda s, opt: s.OneCycleLR(opt, max_lr=1.0, total_steps=9, anneal_strategy="exp"),
+    "OneCycleLR-max_lr-per-group": lambda s, opt: s.OneCycleLR(opt, max_lr=[1.0, 2.0, 3.0], total_steps=9),
+    "OneCycleLR-momentum-per-group": lambda s, opt: s.OneCycleLR(opt, max_lr=1.0, total_steps=9,
+                                                                 max_momentum=[0.9]),
+    "SequentialLR-empty": lambda s, opt: s.SequentialLR(opt, [], []),
+    "SequentialLR-milestones": lambda s, opt: s.SequentialLR(opt, [s.StepLR(opt, 2), s.StepLR(opt, 3)], [1, 2]),
+    "SequentialLR-plateau": lambda s, opt: s.SequentialLR(opt, [s.ReduceLROnPlateau(opt)], []),
+    "SequentialLR-not-a-scheduler": lambda s, opt: s.SequentialLR(opt, [object()], []),
+    "ChainedScheduler-empty": lambda s, opt: s.ChainedScheduler([]),
+    "ReduceLROnPlateau-factor": lambda s, opt: s.ReduceLROnPlateau(opt, factor=1.0),
+    "ReduceLROnPlateau-mode": lambda s, opt: s.ReduceLROnPlateau(opt, mode="avg"),
+    "ReduceLROnPlateau-threshold_mode": lambda s, opt: s.ReduceLROnPlateau(opt, threshold_mode="pct"),
+    "ReduceLROnPlateau-min_lr-per-group": lambda s, opt: s.ReduceLROnPlateau(opt, min_lr=[0.1]),
+}
+
+
+@pytest.mark.parametrize("name", BAD_SCHEDULES)
+def test_bad_scheduler_arguments_raise_torchs_errors(name):
+    errors = []
+    for framework, schedulers in (("torch", torch.optim.lr_scheduler), ("ember", lr_scheduler)):
+        with pytest.raises(Exception) as error:
+            BAD_SCHEDULES[name](schedulers, two_group_optimizer(framework, "SGD"))
+        errors.append((type(error.value), str(error.value)))
+    assert errors[1] == errors[0]
+
+
+def test_schedulers_of_another_optimizer_are_refused():
+    opt, other = two_group_optimizer("ember", "SGD"), two_group_optimizer("ember", "SGD")
+    with pytest.raises(ValueError, match="expects all schedulers to belong to the same optimizer"):
+        lr_scheduler.SequentialLR(opt, [lr_scheduler.StepLR(other, 2)], [])
+    with pytest.raises(ValueError, match="expects all schedulers to belong to the same optimizer"):
+        lr_scheduler.ChainedScheduler([lr_scheduler.StepLR(opt, 2), lr_scheduler.StepLR(other, 2)])
 
 
 @pytest.mark.usefixtures("cuda_backend")

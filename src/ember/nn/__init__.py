@@ -1,6 +1,6 @@
 """ember.nn: modules, layers, losses, initialisation and `functional`, with PyTorch's names."""
 
-from ember.nn import functional, init
+from ember.nn import functional, init, utils
 from ember.nn.containers import ModuleDict, ModuleList, Sequential
 from ember.nn.layers import (
     GELU,
@@ -33,4 +33,5 @@ __all__ = [
     "LayerNorm", "LeakyReLU",
     "Linear", "LogSoftmax", "MSELoss", "MaxPool2d", "Module", "ModuleDict", "ModuleList", "NLLLoss", "Parameter",
     "ReLU", "SiLU", "Sequential", "Sigmoid", "SmoothL1Loss", "Softmax", "Softplus", "Tanh", "functional", "init",
+    "utils",
 ]

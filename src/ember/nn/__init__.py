@@ -1,6 +1,7 @@
 """ember.nn: modules, layers, losses, initialisation and `functional`, with PyTorch's names."""
 
 from ember.nn import functional, init, utils
+from ember.nn.attention import MultiheadAttention
 from ember.nn.containers import ModuleDict, ModuleList, Sequential
 from ember.nn.layers import (
     GELU,
@@ -25,13 +26,12 @@ from ember.nn.layers import (
 )
 from ember.nn.losses import BCELoss, BCEWithLogitsLoss, CrossEntropyLoss, L1Loss, MSELoss, NLLLoss, SmoothL1Loss
 from ember.nn.module import Module, Parameter
-from ember.nn.normalization import BatchNorm1d, BatchNorm2d, LayerNorm
+from ember.nn.normalization import BatchNorm1d, BatchNorm2d, LayerNorm, RMSNorm
 
 __all__ = [
     "AdaptiveAvgPool2d", "AvgPool2d", "BCELoss", "BCEWithLogitsLoss", "BatchNorm1d", "BatchNorm2d", "Conv2d",
     "ConvTranspose2d", "CrossEntropyLoss", "Dropout", "Embedding", "Flatten", "GELU", "Identity", "L1Loss",
-    "LayerNorm", "LeakyReLU",
-    "Linear", "LogSoftmax", "MSELoss", "MaxPool2d", "Module", "ModuleDict", "ModuleList", "NLLLoss", "Parameter",
-    "ReLU", "SiLU", "Sequential", "Sigmoid", "SmoothL1Loss", "Softmax", "Softplus", "Tanh", "functional", "init",
-    "utils",
+    "LayerNorm", "LeakyReLU", "Linear", "LogSoftmax", "MSELoss", "MaxPool2d", "Module", "ModuleDict", "ModuleList",
+    "MultiheadAttention", "NLLLoss", "Parameter", "RMSNorm", "ReLU", "SiLU", "Sequential", "Sigmoid", "SmoothL1Loss",
+    "Softmax", "Softplus", "Tanh", "functional", "init", "utils",
 ]

@@ -13,11 +13,14 @@ import math
 import warnings
 import weakref
 
+import numpy as np
+
 from ember import amp, dtypes
 from ember.autograd import composite_vjp, enable_grad, grad, no_grad
 from ember.errors import DTypeError, ShapeError, operands
 from ember.ir import Op
 from ember.ir.ops import define_composite
+from ember.nn.attention import scaled_dot_product_attention
 from ember.ops import (
     adaptive_avg_pool2d,
     adaptive_max_pool2d,
@@ -53,8 +56,8 @@ __all__ = [
     "binary_cross_entropy_with_logits", "conv2d", "conv_transpose2d",
     "cross_entropy", "dropout", "elu", "embedding", "gelu",
     "hardtanh", "l1_loss", "layer_norm", "leaky_relu", "linear", "log_softmax", "logsigmoid",
-    "max_pool2d", "mish", "mse_loss", "nll_loss", "one_hot", "pad", "relu", "relu6", "sigmoid", "silu",
-    "smooth_l1_loss", "softmax", "softplus", "tanh",
+    "max_pool2d", "mish", "mse_loss", "nll_loss", "one_hot", "pad", "relu", "relu6", "rms_norm",
+    "scaled_dot_product_attention", "sigmoid", "silu", "smooth_l1_loss", "softmax", "softplus", "tanh",
 ]
 
 
@@ -170,6 +173,24 @@ def layer_norm(input: Tensor, normalized_shape, weight: Tensor | None = None, bi
         return apply(Op.LAYER_NORM, input, *(t for t in (weight, bias) if t is not None), dims=k, eps=eps,
                      weight=weight is not None, bias=bias is not None)
     return _layer_norm(input, weight, bias, k, eps)
+
+
+def rms_norm(input: Tensor, normalized_shape, weight: Tensor | None = None, eps: float | None = None) -> Tensor:
+    """Divide by the root mean square over the trailing `normalized_shape` dims (plus `eps`, by default the machine
+    epsilon of the dtype it is computed in: float32 for half-precision inputs), then scale by `weight`."""
+    _check_float("rms_norm", input)
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if not shape or input.shape[input.ndim - len(shape):] != shape:
+        raise ShapeError(f"rms_norm: input of shape {input.shape} does not end in normalized_shape {shape}")
+    if weight is not None:
+        expect_tensors("rms_norm", weight=weight)
+        if weight.shape != shape:
+            raise ShapeError(f"rms_norm: weight of shape {weight.shape} must have normalized_shape {shape}")
+    x = _opmath(input)
+    eps = eps if eps is not None else float(np.finfo(x.dtype.np).eps)
+    axes = tuple(range(input.ndim - len(shape), input.ndim))
+    out = cast(x * ((x * x).mean(axes, keepdim=True) + eps).rsqrt(), input.dtype)
+    return out * weight if weight is not None else out
 
 
 def _layer_norm(input: Tensor, weight: Tensor | None, bias: Tensor | None, dims: int, eps: float) -> Tensor:

@@ -95,19 +95,25 @@ class BatchNorm2d(_BatchNorm):
     _dims = (4,)
 
 
+def _scaled(module: Module, normalized_shape, eps, elementwise_affine: bool, device, dtype) -> tuple:
+    """A norm over trailing dims: its shape, eps and, if affine, its elementwise scale (ones); (shape, dtype)."""
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    module.normalized_shape, module.eps, module.elementwise_affine = shape, eps, elementwise_affine
+    dtype = dtypes.as_dtype(dtype) if dtype is not None else dtypes.default_float
+    if elementwise_affine:
+        module.weight = Parameter(ones(shape, dtype=dtype, device=device))
+    else:
+        module.register_parameter("weight", None)
+    return shape, dtype
+
+
 class LayerNorm(Module):
     """Normalise over the trailing `normalized_shape` dims, with a learned elementwise scale and shift."""
 
     def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
                  device=None, dtype=None) -> None:
         super().__init__()
-        shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-        self.normalized_shape, self.eps, self.elementwise_affine = shape, eps, elementwise_affine
-        dtype = dtypes.as_dtype(dtype) if dtype is not None else dtypes.default_float
-        if elementwise_affine:
-            self.weight = Parameter(ones(shape, dtype=dtype, device=device))
-        else:
-            self.register_parameter("weight", None)
+        shape, dtype = _scaled(self, normalized_shape, eps, elementwise_affine, device, dtype)
         if elementwise_affine and bias:
             self.bias = Parameter(zeros(shape, dtype=dtype, device=device))
         else:
@@ -127,13 +133,7 @@ class RMSNorm(Module):
     def __init__(self, normalized_shape, eps: float | None = None, elementwise_affine: bool = True, device=None,
                  dtype=None) -> None:
         super().__init__()
-        shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-        self.normalized_shape, self.eps, self.elementwise_affine = shape, eps, elementwise_affine
-        dtype = dtypes.as_dtype(dtype) if dtype is not None else dtypes.default_float
-        if elementwise_affine:
-            self.weight = Parameter(ones(shape, dtype=dtype, device=device))
-        else:
-            self.register_parameter("weight", None)
+        _scaled(self, normalized_shape, eps, elementwise_affine, device, dtype)
 
     def forward(self, input: Tensor) -> Tensor:
         return F.rms_norm(input, self.normalized_shape, self.weight, self.eps)

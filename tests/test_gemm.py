@@ -648,7 +648,7 @@ def test_a_plans_steps_are_given_the_autotune_mode_read_when_they_are_prepared(m
     a = ember.randn(64, 32, device="cuda").realize()
     for _ in range(3):
         (a @ a.mT).relu().realize()
-    steps = [step for plan in plan_cache._plans.values() for step in getattr(launcher.prepared(plan), "steps", [])]
+    steps = [step for plan in plan_cache._plans.values() for step in getattr(plan_cache.prepared(plan), "steps", [])]
     gemms = [step for step in steps if isinstance(step, launcher._GemmStep)]
     assert gemms and all(step.tuning == "max" for step in gemms)
     assert asked and set(asked) == {cuda.TARGET.interpret}  # once per plan prepared, for its runtime target

@@ -163,7 +163,7 @@ def test_direct_launches_follow_pointer_alignment_and_scalars():
         got = (ember.from_dlpack(t) * scale + 0.25).relu()
         np.testing.assert_allclose(got.numpy(), (t * scale + 0.25).relu().cpu().numpy(), rtol=1e-6, atol=1e-6)
     prepared = [steps for p in plan_cache._plans.values()
-                if (steps := getattr(launcher.prepared(p), "steps", None))]
+                if (steps := getattr(plan_cache.prepared(p), "steps", None))]
     classes = {len(launch._kernels) for steps in prepared for step in steps
                if isinstance(step, launcher._KernelStep) for launch in step.launches}
     assert max(classes) >= 2  # aligned and unaligned pointers ran different kernels

@@ -235,7 +235,7 @@ class Layout:
 
 def _recyclable(plan: Plan, prepared: threading.local) -> Layout | None:
     """The plan's layout of results, if it allocates every result itself (none is an input or an intermediate
-    of its arena); None otherwise. `prepared`: what this thread prepared from the plan (launcher.prepared)."""
+    of its arena); None otherwise. `prepared`: what this thread prepared from the plan (plan_cache.prepared)."""
     known = prepared.__dict__
     if "layout" not in known:
         lowered = plan.lowered

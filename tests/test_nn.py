@@ -623,3 +623,30 @@ def test_replacing_a_layer_or_a_parameter_keeps_its_place():
     lin.register_parameter("weight", nn.Parameter(ember.ones(4, 3)))
     assert [n for n, _ in lin.named_parameters()] == names
     np.testing.assert_array_equal(model(ember.ones(5, 3)).shape, (5, 2))
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_deep_copied_module_keeps_the_values_it_was_copied_with_while_the_original_trains(device, request):
+    import copy
+
+    if device == "cuda":
+        request.getfixturevalue("cuda_backend")
+    ember.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).to(device)
+    x = ember.tensor(rng(1).standard_normal((16, 4)).astype(np.float32), device=device)
+    model(x).sum().backward()  # realized weights and gradients
+    before = {k: v.numpy().copy() for k, v in model.state_dict().items()}
+    twin = copy.deepcopy(model)
+    assert all(a is not b for a, b in zip(twin.parameters(), model.parameters()))
+    assert all(isinstance(p, nn.Parameter) and p.requires_grad for p in twin.parameters())
+    np.testing.assert_array_equal(twin[0].weight.grad.numpy(), model[0].weight.grad.numpy())
+    opt = SGD(model.parameters(), lr=0.5)
+    for _ in range(3):
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+    for k, v in twin.state_dict().items():
+        np.testing.assert_array_equal(v.numpy(), before[k])
+    assert not np.array_equal(model[0].weight.numpy(), before["0.weight"])
+    with pytest.raises(RuntimeError, match="graph leaves"):
+        copy.deepcopy(model(x))

@@ -7,6 +7,7 @@ single place where a primitive is added to the graph and recorded for autograd.
 
 from __future__ import annotations
 
+import copy
 import weakref
 
 import numpy as np
@@ -219,6 +220,18 @@ class Tensor:
             recorder.note_rebind(self, self._node)
         self._node = value._node
         _hold(value._node, self)
+
+    def __deepcopy__(self, memo: dict) -> Tensor:
+        """A copy with this value (its graph node, which nothing changes: an update gives a tensor a new node),
+        its requires_grad and a copy of its gradient; as PyTorch, only a graph leaf can be copied."""
+        if self._grad_fn is not None:
+            raise RuntimeError("deepcopy: only tensors created by the user (graph leaves) can be deep-copied, as in "
+                               "PyTorch; detach() it first")
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        Tensor.__init__(copied, self._node, self.requires_grad)
+        copied._grad = copy.deepcopy(self._grad, memo)
+        return copied
 
     def detach_(self) -> Tensor:
         self._grad_fn = None

@@ -19,7 +19,7 @@ from ember.nn import init
 from ember.nn.attention import MultiheadAttention
 from ember.nn.containers import ModuleList
 from ember.nn.layers import Dropout, Linear
-from ember.nn.module import Module, Parameter
+from ember.nn.module import Module
 from ember.nn.normalization import LayerNorm
 from ember.ops.creation import full
 from ember.tensor import Tensor
@@ -41,16 +41,8 @@ def _check_heads(layer: str, d_model: int, nhead: int) -> None:
 
 
 def _clones(module: Module, n: int) -> ModuleList:
-    """`n` copies of `module` with its values but parameters and buffers of their own (torch's `_get_clones`).
-    Each tensor is handed to deepcopy ready-made, sharing the original's (immutable) graph node: deepcopy would
-    copy a node without its data."""
-    def copied() -> Module:
-        memo = {}
-        for own in (module.named_parameters(), module.named_buffers()):
-            for _, t in own:
-                memo[id(t)] = Parameter(t.detach(), t.requires_grad) if isinstance(t, Parameter) else t.detach()
-        return copy.deepcopy(module, memo)
-    return ModuleList(copied() for _ in range(n))
+    """`n` copies of `module` with its values but parameters and buffers of their own (torch's `_get_clones`)."""
+    return ModuleList(copy.deepcopy(module) for _ in range(n))
 
 
 class _TransformerLayer(Module):

@@ -207,6 +207,3 @@ class MultiheadAttention(Module):
             padding = additive(key_padding_mask).reshape(batch, 1, 1, keys)
             total = padding if total is None else total + padding
         return total
-
-    def extra_repr(self) -> str:
-        return ""

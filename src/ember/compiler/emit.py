@@ -75,6 +75,8 @@ STRUCTURAL = {
     Op.CONV2D: "the vendor's convolution",
     Op.CONV2D_INPUT_GRAD: "the vendor's convolution backward to the input (cuDNN's backward-data)",
     Op.CONV2D_WEIGHT_GRAD: "the vendor's convolution backward to the weight (cuDNN's backward-filter)",
+    Op.ATTENTION: "a fused attention kernel: key tiles streamed, an online softmax (compiler/patterns/attention.py)",
+    Op.ATTENTION_GRAD: "the fused attention backward: the scores computed again per tile",
     Op.GATHER: "a load at a clamped, checked position (zero where the index is out of range)",
     Op.SCATTER_ADD: "an atomic add at a clamped position",
     Op.CHECK_INDEX: "the index itself; where it is out of range, recorded in the plan's flags (record_index)",

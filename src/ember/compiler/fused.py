@@ -46,7 +46,6 @@ class Level(enum.Enum):
 
 
 FULL, ROW, OTHER, MAINLOOP = Level.FULL, Level.ROW, Level.OTHER, Level.MAINLOOP
-OPAQUE = (Op.MATMUL, Op.CONV2D, Op.CONV2D_INPUT_GRAD, Op.CONV2D_WEIGHT_GRAD)  # the vendor's, or a GEMM core
 GEMM_DTYPES = (dtypes.float16, dtypes.bfloat16, dtypes.float32)  # matmuls generated as Triton GEMMs
 
 
@@ -60,12 +59,19 @@ class KernelKind(enum.Enum):
     SCATTER_ADD = "scatter_add"
     SEGMENTED = "segmented"  # independent small kernels sharing one launch
     MLP = "mlp"  # a chain of narrow GEMMs with pointwise work between: several cores, intermediates on chip
+    ATTENTION = "attention"  # softmax(q @ kᵀ) @ v with key tiles streamed on chip, or its gradients
 
     def __str__(self) -> str:
         return self.value
 
 
 VENDOR_KINDS = (KernelKind.MATMUL, KernelKind.CONV2D)  # kernels a vendor library can run (cuBLAS, cuDNN)
+
+# the ops whose results are always stored, each the core of a kernel of its own kind: the vendor's, or generated
+OPAQUE_KINDS = {Op.MATMUL: KernelKind.MATMUL, Op.CONV2D: KernelKind.CONV2D, Op.CONV2D_INPUT_GRAD: KernelKind.CONV2D,
+                Op.CONV2D_WEIGHT_GRAD: KernelKind.CONV2D, Op.ATTENTION: KernelKind.ATTENTION,
+                Op.ATTENTION_GRAD: KernelKind.ATTENTION}
+OPAQUE = tuple(OPAQUE_KINDS)
 
 
 @dataclass(frozen=True)

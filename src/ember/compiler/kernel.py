@@ -80,7 +80,7 @@ class Range(Expr):
 
 @dataclass(frozen=True)
 class Bin(Expr):
-    """a `op` b, with op one of + - * // % < <= > >= == != & |."""
+    """a `op` b, with op one of + - * / // % < <= > >= == != & |."""
 
     op: str
     a: Expr
@@ -134,6 +134,7 @@ FUNCTIONS = {
     "cdiv": "ceil(a / b) of two sizes",
     "full": "a tile of `shape` filled with a value, of `dtype`", "zeros": "a tile of zeros",
     "cast": "a value converted to `dtype`",
+    "exp2": "2 to the power of a float32 value", "log2": "the base-2 logarithm of a float32 value",
     "relu_cast": "a value converted to `dtype` (float16) and clamped from below at 0, NaN kept: max(cast(x), 0)",
     "rand": "Philox uniform floats at (seed, offset)", "randn": "Philox normal floats at (seed, offset)",
     "reduce": "a tile reduced along one axis by a combine (keeping it as size 1)",

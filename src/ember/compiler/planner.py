@@ -16,6 +16,7 @@ from ember.compiler.fused import (
     FULL,
     GEMM_DTYPES,
     OPAQUE,
+    OPAQUE_KINDS,
     OTHER,
     ROW,
     Costs,
@@ -171,8 +172,7 @@ class Planner:
                 continue
             if n.op in OPAQUE:
                 core = n if self.is_gemm(n) else None
-                kind = KernelKind.MATMUL if n.op is Op.MATMUL else KernelKind.CONV2D
-                kernels.append(FusedKernel(kind, n.shape, (), [n], {id(n): FULL}, core=core,
+                kernels.append(FusedKernel(OPAQUE_KINDS[n.op], n.shape, (), [n], {id(n): FULL}, core=core,
                                            decisions=self.decisions[id(n)]))
             elif n.op is Op.SCATTER_ADD:
                 kernels.append(FusedKernel(KernelKind.SCATTER_ADD, n.shape, (), [n], {id(n): FULL}))
@@ -223,7 +223,7 @@ class Planner:
                 if o is not kernel.core and o not in kernel.reductions:
                     self._walk(kernel, o, FULL, refs, seen, skip_root=True)
             return refs
-        if kernel.kind in (KernelKind.MATMUL, KernelKind.CONV2D, KernelKind.SCATTER_ADD):
+        if kernel.kind in (KernelKind.MATMUL, KernelKind.CONV2D, KernelKind.SCATTER_ADD, KernelKind.ATTENTION):
             for o in kernel.outputs:
                 for i in o.inputs:
                     self._walk(kernel, i, OTHER, refs, set())

@@ -113,6 +113,10 @@ class Op(enum.Enum):
     CONV2D = ("conv2d", Kind.CONTRACTION)
     CONV2D_INPUT_GRAD = ("conv2d_input_grad", Kind.CONTRACTION)  # a convolution's gradient to its input
     CONV2D_WEIGHT_GRAD = ("conv2d_weight_grad", Kind.CONTRACTION)  # a convolution's gradient to its weight
+    # softmax(q @ kᵀ · scale, masked) @ v over (..., L, D) queries, (..., S, D) keys, (..., S, E) values and an
+    # optional (..., L, S) mask, or its rows' log-sum-exp (attrs: scale, causal, mask, safe, result)
+    ATTENTION = ("attention", Kind.CONTRACTION)
+    ATTENTION_GRAD = ("attention_grad", Kind.CONTRACTION)  # its gradient to q, k or v (attrs["result"])
     # index
     GATHER = ("gather", Kind.INDEX)
     SCATTER_ADD = ("scatter_add", Kind.INDEX)

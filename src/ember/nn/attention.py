@@ -12,9 +12,10 @@ from ember.errors import DTypeError, ShapeError, operands
 from ember.nn import init
 from ember.nn.layers import Linear
 from ember.nn.module import Module, Parameter
+from ember.ops import attention as fused_attention
 from ember.ops import dropout, linear, softmax
 from ember.ops.creation import empty, ones
-from ember.ops.pointwise import where
+from ember.ops.pointwise import broadcast_shapes, where
 from ember.tensor import Tensor, expect_tensors
 
 
@@ -33,8 +34,16 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     _check(fn, query, key, value, attn_mask, dropout_p, is_causal)
     if enable_gqa:
         key, value = _grouped(fn, query, key), _grouped(fn, query, value)
-    scores = (query @ key.transpose(-2, -1)) * (scale if scale is not None else 1 / math.sqrt(query.shape[-1]))
+    scale = scale if scale is not None else 1 / math.sqrt(query.shape[-1])
     length, keys = query.shape[-2], key.shape[-2]
+    if dropout_p == 0:  # one fused kernel, forward and backward
+        masks = [attn_mask.shape[:-2]] if attn_mask is not None and attn_mask.ndim > 2 else []
+        batch = broadcast_shapes(query.shape[:-2], key.shape[:-2], value.shape[:-2], *masks, op=fn)
+        q, k, v = (t.expand(batch + t.shape[-2:]) for t in (query, key, value))
+        mask = attn_mask.expand(batch + (length, keys)) if attn_mask is not None else None
+        if fused_attention.fusable(q, k, v, mask):
+            return fused_attention.attention(q, k, v, mask, scale, is_causal, safe=True)
+    scores = (query @ key.transpose(-2, -1)) * scale
     if is_causal:
         allowed = ones(length, keys, dtype=dtypes.bool_, device=query.device).tril()
         scores = scores.masked_fill(allowed.logical_not(), -math.inf)

@@ -10,6 +10,7 @@ from ember.device import channels_last, check_memory_format
 from ember.errors import DTypeError, ShapeError, operands
 from ember.ir import Op
 from ember.ir.ops import check_shape, define
+from ember.ops import attention
 from ember.ops.movement import expand, pad, reshape, squeeze, unsqueeze
 from ember.ops.pointwise import _check_devices, broadcast_shapes
 from ember.tensor import Tensor, apply, composite, expect_tensors
@@ -37,6 +38,10 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
         raise ShapeError(f"matmul: shapes {a.shape} and {b.shape} cannot be multiplied "
                          f"({x.shape[-1]} != {y.shape[-2]}); the last dim of the first operand must equal "
                          f"the {'only' if b.ndim == 1 else 'second-to-last'} dim of the second")
+    if a.ndim > 1 and b.ndim > 1:  # a softmax of scores q @ kᵀ, times values: attention, one kernel
+        fused = attention.recognised(a, b)
+        if fused is not None:
+            return fused
     try:
         batch = broadcast_shapes(x.shape[:-2], y.shape[:-2], op="matmul")
     except ShapeError:

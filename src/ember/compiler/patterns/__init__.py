@@ -4,6 +4,6 @@ kernels' kinds, its payload and how its kernels lower to the kernel IR, on the g
 within a stage; adding a pattern is one module here and one entry below.
 """
 
-from ember.compiler.patterns import gemm, mlp, pointwise, rows
+from ember.compiler.patterns import attention, gemm, mlp, pointwise, rows
 
-PATTERNS = (pointwise.PATTERN, rows.PATTERN, gemm.PATTERN, mlp.PATTERN)
+PATTERNS = (pointwise.PATTERN, rows.PATTERN, gemm.PATTERN, mlp.PATTERN, attention.PATTERN)

@@ -46,7 +46,7 @@ TL = {
 }
 # Python's binding strength of each operator of the kernel IR: a comparison binds more loosely than & and |
 PRECEDENCE = {"<": 1, "<=": 1, ">": 1, ">=": 1, "==": 1, "!=": 1, "|": 2, "&": 4, "+": 6, "-": 6,
-              "*": 7, "//": 7, "%": 7}
+              "*": 7, "/": 7, "//": 7, "%": 7}
 ATOM = 10
 ATOMIC = {"sum": "tl.atomic_add", "max": "tl.atomic_max", "min": "tl.atomic_min"}
 
@@ -207,7 +207,7 @@ class Renderer:
             return f"{name}({', '.join(args)}{masked})"
         if fn in ("rand", "randn", "record_index"):
             return f"lib.{fn}({', '.join(args)})"
-        if fn in ("where", "minimum", "maximum", "cdiv"):
+        if fn in ("where", "minimum", "maximum", "cdiv", "exp2", "log2"):
             return f"tl.{fn}({', '.join(args)})"
         if fn == "reduce":
             combine, axis = options["combine"], options["axis"]

@@ -1,0 +1,320 @@
+"""The attention pattern: softmax(q @ kᵀ · scale, masked) @ v as one kernel (ATTENTION, ember/ops/attention.py), and
+its backward as one kernel of two launches (ATTENTION_GRAD).
+
+Planning: an attention node's results (its output and its rows' log-sum-exp; the gradients to q, k and v) are
+computed by one kernel wherever they are pending together: the kernels rooted at the results of one node's inputs
+and attributes become one (`group_results`). Its operands are views of stored values (the planner stores the base
+of each), so a split of a QKV projection, a head transpose or a broadcast is folded into the kernel's loads.
+
+Lowering (as FlashAttention-2 computes it):
+- forward: a program per block of BLOCK_M queries of one head walks the keys and values in tiles of BLOCK_N, the
+  scores of a tile in registers (in base 2: exp2 of scores scaled by log2(e)), the row maximum and sum updated
+  online, the weighted values accumulated and rescaled; the L x S scores are never stored. Causal: the tiles past
+  a block's last query are not visited. It stores the output and, where the backward wants it, each row's
+  log-sum-exp.
+- backward: the first launch holds a block of keys and values per program and walks the queries, computing the
+  weights again from the stored log-sum-exp (dV += Pᵀ dO, dK += dSᵀ Q); the second holds a block of queries and walks
+  the keys (dQ += dS K), where dS = P · (dO Vᵀ - rowsum(dO · O)) and the row sums are an input, a row reduction of
+  the planner's own.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ember import dtypes
+from ember.compiler.emit import ZERO, Context, Emitter, Index, both, next_pow2, widened
+from ember.compiler.fused import FULL, OTHER, FusedKernel, KernelKind, Pattern, Stage
+from ember.compiler.kernel import (
+    Assign,
+    Bin,
+    Block,
+    Effect,
+    Expr,
+    Function,
+    Lit,
+    Loop,
+    ParamKind,
+    Range,
+    Var,
+    add,
+    call,
+)
+from ember.compiler.planner import Planner
+from ember.ir import Node, Op
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+BLOCK_M, BLOCK_N = Block("BLOCK_M", "m"), Block("BLOCK_N", "n")  # queries, keys of a tile
+BLOCK_D, BLOCK_E = Block("BLOCK_D", "d"), Block("BLOCK_E", "e")  # the head dims of q and k, of v
+
+
+def group_results(planner: Planner, kernels: list[FusedKernel]) -> list[FusedKernel]:
+    """One kernel for the results of one attention (its output and log-sum-exp; its three gradients)."""
+    out, groups = [], {}
+    for k in kernels:
+        if k.kind is not KernelKind.ATTENTION:
+            out.append(k)
+            continue
+        node = k.root
+        key = (node.op, tuple(map(id, node.inputs)), tuple((a, v) for a, v in node.attrs.items() if a != "result"))
+        if key in groups:
+            groups[key].outputs.append(node)
+            groups[key].levels[id(node)] = FULL
+        else:
+            groups[key] = k
+            out.append(k)
+    return out
+
+
+class _Problem:
+    """One attention's shapes and attributes, as its kernels see them."""
+
+    def __init__(self, node: Node):
+        self.q, self.k, self.v = node.inputs[:3]
+        if node.op is Op.ATTENTION_GRAD:
+            self.do, self.lse, self.delta = node.inputs[3:6]
+        self.mask = node.inputs[-1] if node.attrs["mask"] is not None else None
+        self.additive = node.attrs["mask"] == "add"
+        self.causal, self.safe, self.scale = node.attrs["causal"], node.attrs["safe"], node.attrs["scale"]
+        self.batch = self.q.shape[:-2]
+        self.heads = math.prod(self.batch)
+        self.length, self.width = self.q.shape[-2:]
+        self.keys, self.v_width = self.k.shape[-2], self.v.shape[-1]
+        self.dtype = self.q.dtype
+
+    def blocks(self, m: int, n: int) -> dict[str, int]:
+        """The tile's block sizes: at most the problem's (a power of two of at least 16), the head dims padded."""
+        def edge(block: int, size: int) -> int:
+            return max(16, min(block, next_pow2(size)))
+        return {"BLOCK_M": edge(m, self.length), "BLOCK_N": edge(n, self.keys),
+                "BLOCK_D": max(16, next_pow2(self.width)), "BLOCK_E": max(16, next_pow2(self.v_width))}
+
+
+class _Tiles:
+    """The statements of one launch: its program's head and block, its loads and stores, and the scores of a tile
+    of queries and keys as the forward and both backward loops compute them."""
+
+    def __init__(self, ctx: Context, kernel: FusedKernel, problem: _Problem, constexprs: dict[str, int], along: str):
+        self.ctx, self.p, self.constexprs = ctx, problem, constexprs
+        self.body: list = []
+        self.em = Emitter(ctx, kernel, self.body)
+        self.em.blocks = {"m": BLOCK_M, "n": BLOCK_N, "d": BLOCK_D, "e": BLOCK_E}
+        size = problem.length if along == "m" else problem.keys
+        self.programs_per_head = -(-size // constexprs["BLOCK_M" if along == "m" else "BLOCK_N"])
+        self.grid = self.programs_per_head * problem.heads
+        em = self.em
+        pid = em.bind("pid", call("program_id", axis=0))
+        self.block = em.bind("block", Bin("%", pid, Lit(self.programs_per_head)))
+        head = em.bind("head", widened(em, Bin("//", pid, Lit(self.programs_per_head))))
+        self.head_dims = em.unravel(head, problem.batch) if problem.batch else ()
+        self.precision = {"precision": ctx.settings.dot_precision(problem.dtype)} \
+            if problem.dtype is dtypes.float32 else {}
+
+    # -- loads and stores ----------------------------------------------------------------------
+    def positions(self, start: Expr, block: Block, axis: int, size: int, stem: str) -> tuple[Var, Expr | None]:
+        """start + 0..block-1 laid along `axis` of a 2-d tile, and the mask of those within `size` (None: all)."""
+        at = self.em.bind(stem, Bin("+", start, Range(block, axis, 2)))
+        # every start is a multiple of the block: whole blocks stay within a size the block divides
+        if size % self.constexprs[block.name] == 0:
+            return at, None
+        inside = self.em.bind(f"{stem}_ok", Bin("<", at, Lit(size)))
+        return at, inside
+
+    def tile(self, node: Node, rows: Var, rows_ok: Expr | None, width: int, block: Block) -> Var:
+        """A [rows, block] tile of `node` (..., rows, width) in the problem's dtype, zero outside."""
+        cols = Range(block, 1, 2)
+        cols_ok = Bin("<", cols, Lit(width)) if width != self.constexprs[block.name] else None
+        mask = both(*[m for m in (rows_ok, cols_ok) if m is not None]) if rows_ok is not None or cols_ok is not None \
+            else None
+        value, _ = self.em.operand(node, Index((*self.head_dims, rows, cols), None, mask, OTHER), self.p.dtype)
+        return value
+
+    def row_values(self, node: Node, rows: Var, rows_ok: Expr | None) -> Expr:
+        """A float32 value per row of `node` (..., L), laid as `rows` are."""
+        value, _ = self.em.value(node, Index((*self.head_dims, rows), None, rows_ok, OTHER))
+        return value
+
+    def store(self, node: Node, value: Expr, rows: Var, rows_ok: Expr | None, width: int | None = None,
+              block: Block | None = None) -> None:
+        """Store a tile of `node` (..., rows, width), or with `width` None one value per row of `node` (..., rows)."""
+        dims: tuple[Expr, ...] = (*self.head_dims, rows)
+        masks = [rows_ok] if rows_ok is not None else []
+        if width is not None:
+            cols = Range(block, 1, 2)
+            dims += (cols,)
+            if width != self.constexprs[block.name]:
+                masks.append(Bin("<", cols, Lit(width)))
+        offset = self.em.linear(Index(dims, None, None, OTHER), node.shape)
+        tile = (self.em.blocks[next(iter(rows.axes))], block if width is not None else 1)
+        if offset.axes != frozenset(d.axis for d in tile if isinstance(d, Block)):  # a size-1 dim: broadcast
+            offset = Bin("+", offset, call("zeros", shape=tile, dtype=dtypes.int32))
+        pointer = self.ctx.param(ParamKind.WRITE, node, "out")
+        masked = {"mask": both(*masks)} if masks else {}
+        self.em.emit(Effect(call("store", add(pointer, offset), call("cast", value, dtype=node.dtype), **masked)))
+
+    # -- scores ----------------------------------------------------------------------------------
+    def scores(self, a: Var, b: Var, queries: Var, queries_ok: Expr | None, keys: Var, keys_ok: Expr | None,
+               shape: tuple[Block, Block]) -> Var:
+        """The scores of a tile in base 2, -inf where a key is not attended to: a @ bᵀ scaled (a [.., D] tile of
+        queries and b of keys, or the other way round), masked, with `queries` and `keys` laid along the tile's
+        axes."""
+        em, p = self.em, self.p
+        s = em.define(call("dot", a, call("trans", b), call("zeros", shape=shape, dtype=dtypes.float32),
+                           **self.precision), "qk")
+        s = em.define(Bin("*", s, Lit(p.scale * LOG2E, dtypes.float32)), "s")
+        valid = [m for m in (queries_ok, keys_ok) if m is not None]
+        if p.causal:
+            valid.append(Bin("<=", keys, queries))
+        if p.mask is not None:
+            inside = None
+            bounds = {axis: m for axis, m in (("m", queries_ok), ("n", keys_ok)) if m is not None}
+            if bounds:  # split by axis, so a mask broadcast along one axis is loaded along the other alone
+                inside = em.define(both(*bounds.values()), "inside")
+                em.mask_parts[inside] = bounds
+            given, _ = em.value(p.mask, Index((*self.head_dims, queries, keys), None, inside, OTHER))
+            if p.additive:
+                s = em.define(Bin("+", s, Bin("*", given, Lit(LOG2E, dtypes.float32))), "s")
+            else:
+                valid.append(given)
+        if valid:
+            s = em.define(call("where", both(*valid), s, Lit(-math.inf, dtypes.float32)), "s")
+        return s
+
+    def loop(self, start: Expr, stop: Expr, step: Block, stages: int) -> Loop:
+        loop = Loop(Var("start"), start, stop, step, stages=stages)
+        self.em.emit(loop)
+        self.em.block = loop.body
+        return loop
+
+    def function(self, suffix: str, warps: int) -> Function:
+        self.em.block = self.body
+        return self.ctx.function(suffix, self.body, dict(self.constexprs), self.grid, warps)
+
+
+def lower_attention(ctx: Context, kernel: FusedKernel) -> list[Function]:
+    results = {o.attrs["result"]: o for o in kernel.outputs}
+    if kernel.root.op is Op.ATTENTION:
+        return [_forward(ctx, kernel, results.get("out"), results.get("lse"))]
+    functions = []
+    if "dk" in results or "dv" in results:
+        functions.append(_key_grads(ctx, kernel, results.get("dk"), results.get("dv")))
+    if "dq" in results:
+        functions.append(_query_grad(ctx, kernel, results["dq"]))
+    return functions
+
+
+def _forward(ctx: Context, kernel: FusedKernel, out: Node | None, lse: Node | None) -> Function:
+    p = _Problem(kernel.root)
+    wide = max(p.width, p.v_width) > 64
+    t = _Tiles(ctx, kernel, p, p.blocks(128, 64 if wide else 128), "m")
+    em = t.em
+    f32 = dtypes.float32
+    first = em.bind("first", Bin("*", t.block, BLOCK_M))
+    rows, rows_ok = t.positions(first, BLOCK_M, 0, p.length, "rows")
+    q = t.tile(p.q, rows, rows_ok, p.width, BLOCK_D)
+    m_i = em.bind("m_i", call("full", Lit(-math.inf, f32), shape=(BLOCK_M, 1), dtype=f32))
+    l_i = em.bind("l_i", call("zeros", shape=(BLOCK_M, 1), dtype=f32))
+    acc = em.bind("acc", call("zeros", shape=(BLOCK_M, BLOCK_E), dtype=f32))
+    stop: Expr = Lit(p.keys)
+    if p.causal:  # keys past the block's last query are masked for all its rows
+        stop = em.bind("stop", call("minimum", Bin("+", first, BLOCK_M), Lit(p.keys)))
+    loop = t.loop(ZERO, stop, BLOCK_N, 3 if wide else 4)
+    keys, keys_ok = t.positions(loop.var, BLOCK_N, 0, p.keys, "keys")
+    cols, cols_ok = t.positions(loop.var, BLOCK_N, 1, p.keys, "cols")
+    k = t.tile(p.k, keys, keys_ok, p.width, BLOCK_D)
+    s = t.scores(q, k, rows, rows_ok, cols, cols_ok, (BLOCK_M, BLOCK_N))
+    m_new = em.define(call("maximum", m_i, call("reduce", s, combine="max", axis=1, drop="n")), "m_new")
+    # a row with no key yet keeps a maximum of 0, so exp2 of -inf - 0 gives weights 0, not NaN
+    m_safe = em.define(call("where", Bin("==", m_new, Lit(-math.inf, f32)), Lit(0.0, f32), m_new), "m_safe")
+    alpha = em.define(call("exp2", Bin("-", m_i, m_safe)), "alpha")
+    weights = em.define(call("exp2", Bin("-", s, m_safe)), "p")
+    em.emit(Assign((l_i,), Bin("+", Bin("*", l_i, alpha), call("reduce", weights, combine="sum", axis=1, drop="n"))))
+    v = t.tile(p.v, keys, keys_ok, p.v_width, BLOCK_E)
+    em.emit(Assign((acc,), call("dot", call("cast", weights, dtype=p.dtype), v, Bin("*", acc, alpha),
+                                **t.precision)))
+    em.emit(Assign((m_i,), m_new))
+    em.block = t.body
+    empty = Bin("==", l_i, Lit(0.0, f32))
+    if out is not None:
+        # a row no key is left to: 0 / 0 is NaN as a softmax over -inf alone gives, or zeros where `safe`
+        total = em.define(call("where", empty, Lit(1.0, f32), l_i), "total") if p.safe or p.keys == 0 else l_i
+        t.store(out, Bin("/", acc, total), rows, rows_ok, p.v_width, BLOCK_E)
+    if lse is not None:  # natural log; a row with no key: +inf (weights 0 in the backward) where safe, else NaN
+        log_sum = Bin("*", Bin("+", m_i, call("log2", l_i)), Lit(LN2, f32))
+        fill = Lit(math.inf if p.safe else math.nan, f32)
+        t.store(lse, call("where", empty, fill, log_sum), rows, rows_ok)
+    return t.function("", 8 if t.constexprs["BLOCK_M"] == 128 else 4)
+
+
+def _key_grads(ctx: Context, kernel: FusedKernel, dk: Node | None, dv: Node | None) -> Function:
+    """dK and dV: a program per block of keys walks the queries that attend to them."""
+    p = _Problem(kernel.root)
+    wide = max(p.width, p.v_width) > 128
+    t = _Tiles(ctx, kernel, p, p.blocks(32 if not wide else 16, 128 if not wide else 64), "n")
+    em, f32 = t.em, dtypes.float32
+    first = em.bind("first", Bin("*", t.block, BLOCK_N))
+    keys, keys_ok = t.positions(first, BLOCK_N, 0, p.keys, "keys")
+    k = t.tile(p.k, keys, keys_ok, p.width, BLOCK_D)
+    v = t.tile(p.v, keys, keys_ok, p.v_width, BLOCK_E)
+    dk_acc = em.bind("dk", call("zeros", shape=(BLOCK_N, BLOCK_D), dtype=f32))
+    dv_acc = em.bind("dv", call("zeros", shape=(BLOCK_N, BLOCK_E), dtype=f32))
+    start: Expr = ZERO
+    if p.causal:  # queries before the block's first key attend to none of its keys
+        start = em.bind("begin", Bin("*", Bin("//", first, BLOCK_M), BLOCK_M))
+    loop = t.loop(start, Lit(p.length), BLOCK_M, 3)
+    queries, queries_ok = t.positions(loop.var, BLOCK_M, 0, p.length, "queries")
+    q = t.tile(p.q, queries, queries_ok, p.width, BLOCK_D)
+    do = t.tile(p.do, queries, queries_ok, p.v_width, BLOCK_E)
+    cols, cols_ok = t.positions(loop.var, BLOCK_M, 1, p.length, "cols")
+    s = t.scores(k, q, cols, cols_ok, keys, keys_ok, (BLOCK_N, BLOCK_M))  # sᵀ: keys by queries
+    lse = t.row_values(p.lse, cols, cols_ok)
+    weights = em.define(call("exp2", Bin("-", s, Bin("*", lse, Lit(LOG2E, f32)))), "pt")  # 0 past the queries
+    em.emit(Assign((dv_acc,), call("dot", call("cast", weights, dtype=p.dtype), do, dv_acc, **t.precision)))
+    dpt = em.define(call("dot", v, call("trans", do), call("zeros", shape=(BLOCK_N, BLOCK_M), dtype=f32),
+                         **t.precision), "dpt")
+    delta = t.row_values(p.delta, cols, cols_ok)
+    dst = em.define(Bin("*", weights, Bin("-", dpt, delta)), "dst")
+    em.emit(Assign((dk_acc,), call("dot", call("cast", dst, dtype=p.dtype), q, dk_acc, **t.precision)))
+    em.block = t.body
+    if dk is not None:
+        t.store(dk, Bin("*", dk_acc, Lit(p.scale, f32)), keys, keys_ok, p.width, BLOCK_D)
+    if dv is not None:
+        t.store(dv, dv_acc, keys, keys_ok, p.v_width, BLOCK_E)
+    return t.function("_dkv", 8 if wide else 4)
+
+
+def _query_grad(ctx: Context, kernel: FusedKernel, dq: Node) -> Function:
+    """dQ: a program per block of queries walks the keys they attend to."""
+    p = _Problem(kernel.root)
+    wide = max(p.width, p.v_width) > 128
+    t = _Tiles(ctx, kernel, p, p.blocks(128 if not wide else 64, 32 if not wide else 16), "m")
+    em, f32 = t.em, dtypes.float32
+    first = em.bind("first", Bin("*", t.block, BLOCK_M))
+    rows, rows_ok = t.positions(first, BLOCK_M, 0, p.length, "rows")
+    q = t.tile(p.q, rows, rows_ok, p.width, BLOCK_D)
+    do = t.tile(p.do, rows, rows_ok, p.v_width, BLOCK_E)
+    lse2 = em.define(Bin("*", t.row_values(p.lse, rows, rows_ok), Lit(LOG2E, f32)), "lse2")
+    delta = t.row_values(p.delta, rows, rows_ok)
+    dq_acc = em.bind("dq", call("zeros", shape=(BLOCK_M, BLOCK_D), dtype=f32))
+    stop: Expr = Lit(p.keys)
+    if p.causal:
+        stop = em.bind("stop", call("minimum", Bin("+", first, BLOCK_M), Lit(p.keys)))
+    loop = t.loop(ZERO, stop, BLOCK_N, 3)
+    keys, keys_ok = t.positions(loop.var, BLOCK_N, 0, p.keys, "keys")
+    cols, cols_ok = t.positions(loop.var, BLOCK_N, 1, p.keys, "cols")
+    k = t.tile(p.k, keys, keys_ok, p.width, BLOCK_D)
+    v = t.tile(p.v, keys, keys_ok, p.v_width, BLOCK_E)
+    s = t.scores(q, k, rows, rows_ok, cols, cols_ok, (BLOCK_M, BLOCK_N))
+    weights = em.define(call("exp2", Bin("-", s, lse2)), "p")
+    dp = em.define(call("dot", do, call("trans", v), call("zeros", shape=(BLOCK_M, BLOCK_N), dtype=f32),
+                        **t.precision), "dp")
+    ds = em.define(Bin("*", weights, Bin("-", dp, delta)), "ds")
+    em.emit(Assign((dq_acc,), call("dot", call("cast", ds, dtype=p.dtype), k, dq_acc, **t.precision)))
+    em.block = t.body
+    t.store(dq, Bin("*", dq_acc, Lit(p.scale, f32)), rows, rows_ok, p.width, BLOCK_D)
+    return t.function("_dq", 8 if wide else 4)
+
+
+PATTERN = Pattern("attention", ((Stage.CLAIM, group_results),), lowers=lambda k: k.kind is KernelKind.ATTENTION,
+                  lower=lower_attention)

@@ -21,6 +21,7 @@ Lowering (as FlashAttention-2 computes it):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from ember import dtypes
 from ember.compiler.emit import ZERO, Context, Emitter, Index, both, next_pow2, widened
@@ -155,7 +156,7 @@ class _Tiles:
 
     # -- scores ----------------------------------------------------------------------------------
     def scores(self, a: Var, b: Var, queries: Var, queries_ok: Expr | None, keys: Var, keys_ok: Expr | None,
-               shape: tuple[Block, Block]) -> Var:
+               shape: tuple[Block, Block], diagonal: bool) -> Var:
         """The scores of a tile in base 2, -inf where a key is not attended to: a @ bᵀ scaled (a [.., D] tile of
         queries and b of keys, or the other way round), masked, with `queries` and `keys` laid along the tile's
         axes."""
@@ -164,7 +165,7 @@ class _Tiles:
                            **self.precision), "qk")
         s = em.define(Bin("*", s, Lit(p.scale * LOG2E, dtypes.float32)), "s")
         valid = [m for m in (queries_ok, keys_ok) if m is not None]
-        if p.causal:
+        if diagonal:
             valid.append(Bin("<=", keys, queries))
         if p.mask is not None:
             inside = None
@@ -181,15 +182,73 @@ class _Tiles:
             s = em.define(call("where", both(*valid), s, Lit(-math.inf, dtypes.float32)), "s")
         return s
 
-    def loop(self, start: Expr, stop: Expr, step: Block, stages: int) -> Loop:
-        loop = Loop(Var("start"), start, stop, step, stages=stages)
-        self.em.emit(loop)
-        self.em.block = loop.body
-        return loop
+    def walk(self, spans: list[tuple[Expr, Expr, bool]], step: Block, stages: int,
+             body: Callable[[Var, bool, str], None]) -> None:
+        """One loop over [start, stop) in steps of `step` per span, its body emitted by `body(position, diagonal,
+        tag)`: `diagonal` where the causal mask cuts through the span's tiles (elsewhere every key is attended to,
+        and the mask is not computed). What one loop computes is not read by the next (its names are its own)."""
+        em = self.em
+        memo, unravelled = dict(em.memo), dict(em.unravelled)
+        for n, (start, stop, diagonal) in enumerate(spans):
+            em.memo, em.unravelled = dict(memo), dict(unravelled)
+            tag = "" if n == 0 else f"_{n}"
+            loop = Loop(Var("start" + tag), start, stop, step, stages=stages)
+            em.emit(loop)
+            em.block = loop.body
+            body(loop.var, diagonal, tag)
+            em.block = self.body
+        em.memo, em.unravelled = memo, unravelled
+
+    def spans(self, first: Var, held: Block, streamed: Block, size: int, before: bool) -> list[tuple[Expr, Expr, bool]]:
+        """The spans a causal launch walks, for a program holding the block from `first` (of `held`) and streaming
+        tiles of `streamed` over `size` positions: keys before the block's queries (`before`) or queries after the
+        block's keys, whole tiles that need no mask, and the tiles the diagonal crosses; one masked span where the
+        tiles do not line up with the block."""
+        p, blocks = self.p, self.constexprs
+        if not p.causal:
+            return [(ZERO, Lit(size), False)]
+        end = self.em.bind("end", call("minimum", Bin("+", first, held), Lit(size)))
+        if before:  # keys 0 .. first-1 are attended to by every query of the block; then the diagonal
+            if blocks[held.name] % blocks[streamed.name]:
+                return [(ZERO, end, True)]
+            middle = self.em.bind("middle", call("minimum", first, Lit(size)))
+            return [(ZERO, middle, False), (middle, end, True)]
+        begin = self.em.bind("begin", Bin("*", Bin("//", first, streamed), streamed))  # queries from the diagonal on
+        if blocks[held.name] % blocks[streamed.name]:
+            return [(begin, Lit(size), True)]
+        return [(begin, end, True), (end, Lit(size), False)]
 
     def function(self, suffix: str, warps: int) -> Function:
         self.em.block = self.body
         return self.ctx.function(suffix, self.body, dict(self.constexprs), self.grid, warps)
+
+
+# (BLOCK_M, BLOCK_N, warps, stages) per launch and widest head dim (padded): the forward's block of queries and
+# tile of keys; the dK/dV launch's tile of queries and block of keys; the dQ launch's block of queries and tile of
+# keys. Measured on an H200 (bfloat16, T 1024 and 4096, causal and not: benchmarks/RESULTS.md); 256 is not measured.
+# A float32 problem halves the tile it streams; stages are dropped while the tiles overflow shared memory.
+CONFIGS = {
+    "forward": {64: (128, 64, 4, 4), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
+    "keys": {64: (64, 64, 4, 3), 128: (64, 128, 8, 3), 256: (32, 64, 8, 2)},
+    "queries": {64: (128, 64, 4, 3), 128: (128, 32, 8, 3), 256: (64, 32, 8, 2)},
+}
+NOMINAL_SHARED_MEMORY = 227 * 1024  # an H100's, where the device is not known
+
+
+def config(ctx: Context, p: _Problem, launch: str) -> tuple[dict[str, int], int, int]:
+    """Block sizes, warps and stages of one launch of problem `p` (see CONFIGS)."""
+    widest = max(16, next_pow2(max(p.width, p.v_width)))
+    m, n, warps, stages = CONFIGS[launch][min((w for w in CONFIGS[launch] if w >= widest), default=256)]
+    if p.dtype.itemsize == 4:
+        m, n = (m, n // 2) if launch != "keys" else (m // 2, n)
+    blocks = p.blocks(m, n)
+    item = p.dtype.itemsize
+    streamed, held = ("BLOCK_M", "BLOCK_N") if launch == "keys" else ("BLOCK_N", "BLOCK_M")
+    edge = blocks["BLOCK_D"] + blocks["BLOCK_E"]
+    limit = ctx.settings.shared_memory or NOMINAL_SHARED_MEMORY
+    while stages > 1 and (stages * blocks[streamed] + blocks[held]) * edge * item > limit:
+        stages -= 1
+    return blocks, warps, stages
 
 
 def lower_attention(ctx: Context, kernel: FusedKernel) -> list[Function]:
@@ -206,8 +265,8 @@ def lower_attention(ctx: Context, kernel: FusedKernel) -> list[Function]:
 
 def _forward(ctx: Context, kernel: FusedKernel, out: Node | None, lse: Node | None) -> Function:
     p = _Problem(kernel.root)
-    wide = max(p.width, p.v_width) > 64
-    t = _Tiles(ctx, kernel, p, p.blocks(128, 64 if wide else 128), "m")
+    blocks, warps, stages = config(ctx, p, "forward")
+    t = _Tiles(ctx, kernel, p, blocks, "m")
     em = t.em
     f32 = dtypes.float32
     first = em.bind("first", Bin("*", t.block, BLOCK_M))
@@ -216,25 +275,25 @@ def _forward(ctx: Context, kernel: FusedKernel, out: Node | None, lse: Node | No
     m_i = em.bind("m_i", call("full", Lit(-math.inf, f32), shape=(BLOCK_M, 1), dtype=f32))
     l_i = em.bind("l_i", call("zeros", shape=(BLOCK_M, 1), dtype=f32))
     acc = em.bind("acc", call("zeros", shape=(BLOCK_M, BLOCK_E), dtype=f32))
-    stop: Expr = Lit(p.keys)
-    if p.causal:  # keys past the block's last query are masked for all its rows
-        stop = em.bind("stop", call("minimum", Bin("+", first, BLOCK_M), Lit(p.keys)))
-    loop = t.loop(ZERO, stop, BLOCK_N, 3 if wide else 4)
-    keys, keys_ok = t.positions(loop.var, BLOCK_N, 0, p.keys, "keys")
-    cols, cols_ok = t.positions(loop.var, BLOCK_N, 1, p.keys, "cols")
-    k = t.tile(p.k, keys, keys_ok, p.width, BLOCK_D)
-    s = t.scores(q, k, rows, rows_ok, cols, cols_ok, (BLOCK_M, BLOCK_N))
-    m_new = em.define(call("maximum", m_i, call("reduce", s, combine="max", axis=1, drop="n")), "m_new")
-    # a row with no key yet keeps a maximum of 0, so exp2 of -inf - 0 gives weights 0, not NaN
-    m_safe = em.define(call("where", Bin("==", m_new, Lit(-math.inf, f32)), Lit(0.0, f32), m_new), "m_safe")
-    alpha = em.define(call("exp2", Bin("-", m_i, m_safe)), "alpha")
-    weights = em.define(call("exp2", Bin("-", s, m_safe)), "p")
-    em.emit(Assign((l_i,), Bin("+", Bin("*", l_i, alpha), call("reduce", weights, combine="sum", axis=1, drop="n"))))
-    v = t.tile(p.v, keys, keys_ok, p.v_width, BLOCK_E)
-    em.emit(Assign((acc,), call("dot", call("cast", weights, dtype=p.dtype), v, Bin("*", acc, alpha),
-                                **t.precision)))
-    em.emit(Assign((m_i,), m_new))
-    em.block = t.body
+
+    def step(start: Var, diagonal: bool, tag: str) -> None:
+        keys, keys_ok = t.positions(start, BLOCK_N, 0, p.keys, "keys" + tag)
+        cols, cols_ok = t.positions(start, BLOCK_N, 1, p.keys, "cols" + tag)
+        k = t.tile(p.k, keys, keys_ok, p.width, BLOCK_D)
+        s = t.scores(q, k, rows, rows_ok, cols, cols_ok, (BLOCK_M, BLOCK_N), diagonal)
+        m_new = em.define(call("maximum", m_i, call("reduce", s, combine="max", axis=1, drop="n")), "m_new")
+        # a row with no key yet keeps a maximum of 0, so exp2 of -inf - 0 gives weights 0, not NaN
+        m_safe = em.define(call("where", Bin("==", m_new, Lit(-math.inf, f32)), Lit(0.0, f32), m_new), "m_safe")
+        alpha = em.define(call("exp2", Bin("-", m_i, m_safe)), "alpha")
+        weights = em.define(call("exp2", Bin("-", s, m_safe)), "p")
+        row_sum = call("reduce", weights, combine="sum", axis=1, drop="n")
+        em.emit(Assign((l_i,), Bin("+", Bin("*", l_i, alpha), row_sum)))
+        v = t.tile(p.v, keys, keys_ok, p.v_width, BLOCK_E)
+        em.emit(Assign((acc,), call("dot", call("cast", weights, dtype=p.dtype), v, Bin("*", acc, alpha),
+                                    **t.precision)))
+        em.emit(Assign((m_i,), m_new))
+
+    t.walk(t.spans(first, BLOCK_M, BLOCK_N, p.keys, before=True), BLOCK_N, stages, step)
     empty = Bin("==", l_i, Lit(0.0, f32))
     if out is not None:
         # a row no key is left to: 0 / 0 is NaN as a softmax over -inf alone gives, or zeros where `safe`
@@ -244,14 +303,14 @@ def _forward(ctx: Context, kernel: FusedKernel, out: Node | None, lse: Node | No
         log_sum = Bin("*", Bin("+", m_i, call("log2", l_i)), Lit(LN2, f32))
         fill = Lit(math.inf if p.safe else math.nan, f32)
         t.store(lse, call("where", empty, fill, log_sum), rows, rows_ok)
-    return t.function("", 8 if t.constexprs["BLOCK_M"] == 128 else 4)
+    return t.function("", warps)
 
 
 def _key_grads(ctx: Context, kernel: FusedKernel, dk: Node | None, dv: Node | None) -> Function:
     """dK and dV: a program per block of keys walks the queries that attend to them."""
     p = _Problem(kernel.root)
-    wide = max(p.width, p.v_width) > 128
-    t = _Tiles(ctx, kernel, p, p.blocks(32 if not wide else 16, 128 if not wide else 64), "n")
+    blocks, warps, stages = config(ctx, p, "keys")
+    t = _Tiles(ctx, kernel, p, blocks, "n")
     em, f32 = t.em, dtypes.float32
     first = em.bind("first", Bin("*", t.block, BLOCK_N))
     keys, keys_ok = t.positions(first, BLOCK_N, 0, p.keys, "keys")
@@ -259,36 +318,36 @@ def _key_grads(ctx: Context, kernel: FusedKernel, dk: Node | None, dv: Node | No
     v = t.tile(p.v, keys, keys_ok, p.v_width, BLOCK_E)
     dk_acc = em.bind("dk", call("zeros", shape=(BLOCK_N, BLOCK_D), dtype=f32))
     dv_acc = em.bind("dv", call("zeros", shape=(BLOCK_N, BLOCK_E), dtype=f32))
-    start: Expr = ZERO
-    if p.causal:  # queries before the block's first key attend to none of its keys
-        start = em.bind("begin", Bin("*", Bin("//", first, BLOCK_M), BLOCK_M))
-    loop = t.loop(start, Lit(p.length), BLOCK_M, 3)
-    queries, queries_ok = t.positions(loop.var, BLOCK_M, 0, p.length, "queries")
-    q = t.tile(p.q, queries, queries_ok, p.width, BLOCK_D)
-    do = t.tile(p.do, queries, queries_ok, p.v_width, BLOCK_E)
-    cols, cols_ok = t.positions(loop.var, BLOCK_M, 1, p.length, "cols")
-    s = t.scores(k, q, cols, cols_ok, keys, keys_ok, (BLOCK_N, BLOCK_M))  # sᵀ: keys by queries
-    lse = t.row_values(p.lse, cols, cols_ok)
-    weights = em.define(call("exp2", Bin("-", s, Bin("*", lse, Lit(LOG2E, f32)))), "pt")  # 0 past the queries
-    em.emit(Assign((dv_acc,), call("dot", call("cast", weights, dtype=p.dtype), do, dv_acc, **t.precision)))
-    dpt = em.define(call("dot", v, call("trans", do), call("zeros", shape=(BLOCK_N, BLOCK_M), dtype=f32),
-                         **t.precision), "dpt")
-    delta = t.row_values(p.delta, cols, cols_ok)
-    dst = em.define(Bin("*", weights, Bin("-", dpt, delta)), "dst")
-    em.emit(Assign((dk_acc,), call("dot", call("cast", dst, dtype=p.dtype), q, dk_acc, **t.precision)))
-    em.block = t.body
+
+    def step(start: Var, diagonal: bool, tag: str) -> None:
+        queries, queries_ok = t.positions(start, BLOCK_M, 0, p.length, "queries" + tag)
+        q = t.tile(p.q, queries, queries_ok, p.width, BLOCK_D)
+        do = t.tile(p.do, queries, queries_ok, p.v_width, BLOCK_E)
+        cols, cols_ok = t.positions(start, BLOCK_M, 1, p.length, "cols" + tag)
+        s = t.scores(k, q, cols, cols_ok, keys, keys_ok, (BLOCK_N, BLOCK_M), diagonal)  # sᵀ: keys by queries
+        lse = t.row_values(p.lse, cols, cols_ok)
+        weights = em.define(call("exp2", Bin("-", s, Bin("*", lse, Lit(LOG2E, f32)))), "pt")  # 0 past the queries
+        em.emit(Assign((dv_acc,), call("dot", call("cast", weights, dtype=p.dtype), do, dv_acc, **t.precision)))
+        dpt = em.define(call("dot", v, call("trans", do), call("zeros", shape=(BLOCK_N, BLOCK_M), dtype=f32),
+                             **t.precision), "dpt")
+        delta = t.row_values(p.delta, cols, cols_ok)
+        dst = em.define(Bin("*", weights, Bin("-", dpt, delta)), "dst")
+        em.emit(Assign((dk_acc,), call("dot", call("cast", dst, dtype=p.dtype), q, dk_acc, **t.precision)))
+
+    # queries before the block's first key attend to none of its keys
+    t.walk(t.spans(first, BLOCK_N, BLOCK_M, p.length, before=False), BLOCK_M, stages, step)
     if dk is not None:
         t.store(dk, Bin("*", dk_acc, Lit(p.scale, f32)), keys, keys_ok, p.width, BLOCK_D)
     if dv is not None:
         t.store(dv, dv_acc, keys, keys_ok, p.v_width, BLOCK_E)
-    return t.function("_dkv", 8 if wide else 4)
+    return t.function("_dkv", warps)
 
 
 def _query_grad(ctx: Context, kernel: FusedKernel, dq: Node) -> Function:
     """dQ: a program per block of queries walks the keys they attend to."""
     p = _Problem(kernel.root)
-    wide = max(p.width, p.v_width) > 128
-    t = _Tiles(ctx, kernel, p, p.blocks(128 if not wide else 64, 32 if not wide else 16), "m")
+    blocks, warps, stages = config(ctx, p, "queries")
+    t = _Tiles(ctx, kernel, p, blocks, "m")
     em, f32 = t.em, dtypes.float32
     first = em.bind("first", Bin("*", t.block, BLOCK_M))
     rows, rows_ok = t.positions(first, BLOCK_M, 0, p.length, "rows")
@@ -297,23 +356,22 @@ def _query_grad(ctx: Context, kernel: FusedKernel, dq: Node) -> Function:
     lse2 = em.define(Bin("*", t.row_values(p.lse, rows, rows_ok), Lit(LOG2E, f32)), "lse2")
     delta = t.row_values(p.delta, rows, rows_ok)
     dq_acc = em.bind("dq", call("zeros", shape=(BLOCK_M, BLOCK_D), dtype=f32))
-    stop: Expr = Lit(p.keys)
-    if p.causal:
-        stop = em.bind("stop", call("minimum", Bin("+", first, BLOCK_M), Lit(p.keys)))
-    loop = t.loop(ZERO, stop, BLOCK_N, 3)
-    keys, keys_ok = t.positions(loop.var, BLOCK_N, 0, p.keys, "keys")
-    cols, cols_ok = t.positions(loop.var, BLOCK_N, 1, p.keys, "cols")
-    k = t.tile(p.k, keys, keys_ok, p.width, BLOCK_D)
-    v = t.tile(p.v, keys, keys_ok, p.v_width, BLOCK_E)
-    s = t.scores(q, k, rows, rows_ok, cols, cols_ok, (BLOCK_M, BLOCK_N))
-    weights = em.define(call("exp2", Bin("-", s, lse2)), "p")
-    dp = em.define(call("dot", do, call("trans", v), call("zeros", shape=(BLOCK_M, BLOCK_N), dtype=f32),
-                        **t.precision), "dp")
-    ds = em.define(Bin("*", weights, Bin("-", dp, delta)), "ds")
-    em.emit(Assign((dq_acc,), call("dot", call("cast", ds, dtype=p.dtype), k, dq_acc, **t.precision)))
-    em.block = t.body
+
+    def step(start: Var, diagonal: bool, tag: str) -> None:
+        keys, keys_ok = t.positions(start, BLOCK_N, 0, p.keys, "keys" + tag)
+        cols, cols_ok = t.positions(start, BLOCK_N, 1, p.keys, "cols" + tag)
+        k = t.tile(p.k, keys, keys_ok, p.width, BLOCK_D)
+        v = t.tile(p.v, keys, keys_ok, p.v_width, BLOCK_E)
+        s = t.scores(q, k, rows, rows_ok, cols, cols_ok, (BLOCK_M, BLOCK_N), diagonal)
+        weights = em.define(call("exp2", Bin("-", s, lse2)), "p")
+        dp = em.define(call("dot", do, call("trans", v), call("zeros", shape=(BLOCK_M, BLOCK_N), dtype=f32),
+                            **t.precision), "dp")
+        ds = em.define(Bin("*", weights, Bin("-", dp, delta)), "ds")
+        em.emit(Assign((dq_acc,), call("dot", call("cast", ds, dtype=p.dtype), k, dq_acc, **t.precision)))
+
+    t.walk(t.spans(first, BLOCK_M, BLOCK_N, p.keys, before=True), BLOCK_N, stages, step)
     t.store(dq, Bin("*", dq_acc, Lit(p.scale, f32)), rows, rows_ok, p.width, BLOCK_D)
-    return t.function("_dq", 8 if wide else 4)
+    return t.function("_dq", warps)
 
 
 PATTERN = Pattern("attention", ((Stage.CLAIM, group_results),), lowers=lambda k: k.kind is KernelKind.ATTENTION,

@@ -46,7 +46,7 @@ class Level(enum.Enum):
 
 
 FULL, ROW, OTHER, MAINLOOP = Level.FULL, Level.ROW, Level.OTHER, Level.MAINLOOP
-OPAQUE = (Op.MATMUL, Op.CONV2D, Op.CONV2D_INPUT_GRAD, Op.CONV2D_WEIGHT_GRAD)  # the vendor's, or a GEMM core
+OPAQUE = (Op.MATMUL, Op.CONV2D, Op.CONV2D_INPUT_GRAD, Op.CONV2D_WEIGHT_GRAD, Op.ARGSORT)  # the vendor's, or a GEMM core
 GEMM_DTYPES = (dtypes.float16, dtypes.bfloat16, dtypes.float32)  # matmuls generated as Triton GEMMs
 
 

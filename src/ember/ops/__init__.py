@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ember.ops import activations, contraction, index, movement, pointwise, random, reduce, sorting
 from ember.ops.activations import elu, gelu, hardtanh, leaky_relu, mish, relu, relu6, sigmoid, silu, softplus
-from ember.ops.contraction import bmm, conv2d, conv_transpose2d, dot, linear, matmul, mm, outer
+from ember.ops.contraction import bmm, conv2d, conv_transpose2d, dot, einsum, linear, matmul, mm, outer
 from ember.ops.creation import (
     arange,
     empty,
@@ -240,8 +240,8 @@ __all__ = [
     "arange", "argmax", "argmin", "argsort", "avg_pool2d", "bernoulli", "bitwise_and", "bitwise_not", "bitwise_or",
     "bitwise_xor", "bmm", "broadcast_shapes", "broadcast_to", "cat", "ceil", "chunk", "clamp", "clip", "clone",
     "concat", "concatenate", "contiguous", "conv2d", "conv_transpose2d",
-    "cos", "count_nonzero", "cumsum", "div", "divide", "dot",
-    "dropout", "elu", "embedding", "empty", "empty_like", "eq", "erf", "exp", "exp2", "expand", "expm1", "eye",
+    "cos", "count_nonzero", "cumsum", "div", "divide", "dot", "dropout", "einsum",
+    "elu", "embedding", "empty", "empty_like", "eq", "erf", "exp", "exp2", "expand", "expm1", "eye",
     "flatten", "flip", "fliplr", "flipud", "floor", "floor_divide", "fmod", "from_dlpack", "from_numpy", "full",
     "full_like", "gather", "ge", "gelu", "gt", "hardtanh", "hstack", "index_select", "initial_seed", "isfinite",
     "isinf", "isnan", "le", "leaky_relu", "lerp", "linear", "linspace", "log", "log1p", "log2", "log_softmax",

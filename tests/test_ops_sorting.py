@@ -228,12 +228,13 @@ def test_multinomial_shapes_match_torch(shape, num_samples, replacement):
     ([1.0, np.inf], 1, True, ValueError, "probability tensor contains either `inf`, `nan` or element < 0"),
     ([[1.0, 1.0], [np.nan, 1.0]], 1, False, ValueError, "probability tensor contains"),
     ([[1.0, 1.0], [0.0, 0.0]], 1, True, ValueError, "invalid multinomial distribution \\(sum of probabilities"),
+    (np.ones((2, 0)), 1, True, ValueError, "invalid multinomial distribution"),
     ([1.0, 1.0], 3, False, ValueError, "cannot sample n_sample > prob_dist.size\\(-1\\) samples without"),
     ([1.0, 1.0], 0, True, ValueError, "cannot sample n_sample <= 0 samples"),
     ([[[1.0]]], 1, False, ember.ShapeError, "prob_dist must be 1 or 2 dim"),
     (1.0, 1, False, ember.ShapeError, "prob_dist must be 1 or 2 dim"),
     ([1, 2], 1, False, ember.DTypeError, "only supports floating-point dtypes"),
-], ids=["negative", "inf", "nan", "zero-row", "too-many", "none", "3d", "0d", "integer"])
+], ids=["negative", "inf", "nan", "zero-row", "no-categories", "too-many", "none", "3d", "0d", "integer"])
 def test_multinomial_refuses_what_torch_refuses(weights, num_samples, replacement, error, message):
     with pytest.raises(RuntimeError):
         TORCH.multinomial(TORCH.tensor(weights), num_samples, replacement)

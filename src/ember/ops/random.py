@@ -147,6 +147,9 @@ def multinomial(x: Tensor, num_samples: int, replacement: bool = False, generato
 def _check_weights(x: Tensor) -> None:
     """torch's errors for weights that are no distribution: a negative, infinite or NaN weight, a row of zeros."""
     if x.numel() == 0:
+        if x.shape[-1] == 0 and (x.ndim == 1 or x.shape[0]):  # rows of no categories
+            raise ValueError(f"multinomial: invalid multinomial distribution (sum of probabilities <= 0): "
+                             f"no categories in {operands(x)}")
         return
     invalid = (~(isfinite(x) & (x >= 0))).any()
     empty = (amax(x, dim=-1) <= 0).any()

@@ -1,5 +1,6 @@
-"""Contractions and pooling against torch: matmul (batched, broadcast, 1-d operands), conv2d
-(stride, padding incl. 'same', dilation, groups), max/avg/adaptive pooling."""
+"""Contractions and pooling against torch: matmul (batched, broadcast, 1-d operands), einsum (implicit and
+explicit outputs, ellipses, diagonals, broadcasting, several operands), conv2d (stride, padding incl. 'same',
+dilation, groups), max/avg/adaptive pooling."""
 
 from __future__ import annotations
 
@@ -94,6 +95,118 @@ def test_matmul_shape_mismatch_raises_like_torch(left, right):
         TORCH.ones(left) @ TORCH.ones(right)
     with pytest.raises(ember.ShapeError):
         ember.ones(left) @ ember.ones(right)
+
+
+# -- einsum ---------------------------------------------------------------------------------------
+
+EINSUM_CASES = {  # name: (equation, operand shapes)
+    "matmul": ("ij,jk->ik", [(3, 4), (4, 5)]),
+    "implicit-output": ("ij,jk", [(3, 4), (4, 2)]),
+    "implicit-upper-case-first": ("bA", [(2, 3)]),
+    "batched": ("bij,bjk->bik", [(2, 3, 4), (2, 4, 5)]),
+    "batch-not-leading": ("ibj,jbk->bki", [(3, 2, 4), (4, 2, 2)]),
+    "several-summed": ("ijk,jil->kl", [(2, 3, 4), (3, 2, 5)]),
+    "transpose": ("ij->ji", [(3, 4)]),
+    "sum-all": ("ij->", [(3, 4)]),
+    "diagonal": ("ii->i", [(4, 4)]),
+    "trace": ("ii", [(3, 3)]),
+    "triple-diagonal": ("iii->i", [(3, 3, 3)]),
+    "diagonal-and-more": ("iij,jk->ik", [(3, 3, 2), (2, 4)]),
+    "outer": ("i,j->ij", [(3,), (4,)]),
+    "dot": ("i,i->", [(5,)] * 2),
+    "elementwise": ("ij,ij->ij", [(2, 3)] * 2),
+    "chain": ("ij,jk,kl->il", [(2, 3), (3, 4), (4, 2)]),
+    "three-way": ("i,jk,k->ij", [(2,), (3, 4), (4,)]),
+    "ellipsis": ("...ij->...ji", [(2, 3, 4)]),
+    "ellipsis-summed": ("...ij->ji", [(2, 3, 4)]),
+    "ellipsis-last": ("...ij->ji...", [(2, 3, 4)]),
+    "ellipsis-broadcast": ("...,...", [(4, 3), (3,)]),
+    "ellipsis-batch": ("b...i,b...i->b...", [(2, 3, 4), (2, 1, 4)]),
+    "ellipsis-covering-nothing": ("...ij,jk->...ik", [(3, 4), (4, 2)]),
+    "broadcast-summed": ("ij,jk->ik", [(2, 3), (1, 4)]),
+    "scalar": ("", [()]),
+    "scalar-times": (",ij->ij", [(), (2, 3)]),
+    "size-1-dims": ("ij,jk->ik", [(1, 1), (1, 3)]),
+    "empty-rows": ("ij,jk->ik", [(0, 3), (3, 4)]),
+    "empty-summed": ("ij,jk->ik", [(2, 0), (0, 4)]),
+    "empty-dot": ("i,i->", [(0,)] * 2),
+}
+EINSUM_DTYPES = FLOATS + ("int32", "int64")
+
+
+@pytest.mark.parametrize("case", EINSUM_CASES)
+@pytest.mark.parametrize("dtype", EINSUM_DTYPES)
+def test_einsum_matches_torch(dtype, case, rng):
+    equation, shapes = EINSUM_CASES[case]
+    operands = _inputs(rng, shapes, dtype)
+    check_against_torch(lambda m, *xs: m.einsum(equation, *xs), *operands, **_tolerance(dtype))
+
+
+@pytest.mark.parametrize("layout", ["transposed", "strided"])
+@pytest.mark.parametrize("case", ["matmul", "batched", "diagonal", "chain", "ellipsis-batch"])
+def test_einsum_of_non_contiguous_views_matches_torch(case, layout, rng):
+    equation, shapes = EINSUM_CASES[case]
+    check_against_torch(lambda m, *xs: m.einsum(equation, *xs), *_inputs(rng, shapes, "float32"), layout=layout)
+
+
+@pytest.mark.parametrize("case", ["batch-not-leading", "diagonal-and-more", "three-way", "ellipsis-broadcast",
+                                  "broadcast-summed", "trace"])
+def test_einsum_gradient_matches_finite_differences(case, rng):
+    equation, shapes = EINSUM_CASES[case]
+    check_finite_differences(lambda m, *xs: m.einsum(equation, *xs), *_inputs(rng, shapes, "float64"), samples=6)
+
+
+def test_einsum_takes_operands_as_a_list_or_subscripts_as_sublists(rng):
+    a, b = _inputs(rng, [(3, 4), (4, 5)], "float32")
+    check_against_torch(lambda m, x, y: m.einsum("ij,jk", [x, y]), a, b)
+    check_against_torch(lambda m, x, y: m.einsum(x, [0, 1], y, [1, 2], [0, 2]), a, b)
+    check_against_torch(lambda m, x, y: m.einsum(x, [0, 1], y, [1, 2]), a, b)
+    check_against_torch(lambda m, x: m.einsum(x, [Ellipsis, 27], [27, Ellipsis]), a)
+
+
+def test_einsum_contracts_two_operands_with_a_matmul(rng):
+    """So that its contractions run as GEMM kernels (or the vendor's matmul), not as a broadcast product and a sum."""
+    a, b = (ember.tensor(x) for x in _inputs(rng, [(2, 3, 4), (2, 4, 5)], "float32"))
+    seen, stack = set(), [ember.einsum("bij,bjk->bik", a, b)._node]
+    while stack:
+        node = stack.pop()
+        seen.add(node.op)
+        stack.extend(node.inputs)
+    assert Op.MATMUL in seen and Op.SUM not in seen
+
+
+@pytest.mark.parametrize("equation, shapes, error, message", [
+    ("ij,jk->ik", [(2, 3)], ValueError, "fewer operands were provided than specified"),
+    ("ij->ij", [(2, 3), (3, 4)], ValueError, "more operands were provided than specified"),
+    ("i1,jk->ik", [(2, 3), (3, 4)], ValueError, "invalid subscript given at index 1"),
+    ("ij-", [(2, 3)], ValueError, "invalid subscript given at index 2"),
+    ("ijk->ik", [(2, 3)], ember.ShapeError, "number of subscripts in the equation \\(3\\) does not match"),
+    ("ij...k", [(2, 3)], ember.ShapeError, "number of subscripts in the equation \\(3\\) is more than"),
+    ("ii->i", [(2, 3)], ember.ShapeError, "subscript i is repeated for operand 0 but the sizes don't match"),
+    ("ij->ii", [(2, 3)], ValueError, "output subscript i appears more than once"),
+    ("ij->k", [(2, 3)], ValueError, "output subscript k does not appear"),
+    ("ij,jk->ik", [(2, 3), (4, 4)], ember.ShapeError, "subscript j has size 4 for operand 1 which does not broadcast"),
+    ("...,...", [(5, 3), (2,)], ember.ShapeError, "covered by ellipsis in operand 1 has size 2"),
+    ("i.j", [(2, 3)], ValueError, "found '.' for operand 0 that is not part of any ellipsis"),
+    ("...i...", [(2, 3)], ValueError, "for which an ellipsis was already found"),
+], ids=["fewer", "more", "digit", "dash", "too-many-subscripts", "too-many-with-ellipsis", "diagonal-sizes",
+        "repeated-output", "unknown-output", "sizes", "ellipsis-sizes", "lone-dot", "two-ellipses"])
+def test_einsum_misuse_raises_like_torch(equation, shapes, error, message):
+    with pytest.raises(RuntimeError):
+        TORCH.einsum(equation, *[TORCH.ones(s) for s in shapes])
+    with pytest.raises(error, match=message):
+        ember.einsum(equation, *[ember.ones(s) for s in shapes])
+
+
+def test_einsum_refuses_mixed_and_bool_dtypes_and_missing_operands():
+    with pytest.raises(ember.DTypeError, match="einsum: operands must have the same dtype"):
+        ember.einsum("i,i", ember.ones(2), ember.ones(2, dtype=ember.float64))
+    with pytest.raises(ember.DTypeError, match="einsum: bool operands"):
+        ember.einsum("i,i", ember.ones(2) > 0, ember.ones(2) > 0)
+    with pytest.raises(ValueError, match="must specify the equation string and at least one operand"):
+        ember.einsum("ij")
+    with pytest.raises(TypeError, match="einsum: operands\\[0\\] must be an ember Tensor"):
+        ember.einsum("i", np.ones(2))
 
 
 # -- conv2d ---------------------------------------------------------------------------------------

@@ -79,6 +79,7 @@ STRUCTURAL = {
     Op.ATTENTION_GRAD: "the fused attention backward: the scores computed again per tile",
     Op.GATHER: "a load at a clamped, checked position (zero where the index is out of range)",
     Op.SCATTER_ADD: "an atomic add at a clamped position",
+    Op.ARGSORT: "the vendor's sort (torch.sort)",
     Op.CHECK_INDEX: "the index itself; where it is out of range, recorded in the plan's flags (record_index)",
     Op.COPY: "a transfer between devices, made by the runtime at a plan's edges",
 }

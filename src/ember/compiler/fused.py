@@ -60,17 +60,18 @@ class KernelKind(enum.Enum):
     SEGMENTED = "segmented"  # independent small kernels sharing one launch
     MLP = "mlp"  # a chain of narrow GEMMs with pointwise work between: several cores, intermediates on chip
     ATTENTION = "attention"  # softmax(q @ kᵀ) @ v with key tiles streamed on chip, or its gradients
+    SORT = "sort"  # the vendor's sort along an axis (torch's)
 
     def __str__(self) -> str:
         return self.value
 
 
-VENDOR_KINDS = (KernelKind.MATMUL, KernelKind.CONV2D)  # kernels a vendor library can run (cuBLAS, cuDNN)
+VENDOR_KINDS = (KernelKind.MATMUL, KernelKind.CONV2D, KernelKind.SORT)  # kernels a vendor library runs (cuBLAS...)
 
 # the ops whose results are always stored, each the core of a kernel of its own kind: the vendor's, or generated
 OPAQUE_KINDS = {Op.MATMUL: KernelKind.MATMUL, Op.CONV2D: KernelKind.CONV2D, Op.CONV2D_INPUT_GRAD: KernelKind.CONV2D,
                 Op.CONV2D_WEIGHT_GRAD: KernelKind.CONV2D, Op.ATTENTION: KernelKind.ATTENTION,
-                Op.ATTENTION_GRAD: KernelKind.ATTENTION}
+                Op.ATTENTION_GRAD: KernelKind.ATTENTION, Op.ARGSORT: KernelKind.SORT}
 OPAQUE = tuple(OPAQUE_KINDS)
 
 

@@ -223,7 +223,8 @@ class Planner:
                 if o is not kernel.core and o not in kernel.reductions:
                     self._walk(kernel, o, FULL, refs, seen, skip_root=True)
             return refs
-        if kernel.kind in (KernelKind.MATMUL, KernelKind.CONV2D, KernelKind.SCATTER_ADD, KernelKind.ATTENTION):
+        if kernel.kind in (KernelKind.MATMUL, KernelKind.CONV2D, KernelKind.SCATTER_ADD, KernelKind.ATTENTION,
+                           KernelKind.SORT):
             for o in kernel.outputs:
                 for i in o.inputs:
                     self._walk(kernel, i, OTHER, refs, set())

@@ -12,8 +12,8 @@ here, at the bottom of the pipeline, so every layer reads it without importing t
 `infer` its shape rules, autograd its VJPs, the reference backend its NumPy implementations, a code
 generator its lowerings. The rules are declared side by side with the primitive's user-facing ops,
 one `define` per primitive in the op-family module (`ember/ops/pointwise.py`, `reduce.py`, `movement.py`,
-`contraction.py`, `index.py`, `creation.py`, `random.py`, and `ember/placement.py` for COPY), which fill
-the table when ember is imported, as JAX's lax.py registers each primitive's rules.
+`contraction.py`, `index.py`, `sorting.py`, `creation.py`, `random.py`, and `ember/placement.py` for COPY),
+which fill the table when ember is imported, as JAX's lax.py registers each primitive's rules.
 tests/test_primitives.py checks that every primitive declares every rule.
 
 A composite op (Kind.COMPOSITE: linear, relu, gelu, silu, softmax, log_softmax, layer_norm, batch_norm, mse_loss,
@@ -120,6 +120,7 @@ class Op(enum.Enum):
     # index
     GATHER = ("gather", Kind.INDEX)
     SCATTER_ADD = ("scatter_add", Kind.INDEX)
+    ARGSORT = ("argsort", Kind.INDEX)  # int64 positions that sort along attrs["axis"], stably (attrs: descending)
     # an index passed through as it is, checked against its dimension where it is computed (pointwise)
     CHECK_INDEX = ("check_index", Kind.UNARY)
     # transfers

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ember.ops import activations, contraction, index, movement, pointwise, reduce
+from ember.ops import activations, contraction, index, movement, pointwise, random, reduce, sorting
 from ember.ops.activations import elu, gelu, hardtanh, leaky_relu, mish, relu, relu6, sigmoid, silu, softplus
-from ember.ops.contraction import bmm, conv2d, conv_transpose2d, dot, linear, matmul, mm, outer
+from ember.ops.contraction import bmm, conv2d, conv_transpose2d, dot, einsum, linear, matmul, mm, outer
 from ember.ops.creation import (
     arange,
     empty,
@@ -126,6 +126,7 @@ from ember.ops.random import (
     dropout,
     initial_seed,
     manual_seed,
+    multinomial,
     rand,
     rand_like,
     randint,
@@ -157,6 +158,7 @@ from ember.ops.reduce import (
     var,
     var_mean,
 )
+from ember.ops.sorting import argsort, sort, topk
 from ember.tensor import Tensor
 
 # Tensor methods that are the function of the same name with the tensor first.
@@ -167,9 +169,9 @@ pow maximum minimum eq ne lt le gt ge masked_fill clamp clip lerp isnan isinf is
 addcmul addcdiv softmax log_softmax sum mean prod max min amax amin argmax argmin var std logsumexp all any
 norm cumsum count_nonzero reshape view permute transpose t expand expand_as squeeze unsqueeze flatten
 unflatten contiguous clone flip repeat tile split chunk unbind narrow roll tril triu repeat_interleave
-matmul mm bmm dot gather scatter_add index_select broadcast_to
+matmul mm bmm dot gather scatter_add index_select broadcast_to sort argsort topk multinomial
 """.split()
-_MODULES = (pointwise, activations, reduce, movement, contraction, index)
+_MODULES = (pointwise, activations, reduce, movement, contraction, index, sorting, random)
 
 
 def _lookup(name: str):
@@ -235,21 +237,22 @@ _bind()
 
 __all__ = [
     "abs", "adaptive_avg_pool2d", "adaptive_max_pool2d", "add", "addcdiv", "addcmul", "all", "amax", "amin", "any",
-    "arange", "argmax", "argmin", "avg_pool2d", "bernoulli", "bitwise_and", "bitwise_not", "bitwise_or",
+    "arange", "argmax", "argmin", "argsort", "avg_pool2d", "bernoulli", "bitwise_and", "bitwise_not", "bitwise_or",
     "bitwise_xor", "bmm", "broadcast_shapes", "broadcast_to", "cat", "ceil", "chunk", "clamp", "clip", "clone",
     "concat", "concatenate", "contiguous", "conv2d", "conv_transpose2d",
-    "cos", "count_nonzero", "cumsum", "div", "divide", "dot",
-    "dropout", "elu", "embedding", "empty", "empty_like", "eq", "erf", "exp", "exp2", "expand", "expm1", "eye",
+    "cos", "count_nonzero", "cumsum", "div", "divide", "dot", "dropout", "einsum",
+    "elu", "embedding", "empty", "empty_like", "eq", "erf", "exp", "exp2", "expand", "expm1", "eye",
     "flatten", "flip", "fliplr", "flipud", "floor", "floor_divide", "fmod", "from_dlpack", "from_numpy", "full",
     "full_like", "gather", "ge", "gelu", "gt", "hardtanh", "hstack", "index_select", "initial_seed", "isfinite",
     "isinf", "isnan", "le", "leaky_relu", "lerp", "linear", "linspace", "log", "log1p", "log2", "log_softmax",
     "logical_and", "logical_not", "logical_or", "logical_xor", "logspace", "logsumexp", "lt", "manual_seed",
     "masked_fill", "matmul", "max", "max_pool2d", "maximum", "mean", "min", "minimum", "mish", "mm", "mul",
-    "nan_to_num", "narrow", "ne", "neg", "norm", "one_hot", "ones", "ones_like", "outer", "pad", "permute", "pow",
+    "multinomial", "nan_to_num", "narrow", "ne", "neg", "norm", "one_hot", "ones", "ones_like", "outer", "pad",
+    "permute", "pow",
     "prod", "rand", "rand_like", "randint", "randint_like", "randn", "randn_like", "randperm", "reciprocal",
     "relu", "relu6", "remainder", "repeat", "repeat_interleave", "reshape", "roll", "round", "rsqrt",
-    "scatter_add", "sigmoid", "sign", "silu", "sin", "softmax", "softplus", "split", "sqrt", "square", "squeeze",
-    "stack", "std", "std_mean", "sub", "sum", "swapaxes", "t", "take_along_dim", "tanh", "tensor", "tile",
-    "transpose", "tril", "triu", "true_divide", "trunc", "unbind", "unflatten", "unsqueeze", "var", "var_mean",
+    "scatter_add", "sigmoid", "sign", "silu", "sin", "softmax", "softplus", "sort", "split", "sqrt", "square",
+    "squeeze", "stack", "std", "std_mean", "sub", "sum", "swapaxes", "t", "take_along_dim", "tanh", "tensor", "tile",
+    "topk", "transpose", "tril", "triu", "true_divide", "trunc", "unbind", "unflatten", "unsqueeze", "var", "var_mean",
     "view", "vstack", "where", "zeros", "zeros_like",
 ]

@@ -1,7 +1,10 @@
-"""Matmul and convolution: the contractions, with PyTorch's shape rules; at the end, the MATMUL and
+"""Matmul, einsum and convolution: the contractions, with PyTorch's shape rules; at the end, the MATMUL and
 CONV2D primitives' rules."""
 
 from __future__ import annotations
+
+import math
+import string
 
 import numpy as np
 
@@ -11,8 +14,8 @@ from ember.errors import DTypeError, ShapeError, operands
 from ember.ir import Op
 from ember.ir.ops import check_shape, define
 from ember.ops import attention
-from ember.ops.movement import expand, pad, reshape, squeeze, unsqueeze
-from ember.ops.pointwise import _check_devices, broadcast_shapes
+from ember.ops.movement import expand, pad, permute, reshape, slice_axis, squeeze, unsqueeze
+from ember.ops.pointwise import _check_devices, broadcast_shapes, cast
 from ember.tensor import Tensor, apply, composite, expect_tensors
 
 
@@ -87,6 +90,227 @@ def dot(a: Tensor, b: Tensor) -> Tensor:
 def outer(a: Tensor, b: Tensor) -> Tensor:
     expect_tensors("outer", input=a, vec2=b)
     return reshape(a, (-1, 1)) * reshape(b, (1, -1))
+
+
+# -- einsum ------------------------------------------------------------------------------------------------
+# A label is a letter of the equation, or an int for a dimension that an ellipsis covers: -1 for the last, -2
+# for the one before..., so that ellipses of different lengths line up from the right as they broadcast.
+
+ELLIPSIS = "..."
+
+
+def einsum(*args) -> Tensor:
+    """torch.einsum: `einsum("ij,jk->ik", a, b)`, the operands as a list (`einsum("ij,jk", [a, b])`), or the
+    sublist form (`einsum(a, [0, 1], b, [1, 2], [0, 2])`). Without `->` the output has the ellipsis' dims, then
+    the labels used once, in alphabetical order (upper case first). A label repeated in one operand takes its
+    diagonal; labels missing from the output are summed. Operands are contracted left to right, two at a time:
+    labels shared and needed later are batch dims, those shared and not needed later are summed by a batched
+    matmul (GEMM kernels), and a label only one side has and nothing needs later is summed before."""
+    equation, tensors = _einsum_arguments(args)
+    for i, x in enumerate(tensors):
+        expect_tensors("einsum", **{f"operands[{i}]": x})
+    _check_devices("einsum", list(tensors))
+    if any(x.dtype is not tensors[0].dtype for x in tensors):
+        raise DTypeError(f"einsum: operands must have the same dtype, got {operands(*tensors)}; cast them to one")
+    if tensors[0].dtype is dtypes.bool_:
+        raise DTypeError(f"einsum: bool operands are not supported ({operands(*tensors)})")
+    terms, output = _parse_equation(equation, len(tensors))
+    labelled = [_labelled(x, term, k) for k, (x, term) in enumerate(zip(tensors, terms))]
+    sizes = _label_sizes(labelled)
+    if output is None:
+        once = [c for c in sorted(sizes, key=str) if isinstance(c, str)
+                and sum(term.count(c) for term in terms) == 1]
+        output = sorted(label for label in sizes if isinstance(label, int)) + once
+    else:
+        output = _explicit_output(output, sizes)
+    x, labels = labelled[0]
+    for k, (y, y_labels) in enumerate(labelled[1:], start=1):
+        later = set(output).union(*(ls for _, ls in labelled[k + 1:]))
+        x, labels = _contract(x, labels, y, y_labels, later)
+    x, labels = _summed(x, labels, set(output))
+    return permute(x, [labels.index(label) for label in output]) if labels != output else x
+
+
+def _einsum_arguments(args) -> tuple[str, tuple]:
+    """The equation and the operands of any of einsum's three forms."""
+    if not args or isinstance(args[0], str) and len(args) == 1:
+        raise ValueError("einsum: must specify the equation string and at least one operand, or at least one "
+                         "operand and its subscripts list")
+    if isinstance(args[0], str):
+        operands = args[1:]
+        if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+            operands = tuple(operands[0])
+        return args[0], tuple(operands)
+    pairs = args[:len(args) - len(args) % 2]
+    terms = [_sublist(s) for s in pairs[1::2]]
+    output = "->" + _sublist(args[-1]) if len(args) % 2 else ""
+    return ",".join(terms) + output, tuple(pairs[0::2])
+
+
+def _sublist(subscripts) -> str:
+    """A sublist's subscripts as letters, as torch maps them: 0-25 to A-Z, 26-51 to a-z; Ellipsis to '...'."""
+    letters = []
+    for s in subscripts:
+        if s is Ellipsis:
+            letters.append(ELLIPSIS)
+        elif isinstance(s, int) and 0 <= s < 52:
+            letters.append(string.ascii_uppercase[s] if s < 26 else string.ascii_lowercase[s - 26])
+        else:
+            raise ValueError(f"einsum: subscript in subscript list is not within the valid range [0, 52), got {s!r}")
+    return "".join(letters)
+
+
+def _parse_equation(equation: str, count: int) -> tuple[list[list[str]], list[str] | None]:
+    """Each operand's subscripts (letters and ELLIPSIS), and the output's (None: implicit)."""
+    arrow = equation.find("->")
+    lhs = equation if arrow < 0 else equation[:arrow]
+    terms = _subscripts(lhs, 0, commas=True)
+    if len(terms) > count:
+        raise ValueError(f"einsum: fewer operands were provided than specified in the equation {equation!r}")
+    if len(terms) < count:
+        raise ValueError(f"einsum: more operands were provided than specified in the equation {equation!r}")
+    return terms, None if arrow < 0 else _subscripts(equation[arrow + 2:], arrow + 2, commas=False)[0]
+
+
+def _subscripts(text: str, start: int, commas: bool) -> list[list[str]]:
+    terms: list[list[str]] = [[]]
+    i = 0
+    while i < len(text):
+        c = text[i]
+        if c == "," and commas:
+            terms.append([])
+        elif c == ".":
+            where = f"operand {len(terms) - 1}" if commas else "the output"
+            if text[i:i + 3] != ELLIPSIS:
+                raise ValueError(f"einsum: found '.' for {where} that is not part of any ellipsis")
+            if ELLIPSIS in terms[-1]:
+                raise ValueError(f"einsum: found '.' for {where} for which an ellipsis was already found")
+            terms[-1].append(ELLIPSIS)
+            i += 2
+        elif c in string.ascii_letters:
+            terms[-1].append(c)
+        elif c != " ":
+            raise ValueError(f"einsum: invalid subscript given at index {start + i} in the equation string, "
+                             "subscripts must be in [a-zA-Z]")
+        i += 1
+    return terms
+
+
+def _labelled(x: Tensor, term: list[str], k: int) -> tuple[Tensor, list]:
+    """Operand k with one label per dim: the ellipsis' dims labelled from the right, a repeated label's
+    dims replaced by their diagonal."""
+    letters = [c for c in term if c != ELLIPSIS]
+    if ELLIPSIS not in term and len(letters) != x.ndim:
+        raise ShapeError(f"einsum: the number of subscripts in the equation ({len(letters)}) does not match the "
+                         f"number of dimensions ({x.ndim}) for operand {k} and no ellipsis was given")
+    if len(letters) > x.ndim:
+        raise ShapeError(f"einsum: the number of subscripts in the equation ({len(letters)}) is more than the "
+                         f"number of dimensions ({x.ndim}) for operand {k}")
+    labels: list = list(term)
+    if ELLIPSIS in term:
+        at, covered = term.index(ELLIPSIS), x.ndim - len(letters)
+        labels[at:at + 1] = list(range(-covered, 0))
+    for label in dict.fromkeys(labels):
+        dims = [d for d, other in enumerate(labels) if other == label]
+        if len(dims) > 1:
+            x, labels = _diagonal(x, labels, dims, k)
+    return x, labels
+
+
+def _diagonal(x: Tensor, labels: list, dims: list[int], k: int) -> tuple[Tensor, list]:
+    """The elements of x whose positions along `dims` (one label's) are equal, along one dim last: those dims
+    moved last and flattened, every (1 + n + ... + n^(r-1))-th element of the r * n positions is on the diagonal."""
+    n = x.shape[dims[0]]
+    for d in dims[1:]:
+        if x.shape[d] != n:
+            raise ShapeError(f"einsum: subscript {labels[d]} is repeated for operand {k} but the sizes don't match, "
+                             f"{x.shape[d]} != {n}")
+    rest = [d for d in range(x.ndim) if d not in dims]
+    flat = reshape(permute(x, rest + dims), tuple(x.shape[d] for d in rest) + (n ** len(dims),))
+    step = sum(n ** i for i in range(len(dims)))
+    return slice_axis(flat, len(rest), 0, n ** len(dims), step), [labels[d] for d in rest] + [labels[dims[0]]]
+
+
+def _label_sizes(labelled: list[tuple[Tensor, list]]) -> dict:
+    """Each label's size over all operands, where sizes of one label broadcast (equal, or 1)."""
+    sizes: dict = {}
+    for k, (x, labels) in enumerate(labelled):
+        for d, (label, size) in enumerate(zip(labels, x.shape)):
+            seen = sizes.setdefault(label, size)
+            if size != seen and 1 not in (size, seen):
+                if isinstance(label, int):
+                    raise ShapeError(f"einsum: dimension {d} covered by ellipsis in operand {k} has size {size} which "
+                                     f"does not broadcast with previously seen ellipsis with size {seen} for the "
+                                     "respective dimension")
+                raise ShapeError(f"einsum: subscript {label} has size {size} for operand {k} which does not "
+                                 f"broadcast with previously seen size {seen}")
+            if seen == 1:
+                sizes[label] = size
+    return sizes
+
+
+def _explicit_output(output: list[str], sizes: dict) -> list:
+    labels: list = []
+    for c in output:
+        if c == ELLIPSIS:
+            labels += sorted(label for label in sizes if isinstance(label, int))
+        elif c in labels:
+            raise ValueError(f"einsum: output subscript {c} appears more than once in the output")
+        elif c not in sizes:
+            raise ValueError(f"einsum: output subscript {c} does not appear in the equation for any input operand")
+        else:
+            labels.append(c)
+    return labels
+
+
+def _summed(x: Tensor, labels: list, keep: set) -> tuple[Tensor, list]:
+    """x summed over its labels outside `keep`, as torch.sum sums (integers as int64), which is how torch's einsum
+    sums what no matmul does."""
+    axes = tuple(d for d, label in enumerate(labels) if label not in keep)
+    if not axes:
+        return x, labels
+    if not x.dtype.is_floating_point:
+        x = cast(x, dtypes.int64)
+    kept = [label for label in labels if label in keep]
+    return reshape(apply(Op.SUM, x, axes=axes), tuple(s for d, s in enumerate(x.shape) if d not in axes)), kept
+
+
+def _dropped(x: Tensor, labels: list, drop: set) -> tuple[Tensor, list]:
+    """x without its labels in `drop`: summed over those of size above 1, squeezed where they have size 1."""
+    x, labels = _summed(x, labels, {label for d, label in enumerate(labels) if label not in drop or x.shape[d] == 1})
+    kept = [d for d, label in enumerate(labels) if label not in drop]
+    return reshape(x, tuple(x.shape[d] for d in kept)), [labels[d] for d in kept]
+
+
+def _contract(x: Tensor, x_labels: list, y: Tensor, y_labels: list, later: set) -> tuple[Tensor, list]:
+    """The product of two labelled operands, summed over the labels both have that nothing later needs: a
+    batched matmul of (batch, rows, summed) by (batch, summed, columns), or, with nothing to sum, a broadcast
+    product. As in torch, a label to sum that one side has with size 1 is summed on the other side alone."""
+    x, x_labels = _summed(x, x_labels, later | set(y_labels))
+    y, y_labels = _summed(y, y_labels, later | set(x_labels))
+    shared = [label for label in x_labels if label in y_labels and label not in later]
+    x_ones = {label for label in shared if x.shape[x_labels.index(label)] == 1}
+    y_ones = {label for label in shared if y.shape[y_labels.index(label)] == 1}
+    x, x_labels = _dropped(x, x_labels, x_ones | y_ones)
+    y, y_labels = _dropped(y, y_labels, x_ones | y_ones)
+    if x.dtype is not y.dtype:  # one side summed as int64
+        x, y = cast(x, dtypes.int64), cast(y, dtypes.int64)
+    batch = [label for label in x_labels if label in y_labels and label in later]
+    summed = [label for label in x_labels if label in y_labels and label not in later]
+    rows = [label for label in x_labels if label not in y_labels]
+    cols = [label for label in y_labels if label not in x_labels]
+    a = permute(x, [x_labels.index(label) for label in batch + rows + summed])
+    b = permute(y, [y_labels.index(label) for label in batch + summed + cols])
+    nb, nr, ns = len(batch), len(rows), len(summed)
+    if not summed:
+        a = reshape(a, a.shape + (1,) * len(cols))
+        b = reshape(b, b.shape[:nb] + (1,) * nr + b.shape[nb:])
+        return a * b, batch + rows + cols
+    rows_shape, k, cols_shape = a.shape[nb:nb + nr], a.shape[nb + nr:], b.shape[nb + ns:]
+    a = reshape(a, a.shape[:nb] + (math.prod(rows_shape), math.prod(k)))
+    b = reshape(b, b.shape[:nb] + (math.prod(k), math.prod(cols_shape)))
+    out = matmul(a, b)
+    return reshape(out, out.shape[:nb] + rows_shape + cols_shape), batch + rows + cols
 
 
 @amp.autocast_op("linear")

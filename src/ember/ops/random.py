@@ -9,19 +9,24 @@ RAND primitive's rules.
 from __future__ import annotations
 
 import math
+import operator
 import threading
 
 import numpy as np
 
 from ember import dtypes
 from ember.device import as_device
+from ember.errors import DTypeError, ShapeError, operands
 from ember.ir import Op
 from ember.ir.ops import NOT_DIFFERENTIABLE, define
 from ember.ir.philox import philox_normal, philox_uniform
-from ember.ops.creation import _like, _shape, tensor
-from ember.ops.pointwise import cast, floor, minimum, where
+from ember.ops.creation import _like, _shape
+from ember.ops.movement import unsqueeze
+from ember.ops.pointwise import cast, floor, isfinite, log, maximum, minimum, where
+from ember.ops.reduce import amax, argmax
+from ember.ops.sorting import argsort, topk
 from ember.runtime import executor
-from ember.tensor import Tensor, expect_tensors, leaf
+from ember.tensor import Tensor, expect_tensors, leaf, realize
 
 _state = threading.local()
 
@@ -81,9 +86,9 @@ def randint(low, high=None, size=None, dtype=None, device=None) -> Tensor:
 
 
 def randperm(n: int, device=None, dtype=None) -> Tensor:
-    """A random permutation: the ranks of n uniform draws."""
-    keys = rand(n, device=device).numpy()
-    return tensor(keys.argsort(kind="stable"), dtype=dtype or dtypes.int64, device=device)
+    """A random permutation: the order of n uniform draws."""
+    order = argsort(rand(n, device=device))
+    return order if dtype is None else cast(order, dtypes.as_dtype(dtype))
 
 
 def rand_like(x: Tensor, dtype=None, device=None) -> Tensor:
@@ -104,6 +109,63 @@ def randint_like(x: Tensor, low, high=None, dtype=None, device=None) -> Tensor:
 def bernoulli(p: Tensor) -> Tensor:
     expect_tensors("bernoulli", input=p)
     return cast(rand(p.shape, device=p.device) < p, p.dtype)
+
+
+def multinomial(x: Tensor, num_samples: int, replacement: bool = False, generator: None = None) -> Tensor:
+    """int64 category indices drawn from each row of non-negative weights (1-d: one row), as torch.multinomial.
+
+    By the Gumbel trick: adding independent Gumbel noise to the log-weights, the largest key falls on category i
+    with probability w_i / sum(w). With replacement, each sample is the argmax of keys of its own; without, the
+    samples are the k largest of one set of keys (Gumbel-top-k), distributed as drawing one at a time and
+    removing each category drawn. The weights are checked as torch checks them, which reads them (a sync point,
+    as on torch's cpu device)."""
+    expect_tensors("multinomial", input=x)
+    if generator is not None:
+        raise ValueError("multinomial: ember has no Generator objects; seed its random stream with "
+                         "ember.manual_seed and leave generator=None")
+    if x.ndim not in (1, 2):
+        raise ShapeError(f"multinomial: prob_dist must be 1 or 2 dim, got {operands(x)}")
+    if not x.dtype.is_floating_point:
+        raise DTypeError(f"multinomial: only supports floating-point dtypes for input, got {operands(x)}")
+    num_samples = operator.index(num_samples)
+    categories = x.shape[-1]
+    if num_samples <= 0:
+        raise ValueError(f"multinomial: cannot sample n_sample <= 0 samples (num_samples={num_samples})")
+    if not replacement and num_samples > categories:
+        raise ValueError(f"multinomial: cannot sample n_sample > prob_dist.size(-1) samples without replacement "
+                         f"({num_samples} samples of {categories} categories)")
+    if categories > 2**24:
+        raise ValueError(f"multinomial: number of categories cannot exceed 2^24, got {categories}")
+    _check_weights(x)
+    weights = x if x.dtype is dtypes.float64 else cast(x, dtypes.float32)
+    if replacement:  # keys of their own for every sample: (..., num_samples, categories)
+        keys = unsqueeze(log(weights), -2) + _gumbel(x.shape[:-1] + (num_samples, categories), x.device)
+        return argmax(keys, dim=-1)
+    return topk(log(weights) + _gumbel(x.shape, x.device), num_samples).indices
+
+
+def _check_weights(x: Tensor) -> None:
+    """torch's errors for weights that are no distribution: a negative, infinite or NaN weight, a row of zeros."""
+    if x.numel() == 0:
+        if x.shape[-1] == 0 and (x.ndim == 1 or x.shape[0]):  # rows of no categories
+            raise ValueError(f"multinomial: invalid multinomial distribution (sum of probabilities <= 0): "
+                             f"no categories in {operands(x)}")
+        return
+    invalid = (~(isfinite(x) & (x >= 0))).any()
+    empty = (amax(x, dim=-1) <= 0).any()
+    realize(invalid, empty)
+    if invalid.item():
+        raise ValueError(f"multinomial: probability tensor contains either `inf`, `nan` or element < 0 "
+                         f"({operands(x)})")
+    if empty.item():
+        raise ValueError(f"multinomial: invalid multinomial distribution (sum of probabilities <= 0): a row of "
+                         f"{operands(x)} is all zeros")
+
+
+def _gumbel(shape: tuple[int, ...], device) -> Tensor:
+    """Standard Gumbel noise, -log(-log(u)); u is kept above 0 so that every key of a positive weight is finite."""
+    u = maximum(rand(shape, device=device), float(np.finfo(np.float32).tiny))
+    return -log(-log(u))
 
 
 def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:

@@ -215,6 +215,8 @@ def _step(ck: CompiledKernel, flags: index_checks.IndexFlags | None, gemm_backen
         return _GemmStep(ck, flags, gemm_backend, settings)
     if kernel.kind is KernelKind.MATMUL:
         return functools.partial(_matmul, kernel.outputs[0])
+    if kernel.kind is KernelKind.SORT:
+        return functools.partial(_argsort, kernel.outputs[0])
     if kernel.kind is KernelKind.CONV2D:
         return functools.partial(_conv2d, kernel.outputs[0])
     return _KernelStep(ck, flags, settings.interpret)
@@ -493,6 +495,13 @@ def _conv2d(node: Node, buffers: dict[int, torch.Tensor], sig: Signature) -> Non
     else:  # from the input and the output gradient
         out = _convolution_backward(second, first, out_buffer, conv, 1)
     out_buffer.copy_(out)
+
+
+def _argsort(node: Node, buffers: dict[int, torch.Tensor], sig: Signature) -> None:
+    """The positions that sort a tensor along an axis, stably (NaN largest), by torch's sort."""
+    x = _view(node.inputs[0], buffers)
+    order = torch.sort(x, dim=node.attrs["axis"], descending=node.attrs["descending"], stable=True).indices
+    buffers[id(node)].copy_(order)
 
 
 def _convolution_backward(grad: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, conv: tuple,

@@ -141,6 +141,12 @@ def training_step(F, model, optimizer, autocast: Callable[[], object] | None = N
     return step
 
 
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in the Frobenius norm, in float64; NaN propagates, so it never passes."""
+    ref = ref.detach().double()
+    return ((out.detach().double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
 def chain_of_reductions(F, h, count: int = 50):
     """`count` reductions, alternating axes, so no two can share a kernel: a `count`-kernel plan."""
     for i in range(count):

@@ -43,6 +43,7 @@ from common import (
     median_ms,
     parse_options,
     publish,
+    rel_error,
     to_ember,
     to_torch,
 )
@@ -253,12 +254,6 @@ def cases(which: int, dev: str) -> list[tuple[str, Callable[[], Case]]]:
         ("6", linear),
         ("7", mlp),
     ]
-
-
-def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """||out - ref|| / ||ref|| in the Frobenius norm, in float64; NaN propagates, so it never passes."""
-    ref = ref.detach().double()
-    return ((out.detach().double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
 
 
 def max_error(outputs: tuple, reference: list[torch.Tensor] | None) -> float:

@@ -1,7 +1,8 @@
-"""The examples run end to end. train_gpu's MLP and CNN learn their synthetic data, and the cnn example's
-ResNet learns real MNIST digits, on the reference backend, and on the cuda backend (through Triton's
-interpreter without a GPU) with the step replayed by ember.jit, where they follow the reference's losses.
-The digits example is tested in test_training.py."""
+"""The examples run end to end. train_gpu's MLP and CNN learn their synthetic data, the cnn example's
+ResNet learns real MNIST digits and the gpt example's character-level GPT learns Python's docs, on the
+reference backend, and on the cuda backend (through Triton's interpreter without a GPU) with the step
+replayed by ember.jit, where they follow the reference's losses. The digits example is tested in
+test_training.py."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ember.examples import cnn, train_gpu
+import ember
+from ember.examples import cnn, gpt, train_gpu
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -183,6 +185,85 @@ def test_shifted_images_move_by_at_most_the_shift_with_zeros_filling_in():
         offsets.add(matches[0])
     assert len(offsets) > 10  # drawn at random, not one shift for all
     assert cnn.shifted(images, 0, np.random.default_rng(0)) is images
+
+
+# -- gpt: a character-level GPT on Python's docs -------------------------------------------------------
+
+GPT_TINY = dict(steps=30, layers=1, width=32, heads=2, context=32, batch_size=8, lr=1e-2, eval_batches=2, samples=0,
+                progress=False)
+HAS_SAMPLING = hasattr(ember, "topk") and hasattr(ember, "multinomial")
+needs_sampling = pytest.mark.skipif(not HAS_SAMPLING, reason="ember.topk and ember.multinomial are not in ember yet")
+
+
+def test_gpt_text_is_pythons_own_docs_and_its_characters_the_vocabulary():
+    text = gpt.python_docs()
+    assert len(text) > 100_000 and "assert" in text and text == gpt.python_docs()
+    vocabulary = gpt.Vocabulary(text)
+    assert 50 < len(vocabulary) < 200 and vocabulary.chars == sorted(vocabulary.chars)
+    ids = vocabulary.encode(text[:500])
+    assert ids.dtype == np.int64 and vocabulary.decode(ids) == text[:500]
+
+
+def test_gpt_learns_pythons_docs_on_the_reference_backend():
+    summary = gpt.train(device="cpu", **GPT_TINY)
+    assert summary.steps == 30 and summary.parameters > 0 and summary.samples == []
+    assert summary.final_loss < 0.85 * summary.first_loss, str(summary)
+    assert summary.val_loss < summary.first_loss, str(summary)
+    vocabulary = len(gpt.Vocabulary(gpt.python_docs()))
+    assert summary.first_loss == pytest.approx(np.log(vocabulary), rel=0.05)  # small initial logits: near uniform
+    assert not summary.amp and not summary.jit and summary.peak_bytes is None  # the cpu's defaults
+    assert summary.tokens_per_s > 0 and 3.0 < summary.unigram_entropy < 3.6
+
+
+def test_gpt_weight_decay_is_on_matrices_and_embeddings_only():
+    model = gpt.GPT(vocab=10, width=8, heads=2, layers=1, context=4)
+    decay, no_decay = gpt.parameter_groups(model, 0.1)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.ndim == 2 for p in decay["params"]) and all(p.ndim == 1 for p in no_decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def test_gpt_command_line_prints_losses_and_tokens_per_second(capsys):
+    summary = gpt.main(["--device", "cpu", "--steps", "4", "--layers", "1", "--width", "16", "--heads", "2",
+                        "--context", "16", "--batch-size", "4", "--eval-batches", "1", "--samples", "0"])
+    assert summary.steps == 4 and summary.context == 16
+    out = capsys.readouterr().out
+    for field in ("GPT (", "on Python's docs, cpu", "float32", "no jit", "val loss", "unigram entropy", "tokens/s",
+                  "device memory not tracked on the cpu"):
+        assert field in out, f"{field!r} missing from the output:\n{out}"
+
+
+@needs_sampling
+def test_gpt_samples_characters_of_the_vocabulary_after_the_prompt():
+    summary = gpt.train(device="cpu", **{**GPT_TINY, "samples": 2, "sample_length": 40})
+    vocabulary = set(gpt.python_docs())
+    assert len(summary.samples) == 2 and summary.samples[0] != summary.samples[1]  # two draws
+    for text in summary.samples:
+        assert text.startswith(gpt.PROMPT) and len(text) == len(gpt.PROMPT) + 40 and set(text) <= vocabulary
+    assert "--- sample 2 ---" in str(summary)
+
+
+@needs_sampling
+def test_gpt_sampling_with_top_k_1_is_greedy_and_past_the_context_slides_its_window():
+    text = gpt.python_docs()
+    vocabulary = gpt.Vocabulary(text)
+    ember.manual_seed(0)
+    model = gpt.GPT(len(vocabulary), width=16, heads=2, layers=1, context=8)
+    first = gpt.sample(model, vocabulary, "The ", 20, temperature=1.0, top_k=1)
+    ember.manual_seed(1)
+    assert gpt.sample(model, vocabulary, "The ", 20, temperature=0.5, top_k=1) == first  # the argmax every time
+    assert len(first) == 24
+
+
+@pytest.mark.slow
+def test_gpt_on_cuda_with_jit_follows_the_reference_losses(cuda_backend):
+    tiny = {**GPT_TINY, "steps": 5, "width": 16, "context": 16, "batch_size": 4}
+    reference = gpt.train(device="cpu", **tiny)
+    summary = gpt.train(device="cuda", amp=False, **tiny)  # jit is the default on cuda
+    assert summary.jit and summary.jit_stats["replays"] > 0, str(summary)
+    assert summary.first_loss == pytest.approx(reference.first_loss, rel=1e-4)
+    assert summary.final_loss == pytest.approx(reference.final_loss, rel=1e-3)
+    assert summary.peak_bytes is not None and "replays" in str(summary)
 
 
 NO_TORCH = """

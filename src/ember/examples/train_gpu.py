@@ -14,21 +14,17 @@ backend) the default sizes take minutes: try `--steps 30 --hidden 256`.
 from __future__ import annotations
 
 import argparse
-import time
-from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
-from tqdm import tqdm
 
 import ember
 import ember.nn as nn
 import ember.nn.functional as F
 from ember.data import DataLoader
-from ember.examples import default_device
+from ember.examples import TrainingLog, default_device
 
 CLASSES = 10
-WARMUP_STEPS = 3  # the first call, the recording and the first replay of a jit step; not timed
 
 
 def synthetic_images(samples: int, image_size: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -77,7 +73,7 @@ class Summary:
     first_loss: float
     final_loss: float  # the mean over the last few steps
     accuracy: float  # on a held-out split of the synthetic data
-    seconds: float  # the timed steps: all but the first WARMUP_STEPS
+    seconds: float  # the timed steps: all but the warm-up (TrainingLog)
     timed_steps: int
     peak_bytes: int | None = None  # ember.memory_stats peak on cuda
     jit_stats: dict | None = None
@@ -137,32 +133,17 @@ def train(model: str = "mlp", device: str | None = None, steps: int = 300, batch
 
     step = ember.jit(train_step) if jit else train_step
     log_every = max(1, steps // 50)
-    bar = tqdm(total=steps, disable=not progress, unit="step", desc=f"{model} {dtype} on {device}")
-    done, first_loss, start, timed_from = 0, float("nan"), time.perf_counter(), 0
-    last_losses: deque[ember.Tensor] = deque(maxlen=10)
-    while done < steps:
+    log = TrainingLog(steps, f"{model} {dtype} on {device}", progress, every=log_every)  # the bar's rate: steps/s
+    while log.done < steps:
         for xb, yb in loader:
-            loss = step(xb, yb)
-            done += 1
-            last_losses.append(loss)
-            if done == 1:
-                first_loss = loss.item()
-            if done == WARMUP_STEPS and steps > WARMUP_STEPS:
-                loss.item()  # wait for the warm-up steps; time the rest
-                start, timed_from = time.perf_counter(), done
-            if done % log_every == 0 or done == steps:
-                bar.set_postfix(loss=f"{loss.item():.4f}")  # the bar's rate is in steps/s
-            bar.update()
-            if done == steps:
+            log.step(step(xb, yb))
+            if log.done == steps:
                 break
-    loss.item()  # waits for the last step
-    seconds = time.perf_counter() - start
-    final_loss = float(np.mean([t.item() for t in last_losses]))
-    bar.close()
+    log.close()
     peak = ember.memory_stats(device)["peak"] if device.startswith("cuda") else None
     return Summary(model, sum(p.numel() for p in net.parameters()), device, dtype, jit, steps, batch_size,
-                   first_loss, final_loss, evaluate(net, x_test, y_test, device, dt), seconds,
-                   steps - timed_from, peak, dict(step.stats) if jit else None)
+                   log.first_loss, log.final_loss, evaluate(net, x_test, y_test, device, dt), log.timed_seconds,
+                   log.timed_steps, peak, dict(step.stats) if jit else None)
 
 
 def main(argv: list[str] | None = None) -> list[Summary]:

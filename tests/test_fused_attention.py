@@ -139,28 +139,50 @@ def test_forward_and_backward_are_one_kernel_each_and_store_no_scores(device):
     for t in (q, k, v):
         t.numpy()
     out = spelled("masked_fill_tril")(ember, q, k, v, device)
+    out = out + ember.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.2)  # draws never stored
     loss = (out * out).sum()
     grads = ember.grad(loss, [q, k, v])
     if device == "cpu":
         return  # the reference backend runs node by node: no plan of kernels
     kernels = plan(loss, *grads).kernels
     attention = [k for k in kernels if k.kind is KernelKind.ATTENTION]
-    assert len(attention) == 2
-    assert sorted(o.attrs["result"] for o in attention[0].outputs) == ["lse", "out"]
-    assert sorted(o.attrs["result"] for o in attention[1].outputs) == ["dk", "dq", "dv"]
+    results = sorted(tuple(sorted(o.attrs["result"] for o in k.outputs)) for k in attention)
+    assert results == [("dk", "dq", "dv")] * 2 + [("lse", "out")] * 2  # two attentions, each two kernels
     scores = 2 * 4 * 64 * 64
     assert all(o.numel < scores for k in kernels for o in k.outputs), "an L x S value is stored"
+
+
+def test_dropout_is_drawn_inside_the_kernels_as_the_unfused_graph_draws_it(device):
+    """SDPA's dropout and dropout written by hand on the weights are the kernel's: the same draws (one seed) give the
+    same values and gradients as the graph computed without the fused kernel, forward and backward."""
+    arrays_ = arrays(10, (2, 2, 21, 16), (2, 2, 30, 16), (2, 2, 30, 16), (2, 2, 21, 16))
+    results = []
+    for form in ("sdpa", "by_hand", "unfused"):
+        q, k, v = (ember.tensor(a, device=device).requires_grad_() for a in arrays_[:3])
+        ember.manual_seed(7)
+        if form == "sdpa":
+            out = ember.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.3, is_causal=True)
+        else:
+            scores = (q @ k.transpose(-2, -1)).masked_fill(~causal_keep(ember, 21, 30, device), float("-inf")) / 4
+            weights = ember.nn.functional.dropout(ember.nn.functional.softmax(scores, -1), 0.3, True)
+            out = weights @ v if form == "by_hand" else (weights.unsqueeze(-1) * v.unsqueeze(-3)).sum(-2)
+        assert (out._node.op is Op.ATTENTION) == (form != "unfused")
+        grads = ember.grad(out, [q, k, v], ember.tensor(arrays_[3], device=device))
+        results.append([out.numpy(), *(g.numpy() for g in grads)])
+    for fused in results[:2]:
+        for a, b in zip(fused, results[2]):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    kept = results[2][0] != 0  # some weights dropped, most kept
+    assert 0.0 < np.mean(results[0][0] == results[2][0] * kept) <= 1.0
 
 
 def test_what_is_not_attention_is_left_as_written(device):
     q, k, v = (ember.tensor(a, device=device) for a in arrays(8, (2, 5, 8), (2, 5, 8), (2, 5, 8)))
     scores = q @ k.transpose(-2, -1)
     assert (ember.nn.functional.softmax(scores, dim=1) @ v)._node.op is Op.MATMUL  # over the queries
-    dropped = ember.nn.functional.dropout(ember.nn.functional.softmax(scores, dim=-1), 0.5, training=True)
-    assert (dropped @ v)._node.op is Op.MATMUL
     half = ember.tensor(np.full((2, 5, 5), 0.5, np.float32), device=device)
     by_tensor = ember.nn.functional.softmax(scores * half, dim=-1)
     assert (by_tensor @ v)._node.op is Op.MATMUL
-    with_dropout = ember.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
-    assert with_dropout._node.op is Op.MATMUL
+    draws = ember.rand(2, 5, 5, device=device)  # not dropout's own form: a mask made apart, then applied
+    assert ((ember.nn.functional.softmax(scores, dim=-1) * (draws >= 0.5)) @ v)._node.op is Op.MATMUL
 

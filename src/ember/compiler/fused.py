@@ -73,6 +73,7 @@ OPAQUE_KINDS = {Op.MATMUL: KernelKind.MATMUL, Op.CONV2D: KernelKind.CONV2D, Op.C
                 Op.CONV2D_WEIGHT_GRAD: KernelKind.CONV2D, Op.ATTENTION: KernelKind.ATTENTION,
                 Op.ATTENTION_GRAD: KernelKind.ATTENTION, Op.ARGSORT: KernelKind.SORT}
 OPAQUE = tuple(OPAQUE_KINDS)
+DRAWS_INLINE = (Op.ATTENTION, Op.ATTENTION_GRAD)  # kernels computing a random input at each position they read
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from ember.compiler.context import CompileContext
 from ember.compiler.fused import (
+    DRAWS_INLINE,
     FULL,
     GEMM_DTYPES,
     OPAQUE,
@@ -85,7 +86,7 @@ class Planner:
                     continue
                 for i in n.inputs:  # vendor ops read strided views of stored buffers
                     base = self.view_base(i)
-                    if base.op is not Op.BUFFER:
+                    if base.op is not Op.BUFFER and not (base.op is Op.RAND and n.op in DRAWS_INLINE):
                         stored.add(id(base))
             elif n.op is Op.SCATTER_ADD or n.op.kind is Kind.REDUCE:
                 stored.add(id(n))

@@ -36,13 +36,13 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
         key, value = _grouped(fn, query, key), _grouped(fn, query, value)
     scale = scale if scale is not None else 1 / math.sqrt(query.shape[-1])
     length, keys = query.shape[-2], key.shape[-2]
-    if dropout_p == 0:  # one fused kernel, forward and backward
-        masks = [attn_mask.shape[:-2]] if attn_mask is not None and attn_mask.ndim > 2 else []
-        batch = broadcast_shapes(query.shape[:-2], key.shape[:-2], value.shape[:-2], *masks, op=fn)
-        q, k, v = (t.expand(batch + t.shape[-2:]) for t in (query, key, value))
-        mask = attn_mask.expand(batch + (length, keys)) if attn_mask is not None else None
-        if fused_attention.fusable(q, k, v, mask):
-            return fused_attention.attention(q, k, v, mask, scale, is_causal, safe=True)
+    # one fused kernel forward and one backward, where one holds the problem
+    masks = [attn_mask.shape[:-2]] if attn_mask is not None and attn_mask.ndim > 2 else []
+    batch = broadcast_shapes(query.shape[:-2], key.shape[:-2], value.shape[:-2], *masks, op=fn)
+    q, k, v = (t.expand(batch + t.shape[-2:]) for t in (query, key, value))
+    mask = attn_mask.expand(batch + (length, keys)) if attn_mask is not None else None
+    if fused_attention.fusable(q, k, v, mask):
+        return fused_attention.attention(q, k, v, mask, scale, is_causal, safe=True, dropout=dropout_p)
     scores = (query @ key.transpose(-2, -1)) * scale
     if is_causal:
         allowed = ones(length, keys, dtype=dtypes.bool_, device=query.device).tril()

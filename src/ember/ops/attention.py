@@ -10,8 +10,10 @@ for the backward, whose kernels compute the scores again per tile (ATTENTION_GRA
 a softmax over the last axis of scores `q @ kᵀ`, scaled by a constant and masked (`masked_fill`, `where` or an
 added mask) in either order, through casts (autocast runs the softmax in float32). A mask made of index arithmetic
 alone (`tril`, `triu`, comparisons of `arange`s) is evaluated once per structure, and a causal one becomes the
-kernel's `causal` flag, whose tiles above the diagonal are skipped. Dropout on the weights, a mask that needs a
-gradient, or weights used with a scale that is not a constant leave the graph as written.
+kernel's `causal` flag, whose tiles above the diagonal are skipped. Dropout on the weights (`dropout()`'s form,
+where(draw >= p, w / (1 - p), 0) of a uniform draw) is the kernel's: the draws are a RAND leaf that the kernels
+compute at each position, forward and backward, never stored. A mask that needs a gradient, or a scale that is not a
+constant, leaves the graph as written.
 """
 
 from __future__ import annotations
@@ -24,20 +26,27 @@ from ember import autograd, dtypes
 from ember.ir import Kind, Node, Op
 from ember.ir.node import toposort
 from ember.ir.ops import check_shape, define
+from ember.ops import random
 from ember.tensor import Tensor, apply
 
 MAX_HEAD_DIM = 256  # the widest rows of queries, keys or values a kernel holds on chip
 FLOATS = (dtypes.float16, dtypes.bfloat16, dtypes.float32)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, causal: bool,
-              safe: bool) -> Tensor:
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, causal: bool, safe: bool,
+              dropout: float = 0.0, draws: Tensor | None = None) -> Tensor:
     """The ATTENTION node (see the module's doc). `safe`: a query row no key is left to gets zeros (PyTorch's
-    scaled_dot_product_attention) rather than NaN (a softmax over -inf alone, as written by hand)."""
+    scaled_dot_product_attention) rather than NaN (a softmax over -inf alone, as written by hand). `dropout`: the
+    probability of zeroing a weight (the rest scaled by 1 / (1 - dropout)), decided as `dropout()` decides, by
+    uniform `draws` of the scores' shape (drawn here where not given): a RAND leaf, which the kernels compute at
+    each position from the counter-based generator, forward and backward, and never store."""
     kind = None if mask is None else "keep" if mask.dtype is dtypes.bool_ else "add"
-    inputs = (q, k, v) if mask is None else (q, k, v, mask)
+    inputs = [q, k, v] + ([mask] if mask is not None else [])
+    if dropout > 0:
+        inputs.append(draws if draws is not None else
+                      random.rand(q.shape[:-1] + (k.shape[-2],), device=q.device))
     return apply(Op.ATTENTION, *inputs, scale=float(scale), causal=bool(causal), mask=kind, safe=bool(safe),
-                 result="out")
+                 dropout=float(dropout), result="out")
 
 
 def fusable(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> bool:
@@ -61,6 +70,10 @@ def recognised(weights: Tensor, value: Tensor) -> Tensor | None:
     module's doc); None otherwise."""
     node = weights._node
     p = _under_casts(weights)
+    dropout, draws = 0.0, None
+    if p is not None and p._node.op is Op.WHERE:  # dropout(weights): where(rand >= p, weights * 1/(1-p), 0)
+        p, dropout, draws = _dropped(p)
+        p = _under_casts(p) if p is not None else None
     if p is None or p._node.op is not Op.SOFTMAX or p._node.attrs["axis"] != p.ndim - 1 or p.ndim < 2:
         return None
     scores = _under_casts(_parents(p)[0])
@@ -100,7 +113,24 @@ def recognised(weights: Tensor, value: Tensor) -> Tensor | None:
             mask = mask.logical_not()
     if not fusable(q, k, value, mask) or q.dtype is not value.dtype or value.dtype is not node.dtype:
         return None
-    return attention(q, k, value, mask, scale, causal, safe=False)
+    if draws is not None and draws.shape != q.shape[:-1] + (k.shape[-2],):
+        return None
+    return attention(q, k, value, mask, scale, causal, safe=False, dropout=dropout, draws=draws)
+
+
+def _dropped(t: Tensor) -> tuple[Tensor | None, float, Tensor | None]:
+    """For `dropout(x, p)` as ember.ops.random.dropout builds it: x, p and its uniform draws (a RAND leaf);
+    (None, 0, None) for anything else."""
+    keep, scaled, zero = _parents(t)
+    if keep._node.op is not Op.LE or _constant(zero) != 0.0 or scaled._node.op is not Op.MUL:  # p <= draw
+        return None, 0.0, None
+    threshold, draws = _parents(keep)
+    x, factor = _parents(scaled)
+    p = _constant(threshold)
+    if draws._node.op is not Op.RAND or draws._node.attrs["distribution"] != "uniform" or p is None \
+            or not 0.0 < p < 1.0 or _constant(factor) is None or abs(_constant(factor) * (1 - p) - 1) > 1e-6:
+        return None, 0.0, None
+    return x, p, draws
 
 
 def _parents(t: Tensor) -> list[Tensor]:
@@ -198,7 +228,18 @@ def _log_sum_exp(s: np.ndarray, safe: bool) -> np.ndarray:
     return lse[..., 0].astype(np.float32)
 
 
-def _np_attention(q, k, v, mask=None, *, scale, causal, mask_kind=None, safe, result, **_):
+def _extra(extra: tuple, mask_kind, dropout: float) -> tuple:
+    """The optional inputs after q, k, v (and dO, lse, delta): the mask, and the dropout's kept weights' factor
+    (0, or 1 / (1 - p) where a draw keeps the weight)."""
+    mask = extra[0] if mask_kind is not None else None
+    kept = None
+    if dropout > 0:
+        kept = np.where(extra[-1] >= np.float32(dropout), np.float32(1 / (1 - dropout)), np.float32(0))
+    return mask, kept
+
+
+def _np_attention(q, k, v, *extra, scale, causal, mask_kind=None, safe, result, dropout=0.0, **_):
+    mask, kept = _extra(extra, mask_kind, dropout)
     s = _scores(q, k, mask, scale, causal)
     lse = _log_sum_exp(s, safe)
     if result == "lse":
@@ -207,17 +248,19 @@ def _np_attention(q, k, v, mask=None, *, scale, causal, mask_kind=None, safe, re
         p = np.exp(s - lse[..., None])
     if s.shape[-1] == 0:
         return np.zeros(q.shape[:-1] + (v.shape[-1],), np.float32)
-    return np.matmul(p, v.astype(np.float32))
+    return np.matmul(p if kept is None else p * kept, v.astype(np.float32))
 
 
-def _np_attention_grad(q, k, v, do, lse, delta, mask=None, *, scale, causal, result, **_):
+def _np_attention_grad(q, k, v, do, lse, delta, *extra, scale, causal, mask_kind=None, result, dropout=0.0, **_):
+    mask, kept = _extra(extra, mask_kind, dropout)
     s = _scores(q, k, mask, scale, causal)
     with np.errstate(invalid="ignore", over="ignore"):
         p = np.exp(s - lse[..., None])
     do = do.astype(np.float32)
     if result == "dv":
-        return np.matmul(np.swapaxes(p, -1, -2), do)
-    ds = p * (np.matmul(do, np.swapaxes(v, -1, -2).astype(np.float32)) - delta[..., None]) * np.float32(scale)
+        return np.matmul(np.swapaxes(p if kept is None else p * kept, -1, -2), do)
+    dp = np.matmul(do, np.swapaxes(v, -1, -2).astype(np.float32))
+    ds = p * ((dp if kept is None else dp * kept) - delta[..., None]) * np.float32(scale)
     if result == "dq":
         return np.matmul(ds, k.astype(np.float32))
     return np.matmul(np.swapaxes(ds, -1, -2), q.astype(np.float32))
@@ -237,13 +280,13 @@ def _attention_vjp(g, xs, out, a):
     if a["result"] != "out":
         raise NotImplementedError("attention: the log-sum-exp of attention rows has no gradient")
     q, k, v = xs[:3]
-    mask = xs[3:]
+    extra = xs[3:]  # the mask and the dropout's draws: no gradient
     with autograd.no_grad():
         lse = apply(Op.ATTENTION, *xs, **{**a, "result": "lse"})
-        delta = (g.float() * out.detach().float()).sum(-1)
-        grads = [apply(Op.ATTENTION_GRAD, q, k, v, g, lse, delta, *mask, **{**a, "result": r})
+        delta = (g.float() * out.detach().float()).sum(-1)  # with dropout too: rowsum(dP * P) = rowsum(dO * O)
+        grads = [apply(Op.ATTENTION_GRAD, q, k, v, g, lse, delta, *extra, **{**a, "result": r})
                  for r in ("dq", "dk", "dv")]  # those no input needs are never computed
-    return (*grads, *(None for _ in mask))
+    return (*grads, *(None for _ in extra))
 
 
 def _attention_grad_vjp(g, xs, out, a):

@@ -11,7 +11,8 @@ Lowering (as FlashAttention-2 computes it):
   scores of a tile in registers (in base 2: exp2 of scores scaled by log2(e)), the row maximum and sum updated
   online, the weighted values accumulated and rescaled; the L x S scores are never stored. Causal: the tiles past
   a block's last query are not visited. It stores the output and, where the backward wants it, each row's
-  log-sum-exp.
+  log-sum-exp. Dropout multiplies the weights after their row sum, by a factor computed from the counter-based
+  generator at each score's position (the backward computes the same).
 - backward: the first launch holds a block of keys and values per program and walks the queries, computing the
   weights again from the stored log-sum-exp (dV += Pᵀ dO, dK += dSᵀ Q); the second holds a block of queries and walks
   the keys (dQ += dS K), where dS = P · (dO Vᵀ - rowsum(dO · O)) and the row sums are an input, a row reduction of
@@ -75,7 +76,10 @@ class _Problem:
         self.q, self.k, self.v = node.inputs[:3]
         if node.op is Op.ATTENTION_GRAD:
             self.do, self.lse, self.delta = node.inputs[3:6]
-        self.mask = node.inputs[-1] if node.attrs["mask"] is not None else None
+        extra = node.inputs[6 if node.op is Op.ATTENTION_GRAD else 3:]
+        self.mask = extra[0] if node.attrs["mask"] is not None else None
+        self.dropout = node.attrs["dropout"]
+        self.draws = extra[-1] if self.dropout > 0 else None  # a RAND leaf, computed where it is read
         self.additive = node.attrs["mask"] == "add"
         self.causal, self.safe, self.scale = node.attrs["causal"], node.attrs["safe"], node.attrs["scale"]
         self.batch = self.q.shape[:-2]
@@ -168,12 +172,7 @@ class _Tiles:
         if diagonal:
             valid.append(Bin("<=", keys, queries))
         if p.mask is not None:
-            inside = None
-            bounds = {axis: m for axis, m in (("m", queries_ok), ("n", keys_ok)) if m is not None}
-            if bounds:  # split by axis, so a mask broadcast along one axis is loaded along the other alone
-                inside = em.define(both(*bounds.values()), "inside")
-                em.mask_parts[inside] = bounds
-            given, _ = em.value(p.mask, Index((*self.head_dims, queries, keys), None, inside, OTHER))
+            given, _ = em.value(p.mask, self.score_index(queries, queries_ok, keys, keys_ok))
             if p.additive:
                 s = em.define(Bin("+", s, Bin("*", given, Lit(LOG2E, dtypes.float32))), "s")
             else:
@@ -181,6 +180,28 @@ class _Tiles:
         if valid:
             s = em.define(call("where", both(*valid), s, Lit(-math.inf, dtypes.float32)), "s")
         return s
+
+    def score_index(self, queries: Var, queries_ok: Expr | None, keys: Var, keys_ok: Expr | None) -> Index:
+        """The index of a tile of scores in a (..., L, S) value (a mask, the dropout's draws), masked to the positions
+        in range; the mask split by axis, so a value broadcast along one axis is loaded along the other alone."""
+        em = self.em
+        bounds = {axis: m for axis, m in (("m", queries_ok), ("n", keys_ok)) if m is not None}
+        inside = None
+        if bounds:
+            inside = em.define(both(*bounds.values()), "inside")
+            em.mask_parts[inside] = bounds
+        return Index((*self.head_dims, queries, keys), None, inside, OTHER)
+
+    def kept(self, queries: Var, queries_ok: Expr | None, keys: Var, keys_ok: Expr | None) -> Var | None:
+        """The dropout's factor at each position of a tile: 1 / (1 - p) where the draw keeps the weight, else 0, as
+        `dropout()` decides (draw >= p); None without dropout. The draws are the counter-based generator's at the
+        positions' linear index, the same numbers forward and backward."""
+        p, em = self.p, self.em
+        if p.draws is None:
+            return None
+        draw, _ = em.value(p.draws, self.score_index(queries, queries_ok, keys, keys_ok))
+        return em.define(call("where", Bin(">=", draw, Lit(p.dropout, dtypes.float32)),
+                              Lit(1 / (1 - p.dropout), dtypes.float32), Lit(0.0, dtypes.float32)), "kept")
 
     def walk(self, spans: list[tuple[Expr, Expr, bool]], step: Block, stages: int,
              body: Callable[[Var, bool, str], None]) -> None:
@@ -289,7 +310,9 @@ def _forward(ctx: Context, kernel: FusedKernel, out: Node | None, lse: Node | No
         row_sum = call("reduce", weights, combine="sum", axis=1, drop="n")
         em.emit(Assign((l_i,), Bin("+", Bin("*", l_i, alpha), row_sum)))
         v = t.tile(p.v, keys, keys_ok, p.v_width, BLOCK_E)
-        em.emit(Assign((acc,), call("dot", call("cast", weights, dtype=p.dtype), v, Bin("*", acc, alpha),
+        kept = t.kept(rows, rows_ok, cols, cols_ok)  # dropout: after the row sum, which normalises all weights
+        dropped = weights if kept is None else em.define(Bin("*", weights, kept), "p")
+        em.emit(Assign((acc,), call("dot", call("cast", dropped, dtype=p.dtype), v, Bin("*", acc, alpha),
                                     **t.precision)))
         em.emit(Assign((m_i,), m_new))
 
@@ -327,9 +350,13 @@ def _key_grads(ctx: Context, kernel: FusedKernel, dk: Node | None, dv: Node | No
         s = t.scores(k, q, cols, cols_ok, keys, keys_ok, (BLOCK_N, BLOCK_M), diagonal)  # sᵀ: keys by queries
         lse = t.row_values(p.lse, cols, cols_ok)
         weights = em.define(call("exp2", Bin("-", s, Bin("*", lse, Lit(LOG2E, f32)))), "pt")  # 0 past the queries
-        em.emit(Assign((dv_acc,), call("dot", call("cast", weights, dtype=p.dtype), do, dv_acc, **t.precision)))
+        kept = t.kept(cols, cols_ok, keys, keys_ok)
+        dropped = weights if kept is None else em.define(Bin("*", weights, kept), "pt")
+        em.emit(Assign((dv_acc,), call("dot", call("cast", dropped, dtype=p.dtype), do, dv_acc, **t.precision)))
         dpt = em.define(call("dot", v, call("trans", do), call("zeros", shape=(BLOCK_N, BLOCK_M), dtype=f32),
                              **t.precision), "dpt")
+        if kept is not None:  # the gradient of the kept weights
+            dpt = em.define(Bin("*", dpt, kept), "dpt")
         delta = t.row_values(p.delta, cols, cols_ok)
         dst = em.define(Bin("*", weights, Bin("-", dpt, delta)), "dst")
         em.emit(Assign((dk_acc,), call("dot", call("cast", dst, dtype=p.dtype), q, dk_acc, **t.precision)))
@@ -366,6 +393,9 @@ def _query_grad(ctx: Context, kernel: FusedKernel, dq: Node) -> Function:
         weights = em.define(call("exp2", Bin("-", s, lse2)), "p")
         dp = em.define(call("dot", do, call("trans", v), call("zeros", shape=(BLOCK_M, BLOCK_N), dtype=f32),
                             **t.precision), "dp")
+        kept = t.kept(rows, rows_ok, cols, cols_ok)
+        if kept is not None:
+            dp = em.define(Bin("*", dp, kept), "dp")
         ds = em.define(Bin("*", weights, Bin("-", dp, delta)), "ds")
         em.emit(Assign((dq_acc,), call("dot", call("cast", ds, dtype=p.dtype), k, dq_acc, **t.precision)))
 

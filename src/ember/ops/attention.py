@@ -69,6 +69,11 @@ def recognised(weights: Tensor, value: Tensor) -> Tensor | None:
     """`weights @ value` as one ATTENTION node, if `weights` is a masked, scaled softmax of `q @ kᵀ` (see the
     module's doc); None otherwise."""
     node = weights._node
+    under = node
+    while under.op is Op.CAST:  # every matmul asks: rejected on the nodes, before any Tensor is made
+        under = under.inputs[0]
+    if under.op is not Op.SOFTMAX and under.op is not Op.WHERE:
+        return None
     p = _under_casts(weights)
     dropout, draws = 0.0, None
     if p is not None and p._node.op is Op.WHERE:  # dropout(weights): where(rand >= p, weights * 1/(1-p), 0)

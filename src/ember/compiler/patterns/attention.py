@@ -100,19 +100,25 @@ class _Tiles:
     """The statements of one launch: its program's head and block, its loads and stores, and the scores of a tile
     of queries and keys as the forward and both backward loops compute them."""
 
-    def __init__(self, ctx: Context, kernel: FusedKernel, problem: _Problem, constexprs: dict[str, int], along: str):
-        self.ctx, self.p, self.constexprs = ctx, problem, constexprs
+    def __init__(self, ctx: Context, kernel: FusedKernel, launch: str):
+        """The launch ("forward", "keys": dK and dV, "queries": dQ) of the attention `kernel` computes: its problem,
+        configuration (see CONFIGS), and each program's head and the first position of the block it holds (of keys
+        for "keys", else of queries)."""
+        self.ctx, self.p = ctx, _Problem(kernel.root)
+        problem = self.p
+        self.constexprs, self.warps, self.stages = config(ctx, problem, launch)
+        held = BLOCK_N if launch == "keys" else BLOCK_M
         self.body: list = []
-        self.em = Emitter(ctx, kernel, self.body)
-        self.em.blocks = {"m": BLOCK_M, "n": BLOCK_N, "d": BLOCK_D, "e": BLOCK_E}
-        size = problem.length if along == "m" else problem.keys
-        self.programs_per_head = -(-size // constexprs["BLOCK_M" if along == "m" else "BLOCK_N"])
+        self.em = em = Emitter(ctx, kernel, self.body)
+        em.blocks = {"m": BLOCK_M, "n": BLOCK_N, "d": BLOCK_D, "e": BLOCK_E}
+        size = problem.keys if launch == "keys" else problem.length
+        self.programs_per_head = -(-size // self.constexprs[held.name])
         self.grid = self.programs_per_head * problem.heads
-        em = self.em
         pid = em.bind("pid", call("program_id", axis=0))
-        self.block = em.bind("block", Bin("%", pid, Lit(self.programs_per_head)))
+        block = em.bind("block", Bin("%", pid, Lit(self.programs_per_head)))
         head = em.bind("head", widened(em, Bin("//", pid, Lit(self.programs_per_head))))
         self.head_dims = em.unravel(head, problem.batch) if problem.batch else ()
+        self.first = em.bind("first", Bin("*", block, held))
         self.precision = {"precision": ctx.settings.dot_precision(problem.dtype)} \
             if problem.dtype is dtypes.float32 else {}
 
@@ -203,8 +209,7 @@ class _Tiles:
         return em.define(call("where", Bin(">=", draw, Lit(p.dropout, dtypes.float32)),
                               Lit(1 / (1 - p.dropout), dtypes.float32), Lit(0.0, dtypes.float32)), "kept")
 
-    def walk(self, spans: list[tuple[Expr, Expr, bool]], step: Block, stages: int,
-             body: Callable[[Var, bool, str], None]) -> None:
+    def walk(self, spans: list[tuple[Expr, Expr, bool]], step: Block, body: Callable[[Var, bool, str], None]) -> None:
         """One loop over [start, stop) in steps of `step` per span, its body emitted by `body(position, diagonal,
         tag)`: `diagonal` where the causal mask cuts through the span's tiles (elsewhere every key is attended to,
         and the mask is not computed). What one loop computes is not read by the next (its names are its own)."""
@@ -213,7 +218,7 @@ class _Tiles:
         for n, (start, stop, diagonal) in enumerate(spans):
             em.memo, em.unravelled = dict(memo), dict(unravelled)
             tag = "" if n == 0 else f"_{n}"
-            loop = Loop(Var("start" + tag), start, stop, step, stages=stages)
+            loop = Loop(Var("start" + tag), start, stop, step, stages=self.stages)
             em.emit(loop)
             em.block = loop.body
             body(loop.var, diagonal, tag)
@@ -239,9 +244,9 @@ class _Tiles:
             return [(begin, Lit(size), True)]
         return [(begin, end, True), (end, Lit(size), False)]
 
-    def function(self, suffix: str, warps: int) -> Function:
+    def function(self, suffix: str) -> Function:
         self.em.block = self.body
-        return self.ctx.function(suffix, self.body, dict(self.constexprs), self.grid, warps)
+        return self.ctx.function(suffix, self.body, dict(self.constexprs), self.grid, self.warps)
 
 
 # (BLOCK_M, BLOCK_N, warps, stages) per launch and widest head dim (padded): the forward's block of queries and
@@ -285,12 +290,8 @@ def lower_attention(ctx: Context, kernel: FusedKernel) -> list[Function]:
 
 
 def _forward(ctx: Context, kernel: FusedKernel, out: Node | None, lse: Node | None) -> Function:
-    p = _Problem(kernel.root)
-    blocks, warps, stages = config(ctx, p, "forward")
-    t = _Tiles(ctx, kernel, p, blocks, "m")
-    em = t.em
-    f32 = dtypes.float32
-    first = em.bind("first", Bin("*", t.block, BLOCK_M))
+    t = _Tiles(ctx, kernel, "forward")
+    p, em, first, f32 = t.p, t.em, t.first, dtypes.float32
     rows, rows_ok = t.positions(first, BLOCK_M, 0, p.length, "rows")
     q = t.tile(p.q, rows, rows_ok, p.width, BLOCK_D)
     m_i = em.bind("m_i", call("full", Lit(-math.inf, f32), shape=(BLOCK_M, 1), dtype=f32))
@@ -316,7 +317,7 @@ def _forward(ctx: Context, kernel: FusedKernel, out: Node | None, lse: Node | No
                                     **t.precision)))
         em.emit(Assign((m_i,), m_new))
 
-    t.walk(t.spans(first, BLOCK_M, BLOCK_N, p.keys, before=True), BLOCK_N, stages, step)
+    t.walk(t.spans(first, BLOCK_M, BLOCK_N, p.keys, before=True), BLOCK_N, step)
     empty = Bin("==", l_i, Lit(0.0, f32))
     if out is not None:
         # a row no key is left to: 0 / 0 is NaN as a softmax over -inf alone gives, or zeros where `safe`
@@ -326,16 +327,13 @@ def _forward(ctx: Context, kernel: FusedKernel, out: Node | None, lse: Node | No
         log_sum = Bin("*", Bin("+", m_i, call("log2", l_i)), Lit(LN2, f32))
         fill = Lit(math.inf if p.safe else math.nan, f32)
         t.store(lse, call("where", empty, fill, log_sum), rows, rows_ok)
-    return t.function("", warps)
+    return t.function("")
 
 
 def _key_grads(ctx: Context, kernel: FusedKernel, dk: Node | None, dv: Node | None) -> Function:
     """dK and dV: a program per block of keys walks the queries that attend to them."""
-    p = _Problem(kernel.root)
-    blocks, warps, stages = config(ctx, p, "keys")
-    t = _Tiles(ctx, kernel, p, blocks, "n")
-    em, f32 = t.em, dtypes.float32
-    first = em.bind("first", Bin("*", t.block, BLOCK_N))
+    t = _Tiles(ctx, kernel, "keys")
+    p, em, first, f32 = t.p, t.em, t.first, dtypes.float32
     keys, keys_ok = t.positions(first, BLOCK_N, 0, p.keys, "keys")
     k = t.tile(p.k, keys, keys_ok, p.width, BLOCK_D)
     v = t.tile(p.v, keys, keys_ok, p.v_width, BLOCK_E)
@@ -362,21 +360,18 @@ def _key_grads(ctx: Context, kernel: FusedKernel, dk: Node | None, dv: Node | No
         em.emit(Assign((dk_acc,), call("dot", call("cast", dst, dtype=p.dtype), q, dk_acc, **t.precision)))
 
     # queries before the block's first key attend to none of its keys
-    t.walk(t.spans(first, BLOCK_N, BLOCK_M, p.length, before=False), BLOCK_M, stages, step)
+    t.walk(t.spans(first, BLOCK_N, BLOCK_M, p.length, before=False), BLOCK_M, step)
     if dk is not None:
         t.store(dk, Bin("*", dk_acc, Lit(p.scale, f32)), keys, keys_ok, p.width, BLOCK_D)
     if dv is not None:
         t.store(dv, dv_acc, keys, keys_ok, p.v_width, BLOCK_E)
-    return t.function("_dkv", warps)
+    return t.function("_dkv")
 
 
 def _query_grad(ctx: Context, kernel: FusedKernel, dq: Node) -> Function:
     """dQ: a program per block of queries walks the keys they attend to."""
-    p = _Problem(kernel.root)
-    blocks, warps, stages = config(ctx, p, "queries")
-    t = _Tiles(ctx, kernel, p, blocks, "m")
-    em, f32 = t.em, dtypes.float32
-    first = em.bind("first", Bin("*", t.block, BLOCK_M))
+    t = _Tiles(ctx, kernel, "queries")
+    p, em, first, f32 = t.p, t.em, t.first, dtypes.float32
     rows, rows_ok = t.positions(first, BLOCK_M, 0, p.length, "rows")
     q = t.tile(p.q, rows, rows_ok, p.width, BLOCK_D)
     do = t.tile(p.do, rows, rows_ok, p.v_width, BLOCK_E)
@@ -399,9 +394,9 @@ def _query_grad(ctx: Context, kernel: FusedKernel, dq: Node) -> Function:
         ds = em.define(Bin("*", weights, Bin("-", dp, delta)), "ds")
         em.emit(Assign((dq_acc,), call("dot", call("cast", ds, dtype=p.dtype), k, dq_acc, **t.precision)))
 
-    t.walk(t.spans(first, BLOCK_M, BLOCK_N, p.keys, before=True), BLOCK_N, stages, step)
+    t.walk(t.spans(first, BLOCK_M, BLOCK_N, p.keys, before=True), BLOCK_N, step)
     t.store(dq, Bin("*", dq_acc, Lit(p.scale, f32)), rows, rows_ok, p.width, BLOCK_D)
-    return t.function("_dq", warps)
+    return t.function("_dq")
 
 
 PATTERN = Pattern("attention", ((Stage.CLAIM, group_results),), lowers=lambda k: k.kind is KernelKind.ATTENTION,

@@ -114,6 +114,69 @@ def test_a_long_reduction_over_several_adjacent_axes_is_split_across_programs(rn
     assert_close(x.amax(dims), xc.amax(dims))
 
 
+def test_a_norms_weight_gradient_reads_each_input_once_and_its_row_statistics_once_per_row(rng, monkeypatch):
+    """A layer norm's weight and bias gradients sum x̂·dy and dy down the rows: a split column sum whose programs
+    each hold a block of columns inside one part of the rows. Each row's mean and variance vary along the rows
+    only, so they are loaded (and the inverse deviation computed) once per row of a chunk, not per element, and
+    dy, read by both sums through the same reshape, is loaded once. (Thresholds scaled down, as above.)"""
+    from ember.compiler import passes
+
+    for name, value in (("SPLIT_MIN_PROGRAMS", 64), ("SPLIT_MIN_LENGTH", 128), ("SPLIT_MIN_ELEMENTS", 1 << 12)):
+        monkeypatch.setattr(passes, name, value)
+    x, xc = pair(rng, 512, 512)
+    dy, dyc = pair(rng, 512, 512)
+    w, wc = pair(rng, 512)
+    b, bc = pair(rng, 512)
+    grads = []
+    for inputs in ((x, dy, w, b), (xc, dyc, wc, bc)):
+        xi, dyi, *params = (t.detach().requires_grad_() for t in inputs)
+        out = ember.nn.functional.layer_norm(xi, (512,), *params)
+        grads.append(ember.grad(out, params, dyi.detach()))
+    p = plan(*grads[0])
+    # the partial sums: over the middle axis of (parts, rows per part, 512)
+    column_sums = [p.sources[id(k)].text for k in p.kernels if k.axes == (1,) and len(k.space) == 3]
+    assert len(column_sums) == 1, str(p)
+    (text,) = column_sums
+    assert text.count("tl.load(") == 4, text  # x, dy, and the two row statistics
+    assert text.count("mask=cmask") == 2, text  # the statistics: one value per row of the chunk
+    for fused, reference in zip(*grads):
+        assert_close(fused, reference, rtol=1e-4, atol=1e-4)
+
+
+def test_a_row_kernels_loads_are_issued_before_its_reductions(rng):
+    """A layer norm's forward and backward in one row kernel: x, dy, the weight and the bias are loaded before the
+    first row sum, so their loads are in flight together rather than each after the reductions before it."""
+    x, xc = pair(rng, 6, 40)
+    dy, dyc = pair(rng, 6, 40)
+    w, wc = pair(rng, 40)
+    b, bc = pair(rng, 40)
+    results = []
+    for inputs in ((x, dy, w, b), (xc, dyc, wc, bc)):
+        xi, dyi, wi, bi = (t.detach().requires_grad_() for t in inputs)
+        out = ember.nn.functional.layer_norm(xi, (40,), wi, bi)
+        results.append((out, *ember.grad(out, [xi], dyi.detach())))
+    rows = [s.text for s in plan(*results[0]).sources.values() if "tl.sum(" in s.text]
+    assert rows
+    for text in rows:
+        body = text[text.index("@triton.jit"):]
+        assert body.rindex("tl.load(") < body.index("tl.sum("), text
+    for fused, reference in zip(*results):
+        assert_close(fused, reference, rtol=1e-4, atol=1e-5)
+
+
+def test_a_division_by_a_literal_power_of_two_is_a_multiplication(rng):
+    """A norm's division by its row length, a power of two fixed by the expansion, is the product with its
+    reciprocal (the same number: scaling by a power of two is exact), so no division's instructions run per row."""
+    values = rng.uniform(-3, 3, size=(5, 8)).astype(np.float32)
+    values[0] *= np.float32(2.0**-120)  # statistics near float32's smallest normal
+    values[1] *= np.float32(2.0**60)
+    x, xc = ember.tensor(values, device="cuda"), ember.tensor(values)
+    out = ember.nn.functional.layer_norm(x, (8,))
+    (text,) = [s.text for s in plan(out).sources.values()]
+    assert "* 0.125" in text and "div_rn(v" not in text, text  # 1 / std stays div_rn(1.0, ...)
+    assert_close(out, ember.nn.functional.layer_norm(xc, (8,)), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("shape", [(6, 5, 4, 3), (1, 5, 4, 3), (6, 1, 4, 3), (6, 5, 1, 1), (6, 5, 1, 3), (6, 5, 0, 3)])
 def test_reductions_over_axes_that_kept_axes_interleave_run_in_two_stages(rng, shape):
     x, xc = pair(rng, *shape)

@@ -90,6 +90,21 @@ def padded_width(width: int) -> int:
     return max(16, 1 << (width - 1).bit_length())
 
 
+def merges_only(shape: tuple[int, ...], source: tuple[int, ...]) -> bool:
+    """Whether a reshape from `source` to `shape` only splits dimensions of `source`: each of them is then a run of
+    `shape`'s, and positions in `shape` map back by merging runs (no division)."""
+    i = j = 0
+    while i < len(shape) and j < len(source):
+        left, right, i, j = shape[i], source[j], i + 1, j + 1
+        while left != right:
+            if left < right:
+                left *= shape[i]
+                i += 1
+            else:
+                return False  # a dimension of `shape` spans several of `source`'s
+    return True
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
@@ -401,9 +416,11 @@ class Emitter:
         level = input_level(node, idx.level, self.kernel.space, self.kernel.axes, 0)
         if op is Op.RESHAPE:
             loaded = node.inputs[0].op is Op.BUFFER or id(node.inputs[0]) in self.ctx.stored
-            if idx.dims is None or 0 in source or loaded:
+            if idx.dims is None or 0 in source or (loaded and not merges_only(node.shape, source)):
                 # the linear position is the same on both sides of a reshape (empty: no runs to match); a
-                # reshaped buffer is loaded at it rather than at its positions regrouped (a division each)
+                # reshaped buffer is loaded at it rather than at its positions regrouped (a division each). One
+                # that only merges runs is loaded at its positions merged, the index every other reader of the
+                # buffer through the same reshape computes, so they share one load.
                 return Index(None, self.linear(idx, node.shape), idx.mask, level)
             return Index(self.reshape_dims(idx.dims, node.shape, source), None, idx.mask, level)
         dims = self.dims(idx, node.shape)
@@ -574,6 +591,33 @@ def hoist_loads(block: list) -> list:
             rest.append(s)
             touched |= targets | read_names(s.value)
     return block[:first] + moved + rest
+
+
+def loads_first(block: list) -> list:
+    """The statements of a straight-line `block` with each load moved up to just after the statements that
+    compute what its address and mask read (and after the loads before it): a row kernel's loads are then in
+    flight together, before the reductions between them wait on each other. As in hoist_loads, moving a load
+    above a store is safe in a kernel of one element per position."""
+    if any(isinstance(s, (Loop, Branch)) for s in block) or \
+            any(isinstance(s, Effect) and s.value.fn not in ("store", "record_index") for s in block):
+        return block
+    assigned = Counter(t.name for s in block if isinstance(s, Assign) for t in s.targets)
+    out: list = []
+    for s in block:
+        if isinstance(s, Assign) and reads_memory(s.value) and all(assigned[t.name] == 1 for t in s.targets):
+            needs = read_names(s.value)
+            at = len(out)
+            while at and isinstance(out[at - 1], Effect | Assign) and not _is_load(out[at - 1]) and \
+                    not (isinstance(out[at - 1], Assign) and {t.name for t in out[at - 1].targets} & needs):
+                at -= 1
+            out.insert(at, s)
+        else:
+            out.append(s)
+    return out
+
+
+def _is_load(s) -> bool:
+    return isinstance(s, Assign) and reads_memory(s.value)
 
 
 def hoist_invariant_loads(loop: Loop, fits: Callable[[list[Assign]], bool]) -> None:

@@ -25,6 +25,7 @@ import numpy as np
 
 from ember import dtypes
 from ember.compiler.patterns.gemm import gemm_splits  # the GEMM pattern's own decision (_summed_by_gemms)
+from ember.compiler.patterns.rows import KEPT_BLOCK  # the row pattern's block of kept positions
 from ember.errors import CompileError
 from ember.ir import Kind, Node, Op, toposort
 from ember.ir.node import is_runtime_scalar, static_key
@@ -512,9 +513,9 @@ class _Builder:
             x = self.make(Op.RESHAPE, (x,), {"shape": merged}, _like(x, merged))
         n, outputs = x.shape[axis], original.numel
         # a row kernel gives each program one or a few rows when the reduced axis is the last one,
-        # and a block of 128 outputs when it is a leading axis (the kept axes are contiguous then)
+        # and a block of KEPT_BLOCK outputs when it is a leading axis (the kept axes are contiguous then)
         trailing = all(s == 1 for s in x.shape[axis + 1:])
-        programs = outputs if trailing else -(-outputs // 128)
+        programs = outputs if trailing else -(-outputs // KEPT_BLOCK)
         if programs >= SPLIT_MIN_PROGRAMS or n < SPLIT_MIN_LENGTH or n * outputs < SPLIT_MIN_ELEMENTS:
             return None
         # the partial results fill SPLIT_MIN_PROGRAMS programs (rows) or blocks of outputs (columns), so the

@@ -658,9 +658,26 @@ _define_binary(Op.ADD, lambda g, xs, out, a: (g, g), np.add,  # True + True is T
                lambda t: f"{t.x} | {t.y}" if t.dtype is dtypes.bool_ else f"{t.x} + {t.y}")
 _define_binary(Op.SUB, lambda g, xs, out, a: (g, -g), np.subtract, lambda t: f"{t.x} - {t.y}")
 _define_binary(Op.MUL, lambda g, xs, out, a: (g * xs[1], g * xs[0]), np.multiply, lambda t: f"{t.x} * {t.y}")
-_define_binary(Op.DIV, lambda g, xs, out, a: (g / xs[1], -g * out / xs[1]), _np_div,
-               lambda t: (f"lib.div_rn({t.x}, {t.y})" if t.dtype is dtypes.float32 else  # rounded as torch's
-                          f"{t.x} / {t.y}" if t.floating else f"lib.truncdiv_int({t.x}, {t.y})"))
+def _power_of_two(text: str) -> float | None:
+    """The literal `text` if it is a power of two whose reciprocal is a normal float32, else None."""
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    mantissa, exponent = math.frexp(value) if math.isfinite(value) else (0.0, 0)
+    return value if mantissa in (0.5, -0.5) and -120 < exponent < 120 else None
+
+
+def _triton_divide(t) -> str:
+    """x / y rounded as torch rounds it. By a power of two, the product with its reciprocal: the same number (the
+    scaling is exact), without a division's instructions (a mean's 1/n, a norm's)."""
+    if t.dtype is dtypes.float32:
+        by = _power_of_two(t.y)
+        return f"{t.x} * {1.0 / by!r}" if by is not None else f"lib.div_rn({t.x}, {t.y})"
+    return f"{t.x} / {t.y}" if t.floating else f"lib.truncdiv_int({t.x}, {t.y})"
+
+
+_define_binary(Op.DIV, lambda g, xs, out, a: (g / xs[1], -g * out / xs[1]), _np_div, _triton_divide)
 _define_binary(Op.FLOORDIV, _zero_grad, _np_checked(np.floor_divide), _triton_library("floordiv"))
 _define_binary(Op.MOD, lambda g, xs, out, a: (g, -g * (xs[0] // xs[1])), _np_checked(np.remainder),
                _triton_library("remainder"))

@@ -11,9 +11,9 @@ the reductions' results stored after them (`RowKernel`).
 from __future__ import annotations
 
 from ember import dtypes
-from ember.compiler.emit import ZERO, Context, Emitter, Index, identity, next_pow2, program_index
+from ember.compiler.emit import ZERO, Context, Emitter, Index, identity, loads_first, next_pow2, program_index
 from ember.compiler.fused import FULL, ROW, FusedKernel, KernelKind, Pattern, Stage
-from ember.compiler.kernel import Assign, Bin, Block, Expr, Function, Loop, Range, Var, add, call
+from ember.compiler.kernel import Assign, Bin, Block, Expr, Function, Lit, Loop, Range, Var, add, call
 from ember.compiler.planner import Planner
 from ember.dtypes import compute_dtype
 from ember.ir import Kind, Node, Op
@@ -21,6 +21,14 @@ from ember.ir import Kind, Node, Op
 ROW_TILE = 4096  # elements of a row kernel's tile; rows longer than this are reduced in a loop
 
 LOOP_CHUNK = 1024  # columns per step of that loop
+
+# a kernel reducing leading axes (a column sum: the kept axes are contiguous) holds a block of KEPT_BLOCK kept
+# positions and walks the reduced ones COLUMN_TILE // KEPT_BLOCK at a time, with 4 warps: wide, short tiles keep
+# many rows of loads in flight (H200, a layer norm's weight gradient over 32768 x 4096 bf16: 0.53 ms at 128 x 32
+# with 8 warps, 0.20 ms at 512 x 8 with 4)
+KEPT_BLOCK = 512
+COLUMN_TILE = 4096
+COLUMN_WARPS = 4
 
 BLOCK_M, BLOCK_N = Block("BLOCK_M", "m"), Block("BLOCK_N", "n")  # a row kernel's tile
 
@@ -75,18 +83,23 @@ class RowKernel:
                 block_n = LOOP_CHUNK
             block_m = max(1, min(ROW_TILE // block_n, next_pow2(m), 64)) if block_n != LOOP_CHUNK else 1
         else:  # the kept axes are the contiguous ones: wide along them, so loads coalesce
-            block_m = min(next_pow2(m), 128)
-            block_n = max(1, min(next_pow2(n), ROW_TILE // block_m))
+            block_m = min(next_pow2(m), KEPT_BLOCK)
+            block_n = max(1, min(next_pow2(n), COLUMN_TILE // block_m))
         self.block_m, self.block_n = block_m, block_n
         self.persistent = next_pow2(n) <= block_n
         self.body: list = []
         self.emitter = emitter = Emitter(ctx, kernel, self.body)
         pid = program_index(emitter)
         first_row = call("cast", pid, dtype=dtypes.int64) if emitter.big else pid
-        self.rows = emitter.bind("rows", Bin("+", Bin("*", first_row, BLOCK_M), Range(BLOCK_M, 0, 2)))
+        first = emitter.bind("first", Bin("*", first_row, BLOCK_M))
+        self.rows = emitter.bind("rows", Bin("+", first, Range(BLOCK_M, 0, 2)))
         self.rmask = emitter.bind("rmask", Bin("<", self.rows, ctx.size(m)))
         emitter.row_index = Index(None, self.rows, self.rmask, ROW)
-        emitter.unravel(self.rows, tuple(space[i] for i in self.kept))  # before any loop: every phase uses it
+        kept_shape = tuple(space[i] for i in self.kept)
+        outer = self.block_positions(first, kept_shape)
+        if outer is not None:
+            emitter.unravelled[(self.rows, kept_shape)] = outer
+        emitter.unravel(self.rows, kept_shape)  # before any loop: every phase uses it
         self.n_size = ctx.size(n)
         self.cols: Var | None = None  # the columns of the chunk being computed, and their mask
         self.mask: Var | None = None
@@ -106,8 +119,12 @@ class RowKernel:
         for o in self.kernel.outputs:
             if levels[id(o)] == ROW:
                 self.emitter.store(o, self.emitter.row_index, (BLOCK_M, 1))
+        if self.persistent:
+            self.body[:] = loads_first(self.body)
         grid = -(-self.kernel.rows // self.block_m)
         warps = 4 if self.block_m * self.block_n <= 2048 else 8
+        if not self.trailing:
+            warps = COLUMN_WARPS
         return self.ctx.function("", self.body, {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n}, grid, warps)
 
     def full_index(self) -> Index:
@@ -123,9 +140,27 @@ class RowKernel:
         linear = Bin("+", Bin("*", self.rows, self.n_size), self.cols) if self.trailing else None
         return Index(tuple(dims), linear, self.mask, FULL)
 
+    def block_positions(self, first: Var, shape: tuple[int, ...]) -> tuple[Expr, ...] | None:
+        """The block's positions in the kept dimensions `shape` where the block of rows lies inside one run of the
+        innermost one (its size a multiple of the block's): the outer positions are then the same for every row of
+        the block, scalars computed once from its first row, so what varies only along them and the columns (a
+        row statistic read by a column sum) is loaded and computed once per column, not per element. None
+        otherwise (every position unravelled per row)."""
+        inner = max((d for d, s in enumerate(shape) if s != 1), default=None)
+        if inner is None or all(s == 1 for s in shape[:inner]) or shape[inner] % self.block_m:
+            return None
+        em, size = self.emitter, Lit(shape[inner])
+        within = em.bind("within", Bin("+", Bin("%", first, size), Range(BLOCK_M, 0, 2)))
+        outer = em.unravel(em.bind("outer", Bin("//", first, size)), shape[:inner])
+        return (*outer, within, *(ZERO for _ in shape[inner + 1:]))
+
     def open_chunk(self, start: Expr) -> None:
-        self.cols = self.emitter.bind("cols", add(start, Range(BLOCK_N, 1, 2)))
-        self.mask = self.emitter.bind("mask", Bin("&", self.rmask, Bin("<", self.cols, self.n_size)))
+        emitter = self.emitter
+        self.cols = emitter.bind("cols", add(start, Range(BLOCK_N, 1, 2)))
+        cmask = emitter.bind("cmask", Bin("<", self.cols, self.n_size))
+        self.mask = emitter.bind("mask", Bin("&", self.rmask, cmask))
+        # a load that varies along the columns only (a value per reduced position) needs only their mask
+        emitter.mask_parts[self.mask] = {"m": self.rmask, "n": cmask}
 
     def open_loop(self) -> None:
         """A loop over the row's chunks (nothing when the row is one tile)."""

@@ -109,7 +109,9 @@ def test_one_source_serves_every_candidate_whichever_is_the_default(causal, dtyp
         for launch in launches:
             held = "BLOCK_N" if launch.function.endswith("_dkv") else "BLOCK_M"
             size = KEYS if launch.function.endswith("_dkv") else LENGTH
-            assert launch.config == launch.alternatives[0]
+            default = launch.alternatives[0]
+            assert (launch.constexprs, launch.grid, launch.num_warps, launch.num_stages) == (
+                default.constexprs, default.grid, default.num_warps, default.num_stages)
             for config in launch.alternatives:
                 assert config.grid == -(-size // config.constexprs[held]) * 2
             seen += len(launch.alternatives)
@@ -228,3 +230,31 @@ def test_with_tuning_off_the_default_runs_and_explain_says_so(monkeypatch):
     results(arrays, True, "cuda")
     text = str(attention_plan(arrays))
     assert text.count("(tuning off)") == 3 and "BLOCK_M=64 BLOCK_N=64" in text, text
+
+
+def test_an_entry_timed_over_other_candidates_is_timed_again(tuning, tmp_path, monkeypatch):
+    arrays = inputs(32, "float32")
+    results(arrays, False, "cuda")
+    timings = len(tuning)
+    path = tmp_path / "autotune" / "gemm.json"
+    entries = json.loads(path.read_text())
+    for entry in entries.values():  # as an ember with another candidate list timed them
+        entry["candidates"] = entry["candidates"][:-1]
+    path.write_text(json.dumps(entries))
+    monkeypatch.setattr(plan_cache, "_plans", {})
+    monkeypatch.setattr(autotune, "_entries", None)
+    results(arrays, False, "cuda")
+    assert len(tuning) == 2 * timings
+
+
+def test_a_configuration_that_fails_is_left_out_and_nothing_is_kept_where_none_runs(tuning, monkeypatch):
+    def fails():
+        raise RuntimeError("out of resource: shared memory")
+
+    monkeypatch.setattr(autotune, "time_ms", lambda run: run() or 1.0)
+
+    entry = autotune.timed_tiling("kernel_dq", {"small": lambda: None, "large": fails}, "1")
+    assert entry["chosen"] == "small" and list(entry["ms"]) == ["small"]
+    assert autotune.cached_tiling("kernel_dq", ["small", "large"], "1") == entry
+    assert autotune.timed_tiling("kernel_dkv", {"large": fails}, "1")["chosen"] is None
+    assert autotune.cached_tiling("kernel_dkv", ["large"], "1") is None

@@ -123,12 +123,10 @@ class Plan:
             return tiling
         if not autotune.launch_worth_tuning(launch.work, tuning):
             return dict(tiling, why="too small to tune")
-        timed = autotune.cached_tiling(launch.function, tuning)
+        timed = autotune.cached_tiling(launch.function, [str(c) for c in launch.alternatives], tuning)
         if timed is None:
             return dict(tiling, why="not yet timed")
-        names = [str(c) for c in launch.alternatives]
-        chosen = timed["chosen"] if timed["chosen"] in names else names[0]
-        return dict(tiling, config=chosen, ms=timed["ms"], why=None)
+        return dict(tiling, config=timed["chosen"], ms=timed["ms"], why=None)
 
     def name(self, n: Node) -> str:
         return f"%{self.numbering[id(n)]}"

@@ -401,20 +401,25 @@ def launch_worth_tuning(work: int, mode: str) -> bool:
     return enabled(mode) and work >= SMALLEST_TUNED_LAUNCH
 
 
-def cached_tiling(function: str, mode: str) -> dict | None:
+def cached_tiling(function: str, names: list[str], mode: str) -> dict | None:
     """A launch's timed choice (see timed_tiling) from the disk cache, or None. `function`: the launch's function
-    name, its source's digest and the function's suffix, so one entry serves every plan running that source."""
+    name, its source's digest and the function's suffix, so one entry serves every plan running that source;
+    `names`: its configurations, as timed (an entry timed over another list, by another ember, is timed again)."""
     entry = cached(f"tiles {function}", mode)
-    return entry if isinstance(entry, dict) and isinstance(entry.get("chosen"), str) \
-        and isinstance(entry.get("ms"), dict) else None
+    if not isinstance(entry, dict) or entry.get("candidates") != names or entry.get("chosen") not in names \
+            or not isinstance(entry.get("ms"), dict):
+        return None
+    return entry
 
 
 def timed_tiling(function: str, runs: dict[str, Callable[[], object]], mode: str) -> dict:
     """Time a launch under each of its configurations (callables, by name), keep the fastest and remember it on
     disk: "chosen" (its name), "ms" (each configuration's time; one that fails to run, e.g. out of shared memory,
-    is left out), "seconds" spent. Nothing is remembered where none ran: "chosen" is then None."""
+    is left out), "candidates" (the names timed), "seconds" spent. Nothing is remembered where none ran: "chosen"
+    is then None."""
+    names = list(runs)
     with _tuning:  # the same launch in several threads is timed once
-        known = cached_tiling(function, mode)
+        known = cached_tiling(function, names, mode)
         if known is not None:
             return known
         start = time.perf_counter()
@@ -425,7 +430,8 @@ def timed_tiling(function: str, runs: dict[str, Callable[[], object]], mode: str
             except Exception:  # more registers or shared memory than this GPU has: not a candidate here
                 continue
         if not times:
-            return {"chosen": None, "ms": {}}
-        entry = {"chosen": min(times, key=times.get), "ms": times, "seconds": time.perf_counter() - start}
+            return {"chosen": None, "ms": {}, "candidates": names}
+        entry = {"chosen": min(times, key=times.get), "ms": times, "candidates": names,
+                 "seconds": time.perf_counter() - start}
         _remember(f"tiles {function}", entry)
         return entry

@@ -367,14 +367,6 @@ class _TunedLaunch:
         self.choice: dict | None = None  # the timed choice: "chosen" (a configuration's name) and "ms"
         self.fn = self.launches[0].fn
 
-    @property
-    def grid(self) -> tuple:
-        return self.launches[self.chosen or 0].grid
-
-    @property
-    def options(self) -> dict:
-        return self.launches[self.chosen or 0].options
-
     def arguments(self, buffers: dict[int, torch.Tensor], scalars: list) -> list:
         return self.launches[0].arguments(buffers, scalars)  # the same recipe under every configuration
 
@@ -382,7 +374,7 @@ class _TunedLaunch:
         """The configurations a first run may launch: each of them where it will time them, else the one it will
         run."""
         if self.chosen is None and autotune.enabled(self.tuning):
-            entry = autotune.cached_tiling(self.function, self.tuning)
+            entry = autotune.cached_tiling(self.function, self.names, self.tuning)
             if entry is None:
                 return self.launches
             return [self.launches[self._index(entry)]]
@@ -403,7 +395,7 @@ class _TunedLaunch:
         if not autotune.enabled(self.tuning):
             self.chosen = 0
             return
-        entry = autotune.cached_tiling(self.function, self.tuning)
+        entry = autotune.cached_tiling(self.function, self.names, self.tuning)
         if entry is None:
             if this_thread.capturing:
                 return
@@ -415,8 +407,8 @@ class _TunedLaunch:
         self.choice, self.chosen = entry, self._index(entry)
 
     def _index(self, entry: dict) -> int:
-        """The chosen configuration's index (the default where the entry names none of this launch's)."""
-        return self.names.index(entry["chosen"]) if entry.get("chosen") in self.names else 0
+        """The chosen configuration's index (the default where none ran)."""
+        return self.names.index(entry["chosen"]) if entry["chosen"] is not None else 0
 
     def _writes_its_inputs(self, args: list) -> bool:
         """Whether an output is bound to an input's buffer: running the launch more than once, as timing does,

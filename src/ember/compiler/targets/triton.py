@@ -70,11 +70,6 @@ class Launch:
     alternatives: tuple[LaunchConfig, ...] = ()
     work: int = 0  # multiply-adds of the launch's dots
 
-    @property
-    def config(self) -> LaunchConfig:
-        """The launch's own configuration (the first of its alternatives, where it has some)."""
-        return LaunchConfig(self.constexprs, self.grid, self.num_warps, self.num_stages)
-
     def options(self) -> dict:
         """What Triton's launch is given besides the arguments: the constexprs, warps and (where set) stages."""
         stages = {"num_stages": self.num_stages} if self.num_stages is not None else {}

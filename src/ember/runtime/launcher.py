@@ -1,5 +1,6 @@
 """The executor of compiled plans on the cuda device: launches from argument lists prepared once per
-plan, the GEMM steps (generated kernel or split form, chosen by timing), the vendor matmul and
+plan, the GEMM steps (generated kernel or split form, chosen by timing), launches whose one source serves
+several tile configurations (an attention kernel's: the fastest chosen by timing), the vendor matmul and
 convolution through torch, and streams for plans captured into CUDA graphs.
 
 What a run uses besides its inputs and outputs (a `Workspace`: the plan's arena of intermediates and its

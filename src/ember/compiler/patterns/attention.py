@@ -17,6 +17,12 @@ Lowering (as FlashAttention-2 computes it):
   weights again from the stored log-sum-exp (dV += Pᵀ dO, dK += dSᵀ Q); the second holds a block of queries and walks
   the keys (dQ += dS K), where dS = P · (dO Vᵀ - rowsum(dO · O)) and the row sums are an input, a row reduction of
   the planner's own.
+
+Tiles: each launch's block sizes, warps and pipeline stages are one of a few candidates (CANDIDATES, the measured
+default first), all served by one source: the blocks are constexprs, the programs per head are computed from them,
+and what the source decides from a block size (which loads are masked, which causal spans are walked) holds for
+every candidate. The runtime times the candidates on a launch's first run on a GPU and keeps the fastest
+(runtime/launcher.py, `_TunedLaunch`).
 """
 
 from __future__ import annotations

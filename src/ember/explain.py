@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 
 from ember.compiler import CompileContext, compile, signature
 from ember.compiler.fused import VENDOR_KINDS, FusedKernel, KernelKind, summed_views
@@ -99,6 +100,34 @@ class Plan:
             return dict(choice, chosen=self.context.gemm_backend, forced=True)
         return dict(choice, **{key: timed[key] for key in ("chosen", "triton_ms", "cublas_ms")}) if timed else choice
 
+    @property
+    def tilings(self) -> list[dict]:
+        """Per launch whose source serves several configurations (an attention kernel's): its kernel index, function
+        name, the configuration it runs with and how that was chosen (see `_tiling`)."""
+        return [dict(self._tiling(k, launch), kernel=k.index) for k in self.kernels if id(k) in self.sources
+                for launch in self.sources[id(k)].launches if len(launch.alternatives) > 1]
+
+    def _tiling(self, k: FusedKernel, launch) -> dict:
+        """What the runtime runs (or would run) a launch with alternatives under, without timing anything: the
+        choice the autotune cache holds for it on this GPU, else its default. "config": the configuration's text,
+        "candidates": how many it has, "ms": each one's time where they were timed, "why": otherwise, why the
+        default."""
+        tiling = {"function": launch.function, "config": str(launch.alternatives[0]),
+                  "candidates": len(launch.alternatives), "ms": None, "why": "tuning off"}
+        if k.outputs[0].device.type != "cuda":
+            return tiling
+        from ember.runtime import autotune, cuda  # torch and triton: only for a cuda graph's kernel
+
+        tuning = autotune.mode(cuda.TARGET.interpret)
+        if not autotune.enabled(tuning):
+            return tiling
+        if not autotune.launch_worth_tuning(launch.work, tuning):
+            return dict(tiling, why="too small to tune")
+        timed = autotune.cached_tiling(launch.function, [str(c) for c in launch.alternatives], tuning)
+        if timed is None:
+            return dict(tiling, why="not yet timed")
+        return dict(tiling, config=timed["chosen"], ms=timed["ms"], why=None)
+
     def name(self, n: Node) -> str:
         return f"%{self.numbering[id(n)]}"
 
@@ -130,6 +159,8 @@ class Plan:
         how = ""
         if k.core is not None:
             how = self._gemm_how(k)
+        elif id(k) in self.sources and any(len(launch.alternatives) > 1 for launch in self.sources[id(k)].launches):
+            how = "(triton, each launch's tiles below)"
         elif id(k) in self.sources:  # a row kernel's last stage; an MLP kernel's layers (its first launch)
             launches = self.sources[id(k)].launches
             launch = launches[0] if k.kind is KernelKind.MLP else launches[-1]
@@ -179,10 +210,28 @@ class Plan:
                     lines.append(f"  {title if i == 0 else '':<9} {self.line(n, part.outputs)}")
         for decision in k.decisions:
             lines.append(f"  decision  {decision}")
+        if id(k) in self.sources:
+            lines += [f"  tiles     {line}" for line in self._tiles_text(k)]
         read = sum(n.numel * n.dtype.itemsize for n in k.reads)
         written = sum(n.numel * n.dtype.itemsize for n in k.outputs)
         replaced = sum(1 for n in k.covers if _is_work(n))
         lines.append(f"  reads {_mib(read)}  writes {_mib(written)}  replaces {replaced} unfused kernels")
+        return lines
+
+    def _tiles_text(self, k: FusedKernel) -> list[str]:
+        """A line per launch with alternatives: its function, the configuration it runs with, and how chosen."""
+        lines = []
+        for launch in self.sources[id(k)].launches:
+            if len(launch.alternatives) < 2:
+                continue
+            tiling = self._tiling(k, launch)
+            of = f"of {tiling['candidates']} candidates"
+            if tiling["ms"] is None:
+                how = f"the default {of} ({tiling['why']})"
+            else:
+                times = ", ".join(f"{ms:.3f}" for ms in sorted(tiling["ms"].values()))
+                how = f"timed fastest {of}: {tiling['ms'].get(tiling['config'], math.nan):.3f} ms (all: {times} ms)"
+            lines.append(f"{launch.function}: {tiling['config']}; {how}")
         return lines
 
     def _gemm_how(self, k: FusedKernel) -> str:

@@ -253,6 +253,22 @@ class Param:
     dtype: DType | None = None  # a scalar's type; without one a Python float reaches the GPU as float32
 
 
+@dataclass(frozen=True)
+class LaunchConfig:
+    """One configuration a function's source can be launched with: its compile-time block sizes, its programs,
+    warps and pipeline stages (None: the target's default)."""
+
+    constexprs: dict[str, int]
+    grid: int
+    num_warps: int = 4
+    num_stages: int | None = None
+
+    def __str__(self) -> str:
+        blocks = " ".join(f"{name}={value}" for name, value in self.constexprs.items())
+        stages = f", {self.num_stages} stages" if self.num_stages is not None else ""
+        return f"{blocks}, {self.num_warps} warps{stages}"
+
+
 @dataclass
 class Function:
     """One kernel function: parameters, compile-time block sizes, its statements, and its launch."""
@@ -267,6 +283,11 @@ class Function:
     layout: str = ""  # a GEMM's operand layouts, as autotune.Problem names them
     precision: str = "ieee"  # a GEMM's dot: "ieee", or "tf32" for float32 tiles on TF32 tensor cores
     splits: int = 1  # a GEMM's programs per output tile, each walking a share of K (grid axis 1)
+    num_stages: int | None = None  # loads its loops keep in flight (None: the target's default)
+    # configurations the same source serves, the function's own (constexprs, grid, warps, stages) first; with more
+    # than one the runtime times them on the function's first run, where `work` (multiply-adds) makes it worth it
+    alternatives: tuple[LaunchConfig, ...] = ()
+    work: int = 0
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""GEMM tuning: profile the bare GEMM, then run the fused kernel with what won.
+"""GEMM tuning: profile the bare GEMM, then run the fused kernel with what won; and the tiles of a launch whose
+source serves several configurations (an attention kernel's), timed on its first run.
 
 A generated GEMM takes its tile sizes, warps and pipeline stages as launch-time
 constants, so one source serves every configuration. For each *problem* (GPU,
@@ -24,6 +25,11 @@ Under the interpreter the mode is `0` (no GPU to time), and nothing is profiled 
 tuning to matter (`SMALLEST_TUNED`). A tuned problem is tuned once: the disk cache answers
 every later process, whatever the mode. Threads tune one problem at a time; a process storing
 an entry adds it to the file as it is on disk then, so entries other processes stored stay.
+
+A launch with alternatives (Launch.alternatives: one source, its block sizes, programs, warps and stages given at
+launch) is timed under each on its first run with real buffers, where tuning is on and its work is at least
+`SMALLEST_TUNED_LAUNCH`; the fastest is kept in the same file, keyed by the launch's function name (which holds a
+digest of its source) and the GPU (`timed_tiling`, `cached_tiling`).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -380,3 +387,51 @@ def _timed_choice(kernel_name: str, problem: Problem, fused: dict[Config, object
              "triton_ms": times[config], "cublas_ms": cublas_ms, "seconds": time.perf_counter() - start}
     _remember(f"choice {key}", entry)
     return entry
+
+
+# -- launches whose one source serves several configurations (Launch.alternatives) ----------------------------
+
+# Below this much work (multiply-adds of one of a launch's dots: heads x queries x keys x head dim for attention,
+# e.g. 8 heads of 512 positions and 128 dims) a launch runs in microseconds: its default configuration is kept, and
+# nothing is compiled or timed for it.
+SMALLEST_TUNED_LAUNCH = 2**28
+
+
+def launch_worth_tuning(work: int, mode: str) -> bool:
+    return enabled(mode) and work >= SMALLEST_TUNED_LAUNCH
+
+
+def cached_tiling(function: str, names: list[str], mode: str) -> dict | None:
+    """A launch's timed choice (see timed_tiling) from the disk cache, or None. `function`: the launch's function
+    name, its source's digest and the function's suffix, so one entry serves every plan running that source;
+    `names`: its configurations, as timed (an entry timed over another list, by another ember, is timed again)."""
+    entry = cached(f"tiles {function}", mode)
+    if not isinstance(entry, dict) or entry.get("candidates") != names or entry.get("chosen") not in names \
+            or not isinstance(entry.get("ms"), dict):
+        return None
+    return entry
+
+
+def timed_tiling(function: str, runs: dict[str, Callable[[], object]], mode: str) -> dict:
+    """Time a launch under each of its configurations (callables, by name), keep the fastest and remember it on
+    disk: "chosen" (its name), "ms" (each configuration's time; one that fails to run, e.g. out of shared memory,
+    is left out), "candidates" (the names timed), "seconds" spent. Nothing is remembered where none ran: "chosen"
+    is then None."""
+    names = list(runs)
+    with _tuning:  # the same launch in several threads is timed once
+        known = cached_tiling(function, names, mode)
+        if known is not None:
+            return known
+        start = time.perf_counter()
+        times = {}
+        for name, run in runs.items():
+            try:
+                times[name] = time_ms(run)
+            except Exception:  # more registers or shared memory than this GPU has: not a candidate here
+                continue
+        if not times:
+            return {"chosen": None, "ms": {}, "candidates": names}
+        entry = {"chosen": min(times, key=times.get), "ms": times, "candidates": names,
+                 "seconds": time.perf_counter() - start}
+        _remember(f"tiles {function}", entry)
+        return entry

@@ -1,5 +1,6 @@
 """The executor of compiled plans on the cuda device: launches from argument lists prepared once per
-plan, the GEMM steps (generated kernel or split form, chosen by timing), the vendor matmul and
+plan, the GEMM steps (generated kernel or split form, chosen by timing), launches whose one source serves
+several tile configurations (an attention kernel's: the fastest chosen by timing), the vendor matmul and
 convolution through torch, and streams for plans captured into CUDA graphs.
 
 What a run uses besides its inputs and outputs (a `Workspace`: the plan's arena of intermediates and its
@@ -13,6 +14,7 @@ steps with kernels loaded and launched for Triton's interpreter, and compiles no
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import threading
@@ -44,6 +46,7 @@ if TYPE_CHECKING:
 
 class _ThisThread(threading.local):
     capturing = False  # a Replay is being captured into a CUDA graph by this thread
+    alternative: int | None = None  # the configuration launches with alternatives run with (see `alternative`)
 
     def __init__(self) -> None:
         self.side_streams: dict = {}  # torch device -> streams a captured plan's parallel groups run on
@@ -219,7 +222,7 @@ def _step(ck: CompiledKernel, flags: index_checks.IndexFlags | None, gemm_backen
         return functools.partial(_argsort, kernel.outputs[0])
     if kernel.kind is KernelKind.CONV2D:
         return functools.partial(_conv2d, kernel.outputs[0])
-    return _KernelStep(ck, flags, settings.interpret)
+    return _KernelStep(ck, flags, settings)
 
 
 @dataclasses.dataclass
@@ -240,14 +243,16 @@ def index_flags(steps: list | None) -> list[index_checks.IndexFlags]:
 class _KernelStep:
     """A generated kernel (one launch, or a few for a staged reduction or an MLP kernel's gradients)."""
 
-    def __init__(self, ck: CompiledKernel, flags: index_checks.IndexFlags | None, interpret: bool):
-        self.ck, self.flags, self.interpret = ck, flags, interpret
+    def __init__(self, ck: CompiledKernel, flags: index_checks.IndexFlags | None, settings: RunSettings):
+        self.ck, self.flags, self.interpret, self.tuning = ck, flags, settings.interpret, settings.autotune
         self.scratch: dict = {}  # what one launch leaves for the next (an MLP kernel's gradient partials)
         self.launches = self._prepare(ck.source)
 
     def _prepare(self, source) -> list:
         module, device = disk.load_source(source, self.interpret), self.ck.kernel.outputs[0].device
-        return [_prepared_launch(module, launch, device, self.interpret, scratch=self.scratch, flags=self.flags)
+        return [_TunedLaunch(module, launch, device, self.interpret, self.tuning, self.scratch, self.flags)
+                if len(launch.alternatives) > 1 else
+                _prepared_launch(module, launch, device, self.interpret, scratch=self.scratch, flags=self.flags)
                 for launch in source.launches if launch.grid]
 
     def __call__(self, buffers: dict[int, torch.Tensor], sig: Signature) -> None:
@@ -267,14 +272,16 @@ class _KernelStep:
 
 
 def _compile_jobs(launches: list, buffers: dict[int, torch.Tensor], sig: Signature) -> list:
-    """Calls compiling these launches for the arguments of a run, without running them."""
+    """Calls compiling these launches for the arguments of a run, without running them (a launch with
+    alternatives: each configuration it may run with)."""
     jobs = []
     for launch in launches:
         try:
             args = launch.arguments(buffers, sig.scalars)
         except KeyError:  # a buffer made during the run (a split GEMM's intermediate): compiled when it runs
             continue
-        jobs.append(functools.partial(compiling.compile_and_load, launch.fn, args, launch.grid, launch.options))
+        for each in launch.to_compile() if isinstance(launch, _TunedLaunch) else [launch]:
+            jobs.append(functools.partial(compiling.compile_and_load, each.fn, args, each.grid, each.options))
     return jobs
 
 
@@ -321,8 +328,94 @@ def _prepared_launch(module, launch: Launch, device: Device, interpret: bool, co
         batch, m, n, _ = launch.gemm
         return triton_launch.Launch(fn, config.grid(batch, m, n, launch.splits), recipe, config.launch_options(),
                                     interpret)
-    return triton_launch.Launch(fn, (launch.grid,), recipe, dict(launch.constexprs, num_warps=launch.num_warps),
-                                interpret)
+    return triton_launch.Launch(fn, (launch.grid,), recipe, launch.options(), interpret)
+
+
+@contextlib.contextmanager
+def alternative(index: int):
+    """Within the block, this thread runs every launch with alternatives under its `index`-th configuration (its
+    default where it has fewer), untimed: how the tests check that each configuration computes the same values."""
+    outer = this_thread.alternative
+    this_thread.alternative = index
+    try:
+        yield
+    finally:
+        this_thread.alternative = outer
+
+
+class _TunedLaunch:
+    """A launch whose one source serves several configurations (Launch.alternatives, its default first), run as a
+    prepared launch under one of them.
+
+    Which one is decided on its first run with real buffers: where tuning is on (EMBER_AUTOTUNE) and the launch's
+    work is worth it (autotune.launch_worth_tuning), the choice the disk cache holds for its function, else each
+    configuration timed there (autotune.timed_tiling) and the fastest kept. Elsewhere the default runs: under the
+    interpreter, below the threshold, and where an output is bound to an input's buffer (timing runs the launch
+    again and again). A run captured into a CUDA graph runs the cached choice or the default, and leaves timing to
+    a later run."""
+
+    def __init__(self, module, launch: Launch, device: Device, interpret: bool, tuning: str, scratch: dict,
+                 flags: index_checks.IndexFlags | None):
+        self.function = launch.function
+        self.names = [str(c) for c in launch.alternatives]
+        self.launches = [_prepared_launch(module, dataclasses.replace(
+            launch, constexprs=c.constexprs, grid=c.grid, num_warps=c.num_warps, num_stages=c.num_stages,
+            alternatives=()), device, interpret, scratch=scratch, flags=flags) for c in launch.alternatives]
+        self.tuning = tuning if autotune.launch_worth_tuning(launch.work, tuning) else "0"
+        self.reads = [i for i, a in enumerate(launch.args) if a.kind is ParamKind.READ]
+        self.writes = [i for i, a in enumerate(launch.args) if a.kind is ParamKind.WRITE]
+        self.chosen: int | None = None  # the configuration's index, once decided
+        self.choice: dict | None = None  # the timed choice: "chosen" (a configuration's name) and "ms"
+        self.fn = self.launches[0].fn
+
+    def arguments(self, buffers: dict[int, torch.Tensor], scalars: list) -> list:
+        return self.launches[0].arguments(buffers, scalars)  # the same recipe under every configuration
+
+    def to_compile(self) -> list[triton_launch.Launch]:
+        """The configurations a first run may launch: each of them where it will time them, else the one it will
+        run."""
+        if self.chosen is None and autotune.enabled(self.tuning):
+            entry = autotune.cached_tiling(self.function, self.names, self.tuning)
+            if entry is None:
+                return self.launches
+            return [self.launches[self._index(entry)]]
+        return [self.launches[self.chosen or 0]]
+
+    def __call__(self, args: list) -> None:
+        forced = this_thread.alternative
+        if forced is not None:
+            self.launches[forced if forced < len(self.launches) else 0](args)
+            return
+        if self.chosen is None:
+            self._choose(args)
+        self.launches[self.chosen or 0](args)
+
+    def _choose(self, args: list) -> None:
+        """Decide the configuration, timing them on `args` if need be (see the class); while a CUDA graph is
+        captured, nothing is decided."""
+        if not autotune.enabled(self.tuning):
+            self.chosen = 0
+            return
+        entry = autotune.cached_tiling(self.function, self.names, self.tuning)
+        if entry is None:
+            if this_thread.capturing:
+                return
+            if self._writes_its_inputs(args):
+                self.chosen = 0
+                return
+            runs = {name: functools.partial(launch, args) for name, launch in zip(self.names, self.launches)}
+            entry = autotune.timed_tiling(self.function, runs, self.tuning)
+        self.choice, self.chosen = entry, self._index(entry)
+
+    def _index(self, entry: dict) -> int:
+        """The chosen configuration's index (the default where none ran)."""
+        return self.names.index(entry["chosen"]) if entry["chosen"] is not None else 0
+
+    def _writes_its_inputs(self, args: list) -> bool:
+        """Whether an output is bound to an input's buffer: running the launch more than once, as timing does,
+        would then read what it wrote."""
+        read = {args[i].data_ptr() for i in self.reads}
+        return any(args[i].data_ptr() in read for i in self.writes)
 
 
 

@@ -17,10 +17,17 @@ Lowering (as FlashAttention-2 computes it):
   weights again from the stored log-sum-exp (dV += Pᵀ dO, dK += dSᵀ Q); the second holds a block of queries and walks
   the keys (dQ += dS K), where dS = P · (dO Vᵀ - rowsum(dO · O)) and the row sums are an input, a row reduction of
   the planner's own.
+
+Tiles: each launch's block sizes, warps and pipeline stages are one of a few candidates (CANDIDATES, the measured
+default first), all served by one source: the blocks are constexprs, the programs per head are computed from them,
+and what the source decides from a block size (which loads are masked, which causal spans are walked) holds for
+every candidate. The runtime times the candidates on a launch's first run on a GPU and keeps the fastest
+(runtime/launcher.py, `_TunedLaunch`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -34,6 +41,7 @@ from ember.compiler.kernel import (
     Effect,
     Expr,
     Function,
+    LaunchConfig,
     Lit,
     Loop,
     ParamKind,
@@ -102,21 +110,23 @@ class _Tiles:
 
     def __init__(self, ctx: Context, kernel: FusedKernel, launch: str):
         """The launch ("forward", "keys": dK and dV, "queries": dQ) of the attention `kernel` computes: its problem,
-        configuration (see CONFIGS), and each program's head and the first position of the block it holds (of keys
-        for "keys", else of queries)."""
+        the configurations its one source serves (see `configs`: the default first), and each program's head and
+        the first position of the block it holds (of keys for "keys", else of queries)."""
         self.ctx, self.p = ctx, _Problem(kernel.root)
         problem = self.p
-        self.constexprs, self.warps, self.stages = config(ctx, problem, launch)
+        self.configs = configs(ctx, problem, launch)
+        self.constexprs = self.configs[0].constexprs  # the default's; the head dims' blocks are every candidate's
+        self.largest = {name: max(c.constexprs[name] for c in self.configs) for name in self.constexprs}
         held = BLOCK_N if launch == "keys" else BLOCK_M
         self.body: list = []
         self.em = em = Emitter(ctx, kernel, self.body)
         em.blocks = {"m": BLOCK_M, "n": BLOCK_N, "d": BLOCK_D, "e": BLOCK_E}
         size = problem.keys if launch == "keys" else problem.length
-        self.programs_per_head = -(-size // self.constexprs[held.name])
-        self.grid = self.programs_per_head * problem.heads
+        # computed from the constexpr block (so folded by Triton), not written: one source for every configuration
+        programs = em.bind("programs", Bin("//", Bin("-", Bin("+", Lit(size), held), Lit(1)), held))
         pid = em.bind("pid", call("program_id", axis=0))
-        block = em.bind("block", Bin("%", pid, Lit(self.programs_per_head)))
-        head = em.bind("head", widened(em, Bin("//", pid, Lit(self.programs_per_head))))
+        block = em.bind("block", Bin("%", pid, programs))
+        head = em.bind("head", widened(em, Bin("//", pid, programs)))
         self.head_dims = em.unravel(head, problem.batch) if problem.batch else ()
         self.first = em.bind("first", Bin("*", block, held))
         self.precision = {"precision": ctx.settings.dot_precision(problem.dtype)} \
@@ -126,8 +136,9 @@ class _Tiles:
     def positions(self, start: Expr, block: Block, axis: int, size: int, stem: str) -> tuple[Var, Expr | None]:
         """start + 0..block-1 laid along `axis` of a 2-d tile, and the mask of those within `size` (None: all)."""
         at = self.em.bind(stem, Bin("+", start, Range(block, axis, 2)))
-        # every start is a multiple of the block: whole blocks stay within a size the block divides
-        if size % self.constexprs[block.name] == 0:
+        # every start is a multiple of the block: whole blocks stay within a size the block divides; the blocks are
+        # powers of two, so a size the largest candidate's divides, every candidate's divides
+        if size % self.largest[block.name] == 0:
             return at, None
         inside = self.em.bind(f"{stem}_ok", Bin("<", at, Lit(size)))
         return at, inside
@@ -218,7 +229,7 @@ class _Tiles:
         for n, (start, stop, diagonal) in enumerate(spans):
             em.memo, em.unravelled = dict(memo), dict(unravelled)
             tag = "" if n == 0 else f"_{n}"
-            loop = Loop(Var("start" + tag), start, stop, step, stages=self.stages)
+            loop = Loop(Var("start" + tag), start, stop, step)  # pipelined by the launch's stages
             em.emit(loop)
             em.block = loop.body
             body(loop.var, diagonal, tag)
@@ -229,7 +240,7 @@ class _Tiles:
         """The spans a causal launch walks, for a program holding the block from `first` (of `held`) and streaming
         tiles of `streamed` over `size` positions: keys before the block's queries (`before`) or queries after the
         block's keys, whole tiles that need no mask, and the tiles the diagonal crosses; one masked span where the
-        tiles do not line up with the block."""
+        tiles do not line up with the block (the same for every candidate configuration, see `configs`)."""
         p, blocks = self.p, self.constexprs
         if not p.causal:
             return [(ZERO, Lit(size), False)]
@@ -245,36 +256,73 @@ class _Tiles:
         return [(begin, end, True), (end, Lit(size), False)]
 
     def function(self, suffix: str) -> Function:
+        """The launch's function: its default configuration, its alternatives, and its work (the multiply-adds of
+        one of its dots over every head, whether timing the alternatives is worth it)."""
         self.em.block = self.body
-        return self.ctx.function(suffix, self.body, dict(self.constexprs), self.grid, self.warps)
+        default, p = self.configs[0], self.p
+        function = self.ctx.function(suffix, self.body, dict(default.constexprs), default.grid, default.num_warps)
+        return dataclasses.replace(function, num_stages=default.num_stages, alternatives=tuple(self.configs),
+                                   work=p.heads * p.length * p.keys * max(p.width, p.v_width))
 
 
-# (BLOCK_M, BLOCK_N, warps, stages) per launch and widest head dim (padded): the forward's block of queries and
-# tile of keys; the dK/dV launch's tile of queries and block of keys; the dQ launch's block of queries and tile of
-# keys. Measured on an H200 (bfloat16, T 1024 and 4096, causal and not: benchmarks/RESULTS.md); 256 is not measured.
-# A float32 problem halves the tile it streams; stages are dropped while the tiles overflow shared memory.
-CONFIGS = {
-    "forward": {64: (128, 64, 4, 4), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
-    "keys": {64: (64, 64, 4, 3), 128: (64, 128, 8, 3), 256: (32, 64, 8, 2)},
-    "queries": {64: (128, 64, 4, 3), 128: (128, 32, 8, 3), 256: (64, 32, 8, 2)},
+# Candidate (BLOCK_M, BLOCK_N, warps, stages) per launch and widest head dim (padded): the forward's block of queries
+# and tile of keys; the dK/dV launch's tile of queries and block of keys; the dQ launch's block of queries and tile of
+# keys. The first of each list is the default, measured on an H200 (bfloat16, T 1024 and 4096, causal and not:
+# benchmarks/RESULTS.md; 256 is not measured); the others are timed against it on a GPU (see configs). Every
+# candidate's held block is at least its streamed tile, so a causal launch walks the same spans under each.
+CANDIDATES = {
+    "forward": {
+        64: [(128, 64, 4, 4), (64, 64, 4, 3), (128, 32, 4, 3), (128, 128, 8, 3), (64, 32, 4, 4)],
+        128: [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3), (128, 32, 4, 3)],
+        256: [(64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (32, 32, 4, 2)],
+    },
+    "keys": {
+        64: [(64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3)],
+        128: [(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3)],
+        256: [(32, 64, 8, 2), (32, 32, 4, 2), (16, 64, 4, 2), (64, 64, 8, 1)],
+    },
+    "queries": {
+        64: [(128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3), (128, 128, 8, 3)],
+        128: [(128, 32, 8, 3), (64, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
+        256: [(64, 32, 8, 2), (32, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2)],
+    },
 }
 NOMINAL_SHARED_MEMORY = 227 * 1024  # an H100's, where the device is not known
 
 
-def config(ctx: Context, p: _Problem, launch: str) -> tuple[dict[str, int], int, int]:
-    """Block sizes, warps and stages of one launch of problem `p` (see CONFIGS)."""
+def configs(ctx: Context, p: _Problem, launch: str) -> list[LaunchConfig]:
+    """The configurations one launch of problem `p` may run with, the default first (see CANDIDATES), each with
+    its programs (a block of the held positions per program, for every head). A float32 problem halves the tile
+    it streams; blocks are fitted to the problem (`_Problem.blocks`); a candidate's stages are dropped while its
+    tiles overflow shared memory, and a candidate that overflows at one stage is dropped (never the default).
+    Candidates the fitting made equal are kept once; for a causal problem, only those whose held block is a
+    multiple of the streamed one where the default's is, so the source walks the same spans under each."""
     widest = max(16, next_pow2(max(p.width, p.v_width)))
-    m, n, warps, stages = CONFIGS[launch][min((w for w in CONFIGS[launch] if w >= widest), default=256)]
-    if p.dtype.itemsize == 4:
-        m, n = (m, n // 2) if launch != "keys" else (m // 2, n)
-    blocks = p.blocks(m, n)
-    item = p.dtype.itemsize
     streamed, held = ("BLOCK_M", "BLOCK_N") if launch == "keys" else ("BLOCK_N", "BLOCK_M")
-    edge = blocks["BLOCK_D"] + blocks["BLOCK_E"]
+    size = p.keys if launch == "keys" else p.length
     limit = ctx.settings.shared_memory or NOMINAL_SHARED_MEMORY
-    while stages > 1 and (stages * blocks[streamed] + blocks[held]) * edge * item > limit:
-        stages -= 1
-    return blocks, warps, stages
+
+    def shared(blocks: dict[str, int], stages: int) -> int:
+        """Bytes of shared memory the tiles take: `stages` streamed tiles in flight beside the held block."""
+        edge = blocks["BLOCK_D"] + blocks["BLOCK_E"]
+        return (stages * blocks[streamed] + blocks[held]) * edge * p.dtype.itemsize
+
+    def lined_up(config: LaunchConfig) -> bool:
+        """Whether the streamed tiles line up with the held block (see `_Tiles.spans`)."""
+        return config.constexprs[held] % config.constexprs[streamed] == 0
+
+    chosen: list[LaunchConfig] = []
+    for m, n, warps, stages in CANDIDATES[launch][min((w for w in CANDIDATES[launch] if w >= widest), default=256)]:
+        if p.dtype.itemsize == 4:
+            m, n = (m, n // 2) if launch != "keys" else (m // 2, n)
+        blocks = p.blocks(m, n)
+        while stages > 1 and shared(blocks, stages) > limit:
+            stages -= 1
+        config = LaunchConfig(blocks, -(-size // blocks[held]) * p.heads, warps, stages)
+        if not chosen or config not in chosen and shared(blocks, stages) <= limit and (
+                not p.causal or lined_up(config) == lined_up(chosen[0])):
+            chosen.append(config)
+    return chosen
 
 
 def lower_attention(ctx: Context, kernel: FusedKernel) -> list[Function]:

@@ -26,6 +26,7 @@ from ember.compiler.kernel import (
     Expr,
     Function,
     KernelIR,
+    LaunchConfig,
     Lit,
     Loop,
     Param,
@@ -64,6 +65,15 @@ class Launch:
     layout: str = ""  # a GEMM's operand layouts, as autotune.Problem names them
     precision: str = "ieee"  # a GEMM's dot: "ieee", or "tf32" for float32 tiles on TF32 tensor cores
     splits: int = 1  # a GEMM's programs per output tile, each walking a share of K (grid axis 1)
+    num_stages: int | None = None  # Triton's software pipelining depth of its loops (None: Triton's default)
+    # configurations the source serves, this launch's own first: timed on the first run where `work` is worth it
+    alternatives: tuple[LaunchConfig, ...] = ()
+    work: int = 0  # multiply-adds of the launch's dots
+
+    def options(self) -> dict:
+        """What Triton's launch is given besides the arguments: the constexprs, warps and (where set) stages."""
+        stages = {"num_stages": self.num_stages} if self.num_stages is not None else {}
+        return dict(self.constexprs, num_warps=self.num_warps, **stages)
 
 
 @dataclass
@@ -302,6 +312,6 @@ def generate(kernel: FusedKernel, stored: set[int], context: CompileContext) -> 
     digest = hashlib.sha256(render(ir, "kernel").encode()).hexdigest()[:10]
     name = f"ember_{ir.kind}_{digest}"
     launches = [Launch(name + f.name, f.params, f.constexprs, f.grid, f.num_warps, f.gemm, f.layout, f.precision,
-                       f.splits)
+                       f.splits, f.num_stages, f.alternatives, f.work)
                 for f in ir.functions]
     return KernelSource(render(ir, name), name, launches)

@@ -189,9 +189,13 @@ def test_layer_norm_is_one_node_with_the_values_and_gradients_of_torch(dtype, pa
     assert out._node.op is Op.LAYER_NORM and out.dtype is x.dtype
     close(out, expected.float(), dtype)
     (out.float() * out.float()).sum().backward()
-    (expected.float() * expected.float()).sum().backward()
+    # the gradients against torch's in float64 from the same inputs: torch's own float16 gradients differ from
+    # those by up to the tolerance (over 60 random inputs: 0.0077 at most, ember's 0.0050)
+    exact = [t.detach().double().requires_grad_() if t is not None else None for t in (tx, tw, tb)]
+    reference = torch.nn.functional.layer_norm(*exact[:1], (4, 6), *exact[1:], eps=1e-3)
+    (reference * reference).sum().backward()
     rtol, atol = TOL[dtype]
-    for ours, theirs in [(x, tx), (w, tw), (b, tb)]:
+    for ours, theirs in zip((x, w, b), exact):
         if ours is not None:  # a sum of squares over the batch: its gradient is as large as that sum
             np.testing.assert_allclose(ours.grad.float().numpy(), theirs.grad.float().numpy(), rtol=rtol,
                                        atol=atol * max(1.0, float(theirs.grad.abs().max())))

@@ -6,11 +6,12 @@ arguments and of the values it returns. A bound `Replay` runs plan by plan, each
 or is captured as a CUDA graph (`Replay.capture`), which replays the launches of its binding. A `Replay` runs
 its plans in workspaces of its own (arenas and prepared launches, taken from the recording thread), so its
 graphs' buffers are no thread's; a capture forbids unsafe CUDA calls in the capturing thread only, so other
-threads keep launching meanwhile.
+threads keep launching meanwhile, but captures take turns.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +36,11 @@ class ReplayStep:
     arguments: list[tuple[int, int]] = field(default_factory=list)  # (input position, argument slot)
     results_in: list[tuple[int, int]] = field(default_factory=list)  # (input position, result slot)
     results_out: list[tuple[int, int]] = field(default_factory=list)  # (output position, result slot)
+
+
+# Captures from two threads at once can abort the process in torch's graph memory pools (a failed capture's
+# clean-up while another thread captures): a lock keeps them one after the other.
+_capturing = threading.Lock()
 
 
 class Replay:
@@ -63,14 +69,15 @@ class Replay:
         """The steps, as bound, captured as one CUDA graph (with the kernel arguments of the capture: no
         fresh random offsets); raises what the capture raises."""
         target = cuda.torch_device(self.steps[0].device)
-        graph = torch.cuda.CUDAGraph()
-        torch.cuda.synchronize(target)
-        try:
-            launcher.this_thread.capturing = True
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                self.run(None)
-        finally:
-            launcher.this_thread.capturing = False
+        with _capturing:  # one capture at a time in this process (other threads' plain launches go on)
+            graph = torch.cuda.CUDAGraph()
+            torch.cuda.synchronize(target)
+            try:
+                launcher.this_thread.capturing = True
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                    self.run(None)
+            finally:
+                launcher.this_thread.capturing = False
         return graph
 
     def replayed(self, results: list[torch.Tensor]) -> None:

@@ -164,6 +164,28 @@ def test_a_row_kernels_loads_are_issued_before_its_reductions(rng):
         assert_close(fused, reference, rtol=1e-4, atol=1e-5)
 
 
+def test_a_row_sum_of_a_product_with_a_per_row_factor_is_the_factor_times_the_sum(rng):
+    """Σ(c·y) over a row, c one value per row, is taken as c·Σy: the sum then reads no other row sum's result, so a
+    layer norm's forward and backward in one row kernel make two passes of row sums (the mean; then the variance
+    and the gradient's sums), not three."""
+    x, xc = pair(rng, 6, 40)
+    dy, dyc = pair(rng, 6, 40)
+    results = []
+    for xi, dyi in ((x, dy), (xc, dyc)):
+        xi = xi.detach().requires_grad_()
+        out = ember.nn.functional.layer_norm(xi, (40,))
+        results.append((out, *ember.grad(out, [xi], dyi)))
+    (row,) = plan(*results[0]).kernels
+    inside, sums = {id(n) for n in row.covers}, {id(r): r for r in row.reductions}
+
+    def depth(node) -> int:  # row sums in a chain through the kernel's nodes, this one included
+        return (id(node) in sums) + max([depth(i) for i in node.inputs if id(i) in inside or id(i) in sums] + [0])
+
+    assert max(depth(r) for r in row.reductions) == 2
+    for fused, reference in zip(*results):
+        assert_close(fused, reference, rtol=1e-4, atol=1e-5)
+
+
 def test_a_division_by_a_literal_power_of_two_is_a_multiplication(rng):
     """A norm's division by its row length, a power of two fixed by the expansion, is the product with its
     reciprocal (the same number: scaling by a power of two is exact), so no division's instructions run per row."""

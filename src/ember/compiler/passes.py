@@ -335,6 +335,10 @@ class _Builder:
                 picked = self._one_hot_sum(ins[0], attrs["axes"][0], original)
                 if picked is not None:
                     return picked
+            if op is Op.SUM:
+                factored = self._factored_sum(ins[0], attrs, original)
+                if factored is not None:
+                    return factored
             staged = self._nested_reduction(op, ins[0], attrs, original)
             if staged is None:
                 staged = self._merged_reduction(op, ins[0], attrs, original)
@@ -498,6 +502,26 @@ class _Builder:
         if wide is not original.dtype:
             total = self.make(Op.CAST, (total,), {"dtype": original.dtype}, original)
         return total
+
+    def _factored_sum(self, x: Node, attrs: dict, original: Node) -> Node | None:
+        """A float sum of a product with a factor constant along the summed axes (a value per row, broadcast), or
+        of its negation, as that factor times the sum of the rest: c·Σy for Σ(c·y), -Σz for Σ(-z). The sum then
+        reads nothing computed from the row's other sums, so a row kernel takes it in the same pass over the row
+        as theirs (a layer norm's backward: one pass fewer)."""
+        if original.dtype not in (dtypes.float32, dtypes.float64):
+            return None
+        axes = tuple(attrs["axes"])
+        if x.op is Op.NEG and x.dtype is original.dtype:
+            inner = self._factored_sum(x.inputs[0], attrs, original)
+            return None if inner is None else self.make(Op.NEG, (inner,), {}, original)
+        if x.op is not Op.MUL or x.dtype is not original.dtype:
+            return None
+        for factor, rest in (x.inputs, reversed(x.inputs)):
+            source = factor.inputs[0] if factor.op is Op.EXPAND else None
+            if source is not None and source.shape == original.shape and all(source.shape[a] == 1 for a in axes):
+                total = self.make(Op.SUM, (rest,), attrs, original)
+                return self.make(Op.MUL, (total, source), {}, original)
+        return None
 
     def _split_reduction(self, op: Op, x: Node, attrs: dict, original: Node) -> Node | None:
         """A long reduction into few outputs would run on few programs and starve the GPU: reduce

@@ -29,6 +29,7 @@ LOOP_CHUNK = 1024  # columns per step of that loop
 KEPT_BLOCK = 512
 COLUMN_TILE = 4096
 COLUMN_WARPS = 4
+MIN_KEPT_BLOCK = 32
 
 BLOCK_M, BLOCK_N = Block("BLOCK_M", "m"), Block("BLOCK_N", "n")  # a row kernel's tile
 
@@ -84,6 +85,8 @@ class RowKernel:
             block_m = max(1, min(ROW_TILE // block_n, next_pow2(m), 64)) if block_n != LOOP_CHUNK else 1
         else:  # the kept axes are the contiguous ones: wide along them, so loads coalesce
             block_m = min(next_pow2(m), KEPT_BLOCK)
+            while block_m > MIN_KEPT_BLOCK and -(-m // block_m) < ctx.settings.multiprocessors:
+                block_m //= 2  # few kept positions (a split sum's last stage): narrower blocks, more programs
             block_n = max(1, min(next_pow2(n), COLUMN_TILE // block_m))
         self.block_m, self.block_n = block_m, block_n
         self.persistent = next_pow2(n) <= block_n

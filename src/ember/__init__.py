@@ -51,7 +51,7 @@ long = int64
 int = int32  # noqa: A001
 short = int16
 
-from ember import vision  # noqa: E402 - its functions use the ops above, at call time
+from ember import distributed, vision  # noqa: E402, F401 - their functions use the ops above, at call time
 
 __version__ = "0.1.0"
 

@@ -80,6 +80,7 @@ STRUCTURAL = {
     Op.GATHER: "a load at a clamped, checked position (zero where the index is out of range)",
     Op.SCATTER_ADD: "an atomic add at a clamped position",
     Op.ARGSORT: "the vendor's sort (torch.sort)",
+    Op.COLLECTIVE: "a collective of the process group, by torch.distributed (NCCL on cuda, gloo on cpu)",
     Op.CHECK_INDEX: "the index itself; where it is out of range, recorded in the plan's flags (record_index)",
     Op.COPY: "a transfer between devices, made by the runtime at a plan's edges",
 }

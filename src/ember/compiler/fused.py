@@ -61,17 +61,20 @@ class KernelKind(enum.Enum):
     MLP = "mlp"  # a chain of narrow GEMMs with pointwise work between: several cores, intermediates on chip
     ATTENTION = "attention"  # softmax(q @ kᵀ) @ v with key tiles streamed on chip, or its gradients
     SORT = "sort"  # the vendor's sort along an axis (torch's)
+    COLLECTIVE = "collective"  # a collective of the process group, by torch.distributed (NCCL or gloo)
 
     def __str__(self) -> str:
         return self.value
 
 
-VENDOR_KINDS = (KernelKind.MATMUL, KernelKind.CONV2D, KernelKind.SORT)  # kernels a vendor library runs (cuBLAS...)
+# kernels a vendor library runs (cuBLAS, cuDNN, torch's sort, torch.distributed's collectives)
+VENDOR_KINDS = (KernelKind.MATMUL, KernelKind.CONV2D, KernelKind.SORT, KernelKind.COLLECTIVE)
 
 # the ops whose results are always stored, each the core of a kernel of its own kind: the vendor's, or generated
 OPAQUE_KINDS = {Op.MATMUL: KernelKind.MATMUL, Op.CONV2D: KernelKind.CONV2D, Op.CONV2D_INPUT_GRAD: KernelKind.CONV2D,
                 Op.CONV2D_WEIGHT_GRAD: KernelKind.CONV2D, Op.ATTENTION: KernelKind.ATTENTION,
-                Op.ATTENTION_GRAD: KernelKind.ATTENTION, Op.ARGSORT: KernelKind.SORT}
+                Op.ATTENTION_GRAD: KernelKind.ATTENTION, Op.ARGSORT: KernelKind.SORT,
+                Op.COLLECTIVE: KernelKind.COLLECTIVE}
 OPAQUE = tuple(OPAQUE_KINDS)
 DRAWS_INLINE = (Op.ATTENTION, Op.ATTENTION_GRAD)  # kernels computing a random input at each position they read
 

@@ -225,7 +225,7 @@ class Planner:
                     self._walk(kernel, o, FULL, refs, seen, skip_root=True)
             return refs
         if kernel.kind in (KernelKind.MATMUL, KernelKind.CONV2D, KernelKind.SCATTER_ADD, KernelKind.ATTENTION,
-                           KernelKind.SORT):
+                           KernelKind.SORT, KernelKind.COLLECTIVE):
             for o in kernel.outputs:
                 for i in o.inputs:
                     self._walk(kernel, i, OTHER, refs, set())

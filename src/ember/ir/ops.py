@@ -125,6 +125,9 @@ class Op(enum.Enum):
     CHECK_INDEX = ("check_index", Kind.UNARY)
     # transfers
     COPY = ("copy", Kind.DEVICE)
+    # a collective of the process group (ember.distributed): its input as this process holds it, its result as every
+    # process gets it (attrs: collective, reduce, source, world)
+    COLLECTIVE = ("collective", Kind.DEVICE)
     # composites: one node while the graph is built and looked up, primitives from compilation on
     LINEAR = ("linear", Kind.COMPOSITE)  # x @ weight.T (+ bias), as torch.nn.functional.linear
     RELU = ("relu", Kind.COMPOSITE)  # max(x, 0) of a float tensor, NaN passing through

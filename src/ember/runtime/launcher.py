@@ -220,6 +220,8 @@ def _step(ck: CompiledKernel, flags: index_checks.IndexFlags | None, gemm_backen
         return functools.partial(_matmul, kernel.outputs[0])
     if kernel.kind is KernelKind.SORT:
         return functools.partial(_argsort, kernel.outputs[0])
+    if kernel.kind is KernelKind.COLLECTIVE:
+        return functools.partial(_collective, kernel.outputs[0])
     if kernel.kind is KernelKind.CONV2D:
         return functools.partial(_conv2d, kernel.outputs[0])
     return _KernelStep(ck, flags, settings)
@@ -595,6 +597,14 @@ def _argsort(node: Node, buffers: dict[int, torch.Tensor], sig: Signature) -> No
     x = _view(node.inputs[0], buffers)
     order = torch.sort(x, dim=node.attrs["axis"], descending=node.attrs["descending"], stable=True).indices
     buffers[id(node)].copy_(order)
+
+
+def _collective(node: Node, buffers: dict[int, torch.Tensor], sig: Signature) -> None:
+    """A collective of the process group on the node's buffers (ember.distributed), issued on the current stream's
+    order: torch.distributed waits for the work before it and makes what follows wait for it."""
+    from ember import distributed
+
+    distributed.run_collective(node.attrs, _view(node.inputs[0], buffers), buffers[id(node)])
 
 
 def _convolution_backward(grad: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, conv: tuple,

@@ -1,0 +1,69 @@
+"""One process of the distributed tests (tests/test_distributed.py), started by torchrun: runs a scenario on the
+devices named and saves what it computed, per rank, for the test to check. Not collected by pytest."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+import ember
+import ember.distributed as dist
+
+
+def collectives(device: str) -> dict[str, np.ndarray]:
+    """Each collective once, on values that differ by rank (and a half-precision sum)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rng = np.random.default_rng(100 + rank)
+    out = {}
+    with ember.device(device):
+        for op in ("sum", "avg", "max", "min", "product"):
+            t = ember.tensor(rng.standard_normal((3, 5)).astype(np.float32))
+            out[f"input_{op}"] = t.numpy()
+            dist.all_reduce(t, op=op)
+            out[f"all_reduce_{op}"] = t.numpy()
+        h = ember.tensor(rng.standard_normal(7).astype(np.float32)).to(ember.bfloat16)
+        out["input_bf16"] = h.float().numpy()
+        dist.all_reduce(h)
+        out["all_reduce_bf16"] = h.float().numpy()
+        i = ember.tensor(np.arange(4, dtype=np.int64) * (rank + 1))
+        dist.all_reduce(i)
+        out["all_reduce_int"] = i.numpy()
+        b = ember.tensor(np.full((2, 2), float(rank), dtype=np.float32))
+        dist.broadcast(b, src=world - 1)
+        out["broadcast"] = b.numpy()
+        g = ember.tensor(np.full((2, 3), float(rank), dtype=np.float32)) + ember.arange(3)
+        gathered = ember.zeros(2 * world, 3)
+        dist.all_gather_into_tensor(gathered, g)
+        out["all_gather_into_tensor"] = gathered.numpy()
+        parts = [ember.zeros(2, 3) for _ in range(world)]
+        dist.all_gather(parts, g * 2)
+        out["all_gather"] = np.stack([p.numpy() for p in parts])
+        s = ember.tensor(rng.standard_normal((2 * world, 3)).astype(np.float32))
+        out["input_scatter"] = s.numpy()
+        mine = ember.zeros(2, 3)
+        dist.reduce_scatter_tensor(mine, s)
+        out["reduce_scatter_tensor"] = mine.numpy()
+        listed = ember.zeros(4)
+        dist.reduce_scatter(listed, [ember.full((4,), float(rank + k)) for k in range(world)])
+        out["reduce_scatter"] = listed.numpy()
+        lazy = ember.tensor(np.ones(3, dtype=np.float32)) * (rank + 1)  # a pending graph in front of it
+        dist.all_reduce(lazy)
+        out["lazy_input"] = (lazy * 2).numpy()
+    return out
+
+
+def main() -> None:
+    scenario, device, where = sys.argv[1], sys.argv[2], sys.argv[3]
+    dist.init_process_group(timeout=60)
+    try:
+        result = {"collectives": collectives}[scenario](device)
+        np.savez(os.path.join(where, f"{scenario}-{device}-{dist.get_rank()}.npz"), **result)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""ember.distributed: collectives on ember tensors over torch.distributed's gloo backend, between processes that
+torchrun starts on this machine (tests/distributed/worker.py), checked against NumPy on what each rank held."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ember
+import ember.distributed as dist
+
+pytestmark = pytest.mark.slow  # processes of their own, a few seconds each: the full tier
+
+WORKER = Path(__file__).parent / "distributed" / "worker.py"
+
+
+def torchrun(tmp_path, *args: str, nproc: int = 2, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the worker in `nproc` processes; fail with their output if any fails."""
+    src = str(Path(ember.__file__).parents[1])
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
+                   "OMP_NUM_THREADS": "1", **(env or {})}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(WORKER), *args, str(tmp_path)]
+    done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return done
+
+
+def results(tmp_path, scenario: str, device: str, world: int) -> list[dict]:
+    return [dict(np.load(tmp_path / f"{scenario}-{device}-{rank}.npz")) for rank in range(world)]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_collectives_combine_what_every_process_holds(tmp_path, device):
+    """cpu: the reference backend's op; cuda: the interpreted device's launcher, on torch CPU tensors (gloo)."""
+    world = 2
+    torchrun(tmp_path, "collectives", device, nproc=world, env={"EMBER_INTERPRET": "1"})
+    ranks = results(tmp_path, "collectives", device, world)
+    inputs = {op: np.stack([r[f"input_{op}"] for r in ranks]) for op in ("sum", "avg", "max", "min", "product")}
+    expected = {"sum": inputs["sum"].sum(0), "avg": inputs["avg"].mean(0), "max": inputs["max"].max(0),
+                "min": inputs["min"].min(0), "product": inputs["product"].prod(0)}
+    scattered = np.stack([r["input_scatter"] for r in ranks]).sum(0)
+    for rank, r in enumerate(ranks):
+        for op, value in expected.items():
+            np.testing.assert_allclose(r[f"all_reduce_{op}"], value, rtol=1e-6, atol=1e-6, err_msg=op)
+        bf16 = sum(q["input_bf16"] for q in ranks)
+        np.testing.assert_allclose(r["all_reduce_bf16"], bf16, rtol=1e-2, atol=1e-2)
+        np.testing.assert_array_equal(r["all_reduce_int"], np.arange(4) * 3)
+        np.testing.assert_array_equal(r["broadcast"], np.full((2, 2), world - 1.0))
+        gathered = np.concatenate([np.full((2, 3), float(k)) + np.arange(3) for k in range(world)])
+        np.testing.assert_array_equal(r["all_gather_into_tensor"], gathered)
+        np.testing.assert_array_equal(r["all_gather"], 2 * gathered.reshape(world, 2, 3))
+        np.testing.assert_allclose(r["reduce_scatter_tensor"], scattered[2 * rank:2 * rank + 2], rtol=1e-6)
+        np.testing.assert_array_equal(r["reduce_scatter"], np.full(4, float(sum(q + rank for q in range(world)))))
+        np.testing.assert_array_equal(r["lazy_input"], np.full(3, 2.0 * sum(range(1, world + 1))))
+
+
+def test_a_collective_without_a_process_group_is_refused_with_a_clear_error():
+    with pytest.raises(RuntimeError, match="all_reduce: the default process group is not initialized"):
+        dist.all_reduce(ember.ones(3))
+    with pytest.raises(TypeError, match="expected an ember Tensor"):
+        dist.all_reduce(np.ones(3))
+    with pytest.raises(NotImplementedError, match="only the default group"):
+        dist.barrier(group=object())

@@ -417,3 +417,20 @@ def test_gradients_built_from_a_template_accumulate_and_free_the_graph_as_the_ru
         tloss.backward()
     for e, t in ((x, tx), (w, tw), (b, tb)):
         close(e.grad, t.grad, rtol=1e-4)
+
+
+def test_a_post_accumulate_grad_hook_sees_the_leaf_after_each_backward_until_removed():
+    w = ember.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    seen = []
+    handle = w.register_post_accumulate_grad_hook(lambda t: seen.append(t.grad.numpy().copy()))
+    (w * w).sum().backward()
+    (w * 3).sum().backward()
+    np.testing.assert_array_equal(seen[0], [2.0, 4.0, 6.0])
+    np.testing.assert_array_equal(seen[1], [5.0, 7.0, 9.0])  # accumulated
+    handle.remove()
+    w.sum().backward()
+    assert len(seen) == 2
+    with pytest.raises(RuntimeError, match="only a leaf tensor"):
+        (w * 2).register_post_accumulate_grad_hook(lambda t: None)
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        ember.ones(2).register_post_accumulate_grad_hook(lambda t: None)

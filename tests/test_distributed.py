@@ -60,6 +60,55 @@ def test_collectives_combine_what_every_process_holds(tmp_path, device):
         np.testing.assert_array_equal(r["lazy_input"], np.full(3, 2.0 * sum(range(1, world + 1))))
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_data_parallel_training_equals_one_process_training_on_the_whole_batch(tmp_path, device):
+    """DistributedDataParallel over 2 processes, each on half of every batch, ends where one process trained on
+    the whole batches does: rank 0's initial weights everywhere, gradients averaged bucket by bucket, batch norm's
+    running statistics broadcast from rank 0, and no_sync's accumulation averaged at the next step."""
+    import importlib.util
+
+    world = 2
+    torchrun(tmp_path, "ddp", device, nproc=world, env={"EMBER_INTERPRET": "1"})
+    ranks = results(tmp_path, "ddp", device, world)
+    spec = importlib.util.spec_from_file_location("worker", WORKER)
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    net = worker.model(0)  # rank 0's initialisation, which every rank took
+    for k, v in net.state_dict().items():
+        np.testing.assert_array_equal(ranks[1][f"initial.{k}"], v.numpy(), err_msg=k)
+    opt = ember.optim.SGD(net.parameters(), lr=0.1)
+    share = 8 // world
+    for step in range(3):
+        x, y = worker.batches(step)
+        # each rank's loss is its shard's mean; the average of the ranks' gradients is the gradient of the mean of
+        # those means. Batch norm normalises each shard with its own statistics, so the reference does too.
+        losses = [ember.nn.functional.cross_entropy(net(ember.tensor(x[r * share:(r + 1) * share])),
+                                                     ember.tensor(y[r * share:(r + 1) * share])) for r in range(world)]
+        opt.zero_grad()
+        (sum(losses[1:], losses[0]) / world).backward()
+        opt.step()
+    opt.zero_grad()
+    for step in (3, 4):
+        x, y = worker.batches(step)
+        losses = [ember.nn.functional.cross_entropy(net(ember.tensor(x[r * share:(r + 1) * share])),
+                                                     ember.tensor(y[r * share:(r + 1) * share])) for r in range(world)]
+        (sum(losses[1:], losses[0]) / world).backward()
+    opt.step()
+    for k, v in net.state_dict().items():
+        if "running" in k or "num_batches" in k:
+            # rank 0's statistics from its own shards (the reference ran both shards through one module)
+            continue
+        for rank in range(world):
+            np.testing.assert_allclose(ranks[rank][f"final.module.{k}"], v.numpy(), rtol=1e-5, atol=1e-6,
+                                       err_msg=f"rank {rank}: {k}")
+    # under no_sync each rank holds its own gradient; the next backward averages what accumulated
+    assert not np.allclose(ranks[0]["grad_after_micro0"], ranks[1]["grad_after_micro0"])
+    np.testing.assert_array_equal(ranks[0]["grad_after_micro1"], ranks[1]["grad_after_micro1"])
+    for k in ranks[0]:  # the replicas stay identical, but for the running statistics of each one's last shard
+        if k.startswith("final.") and "running" not in k:
+            np.testing.assert_array_equal(ranks[0][k], ranks[1][k], err_msg=k)
+
+
 def test_a_collective_without_a_process_group_is_refused_with_a_clear_error():
     with pytest.raises(RuntimeError, match="all_reduce: the default process group is not initialized"):
         dist.all_reduce(ember.ones(3))

@@ -13,6 +13,7 @@ the optimizer update of a training step form one graph that is compiled together
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 
 from ember.errors import ShapeError
@@ -157,6 +158,50 @@ def _root_gradient(tensor, gradient):
     return gradient.detach().to(tensor.dtype)
 
 
+# hooks called with a leaf once backward() has accumulated its gradient (Tensor.register_post_accumulate_grad_hook),
+# by leaf; and, per thread, callbacks run once when its next backward() has delivered every leaf's gradient, by key
+# (one each: DistributedDataParallel's end of a step's reductions)
+_accumulate_hooks: dict[int, list] = {}  # by id (a Tensor's == is elementwise), dropped with the Tensor
+
+
+class _Callbacks(threading.local):
+    def __init__(self) -> None:
+        self.after_backward: dict = {}
+
+
+_callbacks = _Callbacks()
+
+
+class HookHandle:
+    """What registering a hook returns: `remove()` takes it away."""
+
+    def __init__(self, hooks: list, hook):
+        self.hooks, self.hook = hooks, hook
+
+    def remove(self) -> None:
+        if self.hook in self.hooks:
+            self.hooks.remove(self.hook)
+
+
+def register_post_accumulate_grad_hook(tensor, hook) -> HookHandle:
+    """Call `hook(tensor)` each time backward() has accumulated a gradient into the leaf `tensor`'s `.grad`."""
+    if tensor._grad_fn is not None:
+        raise RuntimeError("register_post_accumulate_grad_hook: only a leaf tensor accumulates a gradient")
+    if not tensor.requires_grad:
+        raise RuntimeError("register_post_accumulate_grad_hook: the tensor does not require grad")
+    if id(tensor) not in _accumulate_hooks:
+        weakref.finalize(tensor, _accumulate_hooks.pop, id(tensor), None)
+    hooks = _accumulate_hooks.setdefault(id(tensor), [])
+    hooks.append(hook)
+    return HookHandle(hooks, hook)
+
+
+def after_backward(key, callback) -> None:
+    """Run `callback()` once, when the next backward() has accumulated every leaf's gradient (the latest callback
+    given under `key` replaces an earlier one)."""
+    _callbacks.after_backward[key] = callback
+
+
 def _run(roots, retain_graph: bool, targets: dict[int, int] | None) -> dict[int, object]:
     """Backpropagate from the roots: into `.grad` of the leaves when `targets` is None, else into the slots
     `targets` gives for leaf Tensors and Functions (by id), returned by slot."""
@@ -168,6 +213,12 @@ def _run(roots, retain_graph: bool, targets: dict[int, int] | None) -> dict[int,
             leaves, _ = _walk(roots, functions, retain_graph, False)
         for t, g in leaves.values():
             t.grad = g if t.grad is None else t.grad + g
+            for hook in list(_accumulate_hooks.get(id(t), ())):
+                hook(t)
+        callbacks = list(_callbacks.after_backward.values())
+        _callbacks.after_backward.clear()
+        for callback in callbacks:
+            callback()
         return {}
     leaves, reached = _walk(roots, functions, retain_graph, True)
     found: dict[int, object] = {}

@@ -295,7 +295,8 @@ def _reference(x: np.ndarray, **attrs) -> np.ndarray:
     """The collective on the cpu device: NumPy buffers lent to torch (half types as float32)."""
     import torch
 
-    source = np.ascontiguousarray(x.astype(np.float32) if x.dtype in (dtypes.float16.np, dtypes.bfloat16.np) else x)
+    half = x.dtype in (dtypes.float16.np, dtypes.bfloat16.np)
+    source = np.array(x, dtype=np.float32 if half else x.dtype, order="C")  # a copy (0-d stays 0-d)
     shape, _ = _shape([_Shaped(x.shape)], attrs)
     out = np.empty(shape, source.dtype)
     run_collective(attrs, torch.from_numpy(source), torch.from_numpy(out))

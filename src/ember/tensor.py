@@ -332,6 +332,11 @@ class Tensor:
             self._grad_fn, self.requires_grad = value._grad_fn, value.requires_grad
         return self
 
+    def register_post_accumulate_grad_hook(self, hook):
+        """Call `hook(self)` each time backward() has accumulated a gradient into this leaf's `.grad`; returns a
+        handle whose `remove()` takes the hook away."""
+        return autograd.register_post_accumulate_grad_hook(self, hook)
+
     def copy_(self, src) -> Tensor:
         return self.assign(src, op="copy_")
 

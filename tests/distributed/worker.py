@@ -3,6 +3,7 @@ devices named and saves what it computed, per rank, for the test to check. Not c
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -54,11 +55,53 @@ def collectives(device: str) -> dict[str, np.ndarray]:
     return out
 
 
+def model(seed: int):
+    ember.manual_seed(seed)
+    return ember.nn.Sequential(ember.nn.Linear(6, 8), ember.nn.BatchNorm1d(8), ember.nn.ReLU(), ember.nn.Linear(8, 3))
+
+
+def batches(step: int) -> tuple[np.ndarray, np.ndarray]:
+    """The whole batch of a step (every rank's shard, in rank order), the same in every process."""
+    rng = np.random.default_rng(1000 + step)
+    return rng.standard_normal((8, 6)).astype(np.float32), rng.integers(0, 3, 8)
+
+
+def ddp(device: str) -> dict[str, np.ndarray]:
+    """Three SGD steps of a model wrapped in DistributedDataParallel (each rank initialised differently; buckets of
+    one parameter or so), then a step accumulated over two micro-batches with no_sync on the first. Each rank
+    trains on its shard of the batch."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with ember.device(device):
+        net = ember.nn.parallel.DistributedDataParallel(model(rank), bucket_cap_mb=1e-4)
+        out = {f"initial.{k}": v.numpy() for k, v in net.module.state_dict().items()}
+        opt = ember.optim.SGD(net.parameters(), lr=0.1)
+        share = 8 // world
+        for step in range(3):
+            x, y = batches(step)
+            mine = slice(rank * share, (rank + 1) * share)
+            loss = ember.nn.functional.cross_entropy(net(ember.tensor(x[mine])), ember.tensor(y[mine]))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        opt.zero_grad()
+        for micro, step in enumerate((3, 4)):
+            x, y = batches(step)
+            mine = slice(rank * share, (rank + 1) * share)
+            context = net.no_sync() if micro == 0 else contextlib.nullcontext()
+            with context:
+                loss = ember.nn.functional.cross_entropy(net(ember.tensor(x[mine])), ember.tensor(y[mine]))
+                loss.backward()
+            out[f"grad_after_micro{micro}"] = net.module[0].weight.grad.numpy()
+        opt.step()
+        out.update({f"final.{k}": v.numpy() for k, v in net.state_dict().items()})
+    return out
+
+
 def main() -> None:
     scenario, device, where = sys.argv[1], sys.argv[2], sys.argv[3]
     dist.init_process_group(timeout=60)
     try:
-        result = {"collectives": collectives}[scenario](device)
+        result = {"collectives": collectives, "ddp": ddp}[scenario](device)
         np.savez(os.path.join(where, f"{scenario}-{device}-{dist.get_rank()}.npz"), **result)
         dist.barrier()
     finally:

@@ -1,6 +1,6 @@
 """ember.nn: modules, layers, losses, initialisation and `functional`, with PyTorch's names."""
 
-from ember.nn import functional, init, utils
+from ember.nn import functional, init, parallel, utils
 from ember.nn.attention import MultiheadAttention
 from ember.nn.containers import ModuleDict, ModuleList, Sequential
 from ember.nn.layers import (
@@ -41,5 +41,5 @@ __all__ = [
     "LayerNorm", "LeakyReLU", "Linear", "LogSoftmax", "MSELoss", "MaxPool2d", "Module", "ModuleDict", "ModuleList",
     "MultiheadAttention", "NLLLoss", "Parameter", "RMSNorm", "ReLU", "SiLU", "Sequential", "Sigmoid", "SmoothL1Loss",
     "Softmax", "Softplus", "Tanh", "Transformer", "TransformerDecoder", "TransformerDecoderLayer",
-    "TransformerEncoder", "TransformerEncoderLayer", "functional", "init", "utils",
+    "TransformerEncoder", "TransformerEncoderLayer", "functional", "init", "parallel", "utils",
 ]

@@ -4,8 +4,10 @@ torchrun starts on this machine (tests/distributed/worker.py), checked against N
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -19,16 +21,26 @@ pytestmark = pytest.mark.slow  # processes of their own, a few seconds each: the
 WORKER = Path(__file__).parent / "distributed" / "worker.py"
 
 
-def torchrun(tmp_path, *args: str, nproc: int = 2, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run the worker in `nproc` processes; fail with their output if any fails."""
+def environment(env: dict | None = None) -> dict:
     src = str(Path(ember.__file__).parents[1])
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
-                   "OMP_NUM_THREADS": "1", **(env or {})}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
+            "OMP_NUM_THREADS": "1", **(env or {})}
+
+
+def torchrun(tmp_path, *args: str, nproc: int = 2, env: dict | None = None, check: bool = True,
+             launch: tuple[str, ...] = ("--standalone",)) -> subprocess.CompletedProcess:
+    """Run the worker in `nproc` processes; fail with their output if any fails (`check`)."""
+    command = [sys.executable, "-m", "torch.distributed.run", *launch, f"--nproc_per_node={nproc}",
                str(WORKER), *args, str(tmp_path)]
-    done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    done = subprocess.run(command, env=environment(env), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 or not check, done.stdout[-4000:] + done.stderr[-4000:]
     return done
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
 
 
 def results(tmp_path, scenario: str, device: str, world: int) -> list[dict]:
@@ -107,6 +119,29 @@ def test_data_parallel_training_equals_one_process_training_on_the_whole_batch(t
     for k in ranks[0]:  # the replicas stay identical, but for the running statistics of each one's last shard
         if k.startswith("final.") and "running" not in k:
             np.testing.assert_array_equal(ranks[0][k], ranks[1][k], err_msg=k)
+
+
+def test_two_nodes_of_one_process_each_rendezvous_on_localhost(tmp_path):
+    """Two torchrun launches, as on two hosts (--nnodes 2, a c10d rendezvous), run the collectives together."""
+    port = free_port()
+    launches = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}", "--nproc_per_node=1",
+         "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{port}", "--rdzv-id=ember-test", str(WORKER),
+         "collectives", "cpu", str(tmp_path)], env=environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True) for node in (0, 1)]
+    outputs = [p.communicate(timeout=300)[0] for p in launches]
+    assert all(p.returncode == 0 for p in launches), "\n".join(o[-3000:] for o in outputs)
+    ranks = results(tmp_path, "collectives", "cpu", 2)
+    for r in ranks:
+        np.testing.assert_allclose(r["all_reduce_sum"], ranks[0]["input_sum"] + ranks[1]["input_sum"], rtol=1e-6)
+
+
+def test_a_process_that_raises_ends_the_others_with_an_error_not_a_hang(tmp_path):
+    start = time.monotonic()
+    done = torchrun(tmp_path, "raises", "cpu", check=False)
+    assert done.returncode != 0
+    assert "rank 1 gives up" in done.stdout + done.stderr
+    assert time.monotonic() - start < 120  # torchrun stops rank 0, waiting in its all-reduce
 
 
 def test_a_collective_without_a_process_group_is_refused_with_a_clear_error():

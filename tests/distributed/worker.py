@@ -97,11 +97,20 @@ def ddp(device: str) -> dict[str, np.ndarray]:
     return out
 
 
+def raises(device: str) -> dict[str, np.ndarray]:
+    """Rank 1 fails before a collective that rank 0 waits in."""
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1 gives up")
+    t = ember.ones(3, device=device)
+    dist.all_reduce(t)
+    return {"t": t.numpy()}
+
+
 def main() -> None:
     scenario, device, where = sys.argv[1], sys.argv[2], sys.argv[3]
     dist.init_process_group(timeout=60)
     try:
-        result = {"collectives": collectives, "ddp": ddp}[scenario](device)
+        result = {"collectives": collectives, "ddp": ddp, "raises": raises}[scenario](device)
         np.savez(os.path.join(where, f"{scenario}-{device}-{dist.get_rank()}.npz"), **result)
         dist.barrier()
     finally:

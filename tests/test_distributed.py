@@ -121,6 +121,15 @@ def test_data_parallel_training_equals_one_process_training_on_the_whole_batch(t
             np.testing.assert_array_equal(ranks[0][k], ranks[1][k], err_msg=k)
 
 
+def test_a_parameter_without_a_gradient_needs_find_unused_parameters(tmp_path):
+    torchrun(tmp_path, "unused", "cpu")
+    ranks = results(tmp_path, "unused", "cpu", 2)
+    for r in ranks:
+        np.testing.assert_array_equal(r["findTrue.used"], ranks[0]["findTrue.used"])  # averaged: equal replicas
+        assert not r["findTrue.unused_moved"]  # its gradient averaged as zeros
+        assert "find_unused_parameters=True" in str(r["findFalse.error"])
+
+
 def test_two_nodes_of_one_process_each_rendezvous_on_localhost(tmp_path):
     """Two torchrun launches, as on two hosts (--nnodes 2, a c10d rendezvous), run the collectives together."""
     port = free_port()

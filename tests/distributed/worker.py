@@ -97,6 +97,39 @@ def ddp(device: str) -> dict[str, np.ndarray]:
     return out
 
 
+class TwoHeads(ember.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.unused = ember.nn.Linear(4, 2), ember.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def unused(device: str) -> dict[str, np.ndarray]:
+    """A parameter that takes no part in the loss: averaged as zeros with find_unused_parameters, an error at the
+    next forward without."""
+    rank = dist.get_rank()
+    out = {}
+    with ember.device(device):
+        for find in (True, False):
+            ember.manual_seed(rank)
+            net = ember.nn.parallel.DistributedDataParallel(TwoHeads(), find_unused_parameters=find)
+            opt = ember.optim.SGD(net.parameters(), lr=0.1)
+            before = net.module.unused.weight.numpy().copy()
+            try:
+                for step in range(2):
+                    x = ember.tensor(np.full((3, 4), rank + step + 1.0, dtype=np.float32))
+                    opt.zero_grad()
+                    net(x).square().mean().backward()
+                    opt.step()
+                out[f"find{find}.used"] = net.module.used.weight.numpy()
+                out[f"find{find}.unused_moved"] = np.array(not np.array_equal(before, net.module.unused.weight.numpy()))
+            except RuntimeError as error:
+                out[f"find{find}.error"] = np.array(str(error))
+    return out
+
+
 def raises(device: str) -> dict[str, np.ndarray]:
     """Rank 1 fails before a collective that rank 0 waits in."""
     if dist.get_rank() == 1:
@@ -110,7 +143,7 @@ def main() -> None:
     scenario, device, where = sys.argv[1], sys.argv[2], sys.argv[3]
     dist.init_process_group(timeout=60)
     try:
-        result = {"collectives": collectives, "ddp": ddp, "raises": raises}[scenario](device)
+        result = {"collectives": collectives, "ddp": ddp, "raises": raises, "unused": unused}[scenario](device)
         np.savez(os.path.join(where, f"{scenario}-{device}-{dist.get_rank()}.npz"), **result)
         dist.barrier()
     finally:

@@ -449,3 +449,63 @@ def test_an_import_error_names_each_unsupported_layer_and_function_once():
         assert text.count(f"unsupported layer {block}.act: Hardswish") == 1
         assert text.count(f"{block} (Inverted): torch.nn.functional.hardsigmoid has no ember equivalent") == 1
     assert text.count("ReLU6") == 3 and text.count("Hardswish") == 2 and text.count("hardsigmoid") == 2
+
+
+# -- attention and transformer layers, and torch._assert ------------------------------------------------------
+
+class PatchViT(tnn.Module):
+    """A miniature ViT as torchvision writes one: patches by a strided convolution, a class token, learned
+    positions, an input-shape check (torch._assert), a pre-norm encoder of GELU layers, a head on the class token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patch = tnn.Conv2d(3, 16, 4, 4)
+        self.cls = tnn.Parameter(torch.randn(1, 1, 16))
+        self.pos = tnn.Parameter(torch.randn(1, 5, 16))
+        layer = tnn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, activation="gelu", batch_first=True,
+                                            norm_first=True)
+        self.encoder = tnn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = tnn.Linear(16, 10)
+
+    def forward(self, x):
+        n, _, h, _ = x.shape
+        torch._assert(h == 8, "expected images of height 8")
+        x = self.patch(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls.expand(n, -1, -1), x], dim=1) + self.pos
+        return self.head(self.encoder(x)[:, 0])
+
+
+def test_a_vit_with_an_input_check_imports_and_trains_as_torch():
+    torch.manual_seed(0)
+    model = PatchViT().eval()
+    em = ember.from_torch(model)
+    assert list(em.state_dict()) == list(model.state_dict())
+    x = np.random.default_rng(3).standard_normal((2, 3, 8, 8)).astype(np.float32)
+    assert_forward_and_gradients_match(model, em, x)
+    with pytest.raises(AssertionError, match="expected images of height 8"):
+        em(ember.tensor(np.ones((2, 3, 12, 12), np.float32)))
+
+
+@pytest.mark.parametrize("layer", ["attention", "encoder layer", "decoder layer", "encoder", "transformer"])
+def test_attention_and_transformer_layers_import_with_their_parameters_shared(layer):
+    torch.manual_seed(1)
+    make = {
+        "attention": lambda: tnn.MultiheadAttention(16, 4, batch_first=True),
+        "encoder layer": lambda: tnn.TransformerEncoderLayer(16, 4, 24, dropout=0.0, norm_first=True),
+        "decoder layer": lambda: tnn.TransformerDecoderLayer(16, 2, 24, dropout=0.0, activation=tnn.GELU()),
+        "encoder": lambda: tnn.TransformerEncoder(tnn.TransformerEncoderLayer(16, 4, 24, dropout=0.0), 2,
+                                                  norm=tnn.LayerNorm(16), enable_nested_tensor=False),
+        "transformer": lambda: tnn.Transformer(16, 4, 1, 1, 24, dropout=0.0),
+    }[layer]
+    model = make().eval()
+    em = ember.from_torch(model)
+    assert list(em.state_dict()) == list(model.state_dict())
+    x = np.random.default_rng(4).standard_normal((3, 5, 16)).astype(np.float32)
+    arguments = {"attention": 3, "decoder layer": 2, "transformer": 2}.get(layer, 1)
+    want = model(*[torch.from_numpy(x)] * arguments)
+    got = em(*[ember.tensor(x)] * arguments)
+    want, got = (want[0], got[0]) if layer == "attention" else (want, got)
+    np.testing.assert_allclose(got.numpy(), want.detach().numpy(), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # the parameters are torch's memory: a change there is seen here
+        next(iter(model.parameters())).add_(1.0)
+    np.testing.assert_array_equal(next(iter(em.parameters())).numpy(), next(iter(model.parameters())).detach().numpy())

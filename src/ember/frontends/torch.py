@@ -251,11 +251,19 @@ def _function(fn):
     name = getattr(fn, "__name__", None)
     if name is None:
         return None
+    if fn is torch._assert:
+        return _assert
     if getattr(torch_f, name, None) is fn:
         return getattr(F, name, None)
     if getattr(torch, name, None) is fn:
         return getattr(ember, name, None)
     return None
+
+
+def _assert(condition, message: str) -> None:
+    """torch._assert: a check a forward makes of its inputs (a shape), made again on ember's values."""
+    if not bool(condition):
+        raise AssertionError(message)
 
 
 @dataclass
@@ -452,6 +460,41 @@ def _stateless(make):
     return lambda m, importer: make(m)
 
 
+def _composite(cls, *attributes: str):
+    """A torch layer made of layers ember has too (attention, the transformer layers and stacks): an ember `cls`
+    holding the torch layer's `attributes`, its parameters shared and its children imported at their names (a
+    ModuleList as one of imported layers); an activation function given as a function is ember's of the same
+    name."""
+    def make(m, importer: _Importer) -> Module:
+        import torch
+
+        if getattr(m, "bias_k", None) is not None or getattr(m, "add_zero_attn", False):
+            raise NotImplementedError("add_bias_kv and add_zero_attn are not supported")
+        out = cls.__new__(cls)
+        Module.__init__(out)
+        for name in attributes:  # a layer among them (a stack's final norm) is imported below with the children
+            if not isinstance(getattr(m, name), torch.nn.Module):
+                setattr(out, name, getattr(m, name))
+        activation = m.__dict__.get("activation")
+        if activation is not None and not isinstance(activation, torch.nn.Module):
+            mapped = _function(activation)
+            if mapped is None:
+                raise NotImplementedError(f"the activation {_name(activation)} has no ember equivalent")
+            out.activation = mapped
+        _sharing(out, m, importer)
+        for name, child in m._modules.items():
+            if child is None:  # torch's None layer (no final norm): None here too
+                out.add_module(name, None)
+            elif isinstance(child, torch.nn.ModuleList):
+                out.add_module(name, nn.ModuleList(importer.module(c, f"{name}.{k}") for k, c in enumerate(child)))
+            elif type(child).__name__ == "NonDynamicallyQuantizableLinear":
+                out.add_module(name, _linear(child, importer))
+            else:
+                out.add_module(name, importer.module(child, name))
+        return out
+    return make
+
+
 _LAYERS = {
     "Linear": _linear,
     "Conv2d": _conv2d,
@@ -477,4 +520,12 @@ _LAYERS = {
     "Identity": _stateless(lambda m: nn.Identity()),
     "Dropout": _stateless(lambda m: nn.Dropout(m.p)),
     "Flatten": _stateless(lambda m: nn.Flatten(m.start_dim, m.end_dim)),
+    "MultiheadAttention": _composite(nn.MultiheadAttention, "embed_dim", "num_heads", "dropout", "batch_first",
+                                     "kdim", "vdim", "head_dim", "_qkv_same_embed_dim"),
+    "TransformerEncoderLayer": _composite(nn.TransformerEncoderLayer, "norm_first"),
+    "TransformerDecoderLayer": _composite(nn.TransformerDecoderLayer, "norm_first"),
+    "TransformerEncoder": _composite(nn.TransformerEncoder, "num_layers", "norm", "enable_nested_tensor",
+                                     "mask_check"),
+    "TransformerDecoder": _composite(nn.TransformerDecoder, "num_layers", "norm"),
+    "Transformer": _composite(nn.Transformer, "d_model", "nhead", "batch_first"),
 }

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import ON_GPU
 
 import ember
 import ember.distributed as dist
@@ -151,6 +152,28 @@ def test_a_process_that_raises_ends_the_others_with_an_error_not_a_hang(tmp_path
     assert done.returncode != 0
     assert "rank 1 gives up" in done.stdout + done.stderr
     assert time.monotonic() - start < 120  # torchrun stops rank 0, waiting in its all-reduce
+
+
+@pytest.mark.skipif(not ON_GPU, reason="NCCL needs a GPU")
+@pytest.mark.gpu
+@pytest.mark.parametrize("scenario", ["collectives", "ddp"])
+def test_on_gpus_over_nccl(tmp_path, scenario):
+    """The same scenarios on the real cuda device over NCCL, one process per GPU (a world of one still runs every
+    collective and the bucketed all-reduce path); checked as on the cpu for two or more GPUs."""
+    import torch
+
+    world = torch.cuda.device_count()
+    torchrun(tmp_path, scenario, "cuda", nproc=world, env={"EMBER_INTERPRET": "0"})
+    ranks = results(tmp_path, scenario, "cuda", world)
+    if scenario == "collectives":
+        total = sum(r["input_sum"] for r in ranks)
+        for r in ranks:
+            np.testing.assert_allclose(r["all_reduce_sum"], total, rtol=1e-5, atol=1e-5)
+            np.testing.assert_array_equal(r["broadcast"], np.full((2, 2), world - 1.0))
+    else:
+        for k in ranks[0]:
+            if k.startswith("final.") and "running" not in k:
+                np.testing.assert_array_equal(ranks[0][k], ranks[-1][k], err_msg=k)
 
 
 def test_a_collective_without_a_process_group_is_refused_with_a_clear_error():

@@ -141,7 +141,8 @@ def raises(device: str) -> dict[str, np.ndarray]:
 
 def main() -> None:
     scenario, device, where = sys.argv[1], sys.argv[2], sys.argv[3]
-    dist.init_process_group(timeout=60)
+    with ember.device(device):  # the backend follows the device: NCCL on a GPU, gloo on the cpu or interpreted
+        dist.init_process_group(timeout=60)
     try:
         result = {"collectives": collectives, "ddp": ddp, "raises": raises, "unused": unused}[scenario](device)
         np.savez(os.path.join(where, f"{scenario}-{device}-{dist.get_rank()}.npz"), **result)

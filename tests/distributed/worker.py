@@ -97,6 +97,33 @@ def ddp(device: str) -> dict[str, np.ndarray]:
     return out
 
 
+def uneven_data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(5)
+    return rng.standard_normal((11, 6)).astype(np.float32), rng.integers(0, 3, 11)
+
+
+def plain_model(seed: int):
+    ember.manual_seed(seed)
+    return ember.nn.Sequential(ember.nn.Linear(6, 8), ember.nn.Tanh(), ember.nn.Linear(8, 3))
+
+
+def uneven(device: str) -> dict[str, np.ndarray]:
+    """An epoch of 11 samples over the processes (a DistributedSampler pads each share to 6) in batches of 4: a
+    full batch, then a short one, in every process."""
+    with ember.device(device):
+        net = ember.nn.parallel.DistributedDataParallel(plain_model(dist.get_rank()))
+        opt = ember.optim.SGD(net.parameters(), lr=0.2)
+        data = ember.data.TensorDataset(*uneven_data())
+        sampler = ember.data.DistributedSampler(data, shuffle=False)
+        sizes = []
+        for x, y in ember.data.DataLoader(data, batch_size=4, sampler=sampler, device=device):
+            sizes.append(x.shape[0])
+            opt.zero_grad()
+            ember.nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+        return {"sizes": np.array(sizes), **{k: v.numpy() for k, v in net.module.state_dict().items()}}
+
+
 class TwoHeads(ember.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -144,7 +171,8 @@ def main() -> None:
     with ember.device(device):  # the backend follows the device: NCCL on a GPU, gloo on the cpu or interpreted
         dist.init_process_group(timeout=60)
     try:
-        result = {"collectives": collectives, "ddp": ddp, "raises": raises, "unused": unused}[scenario](device)
+        result = {"collectives": collectives, "ddp": ddp, "raises": raises, "unused": unused,
+                  "uneven": uneven}[scenario](device)
         np.savez(os.path.join(where, f"{scenario}-{device}-{dist.get_rank()}.npz"), **result)
         dist.barrier()
     finally:

@@ -146,6 +146,15 @@ def test_an_uneven_epoch_is_padded_to_equal_shares_and_its_short_last_batch_trai
             np.testing.assert_allclose(r[k], v.numpy(), rtol=1e-5, atol=1e-6, err_msg=k)
 
 
+def test_data_parallel_steps_replayed_by_ember_jit_still_average_their_gradients(tmp_path):
+    """Each rank draws its own batches; replayed steps that skipped the all-reduces would leave the replicas apart."""
+    torchrun(tmp_path, "jit", "cuda", env={"EMBER_INTERPRET": "1"})
+    ranks = results(tmp_path, "jit", "cuda", 2)
+    assert all(int(r["replays"]) >= 2 for r in ranks)
+    for k in ranks[0]:
+        np.testing.assert_array_equal(ranks[0][k], ranks[1][k], err_msg=k)
+
+
 def test_a_parameter_without_a_gradient_needs_find_unused_parameters(tmp_path):
     torchrun(tmp_path, "unused", "cpu")
     ranks = results(tmp_path, "unused", "cpu", 2)

@@ -124,6 +124,28 @@ def uneven(device: str) -> dict[str, np.ndarray]:
         return {"sizes": np.array(sizes), **{k: v.numpy() for k, v in net.module.state_dict().items()}}
 
 
+def jitted(device: str) -> dict[str, np.ndarray]:
+    """DistributedDataParallel inside an ember.jit step: the replays run the bucket all-reduces too."""
+    rank = dist.get_rank()
+    with ember.device(device):
+        net = ember.nn.parallel.DistributedDataParallel(plain_model(rank), bucket_cap_mb=1e-4)
+        opt = ember.optim.SGD(net.parameters(), lr=0.1)
+
+        def step(x, y):
+            loss = ember.nn.functional.cross_entropy(net(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            return loss
+
+        run = ember.jit(step)
+        rng = np.random.default_rng(rank)
+        for _ in range(5):
+            run(ember.tensor(rng.standard_normal((4, 6)).astype(np.float32)), ember.tensor(rng.integers(0, 3, 4)))
+        return {"replays": np.array(run.stats["replays"]),
+                **{k: v.numpy() for k, v in net.module.state_dict().items()}}
+
+
 class TwoHeads(ember.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -172,7 +194,7 @@ def main() -> None:
         dist.init_process_group(timeout=60)
     try:
         result = {"collectives": collectives, "ddp": ddp, "raises": raises, "unused": unused,
-                  "uneven": uneven}[scenario](device)
+                  "uneven": uneven, "jit": jitted}[scenario](device)
         np.savez(os.path.join(where, f"{scenario}-{device}-{dist.get_rank()}.npz"), **result)
         dist.barrier()
     finally:

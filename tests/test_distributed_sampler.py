@@ -41,6 +41,10 @@ def test_shuffled_shares_cover_the_dataset_and_change_with_the_epoch(size, repli
                                           for r in range(replicas)]
 
 
+def test_a_negative_seed_is_taken_as_torch_takes_it():
+    assert sorted(DistributedSampler(range(6), 1, 0, seed=-3)) == list(range(6))
+
+
 def test_bad_arguments_and_a_missing_process_group_are_refused():
     with pytest.raises(ValueError, match=r"invalid rank 2, rank should be in the interval \[0, 1\]"):
         DistributedSampler(range(4), num_replicas=2, rank=2)

@@ -52,7 +52,8 @@ class DistributedSampler:
 
     def __iter__(self) -> Iterator[int]:
         n = len(self.dataset)
-        order = np.random.default_rng(self.seed + self.epoch).permutation(n) if self.shuffle else np.arange(n)
+        seed = (self.seed + self.epoch) % 2**64  # any integer, as torch takes (NumPy's seeds are non-negative)
+        order = np.random.default_rng(seed).permutation(n) if self.shuffle else np.arange(n)
         if self.total_size <= n:
             order = order[:self.total_size]
         elif n:  # padded from the start, as often as it takes

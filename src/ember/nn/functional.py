@@ -330,7 +330,7 @@ def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor |
         stat_shape = (1, c) + (1,) * (input.ndim - 2)
         centred = x - cast(running_mean, x.dtype).reshape(stat_shape)
         var = cast(running_var, x.dtype).reshape(stat_shape)
-    return _normalized(input, x, centred, var, weight, bias, eps)
+    return _normalized(input, centred, var, weight, bias, eps)
 
 
 def _batch_statistics(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -340,16 +340,21 @@ def _batch_statistics(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return mean, x - mean, _variance(x, mean, axes)
 
 
-def _normalized(input: Tensor, x: Tensor, centred: Tensor, var: Tensor, weight: Tensor | None, bias: Tensor | None,
+def _normalized(input: Tensor, centred: Tensor, var: Tensor, weight: Tensor | None, bias: Tensor | None,
                 eps: float) -> Tensor:
     """The centred values over the standard deviation, scaled and shifted per channel before the output is rounded
     to the input's dtype."""
+    return _scaled_per_channel(input, centred * (var + eps).rsqrt(), weight, bias)
+
+
+def _scaled_per_channel(input: Tensor, out: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
+    """Normalised values `out` (in the dtype statistics are computed in) scaled and shifted per channel (dim 1),
+    then rounded once to the input's dtype."""
     stat_shape = (1, input.shape[1]) + (1,) * (input.ndim - 2)
-    out = centred * (var + eps).rsqrt()
     if weight is not None:
-        out = out * cast(weight, x.dtype).reshape(stat_shape)
+        out = out * cast(weight, out.dtype).reshape(stat_shape)
     if bias is not None:
-        out = out + cast(bias, x.dtype).reshape(stat_shape)
+        out = out + cast(bias, out.dtype).reshape(stat_shape)
     return cast(out, input.dtype)
 
 
@@ -369,7 +374,7 @@ def _batch_norm_results(input: Tensor, running_mean: Tensor, running_var: Tensor
     c = input.shape[1]
     new_mean = _moved(running_mean, mean.detach().reshape((c,)), momentum)
     new_var = _moved(running_var, var.detach().reshape((c,)) * (count / (count - 1)), momentum)
-    return [_normalized(input, x, centred, var, weight, bias, eps), cast(new_mean, running_mean.dtype),
+    return [_normalized(input, centred, var, weight, bias, eps), cast(new_mean, running_mean.dtype),
             cast(new_var, running_var.dtype)]
 
 
@@ -647,3 +652,154 @@ def binary_cross_entropy_with_logits(input: Tensor, target: Tensor, weight: Tens
     if weight is not None:
         loss = loss * weight
     return _reduce("binary_cross_entropy_with_logits", loss, reduction)
+
+
+# -- group and instance normalisation -------------------------------------------------------
+# Both normalise rows of the input viewed as (N, G, -1): G groups of channels for group_norm, each channel for
+# instance_norm. Row statistics are what the compiler fuses into row kernels.
+
+def _row_normalized(input: Tensor, groups: int, weight: Tensor | None, bias: Tensor | None,
+                    eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The input normalised over rows of (N, groups, -1), scaled and shifted per channel (dim 1) in float32 for
+    half-precision input and rounded once; with each row's mean and biased variance, shaped (N, groups, 1)."""
+    x = _opmath(input)
+    n, c = input.shape[:2]
+    rows = x.reshape((n, groups, (c // groups) * math.prod(input.shape[2:])))
+    mean = rows.mean(2, keepdim=True)
+    var = _variance(rows, mean, (2,))
+    out = ((rows - mean) * (var + eps).rsqrt()).reshape(input.shape)
+    return _scaled_per_channel(input, out, weight, bias), mean, var
+
+
+def _check_channel_vectors(fn: str, input: Tensor, **vectors: Tensor | None) -> None:
+    c = input.shape[1]
+    for name, t in vectors.items():
+        if t is not None:
+            expect_tensors(fn, **{name: t})
+            if t.shape != (c,):
+                raise ShapeError(f"{fn}: {name} of shape {t.shape} must have shape ({c},) for input {input.shape}")
+
+
+def group_norm(input: Tensor, num_groups: int, weight: Tensor | None = None, bias: Tensor | None = None,
+               eps: float = 1e-5) -> Tensor:
+    """Normalise each group of `num_groups` consecutive channel groups over its channels and spatial dims (biased
+    variance), then scale and shift per channel, as torch.nn.functional.group_norm."""
+    _check_float("group_norm", input)
+    if input.ndim < 2:
+        raise ShapeError(f"group_norm: expected input of shape (N, C, ...), got {input.shape}")
+    c = input.shape[1]
+    if num_groups <= 0 or c % num_groups:
+        raise ShapeError(f"group_norm: the {c} channels of input {input.shape} must be divisible by "
+                         f"num_groups={num_groups}")
+    if input.shape[0] * (c // num_groups) * math.prod(input.shape[2:]) == 1:
+        raise ValueError(f"group_norm: expected more than 1 value per group when training, got input of shape "
+                         f"{input.shape}")
+    _check_channel_vectors("group_norm", input, weight=weight, bias=bias)
+    return _row_normalized(input, num_groups, weight, bias, eps)[0]
+
+
+def instance_norm(input: Tensor, running_mean: Tensor | None = None, running_var: Tensor | None = None,
+                  weight: Tensor | None = None, bias: Tensor | None = None, use_input_stats: bool = True,
+                  momentum: float = 0.1, eps: float = 1e-5) -> Tensor:
+    """Normalise each channel of each sample over its spatial dims, as torch.nn.functional.instance_norm.
+
+    With `use_input_stats` the sample's statistics are used and, when given, the running estimates move toward
+    their mean over the batch (the variance unbiased, lazily, outside autograd); otherwise the running estimates
+    are used, as batch_norm's in eval."""
+    _check_float("instance_norm", input)
+    if input.ndim < 3:
+        raise ShapeError(f"instance_norm: expected input of shape (N, C, ...) with spatial dims, got {input.shape}")
+    _check_channel_vectors("instance_norm", input, running_mean=running_mean, running_var=running_var,
+                           weight=weight, bias=bias)
+    if not use_input_stats:
+        return batch_norm(input, running_mean, running_var, weight, bias, False, momentum, eps)
+    count = math.prod(input.shape[2:])
+    if count <= 1:
+        raise ValueError(f"instance_norm: expected more than 1 spatial element when training, got input of shape "
+                         f"{input.shape}")
+    out, mean, var = _row_normalized(input, input.shape[1], weight, bias, eps)
+    _update_running_stats(running_mean, running_var, mean.mean(0), var.mean(0), count, momentum)
+    return out
+
+
+# -- 1-d convolution and pooling ------------------------------------------------------------
+# Each is its 2-d counterpart over the input with a height-1 axis inserted before the last (the kernel, stride,
+# padding and dilation of that axis are 1, 1, 0 and 1), so they share its kernels and gradients.
+
+def _single(fn: str, name: str, v) -> int:
+    """An int, or a 1-tuple of one (torch's form for 1-d layers)."""
+    one = v[0] if isinstance(v, (tuple, list)) and len(v) == 1 else v
+    if not isinstance(one, int):
+        raise ValueError(f"{fn}: {name} must be an int or a 1-tuple of one, got {v!r}")
+    return one
+
+
+def _with_height(fn: str, input: Tensor) -> Tensor:
+    """(N, C, L) or (C, L) input as (N, C, 1, L) or (C, 1, L)."""
+    expect_tensors(fn, input=input)
+    if input.ndim not in (2, 3):
+        raise ShapeError(f"{fn}: expects input (N, C, L) or (C, L), got shape {input.shape}")
+    return input.unsqueeze(-2)
+
+
+def conv1d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padding=0, dilation=1,
+           groups: int = 1) -> Tensor:
+    """1-d cross-correlation over (N, C, L) or (C, L) input with weight (O, C / groups, K), as
+    torch.nn.functional.conv1d; `padding` may be an int, 'valid' or 'same' (stride 1)."""
+    expect_tensors("conv1d", weight=weight)
+    if weight.ndim != 3:
+        raise ShapeError(f"conv1d: expects weight (O, C/groups, K), got shape {weight.shape}")
+    stride, dilation = _single("conv1d", "stride", stride), _single("conv1d", "dilation", dilation)
+    if isinstance(padding, str):
+        if padding == "same" and stride != 1:
+            raise ValueError("conv1d: padding='same' is not supported for strided convolutions")
+        padding_2d = padding
+    else:
+        padding_2d = (0, _single("conv1d", "padding", padding))
+    return conv2d(_with_height("conv1d", input), weight.unsqueeze(-2), bias, (1, stride), padding_2d,
+                  (1, dilation), groups).squeeze(-2)
+
+
+def max_pool1d(input: Tensor, kernel_size, stride=None, padding=0, dilation=1, ceil_mode: bool = False,
+               return_indices: bool = False) -> Tensor:
+    """The maximum over windows along the last dim of (N, C, L) or (C, L) input, as torch's max_pool1d."""
+    k = _single("max_pool1d", "kernel_size", kernel_size)
+    s = k if stride is None or stride == () else _single("max_pool1d", "stride", stride)
+    p, d = _single("max_pool1d", "padding", padding), _single("max_pool1d", "dilation", dilation)
+    if p > k // 2:
+        raise ValueError(f"max_pool1d: padding {p} should be at most half of the kernel size {k}")
+    return max_pool2d(_with_height("max_pool1d", input), (1, k), (1, s), (0, p), (1, d), ceil_mode,
+                      return_indices).squeeze(-2)
+
+
+def avg_pool1d(input: Tensor, kernel_size, stride=None, padding=0, ceil_mode: bool = False,
+               count_include_pad: bool = True) -> Tensor:
+    """The mean over windows along the last dim of (N, C, L) or (C, L) input, as torch's avg_pool1d."""
+    k = _single("avg_pool1d", "kernel_size", kernel_size)
+    s = k if stride is None or stride == () else _single("avg_pool1d", "stride", stride)
+    p = _single("avg_pool1d", "padding", padding)
+    if p > k // 2:
+        raise ValueError(f"avg_pool1d: padding {p} should be at most half of the kernel size {k}")
+    return avg_pool2d(_with_height("avg_pool1d", input), (1, k), (1, s), (0, p), ceil_mode,
+                      count_include_pad).squeeze(-2)
+
+
+def adaptive_avg_pool1d(input: Tensor, output_size) -> Tensor:
+    """The mean over `output_size` bins along the last dim, bin i spanning floor(i L / out) to
+    ceil((i + 1) L / out), as torch's adaptive_avg_pool1d."""
+    out = _single("adaptive_avg_pool1d", "output_size", output_size)
+    return adaptive_avg_pool2d(_with_height("adaptive_avg_pool1d", input), (1, out)).squeeze(-2)
+
+
+def adaptive_max_pool1d(input: Tensor, output_size, return_indices: bool = False) -> Tensor:
+    """The maximum over adaptive_avg_pool1d's bins along the last dim."""
+    if return_indices:
+        raise NotImplementedError("adaptive_max_pool1d: return_indices=True is not supported")
+    out = _single("adaptive_max_pool1d", "output_size", output_size)
+    return adaptive_max_pool2d(_with_height("adaptive_max_pool1d", input), (1, out)).squeeze(-2)
+
+
+__all__ += [
+    "adaptive_avg_pool1d", "adaptive_max_pool1d", "avg_pool1d", "conv1d", "group_norm", "instance_norm",
+    "max_pool1d",
+]

@@ -52,10 +52,13 @@ from ember.nn.layers import (  # noqa: E402
     AvgPool1d,
     Conv1d,
     MaxPool1d,
+    Upsample,
+    UpsamplingBilinear2d,
+    UpsamplingNearest2d,
 )
 from ember.nn.normalization import GroupNorm, InstanceNorm1d, InstanceNorm2d  # noqa: E402
 
 __all__ += [
     "AdaptiveAvgPool1d", "AdaptiveMaxPool1d", "AdaptiveMaxPool2d", "AvgPool1d", "Conv1d", "GroupNorm",
-    "InstanceNorm1d", "InstanceNorm2d", "MaxPool1d",
+    "InstanceNorm1d", "InstanceNorm2d", "MaxPool1d", "Upsample", "UpsamplingBilinear2d", "UpsamplingNearest2d",
 ]

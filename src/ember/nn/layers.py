@@ -1,4 +1,4 @@
-"""Layers: Linear, Conv1d/2d, Embedding, dropout, pooling, reshaping and activations.
+"""Layers: Linear, Conv1d/2d, Embedding, dropout, pooling, resampling, reshaping and activations.
 
 Each layer holds its Parameters, initialises them as PyTorch does (so ported models
 train the same way), and calls into `ember.nn.functional` in `forward`.
@@ -404,6 +404,42 @@ class AdaptiveMaxPool2d(Module):
 
     def extra_repr(self) -> str:
         return f"output_size={self.output_size}"
+
+
+# -- resampling ---------------------------------------------------------------------------
+
+class Upsample(Module):
+    """Resample (N, C, H, W) input to `size` or by `scale_factor`, as torch.nn.Upsample (see F.interpolate)."""
+
+    def __init__(self, size=None, scale_factor=None, mode: str = "nearest", align_corners: bool | None = None,
+                 recompute_scale_factor: bool | None = None) -> None:
+        super().__init__()
+        self.size, self.mode = size, mode
+        if isinstance(scale_factor, (tuple, list)):
+            self.scale_factor = tuple(float(f) for f in scale_factor)
+        else:
+            self.scale_factor = float(scale_factor) if scale_factor is not None else None
+        self.align_corners, self.recompute_scale_factor = align_corners, recompute_scale_factor
+
+    def forward(self, input: Tensor) -> Tensor:
+        return F.interpolate(input, self.size, self.scale_factor, self.mode, self.align_corners,
+                             recompute_scale_factor=self.recompute_scale_factor)
+
+    def extra_repr(self) -> str:
+        given = f"scale_factor={self.scale_factor!r}" if self.scale_factor is not None else f"size={self.size!r}"
+        return f"{given}, mode={self.mode!r}"
+
+
+class UpsamplingNearest2d(Upsample):
+    def __init__(self, size=None, scale_factor=None) -> None:
+        super().__init__(size, scale_factor, mode="nearest")
+
+
+class UpsamplingBilinear2d(Upsample):
+    """Bilinear resampling with align_corners=True."""
+
+    def __init__(self, size=None, scale_factor=None) -> None:
+        super().__init__(size, scale_factor, mode="bilinear", align_corners=True)
 
 
 # -- activations ------------------------------------------------------------------------

@@ -43,3 +43,22 @@ __all__ = [
     "Softmax", "Softplus", "Tanh", "Transformer", "TransformerDecoder", "TransformerDecoderLayer",
     "TransformerEncoder", "TransformerEncoderLayer", "functional", "init", "parallel", "utils",
 ]
+
+# group and instance normalisation, 1-d convolution and pooling, adaptive max pooling, resampling
+from ember.nn.layers import (  # noqa: E402
+    AdaptiveAvgPool1d,
+    AdaptiveMaxPool1d,
+    AdaptiveMaxPool2d,
+    AvgPool1d,
+    Conv1d,
+    MaxPool1d,
+    Upsample,
+    UpsamplingBilinear2d,
+    UpsamplingNearest2d,
+)
+from ember.nn.normalization import GroupNorm, InstanceNorm1d, InstanceNorm2d  # noqa: E402
+
+__all__ += [
+    "AdaptiveAvgPool1d", "AdaptiveMaxPool1d", "AdaptiveMaxPool2d", "AvgPool1d", "Conv1d", "GroupNorm",
+    "InstanceNorm1d", "InstanceNorm2d", "MaxPool1d", "Upsample", "UpsamplingBilinear2d", "UpsamplingNearest2d",
+]

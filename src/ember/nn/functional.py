@@ -46,6 +46,7 @@ from ember.ops import pad as _pad
 from ember.ops import relu as _relu
 from ember.ops import silu as _silu
 from ember.ops import softmax as _softmax
+from ember.ops.creation import tensor
 from ember.ops.index import checked, gather_in_range, select_in_range
 from ember.ops.pointwise import abs, broadcast_shapes, cast, converted, exp, log, log1p, maximum, where
 from ember.runtime.executor import realize_with_next
@@ -330,7 +331,7 @@ def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor |
         stat_shape = (1, c) + (1,) * (input.ndim - 2)
         centred = x - cast(running_mean, x.dtype).reshape(stat_shape)
         var = cast(running_var, x.dtype).reshape(stat_shape)
-    return _normalized(input, x, centred, var, weight, bias, eps)
+    return _normalized(input, centred, var, weight, bias, eps)
 
 
 def _batch_statistics(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -340,16 +341,21 @@ def _batch_statistics(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return mean, x - mean, _variance(x, mean, axes)
 
 
-def _normalized(input: Tensor, x: Tensor, centred: Tensor, var: Tensor, weight: Tensor | None, bias: Tensor | None,
+def _normalized(input: Tensor, centred: Tensor, var: Tensor, weight: Tensor | None, bias: Tensor | None,
                 eps: float) -> Tensor:
     """The centred values over the standard deviation, scaled and shifted per channel before the output is rounded
     to the input's dtype."""
+    return _scaled_per_channel(input, centred * (var + eps).rsqrt(), weight, bias)
+
+
+def _scaled_per_channel(input: Tensor, out: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
+    """Normalised values `out` (in the dtype statistics are computed in) scaled and shifted per channel (dim 1),
+    then rounded once to the input's dtype."""
     stat_shape = (1, input.shape[1]) + (1,) * (input.ndim - 2)
-    out = centred * (var + eps).rsqrt()
     if weight is not None:
-        out = out * cast(weight, x.dtype).reshape(stat_shape)
+        out = out * cast(weight, out.dtype).reshape(stat_shape)
     if bias is not None:
-        out = out + cast(bias, x.dtype).reshape(stat_shape)
+        out = out + cast(bias, out.dtype).reshape(stat_shape)
     return cast(out, input.dtype)
 
 
@@ -369,7 +375,7 @@ def _batch_norm_results(input: Tensor, running_mean: Tensor, running_var: Tensor
     c = input.shape[1]
     new_mean = _moved(running_mean, mean.detach().reshape((c,)), momentum)
     new_var = _moved(running_var, var.detach().reshape((c,)) * (count / (count - 1)), momentum)
-    return [_normalized(input, x, centred, var, weight, bias, eps), cast(new_mean, running_mean.dtype),
+    return [_normalized(input, centred, var, weight, bias, eps), cast(new_mean, running_mean.dtype),
             cast(new_var, running_var.dtype)]
 
 
@@ -647,3 +653,283 @@ def binary_cross_entropy_with_logits(input: Tensor, target: Tensor, weight: Tens
     if weight is not None:
         loss = loss * weight
     return _reduce("binary_cross_entropy_with_logits", loss, reduction)
+
+
+# -- group and instance normalisation -------------------------------------------------------
+# Both normalise rows of the input viewed as (N, G, -1): G groups of channels for group_norm, each channel for
+# instance_norm. Row statistics are what the compiler fuses into row kernels.
+
+def _row_normalized(input: Tensor, groups: int, weight: Tensor | None, bias: Tensor | None,
+                    eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The input normalised over rows of (N, groups, -1), scaled and shifted per channel (dim 1) in float32 for
+    half-precision input and rounded once; with each row's mean and biased variance, shaped (N, groups, 1)."""
+    x = _opmath(input)
+    n, c = input.shape[:2]
+    rows = x.reshape((n, groups, (c // groups) * math.prod(input.shape[2:])))
+    mean = rows.mean(2, keepdim=True)
+    var = _variance(rows, mean, (2,))
+    out = ((rows - mean) * (var + eps).rsqrt()).reshape(input.shape)
+    return _scaled_per_channel(input, out, weight, bias), mean, var
+
+
+def _check_channel_vectors(fn: str, input: Tensor, **vectors: Tensor | None) -> None:
+    c = input.shape[1]
+    for name, t in vectors.items():
+        if t is not None:
+            expect_tensors(fn, **{name: t})
+            if t.shape != (c,):
+                raise ShapeError(f"{fn}: {name} of shape {t.shape} must have shape ({c},) for input {input.shape}")
+
+
+def group_norm(input: Tensor, num_groups: int, weight: Tensor | None = None, bias: Tensor | None = None,
+               eps: float = 1e-5) -> Tensor:
+    """Normalise each group of `num_groups` consecutive channel groups over its channels and spatial dims (biased
+    variance), then scale and shift per channel, as torch.nn.functional.group_norm."""
+    _check_float("group_norm", input)
+    if input.ndim < 2:
+        raise ShapeError(f"group_norm: expected input of shape (N, C, ...), got {input.shape}")
+    c = input.shape[1]
+    if num_groups <= 0 or c % num_groups:
+        raise ShapeError(f"group_norm: the {c} channels of input {input.shape} must be divisible by "
+                         f"num_groups={num_groups}")
+    if input.shape[0] * (c // num_groups) * math.prod(input.shape[2:]) == 1:
+        raise ValueError(f"group_norm: expected more than 1 value per group when training, got input of shape "
+                         f"{input.shape}")
+    _check_channel_vectors("group_norm", input, weight=weight, bias=bias)
+    return _row_normalized(input, num_groups, weight, bias, eps)[0]
+
+
+def instance_norm(input: Tensor, running_mean: Tensor | None = None, running_var: Tensor | None = None,
+                  weight: Tensor | None = None, bias: Tensor | None = None, use_input_stats: bool = True,
+                  momentum: float = 0.1, eps: float = 1e-5) -> Tensor:
+    """Normalise each channel of each sample over its spatial dims, as torch.nn.functional.instance_norm.
+
+    With `use_input_stats` the sample's statistics are used and, when given, the running estimates move toward
+    their mean over the batch (the variance unbiased, lazily, outside autograd); otherwise the running estimates
+    are used, as batch_norm's in eval."""
+    _check_float("instance_norm", input)
+    if input.ndim < 3:
+        raise ShapeError(f"instance_norm: expected input of shape (N, C, ...) with spatial dims, got {input.shape}")
+    _check_channel_vectors("instance_norm", input, running_mean=running_mean, running_var=running_var,
+                           weight=weight, bias=bias)
+    if not use_input_stats:
+        return batch_norm(input, running_mean, running_var, weight, bias, False, momentum, eps)
+    count = math.prod(input.shape[2:])
+    if count <= 1:
+        raise ValueError(f"instance_norm: expected more than 1 spatial element when training, got input of shape "
+                         f"{input.shape}")
+    out, mean, var = _row_normalized(input, input.shape[1], weight, bias, eps)
+    _update_running_stats(running_mean, running_var, mean.mean(0), var.mean(0), count, momentum)
+    return out
+
+
+# -- 1-d convolution and pooling ------------------------------------------------------------
+# Each is its 2-d counterpart over the input with a height-1 axis inserted before the last (the kernel, stride,
+# padding and dilation of that axis are 1, 1, 0 and 1), so they share its kernels and gradients.
+
+def _single(fn: str, name: str, v) -> int:
+    """An int, or a 1-tuple of one (torch's form for 1-d layers)."""
+    one = v[0] if isinstance(v, (tuple, list)) and len(v) == 1 else v
+    if not isinstance(one, int):
+        raise ValueError(f"{fn}: {name} must be an int or a 1-tuple of one, got {v!r}")
+    return one
+
+
+def _with_height(fn: str, input: Tensor) -> Tensor:
+    """(N, C, L) or (C, L) input as (N, C, 1, L) or (C, 1, L)."""
+    expect_tensors(fn, input=input)
+    if input.ndim not in (2, 3):
+        raise ShapeError(f"{fn}: expects input (N, C, L) or (C, L), got shape {input.shape}")
+    return input.unsqueeze(-2)
+
+
+def conv1d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padding=0, dilation=1,
+           groups: int = 1) -> Tensor:
+    """1-d cross-correlation over (N, C, L) or (C, L) input with weight (O, C / groups, K), as
+    torch.nn.functional.conv1d; `padding` may be an int, 'valid' or 'same' (stride 1)."""
+    expect_tensors("conv1d", weight=weight)
+    if weight.ndim != 3:
+        raise ShapeError(f"conv1d: expects weight (O, C/groups, K), got shape {weight.shape}")
+    stride, dilation = _single("conv1d", "stride", stride), _single("conv1d", "dilation", dilation)
+    if isinstance(padding, str):
+        if padding == "same" and stride != 1:
+            raise ValueError("conv1d: padding='same' is not supported for strided convolutions")
+        padding_2d = padding
+    else:
+        padding_2d = (0, _single("conv1d", "padding", padding))
+    return conv2d(_with_height("conv1d", input), weight.unsqueeze(-2), bias, (1, stride), padding_2d,
+                  (1, dilation), groups).squeeze(-2)
+
+
+def max_pool1d(input: Tensor, kernel_size, stride=None, padding=0, dilation=1, ceil_mode: bool = False,
+               return_indices: bool = False) -> Tensor:
+    """The maximum over windows along the last dim of (N, C, L) or (C, L) input, as torch's max_pool1d."""
+    k = _single("max_pool1d", "kernel_size", kernel_size)
+    s = k if stride is None or stride == () else _single("max_pool1d", "stride", stride)
+    p, d = _single("max_pool1d", "padding", padding), _single("max_pool1d", "dilation", dilation)
+    if p > k // 2:
+        raise ValueError(f"max_pool1d: padding {p} should be at most half of the kernel size {k}")
+    return max_pool2d(_with_height("max_pool1d", input), (1, k), (1, s), (0, p), (1, d), ceil_mode,
+                      return_indices).squeeze(-2)
+
+
+def avg_pool1d(input: Tensor, kernel_size, stride=None, padding=0, ceil_mode: bool = False,
+               count_include_pad: bool = True) -> Tensor:
+    """The mean over windows along the last dim of (N, C, L) or (C, L) input, as torch's avg_pool1d."""
+    k = _single("avg_pool1d", "kernel_size", kernel_size)
+    s = k if stride is None or stride == () else _single("avg_pool1d", "stride", stride)
+    p = _single("avg_pool1d", "padding", padding)
+    if p > k // 2:
+        raise ValueError(f"avg_pool1d: padding {p} should be at most half of the kernel size {k}")
+    return avg_pool2d(_with_height("avg_pool1d", input), (1, k), (1, s), (0, p), ceil_mode,
+                      count_include_pad).squeeze(-2)
+
+
+def adaptive_avg_pool1d(input: Tensor, output_size) -> Tensor:
+    """The mean over `output_size` bins along the last dim, bin i spanning floor(i L / out) to
+    ceil((i + 1) L / out), as torch's adaptive_avg_pool1d."""
+    out = _single("adaptive_avg_pool1d", "output_size", output_size)
+    return adaptive_avg_pool2d(_with_height("adaptive_avg_pool1d", input), (1, out)).squeeze(-2)
+
+
+def adaptive_max_pool1d(input: Tensor, output_size, return_indices: bool = False) -> Tensor:
+    """The maximum over adaptive_avg_pool1d's bins along the last dim."""
+    if return_indices:
+        raise NotImplementedError("adaptive_max_pool1d: return_indices=True is not supported")
+    out = _single("adaptive_max_pool1d", "output_size", output_size)
+    return adaptive_max_pool2d(_with_height("adaptive_max_pool1d", input), (1, out)).squeeze(-2)
+
+
+# -- resampling ----------------------------------------------------------------------------
+# interpolate is separable: along each spatial axis every output position reads a few source positions (taps)
+# with weights that depend on the sizes alone, so both are computed on the host (in float32, as torch computes
+# them) and the resampling is gathers and weighted sums, differentiated as any other graph.
+
+_INTERPOLATING = ("linear", "bilinear", "bicubic", "trilinear")
+_CUBIC_A = -0.75  # the Keys cubic convolution coefficient torch uses
+
+
+def _resampled_sizes(input: Tensor, size, scale_factor, recompute_scale_factor: bool | None) -> tuple[list, list]:
+    """The output's spatial sizes, and the scale factor each axis's source positions are computed with (None
+    where the sizes' ratio is used)."""
+    spatial = input.shape[2:]
+    if size is not None and scale_factor is not None:
+        raise ValueError("interpolate: only one of size or scale_factor should be defined")
+    if size is None and scale_factor is None:
+        raise ValueError("interpolate: either size or scale_factor should be defined")
+    if size is not None:
+        sizes = [size] * len(spatial) if isinstance(size, int) else list(size)
+        if len(sizes) != len(spatial):
+            raise ValueError(f"interpolate: size {size} must give one size per spatial dim of input {input.shape}")
+        scales = [None] * len(spatial)
+    else:
+        factors = [scale_factor] * len(spatial) if isinstance(scale_factor, (int, float)) else list(scale_factor)
+        if len(factors) != len(spatial):
+            raise ValueError(f"interpolate: scale_factor {scale_factor} must give one factor per spatial dim of "
+                             f"input {input.shape}")
+        sizes = [math.floor(n * float(f)) for n, f in zip(spatial, factors)]
+        scales = [None] * len(spatial) if recompute_scale_factor else [float(f) for f in factors]
+    if any(m <= 0 for m in sizes) or any(n <= 0 for n in spatial):
+        raise ShapeError(f"interpolate: input {input.shape} and output sizes {tuple(sizes)} should be greater "
+                         f"than 0")
+    return sizes, scales
+
+
+def _source_scale(n: int, m: int, scale: float | None, align_corners: bool) -> np.float32:
+    """How far the source position moves per output position."""
+    if align_corners:
+        return np.float32(n - 1) / np.float32(m - 1) if m > 1 else np.float32(0)
+    return np.float32(1.0 / scale) if scale is not None and scale > 0 else np.float32(n) / np.float32(m)
+
+
+def _taps(n: int, m: int, scale: float | None, mode: str, align_corners: bool) -> list[tuple[np.ndarray, np.ndarray]]:
+    """For one axis of n source and m output positions: (source index, weight) arrays of length m, one pair per
+    tap (the weights None for nearest modes)."""
+    step = _source_scale(n, m, scale, align_corners)
+    d = np.arange(m, dtype=np.float32)
+    if mode == "nearest":  # torch's legacy rounding: the position is floor(d * step)
+        return [(np.minimum(np.floor(d * step).astype(np.int64), n - 1), None)]
+    if mode == "nearest-exact":  # the source pixel whose centre is nearest: floor((d + 0.5) * step)
+        return [(np.minimum(np.floor((d + np.float32(0.5)) * step).astype(np.int64), n - 1), None)]
+    half = np.float32(0.5)
+    source = d * step if align_corners else step * (d + half) - half
+    if mode == "bilinear":
+        source = np.maximum(source, np.float32(0))
+    first = np.minimum(np.floor(source).astype(np.int64), n - 1)
+    t = np.clip(source - first.astype(np.float32), np.float32(0), np.float32(1))
+    if mode == "bilinear":
+        return [(first, 1 - t), (np.minimum(first + 1, n - 1), t)]
+    a = np.float32(_CUBIC_A)
+
+    def near(x):  # |x| <= 1
+        return ((a + 2) * x - (a + 3)) * x * x + 1
+
+    def far(x):  # 1 < |x| < 2
+        return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+
+    weights = (far(t + 1), near(t), near(1 - t), far(2 - t))
+    return [(np.clip(first + k - 1, 0, n - 1), w) for k, w in enumerate(weights)]
+
+
+def _taken(x: Tensor, axis: int, index: np.ndarray) -> Tensor:
+    """x at the source positions `index` along `axis`: a broadcast where each position repeats a whole number of
+    times in order (nearest upsampling by an integer factor), else a gather."""
+    n, m = x.shape[axis], len(index)
+    if m % n == 0 and np.array_equal(index, np.arange(m) // (m // n)):
+        repeats = m // n
+        if repeats == 1:
+            return x
+        spread = x.unsqueeze(axis + 1).expand(x.shape[:axis + 1] + (repeats,) + x.shape[axis + 1:])
+        return spread.reshape(x.shape[:axis] + (m,) + x.shape[axis + 1:])
+    return select_in_range(x, axis, tensor(index.astype(np.int32), device=x.device))
+
+
+def _resampled_axis(x: Tensor, axis: int, taps: list[tuple[np.ndarray, np.ndarray]]) -> Tensor:
+    """The weighted sum of the taps along `axis` (the one tap of a nearest mode taken as is)."""
+    if taps[0][1] is None:
+        return _taken(x, axis, taps[0][0])
+    along = (-1,) + (1,) * (x.ndim - 1 - axis)
+    out = None
+    for index, weight in taps:
+        term = _taken(x, axis, index) * tensor(weight.astype(x.dtype.np), device=x.device).reshape(along)
+        out = term if out is None else out + term
+    return out
+
+
+def interpolate(input: Tensor, size=None, scale_factor=None, mode: str = "nearest", align_corners: bool | None = None,
+                recompute_scale_factor: bool | None = None, antialias: bool = False) -> Tensor:
+    """Resample (N, C, H, W) input to `size` or by `scale_factor`, as torch.nn.functional.interpolate.
+
+    Modes: 'nearest' (torch's legacy floor(d * in / out) rounding), 'nearest-exact', 'bilinear', 'bicubic'
+    (Keys' cubic with A = -0.75, taps clamped at the border) and 'area' (adaptive average pooling).
+    `align_corners` maps the corner pixels' centres onto each other (bilinear and bicubic only). Bilinear and
+    bicubic compute float16 and bfloat16 input in float32 and round once."""
+    expect_tensors("interpolate", input=input)
+    if mode in ("nearest", "nearest-exact", "area"):
+        if align_corners is not None:
+            raise ValueError("interpolate: align_corners option can only be set with the interpolating modes: "
+                             "linear | bilinear | bicubic | trilinear")
+    elif mode not in _INTERPOLATING:
+        raise NotImplementedError(f"interpolate: mode {mode!r} is not one of nearest, nearest-exact, area, "
+                                  f"bilinear or bicubic")
+    if input.ndim != 4 or mode in ("linear", "trilinear"):
+        raise NotImplementedError(f"interpolate: ember resamples 4-d input (N, C, H, W) in the modes nearest, "
+                                  f"nearest-exact, area, bilinear and bicubic; got {input.ndim}-d input and mode "
+                                  f"{mode!r}")
+    if antialias:
+        raise NotImplementedError("interpolate: antialias=True is not supported")
+    sizes, scales = _resampled_sizes(input, size, scale_factor, recompute_scale_factor)
+    if mode == "area":
+        return adaptive_avg_pool2d(input, tuple(sizes))
+    if mode in _INTERPOLATING:
+        _check_float("interpolate", input)
+    x = input if mode.startswith("nearest") else _opmath(input)
+    for axis, n, m, scale in zip((2, 3), input.shape[2:], sizes, scales):
+        x = _resampled_axis(x, axis, _taps(n, m, scale, mode, bool(align_corners)))
+    return cast(x, input.dtype)
+
+
+__all__ += [
+    "adaptive_avg_pool1d", "adaptive_max_pool1d", "avg_pool1d", "conv1d", "group_norm", "instance_norm",
+    "interpolate", "max_pool1d",
+]

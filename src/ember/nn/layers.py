@@ -1,4 +1,4 @@
-"""Layers: Linear, Conv2d, Embedding, dropout, pooling, reshaping and activations.
+"""Layers: Linear, Conv1d/2d, Embedding, dropout, pooling, resampling, reshaping and activations.
 
 Each layer holds its Parameters, initialises them as PyTorch does (so ported models
 train the same way), and calls into `ember.nn.functional` in `forward`.
@@ -66,19 +66,23 @@ def _pair(v) -> tuple[int, int]:
     return (v, v) if isinstance(v, int) else tuple(v)
 
 
+def _single(v) -> tuple[int]:
+    return (v,) if isinstance(v, int) else tuple(v)
+
+
 class _Conv(Module):
     """What a convolution layer and a transposed one share: channels, geometry, the weight and bias, and
     torch's default initialisation."""
 
     def __init__(self, name: str, in_channels: int, out_channels: int, kernel_size, stride, dilation, groups: int,
-                 bias: bool, weight_channels: tuple[int, int], device, dtype) -> None:
+                 bias: bool, weight_channels: tuple[int, int], device, dtype, spatial=_pair) -> None:
         super().__init__()
         if in_channels % groups or out_channels % groups:
             raise ValueError(f"{name}: in_channels ({in_channels}) and out_channels ({out_channels}) must be "
                              f"divisible by groups ({groups})")
         self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
         self.memory_format = None  # the layout its activations ask for (Module.to(memory_format=...))
-        self.kernel_size, self.stride, self.dilation = _pair(kernel_size), _pair(stride), _pair(dilation)
+        self.kernel_size, self.stride, self.dilation = spatial(kernel_size), spatial(stride), spatial(dilation)
         self.weight = Parameter(empty((*weight_channels, *self.kernel_size), **_factory(device, dtype)))
         if bias:
             self.bias = Parameter(empty(out_channels, **_factory(device, dtype)))
@@ -127,6 +131,49 @@ class Conv2d(_Conv):
         if self.padding != (0, 0):
             text += f", padding={self.padding!r}" if isinstance(self.padding, str) else f", padding={self.padding}"
         if self.dilation != (1, 1):
+            text += f", dilation={self.dilation}"
+        if self.groups != 1:
+            text += f", groups={self.groups}"
+        if self.bias is None:
+            text += ", bias=False"
+        if self.padding_mode != "zeros":
+            text += f", padding_mode={self.padding_mode}"
+        return text
+
+
+class Conv1d(_Conv):
+    """1-d cross-correlation over (N, C, L) input, as torch.nn.Conv1d: weight (out, in / groups, k)."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
+                 groups: int = 1, bias: bool = True, padding_mode: str = "zeros", device=None, dtype=None) -> None:
+        if padding_mode not in ("zeros", "reflect", "replicate", "circular"):
+            raise ValueError(f"Conv1d: padding_mode must be 'zeros', 'reflect', 'replicate' or 'circular', "
+                             f"not {padding_mode!r}")
+        if isinstance(padding, str) and padding not in ("valid", "same"):
+            raise ValueError(f"Conv1d: padding must be an int, a 1-tuple, 'valid' or 'same', not {padding!r}")
+        super().__init__("Conv1d", in_channels, out_channels, kernel_size, stride, dilation, groups, bias,
+                         (out_channels, in_channels // groups), device, dtype, spatial=_single)
+        if padding == "same" and self.stride != (1,):
+            raise ValueError("Conv1d: padding='same' is not supported for strided convolutions")
+        self.padding = padding if isinstance(padding, str) else _single(padding)
+        self.padding_mode = padding_mode
+
+    def forward(self, input: Tensor) -> Tensor:
+        if self.padding_mode == "zeros" or self.padding == "valid":
+            return F.conv1d(input, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
+        if self.padding == "same":
+            total = self.dilation[0] * (self.kernel_size[0] - 1)
+            amounts = (total // 2, total - total // 2)
+        else:
+            amounts = (self.padding[0], self.padding[0])
+        padded = F.pad(input, amounts, mode=self.padding_mode)
+        return F.conv1d(padded, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
+
+    def extra_repr(self) -> str:
+        text = f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}"
+        if self.padding != (0,):
+            text += f", padding={self.padding!r}" if isinstance(self.padding, str) else f", padding={self.padding}"
+        if self.dilation != (1,):
             text += f", dilation={self.dilation}"
         if self.groups != 1:
             text += f", groups={self.groups}"
@@ -280,6 +327,119 @@ class AdaptiveAvgPool2d(Module):
 
     def extra_repr(self) -> str:
         return f"output_size={self.output_size}"
+
+
+class MaxPool1d(Module):
+    """The maximum over windows along the last dim of (N, C, L) or (C, L) input."""
+
+    def __init__(self, kernel_size, stride=None, padding=0, dilation=1, return_indices: bool = False,
+                 ceil_mode: bool = False) -> None:
+        super().__init__()
+        if return_indices:
+            raise NotImplementedError("MaxPool1d: return_indices=True is not supported")
+        self.kernel_size, self.stride = kernel_size, stride if stride is not None else kernel_size
+        self.padding, self.dilation, self.ceil_mode = padding, dilation, ceil_mode
+
+    def forward(self, input: Tensor) -> Tensor:
+        return F.max_pool1d(input, self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode)
+
+    def extra_repr(self) -> str:
+        return (f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}, "
+                f"dilation={self.dilation}, ceil_mode={self.ceil_mode}")
+
+
+class AvgPool1d(Module):
+    """The mean over windows along the last dim of (N, C, L) or (C, L) input."""
+
+    def __init__(self, kernel_size, stride=None, padding=0, ceil_mode: bool = False,
+                 count_include_pad: bool = True) -> None:
+        super().__init__()
+        self.kernel_size = _single(kernel_size)
+        self.stride = _single(stride if stride is not None else kernel_size)
+        self.padding, self.ceil_mode, self.count_include_pad = _single(padding), ceil_mode, count_include_pad
+
+    def forward(self, input: Tensor) -> Tensor:
+        return F.avg_pool1d(input, self.kernel_size, self.stride, self.padding, self.ceil_mode,
+                            self.count_include_pad)
+
+    def extra_repr(self) -> str:
+        return f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}"
+
+
+class AdaptiveAvgPool1d(Module):
+    def __init__(self, output_size) -> None:
+        super().__init__()
+        self.output_size = output_size
+
+    def forward(self, input: Tensor) -> Tensor:
+        return F.adaptive_avg_pool1d(input, self.output_size)
+
+    def extra_repr(self) -> str:
+        return f"output_size={self.output_size}"
+
+
+class AdaptiveMaxPool1d(Module):
+    def __init__(self, output_size, return_indices: bool = False) -> None:
+        super().__init__()
+        if return_indices:
+            raise NotImplementedError("AdaptiveMaxPool1d: return_indices=True is not supported")
+        self.output_size, self.return_indices = output_size, return_indices
+
+    def forward(self, input: Tensor) -> Tensor:
+        return F.adaptive_max_pool1d(input, self.output_size)
+
+    def extra_repr(self) -> str:
+        return f"output_size={self.output_size}"
+
+
+class AdaptiveMaxPool2d(Module):
+    def __init__(self, output_size, return_indices: bool = False) -> None:
+        super().__init__()
+        if return_indices:
+            raise NotImplementedError("AdaptiveMaxPool2d: return_indices=True is not supported")
+        self.output_size, self.return_indices = output_size, return_indices
+
+    def forward(self, input: Tensor) -> Tensor:
+        return F.adaptive_max_pool2d(input, self.output_size)
+
+    def extra_repr(self) -> str:
+        return f"output_size={self.output_size}"
+
+
+# -- resampling ---------------------------------------------------------------------------
+
+class Upsample(Module):
+    """Resample (N, C, H, W) input to `size` or by `scale_factor`, as torch.nn.Upsample (see F.interpolate)."""
+
+    def __init__(self, size=None, scale_factor=None, mode: str = "nearest", align_corners: bool | None = None,
+                 recompute_scale_factor: bool | None = None) -> None:
+        super().__init__()
+        self.size, self.mode = size, mode
+        if isinstance(scale_factor, (tuple, list)):
+            self.scale_factor = tuple(float(f) for f in scale_factor)
+        else:
+            self.scale_factor = float(scale_factor) if scale_factor is not None else None
+        self.align_corners, self.recompute_scale_factor = align_corners, recompute_scale_factor
+
+    def forward(self, input: Tensor) -> Tensor:
+        return F.interpolate(input, self.size, self.scale_factor, self.mode, self.align_corners,
+                             recompute_scale_factor=self.recompute_scale_factor)
+
+    def extra_repr(self) -> str:
+        given = f"scale_factor={self.scale_factor!r}" if self.scale_factor is not None else f"size={self.size!r}"
+        return f"{given}, mode={self.mode!r}"
+
+
+class UpsamplingNearest2d(Upsample):
+    def __init__(self, size=None, scale_factor=None) -> None:
+        super().__init__(size, scale_factor, mode="nearest")
+
+
+class UpsamplingBilinear2d(Upsample):
+    """Bilinear resampling with align_corners=True."""
+
+    def __init__(self, size=None, scale_factor=None) -> None:
+        super().__init__(size, scale_factor, mode="bilinear", align_corners=True)
 
 
 # -- activations ------------------------------------------------------------------------

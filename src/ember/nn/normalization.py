@@ -1,10 +1,12 @@
-"""BatchNorm1d/2d and LayerNorm.
+"""BatchNorm1d/2d, LayerNorm, RMSNorm, GroupNorm and InstanceNorm1d/2d.
 
 BatchNorm keeps running estimates of each channel's mean and (unbiased) variance as
 buffers, updated in training (lazily, outside autograd) and used in eval.
 """
 
 from __future__ import annotations
+
+import warnings
 
 from ember import dtypes
 from ember.autograd import no_grad
@@ -140,3 +142,74 @@ class RMSNorm(Module):
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+
+
+class GroupNorm(Module):
+    """Normalise groups of channels of (N, C, ...) input over the group's channels and spatial dims, with a learned
+    per-channel scale and shift, as torch.nn.GroupNorm."""
+
+    def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5, affine: bool = True, device=None,
+                 dtype=None, *, bias: bool = True) -> None:
+        super().__init__()
+        if num_groups <= 0 or num_channels % num_groups:
+            raise ValueError(f"GroupNorm: num_channels ({num_channels}) must be divisible by num_groups "
+                             f"({num_groups})")
+        self.num_groups, self.num_channels, self.eps, self.affine = num_groups, num_channels, eps, affine
+        dtype = dtypes.as_dtype(dtype) if dtype is not None else dtypes.default_float
+        if affine:
+            self.weight = Parameter(ones(num_channels, dtype=dtype, device=device))
+        else:
+            self.register_parameter("weight", None)
+        if affine and bias:
+            self.bias = Parameter(zeros(num_channels, dtype=dtype, device=device))
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, input: Tensor) -> Tensor:
+        return F.group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_groups}, {self.num_channels}, eps={self.eps}, affine={self.affine}, "
+                f"bias={self.bias is not None}")
+
+
+class _InstanceNorm(_BatchNorm):
+    """Instance normalisation: BatchNorm's parameters and buffers (none by default), each sample's statistics in
+    training or without running statistics. Unbatched input (no N) is taken as a batch of one."""
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = False,
+                 track_running_stats: bool = False, device=None, dtype=None, *, bias: bool = True) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
+
+    def forward(self, input: Tensor) -> Tensor:
+        expect_tensors(type(self).__name__, input=input)
+        batched = self._dims[-1]
+        if input.ndim not in self._dims:
+            raise ShapeError(f"{type(self).__name__}: expected {self._dims[0]}-d or {batched}-d input, "
+                             f"got shape {input.shape}")
+        channel_dim = input.ndim - batched + 1
+        if input.shape[channel_dim] != self.num_features:
+            if self.affine:
+                raise ShapeError(f"{type(self).__name__}: input of shape {input.shape} has "
+                                 f"{input.shape[channel_dim]} channels (dim {channel_dim}), expected "
+                                 f"num_features={self.num_features}")
+            warnings.warn(f"{type(self).__name__}: input of shape {input.shape} has {input.shape[channel_dim]} "
+                          f"channels (dim {channel_dim}), not num_features={self.num_features}; affine=False, so "
+                          f"num_features is not used", stacklevel=2)
+        x = input if input.ndim == batched else input.unsqueeze(0)
+        momentum = 0.0 if self.momentum is None else self.momentum
+        out = F.instance_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+                              self.training or not self.track_running_stats, momentum, self.eps)
+        return out if input.ndim == batched else out.squeeze(0)
+
+
+class InstanceNorm1d(_InstanceNorm):
+    """Instance normalisation over (N, C, L) or (C, L) input."""
+
+    _dims = (2, 3)
+
+
+class InstanceNorm2d(_InstanceNorm):
+    """Instance normalisation over (N, C, H, W) or (C, H, W) input."""
+
+    _dims = (3, 4)

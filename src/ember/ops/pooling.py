@@ -150,9 +150,15 @@ def adaptive_avg_pool2d(x: Tensor, output_size) -> Tensor:
     return _adaptive_axis(out, x.ndim - 1, ow, lambda t, a: t.mean(a))
 
 
-def adaptive_max_pool2d(x: Tensor, output_size) -> Tensor:
+def adaptive_max_pool2d(x: Tensor, output_size, return_indices: bool = False) -> Tensor:
+    """The maximum over bins of the last two dims, bin i of an axis spanning floor(i n / out) to
+    ceil((i + 1) n / out), as torch's adaptive_max_pool2d."""
     _check_input("adaptive_max_pool2d", x)
-    oh, ow = _pair("adaptive_max_pool2d", "output_size", output_size)
+    if return_indices:
+        raise NotImplementedError("adaptive_max_pool2d: return_indices=True is not supported")
+    oh, ow = _output_size("adaptive_max_pool2d", output_size, x)
+    oh = x.shape[-2] if oh is None else oh
+    ow = x.shape[-1] if ow is None else ow
     out = _adaptive_axis(x, x.ndim - 2, oh, lambda t, a: t.amax(a))
     return _adaptive_axis(out, x.ndim - 1, ow, lambda t, a: t.amax(a))
 

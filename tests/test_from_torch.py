@@ -509,3 +509,22 @@ def test_attention_and_transformer_layers_import_with_their_parameters_shared(la
     with torch.no_grad():  # the parameters are torch's memory: a change there is seen here
         next(iter(model.parameters())).add_(1.0)
     np.testing.assert_array_equal(next(iter(em.parameters())).numpy(), next(iter(model.parameters())).detach().numpy())
+
+
+@pytest.mark.parametrize("kind", ["1d", "2d"])
+def test_group_and_instance_norms_1d_layers_and_resampling_import(kind):
+    torch.manual_seed(2)
+    if kind == "1d":
+        model = tnn.Sequential(tnn.Conv1d(3, 8, 3, padding=1, groups=1), tnn.GroupNorm(4, 8), tnn.ReLU(),
+                               tnn.MaxPool1d(2), tnn.Conv1d(8, 8, 3, groups=2), tnn.InstanceNorm1d(8, affine=True),
+                               tnn.AvgPool1d(2), tnn.AdaptiveAvgPool1d(2), tnn.AdaptiveMaxPool1d(1))
+        x = np.random.default_rng(5).standard_normal((2, 3, 17)).astype(np.float32)
+    else:
+        model = tnn.Sequential(tnn.Conv2d(3, 4, 3), tnn.InstanceNorm2d(4, affine=True), tnn.GroupNorm(2, 4),
+                               tnn.Upsample(scale_factor=2, mode="bilinear", align_corners=False),
+                               tnn.AdaptiveMaxPool2d((3, 2)))
+        x = np.random.default_rng(6).standard_normal((2, 3, 7, 6)).astype(np.float32)
+    model.train()
+    em = ember.from_torch(model)
+    assert list(em.state_dict()) == list(model.state_dict())
+    assert_forward_and_gradients_match(model, em, x)

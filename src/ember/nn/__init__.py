@@ -2,29 +2,53 @@
 
 from ember.nn import functional, init, parallel, utils
 from ember.nn.attention import MultiheadAttention
-from ember.nn.containers import ModuleDict, ModuleList, Sequential
+from ember.nn.containers import ModuleDict, ModuleList, ParameterDict, ParameterList, Sequential
 from ember.nn.layers import (
+    ELU,
     GELU,
+    GLU,
     AdaptiveAvgPool2d,
     AvgPool2d,
     Conv2d,
     ConvTranspose2d,
+    CosineSimilarity,
     Dropout,
+    Dropout2d,
     Embedding,
     Flatten,
+    Hardsigmoid,
+    Hardswish,
+    Hardtanh,
     Identity,
     LeakyReLU,
     Linear,
     LogSoftmax,
     MaxPool2d,
+    Mish,
+    PixelShuffle,
+    PixelUnshuffle,
+    PReLU,
     ReLU,
+    ReLU6,
     Sigmoid,
     SiLU,
     Softmax,
     Softplus,
     Tanh,
+    Unflatten,
+    ZeroPad2d,
 )
-from ember.nn.losses import BCELoss, BCEWithLogitsLoss, CrossEntropyLoss, L1Loss, MSELoss, NLLLoss, SmoothL1Loss
+from ember.nn.losses import (
+    BCELoss,
+    BCEWithLogitsLoss,
+    CrossEntropyLoss,
+    HuberLoss,
+    KLDivLoss,
+    L1Loss,
+    MSELoss,
+    NLLLoss,
+    SmoothL1Loss,
+)
 from ember.nn.module import Module, Parameter
 from ember.nn.normalization import BatchNorm1d, BatchNorm2d, LayerNorm, RMSNorm
 from ember.nn.transformer import (
@@ -42,4 +66,10 @@ __all__ = [
     "MultiheadAttention", "NLLLoss", "Parameter", "RMSNorm", "ReLU", "SiLU", "Sequential", "Sigmoid", "SmoothL1Loss",
     "Softmax", "Softplus", "Tanh", "Transformer", "TransformerDecoder", "TransformerDecoderLayer",
     "TransformerEncoder", "TransformerEncoderLayer", "functional", "init", "parallel", "utils",
+]
+
+__all__ += [
+    "CosineSimilarity", "Dropout2d", "ELU", "GLU", "Hardsigmoid", "Hardswish", "Hardtanh", "HuberLoss", "KLDivLoss",
+    "Mish", "PReLU", "ParameterDict", "ParameterList", "PixelShuffle", "PixelUnshuffle", "ReLU6", "Unflatten",
+    "ZeroPad2d",
 ]

@@ -17,6 +17,7 @@ from ember.ops.pointwise import (
     clamp,
     erf,
     exp,
+    expm1,
     log1p,
     minimum,
     reciprocal,
@@ -87,8 +88,11 @@ def softplus(x: Tensor, beta: float = 1.0, threshold: float = 20.0) -> Tensor:
 
 
 def elu(x: Tensor, alpha: float = 1.0) -> Tensor:
+    """x where positive, else alpha * (exp(x) - 1); the gradient at 0 is the exponential side's (alpha), as in
+    torch."""
     expect_tensors("elu", input=x)
-    return where(x > 0, x, (exp(minimum(x, 0)) - 1) * alpha)
+    negative = where(x > 0, 0, x)  # no overflow in the branch not taken, and the whole gradient at 0
+    return where(x > 0, x, expm1(negative) * alpha)
 
 
 def hardtanh(x: Tensor, min_val: float = -1.0, max_val: float = 1.0) -> Tensor:

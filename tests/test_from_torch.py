@@ -237,16 +237,16 @@ def test_errors_name_every_part_that_cannot_be_imported():
             self.fc = tnn.Linear(4, 4)
 
         def forward(self, x):
-            x = TF.normalize(self.fc(x))
+            x = TF.softsign(self.fc(x))
             return x.type_as(x) + torch.fft.fft(x).real
 
     with pytest.raises(TypeError) as caught:
-        ember.from_torch(tnn.Sequential(tnn.Linear(4, 4), Odd(), tnn.Sequential(tnn.Upsample(scale_factor=2))))
+        ember.from_torch(tnn.Sequential(tnn.Linear(4, 4), Odd(), tnn.Sequential(tnn.SELU())))
     text = str(caught.value)
     assert "cannot import Sequential" in text
-    assert "1 (Odd): torch.nn.functional.normalize has no ember equivalent" in text
+    assert "1 (Odd): torch.nn.functional.softsign has no ember equivalent" in text
     assert "Tensor.type_as has no ember equivalent" in text and "fft" in text
-    assert "unsupported layer 2.0: Upsample" in text
+    assert "unsupported layer 2.0: SELU" in text
 
     class Branchy(tnn.Module):
         def forward(self, x):
@@ -423,19 +423,19 @@ def test_a_graph_module_runs_its_own_graph(how):
 def test_an_import_error_names_each_unsupported_layer_and_function_once():
     """A layer in a Sequential that a traced forward calls is seen from both; the error lists it once."""
 
-    class Inverted(tnn.Module):  # a MobileNet block: ReLU6 and Hardswish, which ember lacks
+    class Inverted(tnn.Module):  # a MobileNet-like block of layers ember lacks: SELU, Softsign
         def __init__(self, c: int) -> None:
             super().__init__()
-            self.conv = tnn.Sequential(tnn.Sequential(tnn.Conv2d(c, c, 1), tnn.ReLU6()), tnn.Conv2d(c, c, 1))
-            self.act = tnn.Hardswish()
+            self.conv = tnn.Sequential(tnn.Sequential(tnn.Conv2d(c, c, 1), tnn.SELU()), tnn.Conv2d(c, c, 1))
+            self.act = tnn.Softsign()
 
         def forward(self, x):
-            return x + TF.hardsigmoid(self.act(self.conv(x)))
+            return x + TF.celu(self.act(self.conv(x)))
 
     class Mobile(tnn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.features = tnn.Sequential(tnn.Sequential(tnn.Conv2d(3, 4, 1), tnn.ReLU6()), Inverted(4), Inverted(4))
+            self.features = tnn.Sequential(tnn.Sequential(tnn.Conv2d(3, 4, 1), tnn.SELU()), Inverted(4), Inverted(4))
 
         def forward(self, x):
             return self.features(x).mean((2, 3))
@@ -444,11 +444,11 @@ def test_an_import_error_names_each_unsupported_layer_and_function_once():
         ember.from_torch(Mobile())
     text = str(caught.value)
     for path in ["features.0.1", "features.1.conv.0.1", "features.2.conv.0.1"]:
-        assert text.count(f"unsupported layer {path}: ReLU6") == 1
+        assert text.count(f"unsupported layer {path}: SELU") == 1
     for block in ["features.1", "features.2"]:
-        assert text.count(f"unsupported layer {block}.act: Hardswish") == 1
-        assert text.count(f"{block} (Inverted): torch.nn.functional.hardsigmoid has no ember equivalent") == 1
-    assert text.count("ReLU6") == 3 and text.count("Hardswish") == 2 and text.count("hardsigmoid") == 2
+        assert text.count(f"unsupported layer {block}.act: Softsign") == 1
+        assert text.count(f"{block} (Inverted): torch.nn.functional.celu has no ember equivalent") == 1
+    assert text.count("SELU") == 3 and text.count("Softsign") == 2 and text.count("celu") == 2
 
 
 # -- attention and transformer layers, and torch._assert ------------------------------------------------------
@@ -527,4 +527,17 @@ def test_group_and_instance_norms_1d_layers_and_resampling_import(kind):
     model.train()
     em = ember.from_torch(model)
     assert list(em.state_dict()) == list(model.state_dict())
+    assert_forward_and_gradients_match(model, em, x)
+
+
+def test_a_mobilenet_style_block_of_the_new_activations_imports():
+    """MobileNetV3's pieces: hard-swish and hard-sigmoid gates, ReLU6, PReLU, a pixel shuffle, zero padding."""
+    torch.manual_seed(3)
+    model = tnn.Sequential(tnn.ZeroPad2d(1), tnn.Conv2d(3, 8, 3), tnn.Hardswish(), tnn.Conv2d(8, 8, 1), tnn.ReLU6(),
+                           tnn.PReLU(8), tnn.PixelShuffle(2), tnn.Hardsigmoid(), tnn.Mish(), tnn.ELU(0.5),
+                           tnn.Hardtanh(-0.5, 0.5), tnn.Dropout2d(0.0), tnn.Flatten(), tnn.Unflatten(1, (2, -1)),
+                           tnn.GLU(1))
+    em = ember.from_torch(model)
+    assert list(em.state_dict()) == list(model.state_dict())
+    x = np.random.default_rng(7).standard_normal((2, 3, 5, 5)).astype(np.float32) * 3
     assert_forward_and_gradients_match(model, em, x)

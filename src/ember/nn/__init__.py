@@ -2,29 +2,53 @@
 
 from ember.nn import functional, init, parallel, utils
 from ember.nn.attention import MultiheadAttention
-from ember.nn.containers import ModuleDict, ModuleList, Sequential
+from ember.nn.containers import ModuleDict, ModuleList, ParameterDict, ParameterList, Sequential
 from ember.nn.layers import (
+    ELU,
     GELU,
+    GLU,
     AdaptiveAvgPool2d,
     AvgPool2d,
     Conv2d,
     ConvTranspose2d,
+    CosineSimilarity,
     Dropout,
+    Dropout2d,
     Embedding,
     Flatten,
+    Hardsigmoid,
+    Hardswish,
+    Hardtanh,
     Identity,
     LeakyReLU,
     Linear,
     LogSoftmax,
     MaxPool2d,
+    Mish,
+    PixelShuffle,
+    PixelUnshuffle,
+    PReLU,
     ReLU,
+    ReLU6,
     Sigmoid,
     SiLU,
     Softmax,
     Softplus,
     Tanh,
+    Unflatten,
+    ZeroPad2d,
 )
-from ember.nn.losses import BCELoss, BCEWithLogitsLoss, CrossEntropyLoss, L1Loss, MSELoss, NLLLoss, SmoothL1Loss
+from ember.nn.losses import (
+    BCELoss,
+    BCEWithLogitsLoss,
+    CrossEntropyLoss,
+    HuberLoss,
+    KLDivLoss,
+    L1Loss,
+    MSELoss,
+    NLLLoss,
+    SmoothL1Loss,
+)
 from ember.nn.module import Module, Parameter
 from ember.nn.normalization import BatchNorm1d, BatchNorm2d, LayerNorm, RMSNorm
 from ember.nn.transformer import (
@@ -61,4 +85,9 @@ from ember.nn.normalization import GroupNorm, InstanceNorm1d, InstanceNorm2d  # 
 __all__ += [
     "AdaptiveAvgPool1d", "AdaptiveMaxPool1d", "AdaptiveMaxPool2d", "AvgPool1d", "Conv1d", "GroupNorm",
     "InstanceNorm1d", "InstanceNorm2d", "MaxPool1d", "Upsample", "UpsamplingBilinear2d", "UpsamplingNearest2d",
+]
+__all__ += [
+    "CosineSimilarity", "Dropout2d", "ELU", "GLU", "Hardsigmoid", "Hardswish", "Hardtanh", "HuberLoss", "KLDivLoss",
+    "Mish", "PReLU", "ParameterDict", "ParameterList", "PixelShuffle", "PixelUnshuffle", "ReLU6", "Unflatten",
+    "ZeroPad2d",
 ]

@@ -1,11 +1,13 @@
-"""Containers: Sequential, ModuleList and ModuleDict register the modules they hold."""
+"""Containers: Sequential, ModuleList and ModuleDict register the modules they hold; ParameterList and
+ParameterDict the parameters."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 
-from ember.nn.module import Module, structure_changed
+from ember.nn.module import Module, Parameter, structure_changed
+from ember.tensor import Tensor
 
 
 def _index(i: int, n: int, container: str) -> int:
@@ -145,3 +147,116 @@ class ModuleDict(Module):
     def update(self, modules: Mapping[str, Module] | Iterable[tuple[str, Module]]) -> None:
         for key, module in (modules.items() if isinstance(modules, Mapping) else modules):
             self.add_module(key, module)
+
+
+def _as_parameter(value):
+    """What a parameter container stores: a Tensor as a Parameter (sharing its data), anything else as it is."""
+    return Parameter(value) if isinstance(value, Tensor) and not isinstance(value, Parameter) else value
+
+
+class ParameterList(Module):
+    """A list of parameters, registered under "0", "1", ... so that the parent module's `parameters()` and
+    `state_dict()` see them. Tensors are made Parameters; other values are kept but not registered."""
+
+    def __init__(self, values: Iterable | None = None) -> None:
+        super().__init__()
+        self._size = 0
+        if values is not None:
+            self.extend(values)
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __iter__(self) -> Iterator:
+        return (getattr(self, str(i)) for i in range(self._size))
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return ParameterList(list(self)[index])
+        return getattr(self, str(_index(index, self._size, "ParameterList")))
+
+    def __setitem__(self, index: int, value) -> None:
+        setattr(self, str(_index(index, self._size, "ParameterList")), _as_parameter(value))
+
+    def append(self, value) -> ParameterList:
+        self._size += 1
+        self[self._size - 1] = value
+        return self
+
+    def extend(self, values: Iterable) -> ParameterList:
+        for value in values:
+            self.append(value)
+        return self
+
+    def extra_repr(self) -> str:
+        return "\n".join(f"({i}): {_describe(v)}" for i, v in enumerate(self))
+
+
+class ParameterDict(Module):
+    """A dict of parameters whose keys are their names in `parameters()` and `state_dict()`. As torch's, a plain
+    dict given to the constructor or `update` is added in sorted key order; ordered mappings keep theirs."""
+
+    def __init__(self, parameters: Mapping | Iterable[tuple[str, object]] | None = None) -> None:
+        super().__init__()
+        self._keys: dict[str, None] = {}
+        if parameters is not None:
+            self.update(parameters)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._keys
+
+    def __getitem__(self, key: str):
+        if key not in self._keys:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __setitem__(self, key: str, value) -> None:
+        self._keys[key] = None
+        setattr(self, key, _as_parameter(value))
+
+    def __delitem__(self, key: str) -> None:
+        del self._keys[key]
+        delattr(self, key)
+
+    def keys(self):
+        return self._keys.keys()
+
+    def values(self):
+        return [self[key] for key in self._keys]
+
+    def items(self):
+        return [(key, self[key]) for key in self._keys]
+
+    def get(self, key: str, default=None):
+        return self[key] if key in self._keys else default
+
+    def pop(self, key: str):
+        value = self[key]
+        del self[key]
+        return value
+
+    def update(self, parameters: Mapping | Iterable[tuple[str, object]]) -> None:
+        if isinstance(parameters, (OrderedDict, ParameterDict)):
+            pairs = list(parameters.items())
+        elif isinstance(parameters, Mapping):
+            pairs = sorted(parameters.items())
+        else:
+            pairs = list(parameters)
+        for key, value in pairs:
+            self[key] = value
+
+    def extra_repr(self) -> str:
+        return "\n".join(f"({k}): {_describe(v)}" for k, v in self.items())
+
+
+def _describe(value) -> str:
+    if isinstance(value, Tensor):
+        kind = "Parameter containing" if isinstance(value, Parameter) else "Tensor"
+        return f"{kind}: [{value.dtype.name} of size {tuple(value.shape)}]"
+    return repr(value)

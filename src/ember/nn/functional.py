@@ -46,9 +46,15 @@ from ember.ops import pad as _pad
 from ember.ops import relu as _relu
 from ember.ops import silu as _silu
 from ember.ops import softmax as _softmax
+from ember.ops.activations import glu, prelu
+from ember.ops.activations import hardsigmoid as _hardsigmoid
+from ember.ops.activations import hardswish as _hardswish
 from ember.ops.creation import tensor
 from ember.ops.index import checked, gather_in_range, select_in_range
+from ember.ops.movement import normalize_dim, pixel_shuffle, pixel_unshuffle
 from ember.ops.pointwise import abs, broadcast_shapes, cast, converted, exp, log, log1p, maximum, where
+from ember.ops.random import rand
+from ember.ops.reduce import cosine_similarity, norm
 from ember.runtime.executor import realize_with_next
 from ember.tensor import Tensor, apply, composite, expect_tensors, realize
 
@@ -932,4 +938,88 @@ def interpolate(input: Tensor, size=None, scale_factor=None, mode: str = "neares
 __all__ += [
     "adaptive_avg_pool1d", "adaptive_max_pool1d", "avg_pool1d", "conv1d", "group_norm", "instance_norm",
     "interpolate", "max_pool1d",
+]
+
+
+# -- more activations, losses, distances and layers as functions -------------------------
+
+def hardswish(input: Tensor, inplace: bool = False) -> Tensor:
+    return _maybe_inplace(input, _hardswish(input), inplace)
+
+
+def hardsigmoid(input: Tensor, inplace: bool = False) -> Tensor:
+    return _maybe_inplace(input, _hardsigmoid(input), inplace)
+
+
+def dropout2d(input: Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> Tensor:
+    """Zero whole channels (dim 1 of (N, C, H, W)) with probability p, scaling the rest by 1 / (1 - p).
+
+    As in torch, an input of 3 dims is taken as (N, C, L) with a warning, and one of 2 or 5+ dims, also with
+    a warning, has its elements of dims 0 and 1 dropped each with the rest of its dims.
+    """
+    expect_tensors("dropout2d", input=input)
+    if not 0 <= p <= 1:
+        raise ValueError(f"dropout2d: p must be in [0, 1], got {p}")
+    if input.ndim < 2:
+        raise ShapeError(f"dropout2d: expected an input of at least 2 dims (N, C, ...), got shape {input.shape}")
+    if input.ndim == 3:
+        warnings.warn("dropout2d: received a 3-d input and, as torch, takes it as (N, C, L): channel-wise 1-d "
+                      "dropout", stacklevel=2)
+    elif input.ndim != 4:
+        warnings.warn(f"dropout2d: received a {input.ndim}-d input; dropout2d is meant for (N, C, H, W). "
+                      "Use dropout for other shapes", stacklevel=2)
+    if not training or p == 0:
+        return input
+    if p == 1:
+        return _maybe_inplace(input, input * 0, inplace)
+    keep = rand(input.shape[:2] + (1,) * (input.ndim - 2), device=input.device) >= p
+    return _maybe_inplace(input, where(keep, input * (1 / (1 - p)), 0), inplace)
+
+
+def normalize(input: Tensor, p: float = 2.0, dim: int = 1, eps: float = 1e-12) -> Tensor:
+    """`input` divided by its p-norm along `dim`, the norm clamped below at `eps` (where it is clamped, the
+    norm's gradient is 0)."""
+    _check_float("normalize", input)
+    length = norm(input, p, normalize_dim("normalize", dim, input.ndim), keepdim=True)
+    return input / where(length < eps, eps, length)
+
+
+def kl_div(input: Tensor, target: Tensor, *, reduction: str = "mean", log_target: bool = False) -> Tensor:
+    """KL divergence of `target` from the distribution `input` holds as log-probabilities, pointwise:
+    `target * (log(target) - input)`, 0 where target is 0 (or `exp(target) * (target - input)` when the target
+    holds log-probabilities too).
+
+    reduction 'batchmean' divides the sum by the batch size (dim 0): the true KL divergence per sample.
+    'mean' divides by every element and, as in torch, warns so.
+    """
+    _check_float("kl_div", input)
+    expect_tensors("kl_div", target=target)
+    if reduction not in ("none", "batchmean", "mean", "sum"):
+        raise ValueError(f"kl_div: reduction must be 'none', 'batchmean', 'mean' or 'sum', not {reduction!r}")
+    if reduction == "mean":
+        warnings.warn("kl_div: reduction='mean' divides the total loss by both the batch size and the support "
+                      "size; 'batchmean' divides by the batch size only, as the KL divergence's definition does. "
+                      "(torch warns that 'mean' will behave as 'batchmean' in a later release.)", stacklevel=2)
+    if log_target:
+        loss = exp(target) * (target - input)
+    else:
+        loss = where(target == 0, 0, target * log(target)) - target * input
+    if reduction == "batchmean":
+        return loss.sum() / input.shape[0] if input.ndim else loss.sum()
+    return _reduce("kl_div", loss, reduction)
+
+
+def huber_loss(input: Tensor, target: Tensor, *, reduction: str = "mean", delta: float = 1.0) -> Tensor:
+    """Squared error halved below `delta`, `delta * (|error| - delta / 2)` above: smooth_l1_loss times delta."""
+    _check_pair("huber_loss", input, target, same_shape=False)
+    _check_reduction("huber_loss", reduction)
+    if delta <= 0:
+        raise ValueError(f"huber_loss: delta must be positive, got {delta}")
+    error = abs(input - target)
+    return _reduce("huber_loss", where(error < delta, error * error * 0.5, (error - 0.5 * delta) * delta), reduction)
+
+
+__all__ += [
+    "cosine_similarity", "dropout2d", "glu", "hardsigmoid", "hardswish", "huber_loss", "kl_div", "normalize",
+    "pixel_shuffle", "pixel_unshuffle", "prelu",
 ]

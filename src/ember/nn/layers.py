@@ -1,4 +1,5 @@
-"""Layers: Linear, Conv1d/2d, Embedding, dropout, pooling, resampling, reshaping and activations.
+"""Layers: Linear, Conv1d/2d, Embedding, dropout, pooling, padding, resampling, reshaping, activations and
+distances.
 
 Each layer holds its Parameters, initialises them as PyTorch does (so ported models
 train the same way), and calls into `ember.nn.functional` in `forward`.
@@ -13,8 +14,8 @@ from ember.autograd import no_grad
 from ember.nn import functional as F
 from ember.nn import init
 from ember.nn.module import Module, Parameter
-from ember.ops.creation import arange, empty
-from ember.ops.movement import flatten
+from ember.ops.creation import arange, empty, full
+from ember.ops.movement import flatten, unflatten
 from ember.ops.pointwise import where
 from ember.tensor import Tensor
 
@@ -535,3 +536,182 @@ class LogSoftmax(Module):
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}"
+
+
+# -- more activations -------------------------------------------------------------------
+
+class Hardtanh(Module):
+    """x clamped to [min_val, max_val]."""
+
+    def __init__(self, min_val: float = -1.0, max_val: float = 1.0, inplace: bool = False) -> None:
+        super().__init__()
+        if not max_val > min_val:
+            raise ValueError(f"{type(self).__name__}: max_val ({max_val}) must be greater than min_val ({min_val})")
+        self.min_val, self.max_val, self.inplace = min_val, max_val, inplace
+
+    def forward(self, input: Tensor) -> Tensor:
+        return F.hardtanh(input, self.min_val, self.max_val, self.inplace)
+
+    def extra_repr(self) -> str:
+        return f"min_val={self.min_val}, max_val={self.max_val}" + (", inplace=True" if self.inplace else "")
+
+
+class ReLU6(Hardtanh):
+    """min(max(x, 0), 6): Hardtanh on [0, 6]."""
+
+    def __init__(self, inplace: bool = False) -> None:
+        super().__init__(0.0, 6.0, inplace)
+
+    def extra_repr(self) -> str:
+        return "inplace=True" if self.inplace else ""
+
+
+class _InplaceActivation(Module):
+    """An activation whose one option is `inplace`."""
+
+    def __init__(self, inplace: bool = False) -> None:
+        super().__init__()
+        self.inplace = inplace
+
+    def extra_repr(self) -> str:
+        return "inplace=True" if self.inplace else ""
+
+
+class Hardswish(_InplaceActivation):
+    def forward(self, input: Tensor) -> Tensor:
+        return F.hardswish(input, self.inplace)
+
+
+class Hardsigmoid(_InplaceActivation):
+    def forward(self, input: Tensor) -> Tensor:
+        return F.hardsigmoid(input, self.inplace)
+
+
+class Mish(_InplaceActivation):
+    def forward(self, input: Tensor) -> Tensor:
+        out = F.mish(input)
+        return input.assign(out) if self.inplace else out
+
+
+class ELU(Module):
+    def __init__(self, alpha: float = 1.0, inplace: bool = False) -> None:
+        super().__init__()
+        self.alpha, self.inplace = alpha, inplace
+
+    def forward(self, input: Tensor) -> Tensor:
+        return F.elu(input, self.alpha, self.inplace)
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha}" + (", inplace=True" if self.inplace else "")
+
+
+class PReLU(Module):
+    """x where positive, else a learned slope times x: one slope, or one per channel (dim 1) of the input."""
+
+    def __init__(self, num_parameters: int = 1, init: float = 0.25, device=None, dtype=None) -> None:
+        super().__init__()
+        self.num_parameters, self.init = num_parameters, init
+        self.weight = Parameter(full((num_parameters,), init, **_factory(device, dtype)))
+
+    def reset_parameters(self) -> None:
+        with no_grad():
+            self.weight.assign(full(self.weight.shape, self.init, dtype=self.weight.dtype, device=self.weight.device))
+
+    def forward(self, input: Tensor) -> Tensor:
+        return F.prelu(input, self.weight)
+
+    def extra_repr(self) -> str:
+        return f"num_parameters={self.num_parameters}"
+
+
+class GLU(Module):
+    """The gated linear unit: the first half of `dim` times the sigmoid of the second."""
+
+    def __init__(self, dim: int = -1) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, input: Tensor) -> Tensor:
+        return F.glu(input, self.dim)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}"
+
+
+# -- distances, padding, reshaping and channel dropout ------------------------------------
+
+class CosineSimilarity(Module):
+    def __init__(self, dim: int = 1, eps: float = 1e-8) -> None:
+        super().__init__()
+        self.dim, self.eps = dim, eps
+
+    def forward(self, x1: Tensor, x2: Tensor) -> Tensor:
+        return F.cosine_similarity(x1, x2, self.dim, self.eps)
+
+
+class ZeroPad2d(Module):
+    """Pad the last two dims with zeros: `padding` is one int for all four sides or (left, right, top, bottom);
+    negative amounts crop."""
+
+    def __init__(self, padding) -> None:
+        super().__init__()
+        padding = (padding,) * 4 if isinstance(padding, int) else tuple(padding)
+        if len(padding) != 4:
+            raise ValueError(f"ZeroPad2d: padding must be an int or 4 ints (left, right, top, bottom), got {padding}")
+        self.padding = padding
+
+    def forward(self, input: Tensor) -> Tensor:
+        return F.pad(input, self.padding)
+
+    def extra_repr(self) -> str:
+        return f"{self.padding}"
+
+
+class Unflatten(Module):
+    """Split dim `dim` into `unflattened_size` (one entry may be -1)."""
+
+    def __init__(self, dim: int, unflattened_size) -> None:
+        super().__init__()
+        self.dim, self.unflattened_size = dim, tuple(unflattened_size)
+
+    def forward(self, input: Tensor) -> Tensor:
+        return unflatten(input, self.dim, self.unflattened_size)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, unflattened_size={self.unflattened_size}"
+
+
+class Dropout2d(Dropout):
+    """Zero whole channels (dim 1 of (N, C, H, W)) with probability p in training, scaling the rest by
+    1 / (1 - p); identity in eval."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return F.dropout2d(input, self.p, self.training, self.inplace)
+
+
+class PixelShuffle(Module):
+    """(*, C r², H, W) to (*, C, H r, W r)."""
+
+    def __init__(self, upscale_factor: int) -> None:
+        super().__init__()
+        self.upscale_factor = upscale_factor
+
+    def forward(self, input: Tensor) -> Tensor:
+        return F.pixel_shuffle(input, self.upscale_factor)
+
+    def extra_repr(self) -> str:
+        return f"upscale_factor={self.upscale_factor}"
+
+
+class PixelUnshuffle(Module):
+    """(*, C, H r, W r) to (*, C r², H, W)."""
+
+    def __init__(self, downscale_factor: int) -> None:
+        super().__init__()
+        self.downscale_factor = downscale_factor
+
+    def forward(self, input: Tensor) -> Tensor:
+        return F.pixel_unshuffle(input, self.downscale_factor)
+
+    def extra_repr(self) -> str:
+        return f"downscale_factor={self.downscale_factor}"

@@ -17,8 +17,8 @@ from collections.abc import Iterable
 from ember.autograd import no_grad
 from ember.ops.creation import tensor
 from ember.ops.movement import cat, stack
-from ember.ops.pointwise import cast, clamp
-from ember.ops.reduce import amin, count_nonzero, norm
+from ember.ops.pointwise import clamp
+from ember.ops.reduce import amin, norm
 from ember.tensor import Tensor
 
 __all__ = ["clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_", "get_total_norm", "parameters_to_vector",
@@ -30,10 +30,8 @@ def _tensors(tensors: Tensor | Iterable[Tensor]) -> list[Tensor]:
 
 
 def _vector_norm(x: Tensor, p: float) -> Tensor:
-    """torch.linalg.vector_norm of x flattened: ember's `norm`, and the two orders it leaves out (0, the count of
-    non-zeros, and -inf, the smallest magnitude)."""
-    if p == 0:
-        return cast(count_nonzero(x), x.dtype)
+    """torch.linalg.vector_norm of x flattened: ember's `norm`, and the order it leaves out (-inf, the smallest
+    magnitude)."""
     if p == -math.inf:
         return amin(x.abs())
     return norm(x, p)

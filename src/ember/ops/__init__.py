@@ -3,7 +3,19 @@
 from __future__ import annotations
 
 from ember.ops import activations, contraction, index, movement, pointwise, random, reduce, sorting
-from ember.ops.activations import elu, gelu, hardtanh, leaky_relu, mish, relu, relu6, sigmoid, silu, softplus
+from ember.ops.activations import (
+    elu,
+    gelu,
+    hardtanh,
+    leaky_relu,
+    mish,
+    prelu,
+    relu,
+    relu6,
+    sigmoid,
+    silu,
+    softplus,
+)
 from ember.ops.contraction import bmm, conv2d, conv_transpose2d, dot, einsum, linear, matmul, mm, outer
 from ember.ops.creation import (
     arange,
@@ -40,6 +52,8 @@ from ember.ops.movement import (
     narrow,
     pad,
     permute,
+    pixel_shuffle,
+    pixel_unshuffle,
     repeat,
     repeat_interleave,
     reshape,
@@ -142,6 +156,7 @@ from ember.ops.reduce import (
     any,
     argmax,
     argmin,
+    cosine_similarity,
     count_nonzero,
     cumsum,
     log_softmax,
@@ -248,7 +263,7 @@ __all__ = [
     "logical_and", "logical_not", "logical_or", "logical_xor", "logspace", "logsumexp", "lt", "manual_seed",
     "masked_fill", "matmul", "max", "max_pool2d", "maximum", "mean", "min", "minimum", "mish", "mm", "mul",
     "multinomial", "nan_to_num", "narrow", "ne", "neg", "norm", "one_hot", "ones", "ones_like", "outer", "pad",
-    "permute", "pow",
+    "permute", "pixel_shuffle", "pixel_unshuffle", "pow", "prelu", "cosine_similarity",
     "prod", "rand", "rand_like", "randint", "randint_like", "randn", "randn_like", "randperm", "reciprocal",
     "relu", "relu6", "remainder", "repeat", "repeat_interleave", "reshape", "roll", "round", "rsqrt",
     "scatter_add", "sigmoid", "sign", "silu", "sin", "softmax", "softplus", "sort", "split", "sqrt", "square",

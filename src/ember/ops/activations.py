@@ -8,13 +8,16 @@ from __future__ import annotations
 import math
 
 from ember.autograd import is_grad_enabled
+from ember.errors import ShapeError, operands
 from ember.ir import Op
+from ember.ops.movement import normalize_dim, slice_axis
 from ember.ops.pointwise import (
     _float_input,
     abs,
     clamp,
     erf,
     exp,
+    expm1,
     log1p,
     minimum,
     reciprocal,
@@ -85,8 +88,11 @@ def softplus(x: Tensor, beta: float = 1.0, threshold: float = 20.0) -> Tensor:
 
 
 def elu(x: Tensor, alpha: float = 1.0) -> Tensor:
+    """x where positive, else alpha * (exp(x) - 1); the gradient at 0 is the exponential side's (alpha), as in
+    torch."""
     expect_tensors("elu", input=x)
-    return where(x > 0, x, (exp(minimum(x, 0)) - 1) * alpha)
+    negative = where(x > 0, 0, x)  # no overflow in the branch not taken, and the whole gradient at 0
+    return where(x > 0, x, expm1(negative) * alpha)
 
 
 def hardtanh(x: Tensor, min_val: float = -1.0, max_val: float = 1.0) -> Tensor:
@@ -104,6 +110,49 @@ def hardtanh(x: Tensor, min_val: float = -1.0, max_val: float = 1.0) -> Tensor:
 def mish(x: Tensor) -> Tensor:
     expect_tensors("mish", input=x)
     return x * tanh(softplus(x))
+
+
+def hardsigmoid(x: Tensor) -> Tensor:
+    """(x + 3) / 6 clamped to [0, 1]; as in torch, the gradient is 1/6 strictly inside (-3, 3) and 0 elsewhere,
+    the kinks included."""
+    x = _float_input("hardsigmoid", x)
+    return where(x <= -3, 0, where(x >= 3, 1, (x + 3) / 6))
+
+
+def hardswish(x: Tensor) -> Tensor:
+    """x * hardsigmoid(x). Its gradient follows torch's convention at the kinks: 0 at x = -3 (the flat side's),
+    1 at x = 3 (the identity's), x / 3 + 1/2 between."""
+    x = _float_input("hardswish", x)
+    return where(x <= -3, 0, where(x >= 3, x, x * (x + 3) / 6))
+
+
+def glu(x: Tensor, dim: int = -1) -> Tensor:
+    """The gated linear unit: `a * sigmoid(b)` for the halves a, b of `x` along `dim`, which must be even."""
+    x = _float_input("glu", x)
+    if x.ndim == 0:
+        raise ShapeError("glu: a 0-d tensor has no dimension to halve")
+    axis = normalize_dim("glu", dim, x.ndim)
+    n = x.shape[axis]
+    if n % 2:
+        raise ShapeError(f"glu: the halved dimension must be even, but dim {dim} of shape {x.shape} has size {n}")
+    return slice_axis(x, axis, 0, n // 2) * sigmoid(slice_axis(x, axis, n // 2, n))
+
+
+def prelu(x: Tensor, weight: Tensor) -> Tensor:
+    """`x` where positive, else `weight * x`: one weight shared by every element, or one per channel (dim 1;
+    an input of fewer than 2 dims has one channel). The gradient at 0 is the negative side's, as in torch."""
+    expect_tensors("prelu", input=x, weight=weight)
+    if weight.ndim > 1:
+        raise ShapeError(f"prelu: weight must be a 0-d or 1-d tensor, got shape {weight.shape}")
+    channels = x.shape[1] if x.ndim >= 2 else 1
+    if weight.numel() == 1:
+        slope = weight.reshape(())
+    elif weight.numel() == channels:
+        slope = weight.reshape((channels,) + (1,) * (x.ndim - 2))
+    else:
+        raise ShapeError(f"prelu: weight has {weight.numel()} entries, which must be 1 or the input's channel count "
+                         f"{channels} ({operands(x, weight)})")
+    return where(x > 0, x, slope * x)
 
 
 def _same(inputs, attrs) -> tuple:

@@ -206,6 +206,42 @@ def unflatten(x: Tensor, dim: int, sizes) -> Tensor:
     return reshape(x, x.shape[:d] + tuple(sizes) + x.shape[d + 1:])
 
 
+def _check_factor(op: str, x: Tensor, name: str, factor: int) -> None:
+    expect_tensors(op, input=x)
+    if operator.index(factor) <= 0:
+        raise ValueError(f"{op}: {name} must be positive, got {factor}")
+    if x.ndim < 3:
+        raise ShapeError(f"{op}: expected an input of at least 3 dims (*, C, H, W), got shape {x.shape}")
+
+
+def pixel_shuffle(x: Tensor, upscale_factor: int) -> Tensor:
+    """(*, C r², H, W) to (*, C, H r, W r): each channel's r² sub-channels become an r x r block of pixels."""
+    _check_factor("pixel_shuffle", x, "upscale_factor", upscale_factor)
+    r = upscale_factor
+    *batch, c, h, w = x.shape
+    if c % (r * r):
+        raise ShapeError(f"pixel_shuffle: the channel dim (-3) of shape {x.shape} must be divisible by "
+                         f"upscale_factor² = {r * r}")
+    n = len(batch)
+    x = reshape(x, (*batch, c // (r * r), r, r, h, w))
+    x = permute(x, (*range(n), n, n + 3, n + 1, n + 4, n + 2))  # (*, C, H, r, W, r)
+    return reshape(x, (*batch, c // (r * r), h * r, w * r))
+
+
+def pixel_unshuffle(x: Tensor, downscale_factor: int) -> Tensor:
+    """The inverse of pixel_shuffle: (*, C, H r, W r) to (*, C r², H, W)."""
+    _check_factor("pixel_unshuffle", x, "downscale_factor", downscale_factor)
+    r = downscale_factor
+    *batch, c, h, w = x.shape
+    if h % r or w % r:
+        raise ShapeError(f"pixel_unshuffle: the height and width of shape {x.shape} must be divisible by "
+                         f"downscale_factor {r}")
+    n = len(batch)
+    x = reshape(x, (*batch, c, h // r, r, w // r, r))
+    x = permute(x, (*range(n), n, n + 2, n + 4, n + 1, n + 3))  # (*, C, r, r, H, W)
+    return reshape(x, (*batch, c * r * r, h // r, w // r))
+
+
 def contiguous(x: Tensor, memory_format=contiguous_format) -> Tensor:
     """Views are folded into index arithmetic, so there is nothing to copy. A `memory_format` (torch's
     names) is accepted: where activations are laid out is the compiler's choice (ember.set_conv_memory_format,

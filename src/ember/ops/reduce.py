@@ -20,7 +20,7 @@ from ember.ir.ops import NOT_DIFFERENTIABLE, check_shape, define
 from ember.ops.creation import full, ones
 from ember.ops.index import gather_in_range
 from ember.ops.movement import normalize_dim, normalize_dims, reshape, transpose, tril
-from ember.ops.pointwise import cast, exp, log, maximum, minimum, where
+from ember.ops.pointwise import broadcast_shapes, cast, exp, log, maximum, minimum, where
 from ember.tensor import Tensor, apply, composite, expect_tensors
 
 MaxMin = namedtuple("MaxMin", ["values", "indices"])
@@ -277,14 +277,42 @@ def _log_softmax(x: Tensor, axis: int, dtype) -> Tensor:
 
 
 def norm(x: Tensor, p=2, dim=None, keepdim: bool = False) -> Tensor:
+    """The p-norm over `dim` (all dims by default); p = 0 counts the non-zeros. As in torch, the gradient of the
+    norm of an all-zero vector is 0, not the 0/0 of the root's derivative."""
     expect_tensors("norm", input=x)
-    if p == 2 or p == "fro":
-        return sum(x * x, dim, keepdim).sqrt()
     if p == 1:
         return sum(x.abs(), dim, keepdim)
     if p == math.inf:
         return amax(x.abs(), dim, keepdim)
-    return sum(x.abs() ** p, dim, keepdim) ** (1 / p)
+    if p == 0:
+        return cast(sum(x != 0, dim, keepdim), x.dtype)
+    powered = sum(x * x, dim, keepdim) if p == 2 or p == "fro" else sum(x.abs() ** p, dim, keepdim)
+    nonzero = powered > 0
+    # the root of 1 where the sum is 0: a finite derivative there, which the outer where then zeroes
+    safe = where(nonzero, powered, 1)
+    root = safe.sqrt() if p == 2 or p == "fro" else safe ** (1 / p)
+    return where(nonzero, root, 0)
+
+
+def cosine_similarity(x1: Tensor, x2: Tensor, dim: int = 1, eps: float = 1e-8) -> Tensor:
+    """The cosine of the angle between x1 and x2 (broadcast together) along `dim`.
+
+    As in torch, each vector is divided by its norm clamped below at `eps` before the dot product, which keeps
+    the result in [-1, 1]; the clamp changes the values only, not the gradient, which flows through the
+    unclamped norm.
+    """
+    expect_tensors("cosine_similarity", x1=x1, x2=x2)
+    dtype = dtypes.result_type(x1, x2)
+    if not dtype.is_floating_point:
+        raise DTypeError(f"cosine_similarity: expected floating-point inputs, got {operands(x1, x2)}")
+    shape = broadcast_shapes(x1.shape, x2.shape, op="cosine_similarity")
+    axis = normalize_dim("cosine_similarity", dim, len(shape))
+    unit = []
+    for x in (x1, x2):
+        x = cast(x, dtype).expand(shape)
+        length = norm(x, 2, axis, keepdim=True)
+        unit.append(x / (length + (maximum(length, eps) - length).detach()))
+    return sum(unit[0] * unit[1], axis)
 
 
 def cumsum(x: Tensor, dim: int) -> Tensor:

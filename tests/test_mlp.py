@@ -670,9 +670,9 @@ def test_from_torch_shares_parameters_and_computes_the_same(device):
 
 
 def test_from_torch_names_unsupported_layers():
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Conv1d(1, 1, 1),
-                                torch.nn.Sequential(torch.nn.InstanceNorm1d(4)))
-    with pytest.raises(TypeError, match=r"unsupported layer 1: Conv1d; unsupported layer 2\.0: InstanceNorm1d"):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Conv3d(1, 1, 1),
+                                torch.nn.Sequential(torch.nn.LSTM(4, 4)))
+    with pytest.raises(TypeError, match=r"unsupported layer 1: Conv3d; unsupported layer 2\.0: LSTM"):
         ember.from_torch(model)
     with pytest.raises(TypeError, match="expected a torch.nn.Module"):
         ember.from_torch(np.zeros(3))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import ember
-from ember.compiler import emit, fused, fusion, lower, passes
+from ember.compiler import emit, fused, fusion, lower, passes, rewrite
 from ember.compiler.context import CompileContext
 from ember.compiler.kernel import Assign, Bin, Block, Branch, Call, Effect, Expr, KernelIR, Lit, Loop, Prim, Range, Var
 from ember.compiler.patterns import pointwise, rows
@@ -292,7 +292,7 @@ def test_loads_after_a_store_are_hoisted_above_it_where_their_addresses_are_know
             Assign((c,), _load(Bin("+", Var("in2"), t))),  # address computed after it: stays
             Assign((d,), _load(Bin("+", Var("in3"), b))),  # its address reads a hoisted load: follows it
             _store(Var("out1"), Bin("+", b, Bin("+", c, d)))]
-    hoisted = emit.hoist_loads(body)
+    hoisted = rewrite.hoist_loads(body)
     assert hoisted == [body[0], body[3], body[5], body[1], body[2], body[4], body[6]]
 
 
@@ -300,7 +300,7 @@ def test_a_load_reading_a_name_assigned_again_after_the_store_stays_below_it():
     a, b = Var("a"), Var("b")
     body = [Assign((a,), _load(Var("in0"))), _store(Var("out0"), a),
             Assign((a,), Bin("*", a, Lit(2))), Assign((b,), _load(Bin("+", Var("in1"), a))), _store(Var("out1"), b)]
-    assert emit.hoist_loads(body) == body
+    assert rewrite.hoist_loads(body) == body
 
 
 def test_only_kernels_too_small_to_fill_the_gpu_hoist_their_loads():

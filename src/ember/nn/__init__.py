@@ -1,32 +1,16 @@
 """ember.nn: modules, layers, losses, initialisation and `functional`, with PyTorch's names."""
 
 from ember.nn import functional, init, parallel, utils
-from ember.nn.attention import MultiheadAttention
-from ember.nn.containers import ModuleDict, ModuleList, ParameterDict, ParameterList, Sequential
-from ember.nn.layers import (
+from ember.nn.activation import (
     ELU,
     GELU,
     GLU,
-    AdaptiveAvgPool2d,
-    AvgPool2d,
-    Conv2d,
-    ConvTranspose2d,
-    CosineSimilarity,
-    Dropout,
-    Dropout2d,
-    Embedding,
-    Flatten,
     Hardsigmoid,
     Hardswish,
     Hardtanh,
-    Identity,
     LeakyReLU,
-    Linear,
     LogSoftmax,
-    MaxPool2d,
     Mish,
-    PixelShuffle,
-    PixelUnshuffle,
     PReLU,
     ReLU,
     ReLU6,
@@ -35,7 +19,34 @@ from ember.nn.layers import (
     Softmax,
     Softplus,
     Tanh,
+)
+from ember.nn.attention import MultiheadAttention
+from ember.nn.containers import ModuleDict, ModuleList, ParameterDict, ParameterList, Sequential
+from ember.nn.layers import (
+    AdaptiveAvgPool1d,
+    AdaptiveAvgPool2d,
+    AdaptiveMaxPool1d,
+    AdaptiveMaxPool2d,
+    AvgPool1d,
+    AvgPool2d,
+    Conv1d,
+    Conv2d,
+    ConvTranspose2d,
+    CosineSimilarity,
+    Dropout,
+    Dropout2d,
+    Embedding,
+    Flatten,
+    Identity,
+    Linear,
+    MaxPool1d,
+    MaxPool2d,
+    PixelShuffle,
+    PixelUnshuffle,
     Unflatten,
+    Upsample,
+    UpsamplingBilinear2d,
+    UpsamplingNearest2d,
     ZeroPad2d,
 )
 from ember.nn.losses import (
@@ -50,7 +61,15 @@ from ember.nn.losses import (
     SmoothL1Loss,
 )
 from ember.nn.module import Module, Parameter
-from ember.nn.normalization import BatchNorm1d, BatchNorm2d, LayerNorm, RMSNorm
+from ember.nn.normalization import (
+    BatchNorm1d,
+    BatchNorm2d,
+    GroupNorm,
+    InstanceNorm1d,
+    InstanceNorm2d,
+    LayerNorm,
+    RMSNorm,
+)
 from ember.nn.transformer import (
     Transformer,
     TransformerDecoder,
@@ -60,34 +79,14 @@ from ember.nn.transformer import (
 )
 
 __all__ = [
-    "AdaptiveAvgPool2d", "AvgPool2d", "BCELoss", "BCEWithLogitsLoss", "BatchNorm1d", "BatchNorm2d", "Conv2d",
-    "ConvTranspose2d", "CrossEntropyLoss", "Dropout", "Embedding", "Flatten", "GELU", "Identity", "L1Loss",
-    "LayerNorm", "LeakyReLU", "Linear", "LogSoftmax", "MSELoss", "MaxPool2d", "Module", "ModuleDict", "ModuleList",
-    "MultiheadAttention", "NLLLoss", "Parameter", "RMSNorm", "ReLU", "SiLU", "Sequential", "Sigmoid", "SmoothL1Loss",
-    "Softmax", "Softplus", "Tanh", "Transformer", "TransformerDecoder", "TransformerDecoderLayer",
-    "TransformerEncoder", "TransformerEncoderLayer", "functional", "init", "parallel", "utils",
-]
-
-# group and instance normalisation, 1-d convolution and pooling, adaptive max pooling, resampling
-from ember.nn.layers import (  # noqa: E402
-    AdaptiveAvgPool1d,
-    AdaptiveMaxPool1d,
-    AdaptiveMaxPool2d,
-    AvgPool1d,
-    Conv1d,
-    MaxPool1d,
-    Upsample,
-    UpsamplingBilinear2d,
-    UpsamplingNearest2d,
-)
-from ember.nn.normalization import GroupNorm, InstanceNorm1d, InstanceNorm2d  # noqa: E402
-
-__all__ += [
-    "AdaptiveAvgPool1d", "AdaptiveMaxPool1d", "AdaptiveMaxPool2d", "AvgPool1d", "Conv1d", "GroupNorm",
-    "InstanceNorm1d", "InstanceNorm2d", "MaxPool1d", "Upsample", "UpsamplingBilinear2d", "UpsamplingNearest2d",
-]
-__all__ += [
-    "CosineSimilarity", "Dropout2d", "ELU", "GLU", "Hardsigmoid", "Hardswish", "Hardtanh", "HuberLoss", "KLDivLoss",
-    "Mish", "PReLU", "ParameterDict", "ParameterList", "PixelShuffle", "PixelUnshuffle", "ReLU6", "Unflatten",
-    "ZeroPad2d",
+    "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AdaptiveMaxPool1d", "AdaptiveMaxPool2d", "AvgPool1d", "AvgPool2d",
+    "BCELoss", "BCEWithLogitsLoss", "BatchNorm1d", "BatchNorm2d", "Conv1d", "Conv2d", "ConvTranspose2d",
+    "CosineSimilarity", "CrossEntropyLoss", "Dropout", "Dropout2d", "ELU", "Embedding", "Flatten", "GELU", "GLU",
+    "GroupNorm", "Hardsigmoid", "Hardswish", "Hardtanh", "HuberLoss", "Identity", "InstanceNorm1d", "InstanceNorm2d",
+    "KLDivLoss", "L1Loss", "LayerNorm", "LeakyReLU", "Linear", "LogSoftmax", "MSELoss", "MaxPool1d", "MaxPool2d",
+    "Mish", "Module", "ModuleDict", "ModuleList", "MultiheadAttention", "NLLLoss", "PReLU", "Parameter",
+    "ParameterDict", "ParameterList", "PixelShuffle", "PixelUnshuffle", "RMSNorm", "ReLU", "ReLU6", "Sequential",
+    "SiLU", "Sigmoid", "SmoothL1Loss", "Softmax", "Softplus", "Tanh", "Transformer", "TransformerDecoder",
+    "TransformerDecoderLayer", "TransformerEncoder", "TransformerEncoderLayer", "Unflatten", "Upsample",
+    "UpsamplingBilinear2d", "UpsamplingNearest2d", "ZeroPad2d", "functional", "init", "parallel", "utils",
 ]

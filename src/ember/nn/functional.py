@@ -1,8 +1,9 @@
 """ember.nn.functional: activations, layers as functions, normalisation and losses.
 
 Import as `F`, as with torch.nn.functional. Most entries are ember's ops under their
-torch.nn.functional names and signatures; the losses and normalisations are written
-here as compositions of ops, so they fuse and differentiate like any other graph.
+torch.nn.functional names and signatures; the normalisations are written here as
+compositions of ops, so they fuse and differentiate like any other graph. The losses
+live in loss_functions.py and `interpolate` in resampling.py; both are exported here.
 The deprecated `size_average` / `reduce` arguments of the losses are not accepted;
 use `reduction`.
 """
@@ -17,10 +18,23 @@ import numpy as np
 
 from ember import amp, dtypes
 from ember.autograd import composite_vjp, enable_grad, grad, no_grad
-from ember.errors import DTypeError, ShapeError, operands
+from ember.errors import DTypeError, ShapeError
 from ember.ir import Op
 from ember.ir.ops import define_composite
 from ember.nn.attention import scaled_dot_product_attention
+from ember.nn.checks import check_float, opmath
+from ember.nn.loss_functions import (
+    binary_cross_entropy,
+    binary_cross_entropy_with_logits,
+    cross_entropy,
+    huber_loss,
+    kl_div,
+    l1_loss,
+    mse_loss,
+    nll_loss,
+    smooth_l1_loss,
+)
+from ember.nn.resampling import interpolate
 from ember.ops import (
     adaptive_avg_pool2d,
     adaptive_max_pool2d,
@@ -49,22 +63,22 @@ from ember.ops import softmax as _softmax
 from ember.ops.activations import glu, prelu
 from ember.ops.activations import hardsigmoid as _hardsigmoid
 from ember.ops.activations import hardswish as _hardswish
-from ember.ops.creation import tensor
-from ember.ops.index import checked, gather_in_range, select_in_range
 from ember.ops.movement import normalize_dim, pixel_shuffle, pixel_unshuffle
-from ember.ops.pointwise import abs, broadcast_shapes, cast, converted, exp, log, log1p, maximum, where
+from ember.ops.pointwise import cast, converted, where
 from ember.ops.random import rand
 from ember.ops.reduce import cosine_similarity, norm
 from ember.runtime.executor import realize_with_next
 from ember.tensor import Tensor, apply, composite, expect_tensors, realize
 
 __all__ = [
-    "adaptive_avg_pool2d", "adaptive_max_pool2d", "avg_pool2d", "batch_norm", "binary_cross_entropy",
-    "binary_cross_entropy_with_logits", "conv2d", "conv_transpose2d",
-    "cross_entropy", "dropout", "elu", "embedding", "gelu",
-    "hardtanh", "l1_loss", "layer_norm", "leaky_relu", "linear", "log_softmax", "logsigmoid",
-    "max_pool2d", "mish", "mse_loss", "nll_loss", "one_hot", "pad", "relu", "relu6", "rms_norm",
-    "scaled_dot_product_attention", "sigmoid", "silu", "smooth_l1_loss", "softmax", "softplus", "tanh",
+    "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_max_pool1d", "adaptive_max_pool2d", "avg_pool1d",
+    "avg_pool2d", "batch_norm", "binary_cross_entropy", "binary_cross_entropy_with_logits", "conv1d", "conv2d",
+    "conv_transpose2d", "cosine_similarity", "cross_entropy", "dropout", "dropout2d", "elu", "embedding", "gelu",
+    "glu", "group_norm", "hardsigmoid", "hardswish", "hardtanh", "huber_loss", "instance_norm", "interpolate",
+    "kl_div", "l1_loss", "layer_norm", "leaky_relu", "linear", "log_softmax", "logsigmoid", "max_pool1d",
+    "max_pool2d", "mish", "mse_loss", "nll_loss", "normalize", "one_hot", "pad", "pixel_shuffle", "pixel_unshuffle",
+    "prelu", "relu", "relu6", "rms_norm", "scaled_dot_product_attention", "sigmoid", "silu", "smooth_l1_loss",
+    "softmax", "softplus", "tanh",
 ]
 
 
@@ -137,18 +151,6 @@ def pad(input: Tensor, pad: list[int], mode: str = "constant", value: float | No
 
 # -- normalisation --------------------------------------------------------------------
 
-def _check_float(fn: str, *tensors: Tensor) -> None:
-    for t in tensors:
-        expect_tensors(fn, input=t)
-        if not t.dtype.is_floating_point:
-            raise DTypeError(f"{fn}: expected floating-point tensors, got {operands(*tensors)}")
-
-
-def _opmath(x: Tensor) -> Tensor:
-    """Half-precision inputs are normalised in float32, as PyTorch does."""
-    return cast(x, dtypes.float32) if x.dtype in (dtypes.float16, dtypes.bfloat16) else x
-
-
 def _variance(x: Tensor, mean: Tensor, axes: tuple[int, ...]) -> Tensor:
     """The biased variance about `mean`, differentiated as a function of `x` alone.
 
@@ -165,7 +167,7 @@ def _variance(x: Tensor, mean: Tensor, axes: tuple[int, ...]) -> Tensor:
 def layer_norm(input: Tensor, normalized_shape, weight: Tensor | None = None, bias: Tensor | None = None,
                eps: float = 1e-5) -> Tensor:
     """Normalise over the trailing `normalized_shape` dims (biased variance), then scale and shift."""
-    _check_float("layer_norm", input)
+    check_float("layer_norm", input)
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
     k = len(shape)
     if k == 0 or input.shape[input.ndim - k:] != shape:
@@ -185,7 +187,7 @@ def layer_norm(input: Tensor, normalized_shape, weight: Tensor | None = None, bi
 def rms_norm(input: Tensor, normalized_shape, weight: Tensor | None = None, eps: float | None = None) -> Tensor:
     """Divide by the root mean square over the trailing `normalized_shape` dims (plus `eps`, by default the machine
     epsilon of the dtype it is computed in: float32 for half-precision inputs), then scale by `weight`."""
-    _check_float("rms_norm", input)
+    check_float("rms_norm", input)
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
     if not shape or input.shape[input.ndim - len(shape):] != shape:
         raise ShapeError(f"rms_norm: input of shape {input.shape} does not end in normalized_shape {shape}")
@@ -193,7 +195,7 @@ def rms_norm(input: Tensor, normalized_shape, weight: Tensor | None = None, eps:
         expect_tensors("rms_norm", weight=weight)
         if weight.shape != shape:
             raise ShapeError(f"rms_norm: weight of shape {weight.shape} must have normalized_shape {shape}")
-    x = _opmath(input)
+    x = opmath(input)
     eps = eps if eps is not None else float(np.finfo(x.dtype.np).eps)
     axes = tuple(range(input.ndim - len(shape), input.ndim))
     out = cast(x * ((x * x).mean(axes, keepdim=True) + eps).rsqrt(), input.dtype)
@@ -201,7 +203,7 @@ def rms_norm(input: Tensor, normalized_shape, weight: Tensor | None = None, eps:
 
 
 def _layer_norm(input: Tensor, weight: Tensor | None, bias: Tensor | None, dims: int, eps: float) -> Tensor:
-    x = _opmath(input)
+    x = opmath(input)
     axes = tuple(range(input.ndim - dims, input.ndim))
     mean = x.mean(axes, keepdim=True)
     centred = x - mean
@@ -296,11 +298,11 @@ def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor |
     As in PyTorch, the statistics, weight and bias have the input's dtype, or float32 for
     float16 and bfloat16 input (mixed precision); the output has the input's dtype.
     """
-    _check_float("batch_norm", input)
+    check_float("batch_norm", input)
     if input.ndim < 2:
         raise ShapeError(f"batch_norm: expected input of shape (N, C, ...), got {input.shape}")
     c = input.shape[1]
-    wide = dtypes.float32 if input.dtype in (dtypes.float16, dtypes.bfloat16) else input.dtype  # see _opmath
+    wide = dtypes.float32 if input.dtype in (dtypes.float16, dtypes.bfloat16) else input.dtype  # see opmath
     for name, t in (("running_mean", running_mean), ("running_var", running_var), ("weight", weight),
                     ("bias", bias)):
         if t is None:
@@ -327,7 +329,7 @@ def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor |
             running_var.assign(apply(Op.BATCH_NORM, *given, result=2, **settings))
         _with_the_step(running_mean, running_var)
         return out
-    x = _opmath(input)
+    x = opmath(input)
     if training:
         mean, centred, var = _batch_statistics(x)
         _update_running_stats(running_mean, running_var, mean, var, count, momentum)
@@ -376,7 +378,7 @@ def _batch_norm_results(input: Tensor, running_mean: Tensor, running_var: Tensor
     running variance], as batch_norm and _update_running_stats compute them."""
     given = iter(params)
     weight, bias = next(given) if weight else None, next(given) if bias else None
-    x = _opmath(input)
+    x = opmath(input)
     mean, centred, var = _batch_statistics(x)
     c = input.shape[1]
     new_mean = _moved(running_mean, mean.detach().reshape((c,)), momentum)
@@ -413,254 +415,6 @@ define_composite(Op.BATCH_NORM, shape=_batch_norm_shape, vjp=composite_vjp(_batc
                  expand=_batch_norm_expansion, result=_batch_norm_result)
 
 
-# -- losses ---------------------------------------------------------------------------
-
-def _reduce(fn: str, loss: Tensor, reduction: str) -> Tensor:
-    if reduction == "none":
-        return loss
-    if reduction == "mean":
-        return loss.mean()
-    if reduction == "sum":
-        return loss.sum()
-    raise ValueError(f"{fn}: reduction must be 'none', 'mean' or 'sum', not {reduction!r}")
-
-
-def _check_reduction(fn: str, reduction: str) -> None:
-    if reduction not in ("none", "mean", "sum"):
-        raise ValueError(f"{fn}: reduction must be 'none', 'mean' or 'sum', not {reduction!r}")
-
-
-def _class_dim(fn: str, input: Tensor) -> int:
-    if input.ndim == 0:
-        raise ShapeError(f"{fn}: input must be (C,), (N, C) or (N, C, d1, ...), got a 0-d tensor")
-    return 1 if input.ndim >= 2 else 0
-
-
-def _check_class_target(fn: str, input: Tensor, target: Tensor, class_dim: int) -> None:
-    expected = input.shape[:class_dim] + input.shape[class_dim + 1:]
-    if target.shape != expected:
-        raise ShapeError(f"{fn}: class-index target of shape {target.shape} does not fit input of shape "
-                         f"{input.shape}; expected target shape {expected} ({operands(input, target)})")
-
-
-def _check_weight(fn: str, weight: Tensor | None, classes: int) -> None:
-    if weight is None:
-        return
-    if not isinstance(weight, Tensor) or not weight.dtype.is_floating_point:
-        raise DTypeError(f"{fn}: weight must be a floating-point Tensor, got {operands(weight)}")
-    if weight.shape != (classes,):
-        raise ShapeError(f"{fn}: weight of shape {weight.shape} must have one entry per class ({classes},)")
-
-
-def _weight_along(weight: Tensor, class_dim: int, ndim: int) -> Tensor:
-    return weight.reshape(tuple(-1 if d == class_dim else 1 for d in range(ndim)))
-
-
-def _nll(fn: str, logp: Tensor, target: Tensor, weight: Tensor | None, ignore_index: int, reduction: str,
-         class_dim: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The negative log-likelihood per element (0 where ignored), its reduction, and each
-    element's class weight (0 where ignored); a target outside [0, C) other than ignore_index is an
-    IndexError from `fn`."""
-    ignored = target == ignore_index
-    # ignore_index may lie outside [0, C)
-    safe = checked(fn, where(ignored, 0, target), logp.shape[class_dim], class_dim)
-    picked = gather_in_range(logp, class_dim, safe.unsqueeze(class_dim)).squeeze(class_dim)
-    if weight is None:
-        target_weight = where(ignored, 0.0, 1.0)
-        loss = where(ignored, 0.0, -picked)
-    else:
-        target_weight = where(ignored, 0.0, select_in_range(cast(weight, logp.dtype), 0, safe.reshape(-1))
-                              .reshape(safe.shape))
-        loss = where(ignored, 0.0, -picked * target_weight)
-    target_weight = cast(target_weight, logp.dtype)
-    if reduction == "none":
-        return loss, loss, target_weight
-    if reduction == "sum":
-        return loss, loss.sum(), target_weight
-    return loss, loss.sum() / target_weight.sum(), target_weight
-
-
-def _check_index_target(fn: str, target: Tensor) -> None:
-    expect_tensors(fn, target=target)
-    if not target.dtype.is_integer:
-        raise DTypeError(f"{fn}: target must hold class indices (an integer tensor), got {operands(target)}")
-
-
-@amp.autocast_op("nll_loss")
-def nll_loss(input: Tensor, target: Tensor, weight: Tensor | None = None, *, ignore_index: int = -100,
-             reduction: str = "mean") -> Tensor:
-    """Negative log-likelihood of class indices given log-probabilities over dim 1 (dim 0 for (C,) input).
-
-    The mean divides by the summed weights of the non-ignored targets, as PyTorch does.
-    """
-    _check_float("nll_loss", input)
-    _check_index_target("nll_loss", target)
-    _check_reduction("nll_loss", reduction)
-    class_dim = _class_dim("nll_loss", input)
-    _check_class_target("nll_loss", input, target, class_dim)
-    _check_weight("nll_loss", weight, input.shape[class_dim])
-    return _nll("nll_loss", input, target, weight, ignore_index, reduction, class_dim)[1]
-
-
-@amp.autocast_op("cross_entropy")
-def cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, *, ignore_index: int = -100,
-                  reduction: str = "mean", label_smoothing: float = 0.0) -> Tensor:
-    """Cross entropy between logits (class dim 1, or 0 for (C,) input) and a target.
-
-    The target holds either class indices (shape of input without the class dim) or
-    class probabilities (same shape as input). `weight` rescales each class;
-    `ignore_index` drops index targets; `label_smoothing` mixes the target with the
-    uniform distribution. Reductions and the way these combine follow PyTorch exactly.
-    """
-    _check_float("cross_entropy", input)
-    expect_tensors("cross_entropy", target=target)
-    _check_reduction("cross_entropy", reduction)
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}")
-    class_dim = _class_dim("cross_entropy", input)
-    classes = input.shape[class_dim]
-    _check_weight("cross_entropy", weight, classes)
-    if target.dtype.is_floating_point:
-        return _cross_entropy_probabilities(_log_softmax(input, class_dim), target, weight, reduction,
-                                            label_smoothing, class_dim)
-    if not target.dtype.is_integer:
-        raise DTypeError(f"cross_entropy: target must hold class indices (integer) or class probabilities "
-                         f"(floating point), got {operands(target)}")
-    _check_class_target("cross_entropy", input, target, class_dim)
-    if weight is None:  # one node until it is compiled
-        return apply(Op.CROSS_ENTROPY, input, target, ignore_index=ignore_index, reduction=reduction,
-                     label_smoothing=float(label_smoothing))
-    return _cross_entropy_indices(input, target, weight, ignore_index, reduction, label_smoothing)
-
-
-def _cross_entropy_indices(input: Tensor, target: Tensor, weight: Tensor | None, ignore_index: int, reduction: str,
-                           label_smoothing: float) -> Tensor:
-    class_dim = _class_dim("cross_entropy", input)
-    classes = input.shape[class_dim]
-    logp = _log_softmax(input, class_dim)
-    _, nll, target_weight = _nll("cross_entropy", logp, target, weight, ignore_index, reduction, class_dim)
-    if label_smoothing == 0.0:
-        return nll
-    ignored = target == ignore_index
-    per_class = logp if weight is None else logp * _weight_along(cast(weight, logp.dtype), class_dim, logp.ndim)
-    smooth = where(ignored, 0.0, -per_class.sum(class_dim))
-    if reduction == "mean":
-        smooth = smooth.sum() / target_weight.sum()
-    elif reduction == "sum":
-        smooth = smooth.sum()
-    return nll * (1 - label_smoothing) + smooth * (label_smoothing / classes)
-
-
-def _cross_entropy_rule(inputs, attrs) -> tuple:
-    return (inputs[1].shape if attrs["reduction"] == "none" else ()), inputs[0].dtype
-
-
-composite(Op.CROSS_ENTROPY, _cross_entropy_rule,
-          lambda input, target, **attrs: _cross_entropy_indices(input, target, None, **attrs))
-
-
-def _cross_entropy_probabilities(logp: Tensor, target: Tensor, weight: Tensor | None, reduction: str,
-                                 label_smoothing: float, class_dim: int) -> Tensor:
-    if target.shape != logp.shape:
-        raise ShapeError(f"cross_entropy: a probability target must have the input's shape {logp.shape}, "
-                         f"got {target.shape} ({operands(logp, target)})")
-    classes = logp.shape[class_dim]
-    target = cast(target, logp.dtype)
-    if label_smoothing > 0.0:
-        target = target * (1 - label_smoothing) + label_smoothing / classes
-    terms = logp * target
-    if weight is not None:
-        terms = terms * _weight_along(cast(weight, logp.dtype), class_dim, logp.ndim)
-    if reduction == "none":
-        return -terms.sum(class_dim)
-    if reduction == "sum":
-        return -terms.sum()
-    return -terms.sum() / (logp.numel() / classes) if logp.numel() else -terms.sum() * math.nan
-
-
-def _check_pair(fn: str, input: Tensor, target: Tensor, same_shape: bool) -> None:
-    _check_float(fn, input)
-    expect_tensors(fn, target=target)
-    if same_shape and target.shape != input.shape:
-        raise ShapeError(f"{fn}: target of shape {target.shape} must have the input's shape {input.shape} "
-                         f"({operands(input, target)})")
-    if not same_shape and target.shape != input.shape:
-        broadcast_shapes(input.shape, target.shape, op=fn)
-        warnings.warn(f"{fn}: using a target size {target.shape} that is different to the input size "
-                      f"{input.shape}; they will be broadcast, which is likely not what you want", stacklevel=3)
-
-
-@amp.autocast_op("mse_loss")
-def mse_loss(input: Tensor, target: Tensor, *, reduction: str = "mean") -> Tensor:
-    _check_pair("mse_loss", input, target, same_shape=False)
-    _check_reduction("mse_loss", reduction)
-    if target.shape == input.shape and target.dtype is input.dtype:
-        return apply(Op.MSE_LOSS, input, target, reduction=reduction)  # one node until it is compiled
-    return _mse_loss(input, target, reduction)
-
-
-def _mse_loss(input: Tensor, target: Tensor, reduction: str) -> Tensor:
-    diff = input - target
-    return _reduce("mse_loss", diff * diff, reduction)
-
-
-def _mse_loss_rule(inputs, attrs) -> tuple:
-    return (inputs[0].shape if attrs["reduction"] == "none" else ()), inputs[0].dtype
-
-
-composite(Op.MSE_LOSS, _mse_loss_rule, _mse_loss)
-
-
-@amp.autocast_op("l1_loss")
-def l1_loss(input: Tensor, target: Tensor, *, reduction: str = "mean") -> Tensor:
-    _check_pair("l1_loss", input, target, same_shape=False)
-    return _reduce("l1_loss", abs(input - target), reduction)
-
-
-@amp.autocast_op("smooth_l1_loss")
-def smooth_l1_loss(input: Tensor, target: Tensor, *, reduction: str = "mean", beta: float = 1.0) -> Tensor:
-    """Squared error below `beta` (scaled by 1 / (2 beta)), absolute error minus beta / 2 above."""
-    _check_pair("smooth_l1_loss", input, target, same_shape=False)
-    if beta < 0:
-        raise ValueError(f"smooth_l1_loss: beta must be non-negative, got {beta}")
-    diff = abs(input - target)
-    if beta == 0:
-        return _reduce("smooth_l1_loss", diff, reduction)
-    return _reduce("smooth_l1_loss", where(diff < beta, diff * diff * (0.5 / beta), diff - 0.5 * beta), reduction)
-
-
-@amp.autocast_op("binary_cross_entropy")
-def binary_cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, *,
-                         reduction: str = "mean") -> Tensor:
-    """Cross entropy of probabilities `input` against targets in [0, 1]; logs are clamped at -100 as in PyTorch."""
-    _check_pair("binary_cross_entropy", input, target, same_shape=True)
-    target = cast(target, input.dtype)
-    log_p = log(input).clamp(min=-100)
-    log_not_p = log(1 - input).clamp(min=-100)
-    loss = -(target * log_p + (1 - target) * log_not_p)
-    if weight is not None:
-        loss = loss * weight
-    return _reduce("binary_cross_entropy", loss, reduction)
-
-
-@amp.autocast_op("binary_cross_entropy_with_logits")
-def binary_cross_entropy_with_logits(input: Tensor, target: Tensor, weight: Tensor | None = None, *,
-                                     reduction: str = "mean", pos_weight: Tensor | None = None) -> Tensor:
-    """Sigmoid and binary cross entropy in one stable formula; `pos_weight` scales the positive term."""
-    _check_pair("binary_cross_entropy_with_logits", input, target, same_shape=True)
-    target = cast(target, input.dtype)
-    # -log(sigmoid(x)) = max(-x, 0) + log1p(exp(-|x|)): no overflow for any x
-    neg_log_sigmoid = maximum(-input, 0.0) + log1p(exp(-abs(input)))
-    if pos_weight is not None:
-        broadcast_shapes(pos_weight.shape, target.shape, op="binary_cross_entropy_with_logits")
-        loss = (1 - target) * input + ((pos_weight - 1) * target + 1) * neg_log_sigmoid
-    else:
-        loss = (1 - target) * input + neg_log_sigmoid
-    if weight is not None:
-        loss = loss * weight
-    return _reduce("binary_cross_entropy_with_logits", loss, reduction)
-
-
 # -- group and instance normalisation -------------------------------------------------------
 # Both normalise rows of the input viewed as (N, G, -1): G groups of channels for group_norm, each channel for
 # instance_norm. Row statistics are what the compiler fuses into row kernels.
@@ -669,7 +423,7 @@ def _row_normalized(input: Tensor, groups: int, weight: Tensor | None, bias: Ten
                     eps: float) -> tuple[Tensor, Tensor, Tensor]:
     """The input normalised over rows of (N, groups, -1), scaled and shifted per channel (dim 1) in float32 for
     half-precision input and rounded once; with each row's mean and biased variance, shaped (N, groups, 1)."""
-    x = _opmath(input)
+    x = opmath(input)
     n, c = input.shape[:2]
     rows = x.reshape((n, groups, (c // groups) * math.prod(input.shape[2:])))
     mean = rows.mean(2, keepdim=True)
@@ -691,7 +445,7 @@ def group_norm(input: Tensor, num_groups: int, weight: Tensor | None = None, bia
                eps: float = 1e-5) -> Tensor:
     """Normalise each group of `num_groups` consecutive channel groups over its channels and spatial dims (biased
     variance), then scale and shift per channel, as torch.nn.functional.group_norm."""
-    _check_float("group_norm", input)
+    check_float("group_norm", input)
     if input.ndim < 2:
         raise ShapeError(f"group_norm: expected input of shape (N, C, ...), got {input.shape}")
     c = input.shape[1]
@@ -713,7 +467,7 @@ def instance_norm(input: Tensor, running_mean: Tensor | None = None, running_var
     With `use_input_stats` the sample's statistics are used and, when given, the running estimates move toward
     their mean over the batch (the variance unbiased, lazily, outside autograd); otherwise the running estimates
     are used, as batch_norm's in eval."""
-    _check_float("instance_norm", input)
+    check_float("instance_norm", input)
     if input.ndim < 3:
         raise ShapeError(f"instance_norm: expected input of shape (N, C, ...) with spatial dims, got {input.shape}")
     _check_channel_vectors("instance_norm", input, running_mean=running_mean, running_var=running_var,
@@ -806,141 +560,6 @@ def adaptive_max_pool1d(input: Tensor, output_size, return_indices: bool = False
     return adaptive_max_pool2d(_with_height("adaptive_max_pool1d", input), (1, out)).squeeze(-2)
 
 
-# -- resampling ----------------------------------------------------------------------------
-# interpolate is separable: along each spatial axis every output position reads a few source positions (taps)
-# with weights that depend on the sizes alone, so both are computed on the host (in float32, as torch computes
-# them) and the resampling is gathers and weighted sums, differentiated as any other graph.
-
-_INTERPOLATING = ("linear", "bilinear", "bicubic", "trilinear")
-_CUBIC_A = -0.75  # the Keys cubic convolution coefficient torch uses
-
-
-def _resampled_sizes(input: Tensor, size, scale_factor, recompute_scale_factor: bool | None) -> tuple[list, list]:
-    """The output's spatial sizes, and the scale factor each axis's source positions are computed with (None
-    where the sizes' ratio is used)."""
-    spatial = input.shape[2:]
-    if size is not None and scale_factor is not None:
-        raise ValueError("interpolate: only one of size or scale_factor should be defined")
-    if size is None and scale_factor is None:
-        raise ValueError("interpolate: either size or scale_factor should be defined")
-    if size is not None:
-        sizes = [size] * len(spatial) if isinstance(size, int) else list(size)
-        if len(sizes) != len(spatial):
-            raise ValueError(f"interpolate: size {size} must give one size per spatial dim of input {input.shape}")
-        scales = [None] * len(spatial)
-    else:
-        factors = [scale_factor] * len(spatial) if isinstance(scale_factor, (int, float)) else list(scale_factor)
-        if len(factors) != len(spatial):
-            raise ValueError(f"interpolate: scale_factor {scale_factor} must give one factor per spatial dim of "
-                             f"input {input.shape}")
-        sizes = [math.floor(n * float(f)) for n, f in zip(spatial, factors)]
-        scales = [None] * len(spatial) if recompute_scale_factor else [float(f) for f in factors]
-    if any(m <= 0 for m in sizes) or any(n <= 0 for n in spatial):
-        raise ShapeError(f"interpolate: input {input.shape} and output sizes {tuple(sizes)} should be greater "
-                         f"than 0")
-    return sizes, scales
-
-
-def _source_scale(n: int, m: int, scale: float | None, align_corners: bool) -> np.float32:
-    """How far the source position moves per output position."""
-    if align_corners:
-        return np.float32(n - 1) / np.float32(m - 1) if m > 1 else np.float32(0)
-    return np.float32(1.0 / scale) if scale is not None and scale > 0 else np.float32(n) / np.float32(m)
-
-
-def _taps(n: int, m: int, scale: float | None, mode: str, align_corners: bool) -> list[tuple[np.ndarray, np.ndarray]]:
-    """For one axis of n source and m output positions: (source index, weight) arrays of length m, one pair per
-    tap (the weights None for nearest modes)."""
-    step = _source_scale(n, m, scale, align_corners)
-    d = np.arange(m, dtype=np.float32)
-    if mode == "nearest":  # torch's legacy rounding: the position is floor(d * step)
-        return [(np.minimum(np.floor(d * step).astype(np.int64), n - 1), None)]
-    if mode == "nearest-exact":  # the source pixel whose centre is nearest: floor((d + 0.5) * step)
-        return [(np.minimum(np.floor((d + np.float32(0.5)) * step).astype(np.int64), n - 1), None)]
-    half = np.float32(0.5)
-    source = d * step if align_corners else step * (d + half) - half
-    if mode == "bilinear":
-        source = np.maximum(source, np.float32(0))
-    first = np.minimum(np.floor(source).astype(np.int64), n - 1)
-    t = np.clip(source - first.astype(np.float32), np.float32(0), np.float32(1))
-    if mode == "bilinear":
-        return [(first, 1 - t), (np.minimum(first + 1, n - 1), t)]
-    a = np.float32(_CUBIC_A)
-
-    def near(x):  # |x| <= 1
-        return ((a + 2) * x - (a + 3)) * x * x + 1
-
-    def far(x):  # 1 < |x| < 2
-        return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
-
-    weights = (far(t + 1), near(t), near(1 - t), far(2 - t))
-    return [(np.clip(first + k - 1, 0, n - 1), w) for k, w in enumerate(weights)]
-
-
-def _taken(x: Tensor, axis: int, index: np.ndarray) -> Tensor:
-    """x at the source positions `index` along `axis`: a broadcast where each position repeats a whole number of
-    times in order (nearest upsampling by an integer factor), else a gather."""
-    n, m = x.shape[axis], len(index)
-    if m % n == 0 and np.array_equal(index, np.arange(m) // (m // n)):
-        repeats = m // n
-        if repeats == 1:
-            return x
-        spread = x.unsqueeze(axis + 1).expand(x.shape[:axis + 1] + (repeats,) + x.shape[axis + 1:])
-        return spread.reshape(x.shape[:axis] + (m,) + x.shape[axis + 1:])
-    return select_in_range(x, axis, tensor(index.astype(np.int32), device=x.device))
-
-
-def _resampled_axis(x: Tensor, axis: int, taps: list[tuple[np.ndarray, np.ndarray]]) -> Tensor:
-    """The weighted sum of the taps along `axis` (the one tap of a nearest mode taken as is)."""
-    if taps[0][1] is None:
-        return _taken(x, axis, taps[0][0])
-    along = (-1,) + (1,) * (x.ndim - 1 - axis)
-    out = None
-    for index, weight in taps:
-        term = _taken(x, axis, index) * tensor(weight.astype(x.dtype.np), device=x.device).reshape(along)
-        out = term if out is None else out + term
-    return out
-
-
-def interpolate(input: Tensor, size=None, scale_factor=None, mode: str = "nearest", align_corners: bool | None = None,
-                recompute_scale_factor: bool | None = None, antialias: bool = False) -> Tensor:
-    """Resample (N, C, H, W) input to `size` or by `scale_factor`, as torch.nn.functional.interpolate.
-
-    Modes: 'nearest' (torch's legacy floor(d * in / out) rounding), 'nearest-exact', 'bilinear', 'bicubic'
-    (Keys' cubic with A = -0.75, taps clamped at the border) and 'area' (adaptive average pooling).
-    `align_corners` maps the corner pixels' centres onto each other (bilinear and bicubic only). Bilinear and
-    bicubic compute float16 and bfloat16 input in float32 and round once."""
-    expect_tensors("interpolate", input=input)
-    if mode in ("nearest", "nearest-exact", "area"):
-        if align_corners is not None:
-            raise ValueError("interpolate: align_corners option can only be set with the interpolating modes: "
-                             "linear | bilinear | bicubic | trilinear")
-    elif mode not in _INTERPOLATING:
-        raise NotImplementedError(f"interpolate: mode {mode!r} is not one of nearest, nearest-exact, area, "
-                                  f"bilinear or bicubic")
-    if input.ndim != 4 or mode in ("linear", "trilinear"):
-        raise NotImplementedError(f"interpolate: ember resamples 4-d input (N, C, H, W) in the modes nearest, "
-                                  f"nearest-exact, area, bilinear and bicubic; got {input.ndim}-d input and mode "
-                                  f"{mode!r}")
-    if antialias:
-        raise NotImplementedError("interpolate: antialias=True is not supported")
-    sizes, scales = _resampled_sizes(input, size, scale_factor, recompute_scale_factor)
-    if mode == "area":
-        return adaptive_avg_pool2d(input, tuple(sizes))
-    if mode in _INTERPOLATING:
-        _check_float("interpolate", input)
-    x = input if mode.startswith("nearest") else _opmath(input)
-    for axis, n, m, scale in zip((2, 3), input.shape[2:], sizes, scales):
-        x = _resampled_axis(x, axis, _taps(n, m, scale, mode, bool(align_corners)))
-    return cast(x, input.dtype)
-
-
-__all__ += [
-    "adaptive_avg_pool1d", "adaptive_max_pool1d", "avg_pool1d", "conv1d", "group_norm", "instance_norm",
-    "interpolate", "max_pool1d",
-]
-
-
 # -- more activations, losses, distances and layers as functions -------------------------
 
 def hardswish(input: Tensor, inplace: bool = False) -> Tensor:
@@ -979,47 +598,6 @@ def dropout2d(input: Tensor, p: float = 0.5, training: bool = True, inplace: boo
 def normalize(input: Tensor, p: float = 2.0, dim: int = 1, eps: float = 1e-12) -> Tensor:
     """`input` divided by its p-norm along `dim`, the norm clamped below at `eps` (where it is clamped, the
     norm's gradient is 0)."""
-    _check_float("normalize", input)
+    check_float("normalize", input)
     length = norm(input, p, normalize_dim("normalize", dim, input.ndim), keepdim=True)
     return input / where(length < eps, eps, length)
-
-
-def kl_div(input: Tensor, target: Tensor, *, reduction: str = "mean", log_target: bool = False) -> Tensor:
-    """KL divergence of `target` from the distribution `input` holds as log-probabilities, pointwise:
-    `target * (log(target) - input)`, 0 where target is 0 (or `exp(target) * (target - input)` when the target
-    holds log-probabilities too).
-
-    reduction 'batchmean' divides the sum by the batch size (dim 0): the true KL divergence per sample.
-    'mean' divides by every element and, as in torch, warns so.
-    """
-    _check_float("kl_div", input)
-    expect_tensors("kl_div", target=target)
-    if reduction not in ("none", "batchmean", "mean", "sum"):
-        raise ValueError(f"kl_div: reduction must be 'none', 'batchmean', 'mean' or 'sum', not {reduction!r}")
-    if reduction == "mean":
-        warnings.warn("kl_div: reduction='mean' divides the total loss by both the batch size and the support "
-                      "size; 'batchmean' divides by the batch size only, as the KL divergence's definition does. "
-                      "(torch warns that 'mean' will behave as 'batchmean' in a later release.)", stacklevel=2)
-    if log_target:
-        loss = exp(target) * (target - input)
-    else:
-        loss = where(target == 0, 0, target * log(target)) - target * input
-    if reduction == "batchmean":
-        return loss.sum() / input.shape[0] if input.ndim else loss.sum()
-    return _reduce("kl_div", loss, reduction)
-
-
-def huber_loss(input: Tensor, target: Tensor, *, reduction: str = "mean", delta: float = 1.0) -> Tensor:
-    """Squared error halved below `delta`, `delta * (|error| - delta / 2)` above: smooth_l1_loss times delta."""
-    _check_pair("huber_loss", input, target, same_shape=False)
-    _check_reduction("huber_loss", reduction)
-    if delta <= 0:
-        raise ValueError(f"huber_loss: delta must be positive, got {delta}")
-    error = abs(input - target)
-    return _reduce("huber_loss", where(error < delta, error * error * 0.5, (error - 0.5 * delta) * delta), reduction)
-
-
-__all__ += [
-    "cosine_similarity", "dropout2d", "glu", "hardsigmoid", "hardswish", "huber_loss", "kl_div", "normalize",
-    "pixel_shuffle", "pixel_unshuffle", "prelu",
-]

@@ -19,11 +19,11 @@ from ember.compiler.emit import (
     Context,
     Emitter,
     Index,
-    hoist_loads,
     program_index,
 )
 from ember.compiler.fused import FULL, OTHER, FusedKernel, KernelKind, Pattern
 from ember.compiler.kernel import Bin, Branch, Effect, Expr, Function, Lit, Loop, ParamKind, Range, Var, add, call
+from ember.compiler.rewrite import hoist_loads
 
 POINTWISE_BLOCK = 1024
 

@@ -11,10 +11,11 @@ the reductions' results stored after them (`RowKernel`).
 from __future__ import annotations
 
 from ember import dtypes
-from ember.compiler.emit import ZERO, Context, Emitter, Index, identity, loads_first, next_pow2, program_index
+from ember.compiler.emit import ZERO, Context, Emitter, Index, identity, next_pow2, program_index
 from ember.compiler.fused import FULL, ROW, FusedKernel, KernelKind, Pattern, Stage
 from ember.compiler.kernel import Assign, Bin, Block, Expr, Function, Lit, Loop, Range, Var, add, call
 from ember.compiler.planner import Planner
+from ember.compiler.rewrite import loads_first
 from ember.dtypes import compute_dtype
 from ember.ir import Kind, Node, Op
 

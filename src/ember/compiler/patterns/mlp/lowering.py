@@ -17,8 +17,6 @@ from ember.compiler.emit import (
     Emitter,
     Index,
     both,
-    drop_unread,
-    hoist_invariant_loads,
     program_index,
     scratch_buffer,
 )
@@ -41,6 +39,7 @@ from ember.compiler.kernel import (
 )
 from ember.compiler.patterns.gemm import RowSum, finishing_function
 from ember.compiler.patterns.mlp.chain import mlp_blocks, mlp_widths, written_intermediates
+from ember.compiler.rewrite import drop_unread, hoist_invariant_loads
 from ember.dtypes import DType
 from ember.ir import Kind, Node, Op
 

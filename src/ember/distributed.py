@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 
 import numpy as np
 
@@ -112,7 +113,15 @@ def barrier(group=None) -> None:
 
 
 def destroy_process_group(group=None) -> None:
+    """Leave the default process group. The CUDA graphs of steps that ran collectives (ember.jit programs and
+    steady lazy steps) are reset first: NCCL's teardown would wait for them forever; such a step captures
+    anew if it runs again (in a new group)."""
     _check_group(group, "destroy_process_group")
+    if "ember.runtime.graphs" in sys.modules:  # no graph was ever captured otherwise
+        from ember.runtime import graphs, steady
+
+        steady.release()
+        graphs.reset_collective_graphs()
     _torch_distributed().destroy_process_group()
 
 

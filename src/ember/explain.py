@@ -170,6 +170,8 @@ class Plan:
             how = "(vendor: torch)"
         over = f" over axes {list(k.axes)}" if k.axes else ""
         lines = [f"kernel {k.index}  {k.kind}  {shape} {dtype}{over}   {how}"]
+        if k.kind is KernelKind.COLLECTIVE:
+            lines.append(self._beside(k))
         for part in parts:
             if k.segments:
                 lines.append(f"  segment   {list(part.space)}")
@@ -233,6 +235,16 @@ class Plan:
                 how = f"timed fastest {of}: {tiling['ms'].get(tiling['config'], math.nan):.3f} ms (all: {times} ms)"
             lines.append(f"{launch.function}: {tiling['config']}; {how}")
         return lines
+
+    def _beside(self, k: FusedKernel) -> str:
+        """What a collective overlaps on the GPU: the launches between it and the first that waits for it."""
+        position = next(p for p, other in enumerate(self.kernels) if other is k)
+        join = next(q for q, waits in self.schedule.joins.items() if position in waits)
+        beside = [str(other.index) for other in self.kernels[position + 1:join]
+                  if other.kind is not KernelKind.COLLECTIVE]  # the collectives after it queue behind it
+        waits = f"kernel {self.kernels[join].index} waits for it" if join < len(self.kernels) else \
+            "the plan's end waits for it"
+        return f"  stream    communication, beside {'kernels ' + ', '.join(beside) if beside else 'no kernel'}; {waits}"
 
     def _gemm_how(self, k: FusedKernel) -> str:
         choice = self._gemm_choice(k)

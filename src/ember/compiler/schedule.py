@@ -12,13 +12,16 @@ it lives:
   greedily by size among the slices whose lifetimes overlap. Kernels of one
   parallel level count as simultaneous, so streams never race on reused memory.
   The arena is typically far smaller than the sum of the intermediates.
+- **collectives**: a collective (ember.distributed) runs beside the kernels after it, on a communication
+  stream; the first launch that reads its result, or the end of the plan, waits for it (`joins`). Its input
+  stays allocated until then, so the kernels in between never write over what it is still sending.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ember.compiler.fused import FusedKernel
+from ember.compiler.fused import FusedKernel, KernelKind
 from ember.ir import Node
 
 ALIGN = 256  # bytes; slices start where a vectorised load of any dtype is aligned
@@ -32,6 +35,9 @@ class Schedule:
     slots: dict[int, tuple[int, int]] = field(default_factory=dict)  # id(intermediate) -> (offset, bytes)
     arena_bytes: int = 0  # what the intermediates need at once
     intermediate_bytes: int = 0  # what they would need each in its own buffer
+    # launch position -> positions of the collectives it waits for before launching; position len(order): the
+    # plan's end
+    joins: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def parallel_kernels(self) -> int:
@@ -57,11 +63,65 @@ def schedule(kernels: list[FusedKernel], outputs: list[Node], small: list[bool],
     parallel = {lv: [i for i in members if small[i]] for lv, members in by_level.items()}
     parallel = {lv: members for lv, members in parallel.items() if len(members) >= 2}
     if max_streams < 2 or not parallel:
-        result = Schedule(list(range(len(kernels))), [0] * len(kernels))
+        result = Schedule(_collectives_early(kernels, producer), [0] * len(kernels))
     else:
         result = _parallel_order(by_level, parallel, max_streams)
+    _join_collectives(result, kernels)
     _assign_slots(result, kernels, outputs)
     return result
+
+
+def _collectives_early(kernels: list[FusedKernel], producer: dict[int, int]) -> list[int]:
+    """The planner's order with each collective moved up to where its input can be ready: as soon as the kernels
+    it still waits for only prepare its input (a gradient bucket's flattening, say: nothing else reads what they
+    write), they and the collective run next, so the collective overlaps the kernels that follow."""
+    collectives = [i for i, k in enumerate(kernels) if k.kind is KernelKind.COLLECTIVE]
+    if not collectives:
+        return list(range(len(kernels)))
+    deps = [{producer[id(r)] for r in k.reads if id(r) in producer} for k in kernels]
+    readers: list[set[int]] = [set() for _ in kernels]
+    for i, d in enumerate(deps):
+        for j in d:
+            readers[j].add(i)
+    feeders: dict[int, set[int]] = {}
+    for c in collectives:
+        seen, stack = set(), list(deps[c])
+        while stack:
+            j = stack.pop()
+            if j not in seen:
+                seen.add(j)
+                stack.extend(deps[j])
+        feeders[c] = seen
+    order: list[int] = []
+    done = [False] * len(kernels)
+    pending = list(collectives)
+    for i in range(len(kernels)):
+        if done[i]:
+            continue
+        order.append(i)
+        done[i] = True
+        for c in list(pending):
+            if done[c]:
+                pending.remove(c)
+                continue
+            rest = sorted(j for j in feeders[c] if not done[j])  # ancestors first: the planner's order is one
+            if all(readers[j] <= feeders[c] | {c} for j in rest):
+                for j in [*rest, c]:
+                    order.append(j)
+                    done[j] = True
+                pending.remove(c)
+    return order
+
+
+def _join_collectives(result: Schedule, kernels: list[FusedKernel]) -> None:
+    """Where each collective's result is first needed: the first later launch reading it, else the plan's end."""
+    for position, i in enumerate(result.order):
+        if kernels[i].kind is not KernelKind.COLLECTIVE:
+            continue
+        made = {id(o) for o in kernels[i].outputs}
+        join = next((q for q in range(position + 1, len(result.order))
+                     if any(id(r) in made for r in kernels[result.order[q]].reads)), len(result.order))
+        result.joins.setdefault(join, []).append(position)
 
 
 def _parallel_order(by_level: dict[int, list[int]], parallel: dict[int, list[int]], max_streams: int) -> Schedule:
@@ -85,10 +145,11 @@ def _parallel_order(by_level: dict[int, list[int]], parallel: dict[int, list[int
 
 def _assign_slots(result: Schedule, kernels: list[FusedKernel], outputs: list[Node]) -> None:
     """Arena slices for the intermediates, reusing memory between buffers whose lifetimes do not meet."""
-    time = list(range(len(result.order)))  # a parallel group shares one time step
+    time = list(range(len(result.order) + 1))  # a parallel group shares one time step; the last: the plan's end
     for start, stop in result.groups:
         for p in range(start, stop):
             time[p] = start
+    joined = {position: time[join] for join, waits in result.joins.items() for position in waits}
     output_ids = {id(o) for o in outputs}
     first: dict[int, int] = {}
     last: dict[int, int] = {}
@@ -102,7 +163,7 @@ def _assign_slots(result: Schedule, kernels: list[FusedKernel], outputs: list[No
                 nodes[id(o)] = o
         for r in kernels[i].reads:
             if id(r) in first:
-                last[id(r)] = max(last[id(r)], t)
+                last[id(r)] = max(last[id(r)], joined.get(position, t))
     placed: list[tuple[int, int, int, int]] = []  # offset, size, first, last
     for key in sorted(nodes, key=lambda k: -nbytes(nodes[k])):
         size = -(-nbytes(nodes[key]) // ALIGN) * ALIGN

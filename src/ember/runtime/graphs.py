@@ -12,11 +12,12 @@ threads keep launching meanwhile, but captures take turns.
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 
-from ember.compiler import Plan, Signature
+from ember.compiler import KernelKind, Plan, Signature
 from ember.device import Device
 from ember.runtime import cuda, index_checks, launcher
 
@@ -41,6 +42,9 @@ class ReplayStep:
 # Captures from two threads at once can abort the process in torch's graph memory pools (a failed capture's
 # clean-up while another thread captures): a lock keeps them one after the other.
 _capturing = threading.Lock()
+# Graphs that hold collectives of the process group: they must be reset before the group is destroyed, where
+# NCCL's teardown otherwise waits for them forever (reset_collective_graphs).
+_with_collectives: weakref.WeakSet = weakref.WeakSet()
 
 
 class Replay:
@@ -78,6 +82,8 @@ class Replay:
                     self.run(None)
             finally:
                 launcher.this_thread.capturing = False
+        if any(ck.kernel.kind is KernelKind.COLLECTIVE for s in self.steps for ck in s.plan.kernels):
+            _with_collectives.add(graph)
         return graph
 
     def replayed(self, results: list[torch.Tensor]) -> None:
@@ -106,3 +112,13 @@ class Replay:
             if any(d >= 0 for d in step.seed_draws):
                 seeds = [draws[d] if d >= 0 else fixed for d, fixed in zip(step.seed_draws, step.sig.seeds)]
                 launcher.upload_draws(seeds, step.draws.device, into=step.draws)
+
+
+def reset_collective_graphs() -> int:
+    """Reset every CUDA graph holding a collective (before the process group goes away); a reset graph raises if
+    it is replayed. How many there were."""
+    graphs = list(_with_collectives)
+    for graph in graphs:
+        graph.reset()
+    _with_collectives.clear()
+    return len(graphs)

@@ -50,6 +50,7 @@ class _ThisThread(threading.local):
 
     def __init__(self) -> None:
         self.side_streams: dict = {}  # torch device -> streams a captured plan's parallel groups run on
+        self.communication: dict = {}  # torch device -> the stream collectives run on beside the launches
 
 
 this_thread = _ThisThread()
@@ -206,6 +207,12 @@ def _steps(plan: Plan, device: Device, settings: RunSettings) -> list:
     host (see index_checks)."""
     flags = index_checks.flags_for(plan.lowered.nodes, device)
     steps = [_step(ck, flags, plan.context.gemm_backend, settings) for ck in plan.kernels]
+    for position, waits in plan.schedule.joins.items():  # collectives run beside the launches up to these
+        joined = _Join([steps[p] for p in waits], steps[position] if position < len(steps) else None)
+        if position < len(steps):
+            steps[position] = joined
+        else:
+            steps.append(joined)
     return steps if flags is None else [*steps, CopyFlags(flags)]
 
 
@@ -221,7 +228,7 @@ def _step(ck: CompiledKernel, flags: index_checks.IndexFlags | None, gemm_backen
     if kernel.kind is KernelKind.SORT:
         return functools.partial(_argsort, kernel.outputs[0])
     if kernel.kind is KernelKind.COLLECTIVE:
-        return functools.partial(_collective, kernel.outputs[0])
+        return _CollectiveStep(kernel.outputs[0])
     if kernel.kind is KernelKind.CONV2D:
         return functools.partial(_conv2d, kernel.outputs[0])
     return _KernelStep(ck, flags, settings)
@@ -292,6 +299,8 @@ def _compile_all(steps: list, buffers: dict[int, torch.Tensor], sig: Signature, 
     problems not yet tuned, then (once those are timed) its GEMM kernels under the winning configurations."""
     def on_device(jobs: list) -> list:
         return [functools.partial(_on, target, job) for job in jobs]
+
+    steps = [step.step if isinstance(step, _Join) else step for step in steps]
 
     compiling.run(on_device([job for step in steps if hasattr(step, "compile_jobs")
                              for job in step.compile_jobs(buffers, sig)]))
@@ -599,12 +608,52 @@ def _argsort(node: Node, buffers: dict[int, torch.Tensor], sig: Signature) -> No
     buffers[id(node)].copy_(order)
 
 
-def _collective(node: Node, buffers: dict[int, torch.Tensor], sig: Signature) -> None:
-    """A collective of the process group on the node's buffers (ember.distributed), issued on the current stream's
-    order: torch.distributed waits for the work before it and makes what follows wait for it."""
-    from ember import distributed
+class _CollectiveStep:
+    """A collective of the process group on the node's buffers (ember.distributed). On a GPU it is issued on the
+    thread's communication stream once the launches before it are done, and the launches after it go on beside
+    it: the `_Join` before the first that reads its result (or at the plan's end) makes the main stream wait
+    for it. Elsewhere (gloo on the host's tensors) it runs at once."""
 
-    distributed.run_collective(node.attrs, _view(node.inputs[0], buffers), buffers[id(node)])
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.done: torch.cuda.Event | None = None  # recorded on the communication stream after the collective
+        self.device: torch.device | None = None
+
+    def __call__(self, buffers: dict[int, torch.Tensor], sig: Signature) -> None:
+        from ember import distributed
+
+        x, out = _view(self.node.inputs[0], buffers), buffers[id(self.node)]
+        if out.device.type != "cuda":
+            distributed.run_collective(self.node.attrs, x, out)
+            return
+        comm = this_thread.communication.get(out.device)
+        if comm is None:
+            comm = this_thread.communication[out.device] = torch.cuda.Stream(out.device)
+        comm.wait_stream(torch.cuda.current_stream(out.device))
+        with torch.cuda.stream(comm):
+            distributed.run_collective(self.node.attrs, x, out)
+            self.done = comm.record_event()
+        self.device = out.device
+
+    def join(self) -> None:
+        """The current stream (the main one) waits for the collective."""
+        if self.done is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.done)
+            self.done = None
+
+
+@dataclasses.dataclass
+class _Join:
+    """Wait for collectives running beside the main stream, then launch `step` (None: the plan's end)."""
+
+    collectives: list[_CollectiveStep]
+    step: object | None
+
+    def __call__(self, buffers: dict[int, torch.Tensor], sig: Signature) -> None:
+        for collective in self.collectives:
+            collective.join()
+        if self.step is not None:
+            self.step(buffers, sig)
 
 
 def _convolution_backward(grad: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, conv: tuple,

@@ -302,3 +302,18 @@ def test_a_value_that_depends_on_no_data_is_made_on_the_gpu_it_moves_to(monkeypa
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     data = ember.tensor(np.arange(6, dtype=np.float32)).to("cuda")  # data is copied, not recomputed
     np.testing.assert_array_equal(data.numpy(), np.arange(6, dtype=np.float32))
+
+
+def test_set_device_names_the_gpu_that_cuda_without_an_index_means():
+    from ember.device import as_device
+
+    try:
+        ember.set_device("cuda:3")
+        assert as_device("cuda") == as_device("cuda:3") and as_device("cuda:1").index == 1
+        ember.set_device(2)
+        assert str(as_device("cuda")) == "cuda:2"
+        with pytest.raises(ember.DeviceError, match="set_device: expected a GPU"):
+            ember.set_device("cpu")
+    finally:
+        ember.set_device(0)
+    assert str(as_device("cuda")) == "cuda:0"

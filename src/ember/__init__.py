@@ -17,6 +17,7 @@ from ember.device import (
     get_matmul_precision,
     preserve_format,
     set_conv_memory_format,
+    set_device,
     set_matmul_precision,
 )
 from ember.dtypes import (
@@ -62,5 +63,5 @@ __all__ = [
     "is_grad_enabled", "long", "no_grad", "on_device", "promote_types", "realize", "result_type", "set_grad_enabled",
     "short", "uint8", "data", "nn", "optim", "explain", "load", "save", "jit", "memory_stats", "amp", "autocast",
     "from_torch", "set_matmul_precision", "get_matmul_precision", "set_conv_memory_format", "get_conv_memory_format",
-    "channels_last", "contiguous_format", "preserve_format", "vision", *_ops_all,
+    "channels_last", "contiguous_format", "preserve_format", "vision", "set_device", *_ops_all,
 ]

@@ -25,6 +25,7 @@ class Device:
 CPU = Device("cpu")
 _KNOWN_TYPES = ("cpu", "cuda")
 _state = threading.local()
+_current_cuda = [0]  # the GPU that "cuda" without an index names in this process (set_device)
 
 
 def as_device(d: str | Device | None) -> Device:
@@ -39,7 +40,17 @@ def as_device(d: str | Device | None) -> Device:
         raise DeviceError(f"unknown device {text!r}; expected 'cpu', 'cuda' or 'cuda:N'")
     if kind == "cpu":
         return CPU
-    return _interned(kind, int(index) if index else 0)
+    return _interned(kind, int(index) if index else _current_cuda[0])
+
+
+def set_device(d: str | Device | int) -> None:
+    """Make GPU `d` ("cuda:N", or N) the one "cuda" without an index names in this process, as
+    torch.cuda.set_device does for torch: each process of a multi-GPU job takes its own
+    (ember.distributed.init_process_group takes the LOCAL_RANK's that torchrun sets)."""
+    index = d if isinstance(d, int) else as_device(d).index if str(d).startswith("cuda") else None
+    if index is None or index < 0:
+        raise DeviceError(f"set_device: expected a GPU ('cuda:N' or its index N), got {d!r}")
+    _current_cuda[0] = index
 
 
 @functools.cache

@@ -68,9 +68,12 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     dist = _torch_distributed()
     if backend is None:
         backend = "nccl" if _on_gpu() else "gloo"
-    if backend == "nccl" and "LOCAL_RANK" in os.environ:
+    if backend == "nccl" and "LOCAL_RANK" in os.environ:  # "cuda" names this process's GPU from here on
         import torch
 
+        from ember.device import set_device
+
+        set_device(int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if isinstance(timeout, (int, float)):
         timeout = datetime.timedelta(seconds=timeout)

@@ -137,3 +137,16 @@ def test_a_collective_whose_result_nothing_reads_is_waited_for_at_the_plans_end(
     (plan,) = plans
     assert plan.schedule.joins == {len(plan.kernels): [len(plan.kernels) - 1]}
     assert "the plan's end waits for it" in str(plan)
+
+
+def test_from_the_second_step_a_bucket_is_averaged_from_a_template_one_node_per_gradient():
+    from ember.ir import Op
+
+    with ember.device("cuda"):
+        ddp = DistributedDataParallel(network(), bucket_cap_mb=bucket_size_mb(2))
+        train(ddp, 1)
+        x, y = batch(1)
+        ember.nn.functional.cross_entropy(ddp(x), y).backward()
+        grads = [p.grad._node for p in ddp.parameters()]
+    assert ddp._templates and all(t is not None for t in ddp._templates.values())
+    assert all(g.op is Op.TEMPLATE for g in grads), {g.op for g in grads}

@@ -120,6 +120,11 @@ def test_data_parallel_training_equals_one_process_training_on_the_whole_batch(t
     for k in ranks[0]:  # the replicas stay identical, but for the running statistics of each one's last shard
         if k.startswith("final.") and "running" not in k:
             np.testing.assert_array_equal(ranks[0][k], ranks[1][k], err_msg=k)
+    # which a training forward replaces by rank 0's (one broadcast of every buffer)
+    assert not np.allclose(ranks[0]["final.module.1.running_mean"], ranks[1]["final.module.1.running_mean"])
+    for k in ("running_mean", "running_var"):
+        np.testing.assert_array_equal(ranks[1][f"synced.{k}"], ranks[0][f"final.module.1.{k}"], err_msg=k)
+        np.testing.assert_array_equal(ranks[0][f"synced.{k}"], ranks[0][f"final.module.1.{k}"], err_msg=k)
 
 
 def test_an_uneven_epoch_is_padded_to_equal_shares_and_its_short_last_batch_trains_as_one_process(tmp_path):

@@ -94,6 +94,10 @@ def ddp(device: str) -> dict[str, np.ndarray]:
             out[f"grad_after_micro{micro}"] = net.module[0].weight.grad.numpy()
         opt.step()
         out.update({f"final.{k}": v.numpy() for k, v in net.state_dict().items()})
+        net.module[1].momentum = 0.0  # the next forward keeps the running statistics it starts from: rank 0's
+        net(ember.tensor(batches(5)[0][:share]))
+        out["synced.running_mean"] = net.module[1].running_mean.numpy()
+        out["synced.running_var"] = net.module[1].running_var.numpy()
     return out
 
 

@@ -6,8 +6,10 @@ buffer takes rank 0's value. The parameters' gradients are averaged over the pro
 backward() has accumulated the gradient of every parameter of a bucket, the bucket's gradients are flattened into
 one vector, averaged by one all-reduce (the COLLECTIVE op) and given back to the parameters as views of it. These
 are ops of the step's graph like any other, so the plan runs each bucket's all-reduce where its gradients are
-ready, and the optimizer's update reads the averages; nothing runs on the host in between. In training mode the
-buffers (batch norm's running statistics) take rank 0's values at each forward, in the same graph.
+ready (beside the rest of the backward, on a GPU), and the optimizer's update reads the averages; nothing runs on
+the host in between. From the second step on, a bucket's flattening, all-reduce and views are built from a template
+of the first (one node per gradient). In training mode, with several processes, the buffers (batch norm's running
+statistics) take rank 0's values at each forward: one broadcast per dtype, computed before the module runs.
 """
 
 from __future__ import annotations
@@ -15,7 +17,12 @@ from __future__ import annotations
 import contextlib
 
 from ember import autograd, distributed
+from ember.autograd import no_grad
+from ember.ir import Node
+from ember.ir.template import Template, recording, template
 from ember.nn.module import Module
+from ember.ops.movement import cat
+from ember.tensor import Tensor, realize
 
 
 class _Bucket:
@@ -46,8 +53,8 @@ class DistributedDataParallel(Module):
         self._buckets = self._make_buckets([p for p in module.parameters() if p.requires_grad], bucket_cap_mb)
         self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
         self._reducing = False  # a step's gradients are being reduced: its buckets fill
-        from ember.autograd import no_grad
-
+        # per (collective, shapes): the template its coalesced form is built from (None: it cannot be recorded)
+        self._templates: dict[tuple, Template | None] = {}
         with no_grad():
             for t in [*module.parameters(), *module.buffers()]:
                 distributed.broadcast(t, 0)
@@ -81,9 +88,8 @@ class DistributedDataParallel(Module):
                 "parameter take part in the loss")
         for b in self._buckets:
             b.ready.clear()
-        if self.broadcast_buffers and self.training:  # rank 0's running statistics, in this step's graph
-            for buffer in self.module.buffers():
-                buffer._show(distributed.collective(buffer, "broadcast", source=0)._node)
+        if self.broadcast_buffers and self.training and distributed.get_world_size() > 1:
+            self._broadcast_buffers()
         self._reducing = self._sync and autograd.is_grad_enabled()
         if self._reducing:
             autograd.after_backward(id(self), self._finish)
@@ -123,15 +129,38 @@ class DistributedDataParallel(Module):
                 self._reduce(bucket)
 
     def _reduce(self, bucket: _Bucket) -> None:
-        from ember.autograd import no_grad
-        from ember.ops.movement import cat
-
-        with no_grad():
-            flat = cat([p.grad.reshape(-1) for p in bucket.params])
-            averaged = distributed.collective(flat, "all_reduce", distributed.ReduceOp.AVG)
-            offset = 0
-            for p in bucket.params:
-                n = p.numel()
-                p.grad = averaged[offset:offset + n].reshape(p.shape)
-                offset += n
+        averaged = self._coalesced([p.grad for p in bucket.params], "all_reduce", distributed.ReduceOp.AVG)
+        for p, node in zip(bucket.params, averaged):
+            p.grad = Tensor(node)
         bucket.ready = {id(p) for p in bucket.params}
+
+    def _broadcast_buffers(self) -> None:
+        """Every buffer takes rank 0's value: one broadcast per dtype and device, computed now (the next batch
+        norm reads its running statistics as they are)."""
+        groups: dict[tuple, list[Tensor]] = {}
+        for buffer in self.module.buffers():
+            groups.setdefault((buffer.dtype, buffer.device), []).append(buffer)
+        for buffers in groups.values():
+            for buffer, node in zip(buffers, self._coalesced(buffers, "broadcast", distributed.ReduceOp.SUM)):
+                buffer._show(node)
+        realize(*[b for buffers in groups.values() for b in buffers])
+
+    def _coalesced(self, tensors: list[Tensor], kind: str, reduce: str) -> list[Node]:
+        """One collective over `tensors` (one dtype and device) flattened into one vector; its result given back
+        as one view per tensor. Built from a template recorded on the first call for these shapes, so a step
+        costs one node per tensor rather than the flattening's and the views' every op."""
+        inputs = [t._node for t in tensors]
+        key = (kind, reduce, *((n.shape, n.dtype, n.device) for n in inputs))
+        recorded = self._templates.get(key, False)
+        if recorded is not False and recorded is not None and len({id(n) for n in inputs}) == len(inputs):
+            return recorded.apply(inputs)
+        with no_grad(), recording() as made:
+            flat = cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape(-1)
+            shared = distributed.collective(flat, kind, reduce)
+            views, offset = [], 0
+            for t in tensors:
+                views.append(shared[offset:offset + t.numel()].reshape(t.shape)._node)
+                offset += t.numel()
+        if recorded is False:
+            self._templates[key] = template(inputs, views, made)
+        return views

@@ -1,0 +1,656 @@
+"""ATen graphs on ember tensors: the core ATen operator set (what torch.export and AOTAutograd produce, with
+torch's decompositions applied to the rest) mapped to ember's ops, and an interpreter that runs a torch.fx graph of
+such operators on ember tensors, building one lazy ember graph that the compiler fuses like any other.
+
+`OPS` is the one table: ATen overload name ("aten.add.Tensor"), or its packet's ("aten.add") for every overload
+with the same meaning, to a function of ember tensors and the node's Python arguments (dtypes and devices as torch
+names them). A backward operator torch keeps whole (a convolution's, max pooling's, attention's) is the
+vector-Jacobian product of ember's own forward op, taken by ember's autograd: each derivative keeps one home, the
+VJP rules of ember's ops. Its forward's auxiliary outputs (max pooling's indices, attention's log-sum-exp) are read
+by nothing else in the graphs torch makes; a graph that reads them elsewhere is refused at translation
+(`AtenGraph`), as is any operator the table lacks, all named in one error.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable
+
+import ember
+from ember import dtypes
+from ember.autograd import enable_grad
+from ember.device import as_device
+from ember.nn import functional as F
+from ember.tensor import Tensor
+
+
+def _dtype(d):
+    return None if d is None else dtypes.as_dtype(d)
+
+
+def _device(d):
+    return None if d is None else as_device(str(d))
+
+
+def _vjp(forward: Callable, inputs: list, grad: Tensor, wanted: list[bool] | None = None) -> list:
+    """The gradients of `forward(*inputs)` to the inputs (None where not `wanted`), given its output's `grad`, by
+    ember's autograd: the backward of the ember op, whatever torch's backward operator computes."""
+    wanted = wanted or [True] * len(inputs)
+    leaves = [x.detach().requires_grad_(w) if isinstance(x, Tensor) else x for x, w in zip(inputs, wanted)]
+    with enable_grad():
+        out = forward(*leaves)
+        asked = [x for x, w in zip(leaves, wanted) if w and isinstance(x, Tensor)]
+        grads = iter(ember.grad(out, asked, grad, allow_unused=True) if asked else [])
+    return [next(grads) if w and isinstance(x, Tensor) else None for x, w in zip(leaves, wanted)]
+
+
+# -- views and copies --------------------------------------------------------------------------------------------
+
+def _to_copy(x, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, memory_format=None):
+    if device is not None and _device(device) != x.device:
+        x = x.to(_device(device))
+    return x.to(_dtype(dtype)) if dtype is not None else x.clone()
+
+
+def _slice(x, dim=0, start=None, end=None, step=1):
+    size = x.shape[dim]
+    start = 0 if start is None else start + size if start < 0 else min(start, size)
+    end = size if end is None else end + size if end < 0 else min(end, size)
+    index = [slice(None)] * x.ndim
+    index[dim] = slice(start, max(end, start), step)
+    return x[tuple(index)]
+
+
+def _select(x, dim, index):
+    where = [slice(None)] * x.ndim
+    where[dim] = index
+    return x[tuple(where)]
+
+
+def _squeeze(x, dims=None):
+    if dims is None:
+        return x.squeeze()
+    dims = [dims] if isinstance(dims, int) else dims
+    dims = sorted((d % x.ndim for d in dims if x.shape[d % x.ndim] == 1), reverse=True)
+    for d in dims:
+        x = x.squeeze(d)
+    return x
+
+
+def _split_with_sizes(x, sizes, dim=0):
+    return list(x.split(list(sizes), dim))
+
+
+def _expand(x, size, implicit=False):
+    return x.expand(*[x.shape[i - (len(size) - x.ndim)] if s == -1 else s for i, s in enumerate(size)])
+
+
+# -- creation ----------------------------------------------------------------------------------------------------
+
+def _full(size, fill_value, dtype=None, layout=None, device=None, pin_memory=None, requires_grad=False):
+    return ember.full(tuple(size), fill_value, dtype=_dtype(dtype) or dtypes.scalar_dtype(fill_value),
+                      device=_device(device))
+
+
+def _full_like(x, fill_value, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    return ember.full(x.shape, fill_value, dtype=_dtype(dtype) or x.dtype, device=_device(device) or x.device)
+
+
+def _arange(start, end=None, step=1, dtype=None, layout=None, device=None, pin_memory=None):
+    if end is None:
+        start, end = 0, start
+    return ember.arange(start, end, step, dtype=_dtype(dtype), device=_device(device))
+
+
+def _scalar_tensor(value, dtype=None, layout=None, device=None, pin_memory=None):
+    return ember.tensor(value, dtype=_dtype(dtype) or dtypes.float32, device=_device(device))
+
+
+def _empty(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    return ember.zeros(tuple(size), dtype=_dtype(dtype) or dtypes.float32, device=_device(device))
+
+
+# -- arithmetic --------------------------------------------------------------------------------------------------
+
+def _add(x, y, alpha=1):
+    return x + (y * alpha if alpha != 1 else y)
+
+
+def _sub(x, y, alpha=1):
+    return x - (y * alpha if alpha != 1 else y)
+
+
+def _div(x, y, rounding_mode=None):
+    if rounding_mode is None:
+        return ember.div(x, y)
+    return ember.div(x, y, rounding_mode=rounding_mode)
+
+
+def _clamp(x, min=None, max=None):
+    return ember.clamp(x, min, max)
+
+
+def _sum(x, dims=None, keepdim=False, dtype=None):
+    x = x.to(_dtype(dtype)) if dtype is not None else x
+    return x.sum() if not dims else x.sum(tuple(dims), keepdim=keepdim)
+
+
+def _mean(x, dims=None, keepdim=False, dtype=None):
+    x = x.to(_dtype(dtype)) if dtype is not None else x
+    return x.mean() if not dims else x.mean(tuple(dims), keepdim=keepdim)
+
+
+def _var(x, dims=None, correction=None, keepdim=False):
+    correction = 1 if correction is None else correction
+    dims = tuple(range(x.ndim)) if not dims else tuple(dims)
+    count = math.prod(x.shape[d] for d in dims)
+    mean = x.mean(dims, keepdim=True)
+    return ((x - mean).square().sum(dims, keepdim=keepdim)) / max(count - correction, 0)
+
+
+def _reduce(fn):
+    def reduce(x, dims=None, keepdim=False):
+        if dims is None or (isinstance(dims, (list, tuple)) and not dims):
+            return fn(x)
+        return fn(x, tuple(dims) if isinstance(dims, (list, tuple)) else dims, keepdim=keepdim)
+    return reduce
+
+
+def _max_dim(x, dim, keepdim=False):
+    values, indices = x.max(dim, keepdim=keepdim)
+    return values, indices
+
+
+def _min_dim(x, dim, keepdim=False):
+    values, indices = x.min(dim, keepdim=keepdim)
+    return values, indices
+
+
+def _where(condition, x, y):
+    return ember.where(condition, x, y)
+
+
+def _pow(x, exponent):
+    return x ** exponent if isinstance(x, Tensor) else ember.pow(x, exponent)
+
+
+def _gelu(x, approximate="none"):
+    return F.gelu(x, approximate=approximate)
+
+
+def _scatter(x, dim, index, src, reduce=None):
+    """scatter.value / scatter.src: positions the index names take the value (indices unique, as torch assumes)."""
+    if reduce is not None:
+        raise NotImplementedError(f"aten.scatter with reduce={reduce!r} is not supported")
+    ones = ember.ones(index.shape, dtype=x.dtype, device=x.device)
+    hit = ember.scatter_add(ember.zeros(x.shape, dtype=x.dtype, device=x.device), dim, index, ones) > 0
+    if not isinstance(src, Tensor):
+        return ember.where(hit, ember.full((), src, dtype=x.dtype, device=x.device), x)
+    placed = ember.scatter_add(ember.zeros(x.shape, dtype=x.dtype, device=x.device), dim, index,
+                               _select_like(src, index))
+    return ember.where(hit, placed, x)
+
+
+def _select_like(src, index):
+    return src[tuple(slice(0, n) for n in index.shape)] if src.shape != index.shape else src
+
+
+def _index_put(x, indices, values, accumulate=False):
+    """x[indices] = values (or +=, with `accumulate`) for one index tensor on the first dimension."""
+    if len(indices) != 1 or indices[0] is None or indices[0].dtype is dtypes.bool_:
+        raise NotImplementedError("aten.index_put is supported with one integer index tensor on the first "
+                                  f"dimension; got {len(indices)} indices")
+    index = indices[0].reshape(-1)
+    rows = values.expand(*index.shape, *x.shape[1:]) if values.ndim <= x.ndim - 1 else \
+        values.reshape(index.shape[0], *x.shape[1:])
+    spread = index.reshape(-1, *([1] * (x.ndim - 1))).expand(*rows.shape)
+    if accumulate:
+        return ember.scatter_add(x, 0, spread, rows)
+    return _scatter(x, 0, spread, rows)
+
+
+def _index(x, indices):
+    return x[tuple(slice(None) if i is None else i for i in indices)]
+
+
+def _constant_pad_nd(x, pad, value=0.0):
+    return ember.pad(x, list(pad), value=value)
+
+
+def _native_dropout(x, p, train=True):
+    if not train or p == 0:
+        return x, ember.ones(x.shape, dtype=dtypes.bool_, device=x.device)
+    keep = ember.rand(x.shape, device=x.device) >= p
+    return x * keep.to(x.dtype) * (1.0 / (1.0 - p)), keep
+
+
+# -- neural-network operators --------------------------------------------------------------------------------------
+
+def _convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    if x.ndim != 4:
+        raise NotImplementedError(f"aten.convolution of a {x.ndim - 2}-d input: ember convolves 2-d images")
+    if transposed:
+        return ember.conv_transpose2d(x, weight, bias, tuple(stride), tuple(padding), tuple(output_padding),
+                                      groups, tuple(dilation))
+    return ember.conv2d(x, weight, bias, tuple(stride), tuple(padding), tuple(dilation), groups)
+
+
+def _convolution_backward(grad, x, weight, bias_sizes, stride, padding, dilation, transposed, output_padding,
+                          groups, output_mask):
+    dx, dw = _vjp(lambda a, w: _convolution(a, w, None, stride, padding, dilation, transposed, output_padding,
+                                            groups), [x, weight], grad, list(output_mask[:2]))
+    db = grad.sum((0, 2, 3)) if output_mask[2] else None
+    return dx, dw, db
+
+
+def _max_pool2d_with_indices(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+    out = F.max_pool2d(x, tuple(kernel_size), tuple(stride) or None, _pair(padding), _pair(dilation), ceil_mode)
+    return out, _NotComputed("the indices of aten.max_pool2d_with_indices", out.shape)
+
+
+def _max_pool2d_with_indices_backward(grad, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
+    (dx,) = _vjp(lambda a: F.max_pool2d(a, tuple(kernel_size), tuple(stride) or None, _pair(padding),
+                                        _pair(dilation), ceil_mode), [x], grad)
+    return dx
+
+
+def _avg_pool2d(x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
+                divisor_override=None):
+    return F.avg_pool2d(x, tuple(kernel_size), tuple(stride) or None, _pair(padding), ceil_mode, count_include_pad,
+                        divisor_override)
+
+
+def _avg_pool2d_backward(grad, x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    (dx,) = _vjp(lambda a: _avg_pool2d(a, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                                       divisor_override), [x], grad)
+    return dx
+
+
+def _adaptive_avg_pool2d_backward(grad, x):
+    (dx,) = _vjp(lambda a: F.adaptive_avg_pool2d(a, grad.shape[-2:]), [x], grad)
+    return dx
+
+
+def _pair(v):
+    return (v, v) if isinstance(v, int) else tuple(v) if len(v) == 2 else (v[0], v[0])
+
+
+def _native_layer_norm(x, normalized_shape, weight, bias, eps):
+    dims = tuple(range(x.ndim - len(normalized_shape), x.ndim))
+    mean = x.mean(dims, keepdim=True)
+    rstd = ((x - mean).square().mean(dims, keepdim=True) + eps).rsqrt()
+    out = F.layer_norm(x, tuple(normalized_shape), weight, bias, eps)
+    return out, mean, rstd
+
+
+def _batch_norm_functional(x, weight, bias, running_mean, running_var, training, momentum, eps):
+    """_native_batch_norm_legit_functional: the output, the batch mean and inverse deviation, and the new
+    running statistics (unbiased variance), as values."""
+    dims = (0, *range(2, x.ndim))
+    shape = (1, -1, *([1] * (x.ndim - 2)))
+    if training:
+        mean = x.float().mean(dims)
+        var = _var(x.float(), dims, 0)
+    else:
+        mean, var = running_mean.float(), running_var.float()
+    rstd = (var + eps).rsqrt()
+    out = (x.float() - mean.reshape(shape)) * rstd.reshape(shape)
+    if weight is not None:
+        out = out * weight.float().reshape(shape)
+    if bias is not None:
+        out = out + bias.float().reshape(shape)
+    out = out.to(x.dtype)
+    if running_mean is None or not training:
+        return out, mean, rstd, running_mean, running_var
+    count = x.numel() // x.shape[1]
+    new_mean = (running_mean * (1 - momentum) + mean.to(running_mean.dtype) * momentum)
+    new_var = (running_var * (1 - momentum) + (var * (count / max(count - 1, 1))).to(running_var.dtype) * momentum)
+    return out, mean, rstd, new_mean, new_var
+
+
+def _batch_norm_no_stats(x, weight, bias, training, momentum, eps):
+    out, mean, rstd, _, _ = _batch_norm_functional(x, weight, bias, None, None, True, momentum, eps)
+    return out, mean, rstd
+
+
+def _batch_norm_no_training(x, weight, bias, running_mean, running_var, momentum, eps):
+    out, mean, rstd, _, _ = _batch_norm_functional(x, weight, bias, running_mean, running_var, False, momentum, eps)
+    return out, _empty_like(x), _empty_like(x)
+
+
+def _empty_like(x, *args, **kwargs):
+    return ember.zeros((0,), dtype=dtypes.float32, device=x.device)
+
+
+def _native_group_norm(x, weight, bias, n, c, hw, groups, eps):
+    grouped = x.reshape(n, groups, -1)
+    mean = grouped.mean(2)
+    rstd = (_var(grouped, (2,), 0) + eps).rsqrt()
+    return F.group_norm(x, groups, weight, bias, eps), mean, rstd
+
+
+def _softmax(x, dim, half_to_float=False):
+    return F.softmax(x.float() if half_to_float else x, dim)
+
+
+def _log_softmax(x, dim, half_to_float=False):
+    return F.log_softmax(x.float() if half_to_float else x, dim)
+
+
+def _softmax_backward(grad, out, dim, input_dtype):
+    g = grad * out
+    return (g - out * g.sum(dim, keepdim=True)).to(_dtype(input_dtype))
+
+
+def _log_softmax_backward(grad, out, dim, input_dtype):
+    return (grad - out.exp() * grad.sum(dim, keepdim=True)).to(_dtype(input_dtype))
+
+
+def _embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    return ember.embedding(indices, weight)
+
+
+def _embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq):
+    weight = ember.zeros((num_weights, grad.shape[-1]), dtype=grad.dtype, device=grad.device)
+    (dw,) = _vjp(lambda w: ember.embedding(indices, w, None if padding_idx < 0 else padding_idx), [weight], grad)
+    return dw
+
+
+def _attention(q, k, v, dropout_p=0.0, is_causal=False, attn_mask=None, scale=None):
+    if dropout_p:
+        raise NotImplementedError("ember imports attention without dropout (dropout_p=0)")
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+
+
+def _flash_attention(q, k, v, dropout_p=0.0, is_causal=False, return_debug_mask=False, scale=None, **_):
+    out = _attention(q, k, v, dropout_p, is_causal, None, scale)
+    lse = _NotComputed("the log-sum-exp of an attention", (*q.shape[:-1],))
+    return (out, lse, None, None, q.shape[-2], k.shape[-2], _NotComputed("a seed", ()),
+            _NotComputed("an offset", ()), _NotComputed("a debug mask", ()))
+
+
+def _flash_attention_cpu(q, k, v, dropout_p=0.0, is_causal=False, attn_mask=None, scale=None):
+    out = _attention(q, k, v, dropout_p, is_causal, attn_mask, scale)
+    return out, _NotComputed("the log-sum-exp of an attention", (*q.shape[:-1],))
+
+
+def _efficient_attention(q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, scale=None):
+    out = _attention(q, k, v, dropout_p, is_causal, attn_bias, scale)
+    return (out, _NotComputed("the log-sum-exp of an attention", (*q.shape[:-1],)), _NotComputed("a seed", ()),
+            _NotComputed("an offset", ()))
+
+
+def _attention_backward(grad, q, k, v, attn_mask, is_causal, scale, mask_wanted=False):
+    dq, dk, dv, dmask = _vjp(lambda a, b, c, m: _attention(a, b, c, 0.0, is_causal, m, scale),
+                             [q, k, v, attn_mask], grad, [True, True, True, mask_wanted])
+    return dq, dk, dv, dmask
+
+
+def _flash_attention_backward(grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, seed,
+                              offset, scale=None):
+    return _attention_backward(grad, q, k, v, None, is_causal, scale)[:3]
+
+
+def _flash_attention_cpu_backward(grad, q, k, v, out, lse, dropout_p, is_causal, attn_mask=None, scale=None):
+    return _attention_backward(grad, q, k, v, attn_mask, is_causal, scale)[:3]
+
+
+def _efficient_attention_backward(grad, q, k, v, attn_bias, out, lse, seed, offset, dropout_p, grad_input_mask,
+                                  is_causal=False, scale=None):
+    return _attention_backward(grad, q, k, v, attn_bias, is_causal, scale, bool(grad_input_mask[3]))
+
+
+def _upsample(mode):
+    def upsample(x, output_size, align_corners=None, scales_h=None, scales_w=None):
+        if mode == "nearest":
+            return F.interpolate(x, size=tuple(output_size), mode="nearest")
+        return F.interpolate(x, size=tuple(output_size), mode=mode, align_corners=align_corners)
+    return upsample
+
+
+class _NotComputed:
+    """An output torch's operator returns that ember computes nothing for: only its backward operator reads it
+    (checked by AtenGraph), which ember derives from the forward instead."""
+
+    def __init__(self, what: str, shape: tuple) -> None:
+        self.what, self.shape = what, tuple(shape)
+
+
+# The core ATen operators (and the others torch's graphs keep) as ember functions: by overload, or by packet for
+# every overload of one meaning.
+OPS: dict[str, Callable] = {
+    # views, copies, shapes
+    "aten.view": lambda x, size: x.reshape(tuple(size)), "aten._unsafe_view": lambda x, size: x.reshape(tuple(size)),
+    "aten.reshape": lambda x, size: x.reshape(tuple(size)), "aten.permute": lambda x, dims: x.permute(*dims),
+    "aten.t": lambda x: x.t(), "aten.transpose": lambda x, a, b: x.transpose(a, b), "aten.expand": _expand,
+    "aten.squeeze": _squeeze, "aten.unsqueeze": lambda x, dim: x.unsqueeze(dim),
+    "aten.clone": lambda x, memory_format=None: x.clone(), "aten.alias": lambda x: x,
+    "aten.detach": lambda x: x.detach(), "aten.lift_fresh_copy": lambda x: x.clone(),
+    "aten._to_copy": _to_copy, "aten.copy": lambda x, src, non_blocking=False: src.to(x.dtype).expand(*x.shape),
+    "aten.slice.Tensor": _slice, "aten.select.int": _select, "aten.split_with_sizes": _split_with_sizes,
+    "aten.split.Tensor": lambda x, size, dim=0: list(x.split(size, dim)),
+    "aten.cat": lambda tensors, dim=0: ember.cat([t for t in tensors if t.numel() or t.ndim > 1], dim),
+    "aten.stack": lambda tensors, dim=0: ember.stack(list(tensors), dim),
+    "aten.flip": lambda x, dims: x.flip(tuple(dims)), "aten.roll": lambda x, shifts, dims=(): ember.roll(
+        x, tuple(shifts), tuple(dims) or None),
+    "aten.constant_pad_nd": _constant_pad_nd, "aten.repeat": lambda x, repeats: x.repeat(*repeats),
+    "aten.index_select": lambda x, dim, index: x.index_select(dim, index), "aten.index.Tensor": _index,
+    "aten.gather": lambda x, dim, index, sparse_grad=False: x.gather(dim, index),
+    "aten.scatter_add": lambda x, dim, index, src: ember.scatter_add(x, dim, index, src),
+    "aten.scatter.value": _scatter, "aten.scatter.src": _scatter, "aten.index_put": _index_put,
+    "aten.tril": lambda x, diagonal=0: x.tril(diagonal), "aten.triu": lambda x, diagonal=0: x.triu(diagonal),
+    # creation
+    "aten.full": _full, "aten.full_like": _full_like, "aten.arange": _arange, "aten.scalar_tensor": _scalar_tensor,
+    "aten.zeros": lambda size, **kw: _full(size, 0, **kw), "aten.ones": lambda size, **kw: _full(size, 1, **kw),
+    "aten.zeros_like": lambda x, **kw: _full_like(x, 0, **kw), "aten.ones_like": lambda x, **kw: _full_like(x, 1, **kw),
+    "aten.empty.memory_format": _empty, "aten.empty_like": lambda x, **kw: _full_like(x, 0, **kw),
+    "aten.new_zeros": lambda x, size, **kw: _full(size, 0, **{"dtype": x.dtype, "device": str(x.device), **kw}),
+    "aten.new_ones": lambda x, size, **kw: _full(size, 1, **{"dtype": x.dtype, "device": str(x.device), **kw}),
+    "aten.new_full": lambda x, size, v, **kw: _full(size, v, **{"dtype": x.dtype, "device": str(x.device), **kw}),
+    "aten.new_empty": lambda x, size, **kw: _full(size, 0, **{"dtype": x.dtype, "device": str(x.device), **kw}),
+    "aten.fill.Scalar": lambda x, value: _full_like(x, value), "aten.rand": lambda size, **kw: ember.rand(
+        tuple(size), dtype=_dtype(kw.get("dtype")), device=_device(kw.get("device"))),
+    "aten.randn": lambda size, **kw: ember.randn(tuple(size), dtype=_dtype(kw.get("dtype")),
+                                                 device=_device(kw.get("device"))),
+    # pointwise
+    "aten.add": _add, "aten.sub": _sub, "aten.rsub": lambda x, y, alpha=1: _sub(y, x, alpha) if isinstance(
+        y, Tensor) else (y - x * alpha), "aten.mul": operator.mul, "aten.div": _div,
+    "aten.neg": operator.neg, "aten.abs": ember.abs, "aten.exp": ember.exp, "aten.exp2": ember.exp2,
+    "aten.expm1": ember.expm1, "aten.log": ember.log, "aten.log1p": ember.log1p, "aten.log2": ember.log2,
+    "aten.sqrt": ember.sqrt, "aten.rsqrt": ember.rsqrt, "aten.reciprocal": ember.reciprocal,
+    "aten.sin": ember.sin, "aten.cos": ember.cos, "aten.tanh": ember.tanh, "aten.sigmoid": ember.sigmoid,
+    "aten.erf": ember.erf, "aten.sign": ember.sign, "aten.floor": ember.floor, "aten.ceil": ember.ceil,
+    "aten.round": lambda x, decimals=0: ember.round(x * 10**decimals) / 10**decimals if decimals else ember.round(x),
+    "aten.trunc": ember.trunc, "aten.pow": _pow, "aten.relu": ember.relu, "aten.gelu": _gelu,
+    "aten.silu": F.silu, "aten.hardtanh": lambda x, lo=-1.0, hi=1.0: ember.hardtanh(x, lo, hi),
+    "aten.leaky_relu": lambda x, slope=0.01: ember.leaky_relu(x, slope), "aten.elu": lambda x, alpha=1.0, *_: ember.elu(
+        x, alpha), "aten.softplus": lambda x, beta=1, threshold=20: F.softplus(x, beta, threshold),
+    "aten.clamp": _clamp, "aten.clamp_min": lambda x, v: ember.clamp(x, v, None),
+    "aten.clamp_max": lambda x, v: ember.clamp(x, None, v), "aten.where.self": _where,
+    "aten.maximum": ember.maximum, "aten.minimum": ember.minimum, "aten.remainder": ember.remainder,
+    "aten.fmod": ember.fmod, "aten.eq": ember.eq, "aten.ne": ember.ne, "aten.lt": ember.lt, "aten.le": ember.le,
+    "aten.gt": ember.gt, "aten.ge": ember.ge, "aten.logical_and": ember.logical_and,
+    "aten.logical_or": ember.logical_or, "aten.logical_not": ember.logical_not,
+    "aten.logical_xor": ember.logical_xor, "aten.bitwise_and": ember.bitwise_and,
+    "aten.bitwise_or": ember.bitwise_or, "aten.bitwise_xor": ember.bitwise_xor, "aten.bitwise_not": ember.bitwise_not,
+    "aten.isnan": ember.isnan, "aten.isinf": ember.isinf, "aten.masked_fill": lambda x, mask, v: x.masked_fill(mask, v),
+    # reductions
+    "aten.sum.dim_IntList": _sum, "aten.sum.default": lambda x, dtype=None: _sum(x, None, False, dtype),
+    "aten.mean.dim": _mean, "aten.mean.default": lambda x, dtype=None: _mean(x, None, False, dtype),
+    "aten.amax": _reduce(ember.amax), "aten.amin": _reduce(ember.amin), "aten.any.dim": _reduce(ember.any),
+    "aten.any.dims": _reduce(ember.any), "aten.any.default": ember.any, "aten.all.dim": _reduce(ember.all),
+    "aten.all.default": ember.all, "aten.max.dim": _max_dim, "aten.min.dim": _min_dim,
+    "aten.max.default": lambda x: x.max(), "aten.min.default": lambda x: x.min(),
+    "aten.argmax": lambda x, dim=None, keepdim=False: x.argmax(dim, keepdim),
+    "aten.argmin": lambda x, dim=None, keepdim=False: x.argmin(dim, keepdim),
+    "aten.var.correction": _var, "aten.prod.dim_int": lambda x, dim, keepdim=False, dtype=None: x.prod(dim, keepdim),
+    "aten.cumsum": lambda x, dim, dtype=None: x.cumsum(dim), "aten.logsumexp": lambda x, dims, keepdim=False:
+        x.logsumexp(tuple(dims), keepdim),
+    # contractions
+    "aten.mm": ember.mm, "aten.bmm": ember.bmm, "aten.matmul": ember.matmul,
+    "aten.addmm": lambda bias, a, b, beta=1, alpha=1: bias * beta + (a @ b) * alpha if (beta, alpha) != (1, 1)
+        else bias + a @ b,
+    "aten.convolution": _convolution, "aten.convolution_backward": _convolution_backward,
+    # neural-network operators
+    "aten._softmax": _softmax, "aten._log_softmax": _log_softmax,
+    "aten._softmax_backward_data": _softmax_backward, "aten._log_softmax_backward_data": _log_softmax_backward,
+    "aten.native_layer_norm": _native_layer_norm,
+    "aten._native_batch_norm_legit_functional": _batch_norm_functional,
+    "aten._native_batch_norm_legit.no_stats": _batch_norm_no_stats,
+    "aten._native_batch_norm_legit_no_training": _batch_norm_no_training,
+    "aten.native_group_norm": _native_group_norm, "aten.embedding": _embedding,
+    "aten.embedding_dense_backward": _embedding_dense_backward, "aten.native_dropout": _native_dropout,
+    "aten.native_dropout_backward": lambda grad, mask, scale: grad * mask.to(grad.dtype) * scale,
+    "aten.max_pool2d_with_indices": _max_pool2d_with_indices,
+    "aten.max_pool2d_with_indices_backward": _max_pool2d_with_indices_backward,
+    "aten.avg_pool2d": _avg_pool2d, "aten.avg_pool2d_backward": _avg_pool2d_backward,
+    "aten._adaptive_avg_pool2d": lambda x, size: F.adaptive_avg_pool2d(x, tuple(size)),
+    "aten._adaptive_avg_pool2d_backward": _adaptive_avg_pool2d_backward,
+    "aten.upsample_nearest2d": _upsample("nearest"), "aten.upsample_bilinear2d": _upsample("bilinear"),
+    "aten.upsample_bicubic2d": _upsample("bicubic"),
+    "aten.scaled_dot_product_attention": _attention,
+    "aten._scaled_dot_product_flash_attention": _flash_attention,
+    "aten._scaled_dot_product_flash_attention_for_cpu": _flash_attention_cpu,
+    "aten._scaled_dot_product_efficient_attention": _efficient_attention,
+    "aten._scaled_dot_product_flash_attention_backward": _flash_attention_backward,
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward": _flash_attention_cpu_backward,
+    "aten._scaled_dot_product_efficient_attention_backward": _efficient_attention_backward,
+    "aten.lerp": lambda x, end, weight: x + (end - x) * weight,
+    "aten.addcmul": lambda x, a, b, value=1: x + a * b * value,
+    "aten.addcdiv": lambda x, a, b, value=1: x + a / b * value,
+    "aten.sqrt_": ember.sqrt, "aten.copy_": lambda x, src, non_blocking=False: src.to(x.dtype).expand(*x.shape),
+    # prims torch's decompositions produce
+    "prims.fma": lambda a, b, c: a * b + c, "prims.convert_element_type": lambda x, dtype: x.to(_dtype(dtype)),
+    "prims.broadcast_in_dim": lambda x, shape, dims: _broadcast_in_dim(x, shape, dims),
+    "prims.div": _div, "prims.sqrt": ember.sqrt, "prims.mul": operator.mul, "prims.add": operator.add,
+    "prims.sub": operator.sub, "prims.neg": operator.neg, "prims.exp": ember.exp, "prims.log": ember.log,
+    "prims.where": _where, "prims.squeeze": _squeeze, "prims.view_of": lambda x: x,
+    # Python's operators on sizes (symbolic shapes)
+    "_operator.getitem": operator.getitem, "_operator.mul": operator.mul, "_operator.add": operator.add,
+    "_operator.sub": operator.sub, "_operator.floordiv": operator.floordiv, "_operator.truediv": operator.truediv,
+    "aten.sym_size.int": lambda x, dim: x.shape[dim], "aten.sym_numel": lambda x: x.numel(),
+    "aten._assert_scalar": lambda *args: None, "aten._assert_tensor_metadata": lambda *args, **kw: None,
+}
+
+# the auxiliary outputs ember does not compute, and the backward operators that alone may read them
+_READERS_OF_AUXILIARY = {
+    "aten.max_pool2d_with_indices": ("aten.max_pool2d_with_indices_backward",),
+    "aten._scaled_dot_product_flash_attention": ("aten._scaled_dot_product_flash_attention_backward",),
+    "aten._scaled_dot_product_flash_attention_for_cpu": (
+        "aten._scaled_dot_product_flash_attention_for_cpu_backward",),
+    "aten._scaled_dot_product_efficient_attention": ("aten._scaled_dot_product_efficient_attention_backward",),
+}
+
+
+def _broadcast_in_dim(x, shape, dims):
+    """prims.broadcast_in_dim: x's dimension i becomes dimension dims[i] of `shape`, the others broadcast."""
+    kept = [1] * len(shape)
+    for i, d in enumerate(dims):
+        kept[d] = x.shape[i]
+    return x.reshape(tuple(kept)).expand(*shape)
+
+
+def _foreach(op: Callable) -> Callable:
+    """An `aten._foreach_*` operator: `op` applied to each position of its list arguments."""
+    def each(*args, **kwargs):
+        count = next(len(a) for a in args if isinstance(a, (list, tuple)))
+        pick = [a if isinstance(a, (list, tuple)) else [a] * count for a in args]
+        return [op(*column, **kwargs) for column in zip(*pick)]
+    return each
+
+
+def name_of(target) -> str:
+    """An FX node target's table name: "aten.add.Tensor" for an ATen overload, "_operator.mul" for Python's."""
+    if hasattr(target, "_schema") or type(target).__name__ == "OpOverload":
+        return str(target)
+    return f"{getattr(target, '__module__', '')}.{getattr(target, '__name__', target)}"
+
+
+def lookup(target) -> Callable | None:
+    """The ember function for an FX node's target: by overload, else by packet."""
+    name = name_of(target)
+    if name in OPS:
+        return OPS[name]
+    if name.startswith("aten._foreach_"):
+        op = lookup_name("aten." + name.removeprefix("aten._foreach_").rstrip("_").replace("_.", "."))
+        return _foreach(op) if op is not None else None
+    return lookup_name(name)
+
+
+def lookup_name(name: str) -> Callable | None:
+    if name in OPS:
+        return OPS[name]
+    packet = name.rsplit(".", 1)[0] if name.startswith(("aten.", "prims.")) else None
+    if packet is not None and packet.endswith("_") and packet.rstrip("_") in OPS:  # an in-place form, functional
+        return OPS[packet.rstrip("_")]
+    return OPS.get(packet) if packet is not None else None
+
+
+class AtenGraph:
+    """A torch.fx graph of ATen operators, run on ember tensors: each call builds the ember graph of its nodes
+    (lazy, nothing computed) and returns its outputs. Checked when made: an operator the table lacks, or an
+    auxiliary output read elsewhere than by its backward, is an error naming them all."""
+
+    def __init__(self, graph, what: str = "graph") -> None:
+        self.graph = graph
+        missing: dict[str, None] = {}
+        for node in graph.nodes:
+            if node.op == "call_function":
+                if lookup(node.target) is None:
+                    missing[name_of(node.target)] = None
+                self._check_auxiliary(node)
+            elif node.op not in ("placeholder", "output", "get_attr"):
+                missing[f"{node.op} {node.target}"] = None
+        if missing:
+            raise NotImplementedError(f"ember cannot run this {what}: no ember op for {', '.join(missing)}")
+        self.nodes = list(graph.nodes)
+
+    @staticmethod
+    def _check_auxiliary(node) -> None:
+        name = name_of(node.target)
+        packet = name.rsplit(".", 1)[0]
+        readers = _READERS_OF_AUXILIARY.get(name) or _READERS_OF_AUXILIARY.get(packet)
+        if readers is None:
+            return
+        for user in node.users:
+            if user.target is not operator.getitem or user.args[1] == 0:
+                continue
+            for reader in user.users:
+                reader_name = name_of(getattr(reader, "target", None))
+                if reader.op == "output" or reader_name.rsplit(".", 1)[0] in readers or reader_name in readers:
+                    continue
+                raise NotImplementedError(f"ember cannot run this graph: {reader_name} reads output "
+                                          f"{user.args[1]} of {name}, which ember does not compute")
+
+    def __call__(self, *args, attributes: Callable[[str], object] | None = None) -> list:
+        env: dict = {}
+        inputs = iter(args)
+        result = None
+        for node in self.nodes:
+            if node.op == "placeholder":
+                env[node] = next(inputs)
+            elif node.op == "get_attr":
+                env[node] = attributes(node.target)
+            elif node.op == "call_function":
+                fn = lookup(node.target)
+                a = _fetch(node.args, env)
+                kw = _fetch(node.kwargs, env)
+                try:
+                    env[node] = fn(*a, **kw)
+                except Exception as error:
+                    error.add_note(f"(running {name_of(node.target)}, node {node.name} of the ATen graph)")
+                    raise
+            elif node.op == "output":
+                result = _fetch(node.args[0], env)
+        return result
+
+
+def _fetch(value, env):
+    if isinstance(value, (list, tuple)):
+        return type(value)(_fetch(v, env) for v in value)
+    if isinstance(value, dict):
+        return {k: _fetch(v, env) for k, v in value.items()}
+    if hasattr(value, "op") and hasattr(value, "users"):
+        return env[value]
+    return value

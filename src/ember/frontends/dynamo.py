@@ -1,0 +1,82 @@
+"""`torch.compile(model, backend="ember")`: torch's training and inference code, run on ember's kernels.
+
+Registered under torch's backend entry point (`torch_dynamo_backends`), so `backend="ember"` works once ember is
+installed. TorchDynamo captures the Python; AOTAutograd splits each captured graph into a forward and a backward
+graph of core ATen operators (torch's decompositions applied to the rest) and functionalizes them; each graph is
+run by `ember.frontends.aten.AtenGraph` on ember tensors that share the memory of torch's (DLPack, no copies),
+realized as one ember plan per call: its operators fused by ember's compiler, its plans cached, its steady steps
+replayed. What dynamo cannot capture runs in torch between the graphs (graph breaks), as with any backend; an
+optimizer step dynamo captures is one more graph.
+
+Options (`torch.compile(..., backend="ember", options={...})`): none yet.
+"""
+
+from __future__ import annotations
+
+from ember.frontends.aten import AtenGraph, _NotComputed
+from ember.tensor import Tensor, realize
+
+
+def backend(gm, example_inputs, **options):
+    """The TorchDynamo backend: AOTAutograd with ember running the forward, backward and inference graphs."""
+    from torch._decomp import core_aten_decompositions
+    from torch._dynamo.backends.common import aot_autograd
+
+    return aot_autograd(fw_compiler=_compile, bw_compiler=_compile, inference_compiler=_compile,
+                        decompositions=core_aten_decompositions())(gm, example_inputs)
+
+
+def _compile(gm, example_inputs):
+    """A boxed callable running the ATen graph `gm` on ember (AOTAutograd passes the inputs as one list)."""
+    import torch
+
+    graph = AtenGraph(gm.graph, "graph torch.compile captured")
+    device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
+
+    def run(args: list) -> list:
+        inputs = [_to_ember(a) for a in args]
+        args.clear()  # AOTAutograd's boxed convention: the inputs can be freed as soon as they are read
+        return _to_torch(graph(*inputs, attributes=lambda name: _to_ember(getattr(gm, name))), device)
+
+    run._boxed_call = True
+    return run
+
+
+def _to_ember(value):
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        from ember.ops.creation import from_dlpack
+
+        return from_dlpack(value.detach())
+    return value
+
+
+def _to_torch(outputs, device) -> list:
+    import torch
+
+    outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+    realize(*[o for o in outputs if isinstance(o, Tensor)])
+    result = []
+    for o in outputs:
+        if isinstance(o, Tensor):
+            result.append(torch.from_dlpack(o))
+        elif isinstance(o, _NotComputed):  # read by no one but the backward ember derives for itself
+            result.append(torch.empty(o.shape, device=device))
+        else:
+            result.append(o)
+    return result
+
+
+def _register() -> None:
+    """`backend="ember"` without the installed entry point (ember on the path but not installed): registered when
+    this module is imported."""
+    try:
+        from torch._dynamo import list_backends, register_backend
+    except ImportError:
+        return
+    if "ember" not in list_backends(exclude_tags=()):
+        register_backend(name="ember")(backend)
+
+
+_register()

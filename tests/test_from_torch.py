@@ -240,8 +240,9 @@ def test_errors_name_every_part_that_cannot_be_imported():
             x = TF.softsign(self.fc(x))
             return x.type_as(x) + torch.fft.fft(x).real
 
+    model = tnn.Sequential(tnn.Linear(4, 4), Odd(), tnn.Sequential(tnn.SELU()))
     with pytest.raises(TypeError) as caught:
-        ember.from_torch(tnn.Sequential(tnn.Linear(4, 4), Odd(), tnn.Sequential(tnn.SELU())))
+        ember.from_torch(model, via="fx")
     text = str(caught.value)
     assert "cannot import Sequential" in text
     assert "1 (Odd): torch.nn.functional.softsign has no ember equivalent" in text
@@ -252,8 +253,16 @@ def test_errors_name_every_part_that_cannot_be_imported():
         def forward(self, x):
             return x if x.sum() > 0 else -x
 
+    # imported through torch.export instead, the model fails on what ember lacks there (the FFT), and the error
+    # says why the layer-by-layer import refused it too
+    with pytest.raises(TypeError) as caught:
+        ember.from_torch(model, example_inputs=(ember.randn(3, 4),))
+    text = str(caught.value)
+    assert "cannot import Sequential through torch.export" in text and "no ember op for aten._fft_r2c" in text
+    assert "imported layer by layer it was refused: 1 (Odd): torch.nn.functional.softsign" in text
+
     with pytest.raises(TypeError, match=r"\(the model\): the forward of Branchy cannot be traced by torch.fx"):
-        ember.from_torch(Branchy())
+        ember.from_torch(Branchy(), via="fx")
     with pytest.raises(TypeError, match=r"unsupported layer rnn: GRU"):
         class Recurrent(tnn.Module):
             def __init__(self) -> None:
@@ -263,9 +272,11 @@ def test_errors_name_every_part_that_cannot_be_imported():
             def forward(self, x):
                 return self.rnn(x)[0]
 
-        ember.from_torch(Recurrent())
+        ember.from_torch(Recurrent(), via="fx")
     with pytest.raises(TypeError, match="MaxPool2d: MaxPool2d: return_indices=True is not supported"):
-        ember.from_torch(tnn.Sequential(tnn.MaxPool2d(2, return_indices=True)))
+        ember.from_torch(tnn.Sequential(tnn.MaxPool2d(2, return_indices=True)), via="fx")
+    with pytest.raises(ValueError, match="via must be"):
+        ember.from_torch(Branchy(), via="onnx")
 
 
 def test_a_torch_layer_the_forward_never_calls_is_left_out():
@@ -441,7 +452,7 @@ def test_an_import_error_names_each_unsupported_layer_and_function_once():
             return self.features(x).mean((2, 3))
 
     with pytest.raises(TypeError) as caught:
-        ember.from_torch(Mobile())
+        ember.from_torch(Mobile(), via="fx")
     text = str(caught.value)
     for path in ["features.0.1", "features.1.conv.0.1", "features.2.conv.0.1"]:
         assert text.count(f"unsupported layer {path}: SELU") == 1

@@ -673,7 +673,7 @@ def test_from_torch_names_unsupported_layers():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Conv3d(1, 1, 1),
                                 torch.nn.Sequential(torch.nn.LSTM(4, 4)))
     with pytest.raises(TypeError, match=r"unsupported layer 1: Conv3d; unsupported layer 2\.0: LSTM"):
-        ember.from_torch(model)
+        ember.from_torch(model, via="fx")
     with pytest.raises(TypeError, match="expected a torch.nn.Module"):
         ember.from_torch(np.zeros(3))
 

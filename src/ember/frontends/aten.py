@@ -175,6 +175,12 @@ def _pow(x, exponent):
     return x ** exponent if isinstance(x, Tensor) else ember.pow(x, exponent)
 
 
+def _elu(x, alpha=1.0, scale=1.0, input_scale=1.0):
+    """aten.elu (SELU is one with its scales): scale * (x if x > 0 else alpha * (exp(x * input_scale) - 1))."""
+    out = ember.where(x > 0, x, ember.expm1(x * input_scale) * alpha)
+    return out * scale if scale != 1 else out
+
+
 def _gelu(x, approximate="none"):
     return F.gelu(x, approximate=approximate)
 
@@ -464,8 +470,8 @@ OPS: dict[str, Callable] = {
     "aten.round": lambda x, decimals=0: ember.round(x * 10**decimals) / 10**decimals if decimals else ember.round(x),
     "aten.trunc": ember.trunc, "aten.pow": _pow, "aten.relu": ember.relu, "aten.gelu": _gelu,
     "aten.silu": F.silu, "aten.hardtanh": lambda x, lo=-1.0, hi=1.0: ember.hardtanh(x, lo, hi),
-    "aten.leaky_relu": lambda x, slope=0.01: ember.leaky_relu(x, slope), "aten.elu": lambda x, alpha=1.0, *_: ember.elu(
-        x, alpha), "aten.softplus": lambda x, beta=1, threshold=20: F.softplus(x, beta, threshold),
+    "aten.leaky_relu": lambda x, slope=0.01: ember.leaky_relu(x, slope), "aten.elu": _elu,
+    "aten.softplus": lambda x, beta=1, threshold=20: F.softplus(x, beta, threshold),
     "aten.clamp": _clamp, "aten.clamp_min": lambda x, v: ember.clamp(x, v, None),
     "aten.clamp_max": lambda x, v: ember.clamp(x, None, v), "aten.where.self": _where,
     "aten.maximum": ember.maximum, "aten.minimum": ember.minimum, "aten.remainder": ember.remainder,

@@ -35,19 +35,34 @@ from ember.ops.creation import from_dlpack
 from ember.tensor import Tensor
 
 
-def from_torch(module) -> Module:
-    """The ember module computing what the torch `module` computes, on the same (shared) parameters."""
+def from_torch(module, example_inputs=None, via: str = "auto") -> Module:
+    """The ember module computing what the torch `module` computes, on the same (shared) parameters.
+
+    `via`: "fx" imports layer by layer (ember's layers, the rest traced with torch.fx), "export" runs the core
+    ATen program torch.export captures (ember.frontends.exported), "auto" the first, or the second where the first
+    cannot take the model. The export happens at the first call, or at once on `example_inputs` (a tuple of
+    arguments), which then also checks that the model imports."""
     import torch  # only a caller with a torch model gets here
 
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"from_torch: expected a torch.nn.Module, got {type(module).__name__}")
+    if via not in ("auto", "fx", "export"):
+        raise ValueError(f"from_torch: via must be 'auto', 'fx' or 'export', got {via!r}")
     importer = _Importer()
-    converted = importer.module(module, "")
-    if importer.problems:
-        raise TypeError(f"from_torch: cannot import {type(module).__name__}: {'; '.join(importer.problems)}. "
-                        f"Supported layers are Sequential, {', '.join(_LAYERS)}; other modules are traced with "
-                        "torch.fx")
-    return converted
+    if via != "export":
+        converted = importer.module(module, "")
+        if not importer.problems:
+            return converted
+        if via == "fx":
+            raise TypeError(f"from_torch: cannot import {type(module).__name__}: {'; '.join(importer.problems)}. "
+                            f"Supported layers are Sequential, {', '.join(_LAYERS)}; other modules are traced with "
+                            "torch.fx")
+    from ember.frontends.exported import Exported
+
+    exported = Exported(module, _Importer(), list(importer.problems))
+    if example_inputs is not None:
+        exported(*(example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)))
+    return exported
 
 
 def _join(path: str, name: str) -> str:

@@ -1,0 +1,170 @@
+"""from_torch through torch.export: models the layer-by-layer import refuses (functions and layers ember has no
+mapping for, `**kwargs` forwards, dictionaries out, shape checks and branches) run from their core ATen program,
+forward and training, against torch on the same weights."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+import ember
+
+torch = pytest.importorskip("torch")
+tnn, TF = torch.nn, torch.nn.functional
+
+
+class Inverted(tnn.Module):  # layers and functions the layer-by-layer import lacks: SELU, Softsign, celu
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv = tnn.Sequential(tnn.Sequential(tnn.Conv2d(c, c, 1), tnn.SELU()), tnn.Conv2d(c, c, 1))
+        self.bn = tnn.BatchNorm2d(c)
+        self.act = tnn.Softsign()
+
+    def forward(self, x):
+        return x + TF.celu(self.act(self.bn(self.conv(x))))
+
+
+class Mobile(tnn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = tnn.Sequential(tnn.Sequential(tnn.Conv2d(3, 4, 3, padding=1), tnn.SELU()), Inverted(4),
+                                       Inverted(4))
+        self.head = tnn.Linear(4, 5)
+
+    def forward(self, x):
+        return self.head(self.features(x).mean((2, 3)))
+
+
+class Encoder(tnn.Module):
+    """A transformers-style encoder: keyword arguments through **kwargs, an attention mask, a shape check, a
+    branch on a shape, a dictionary out."""
+
+    def __init__(self, vocab: int = 30, d: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.embeddings = tnn.Embedding(vocab, d)
+        self.norm = tnn.LayerNorm(d)
+        self.qkv, self.out = tnn.Linear(d, 3 * d), tnn.Linear(d, d)
+        self.classifier = tnn.Linear(d, 3)
+
+    def forward(self, input_ids, attention_mask=None, **kwargs):
+        torch._assert(input_ids.dim() == 2, "input_ids must be (batch, length)")
+        h = self.norm(self.embeddings(input_ids))
+        b, t, d = h.shape
+        q, k, v = self.qkv(h).reshape(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        mask = None if attention_mask is None else attention_mask[:, None, None, :].bool()
+        h = h + self.out(TF.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, t, d))
+        pooled = h[:, 0] if t > 1 else h.squeeze(1)
+        return {"logits": self.classifier(TF.softsign(pooled)), "hidden_states": h}
+
+
+def torch_step(model, args, target):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = model(*args)
+    loss = TF.cross_entropy(out["logits"] if isinstance(out, dict) else out, target)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def ember_step(model, args, target):
+    opt = ember.optim.SGD(model.parameters(), lr=0.1)
+    out = model(*args)
+    loss = ember.nn.functional.cross_entropy(out["logits"] if isinstance(out, dict) else out, target)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def close_states(em, model, rtol=1e-4):
+    mine = em.state_dict()
+    assert list(mine) == list(model.state_dict())
+    for k, v in model.state_dict().items():
+        expected = v.detach().numpy().astype(np.float64)
+        np.testing.assert_allclose(mine[k].numpy(), expected, rtol=rtol, atol=rtol * max(np.abs(expected).max(), 1),
+                                   err_msg=k)
+
+
+def test_a_model_the_layer_by_layer_import_refuses_runs_through_torch_export_forward_and_training():
+    torch.manual_seed(0)
+    model = Mobile()
+    em = ember.from_torch(copy.deepcopy(model))
+    assert type(em).__name__ == "Exported"
+    x = torch.randn(4, 3, 8, 8)
+    y = torch.randint(0, 5, (4,))
+    for _ in range(2):  # two training steps: losses, updated parameters, running statistics
+        expected = torch_step(model, (x,), y)
+        assert ember_step(em, (ember.tensor(x.numpy()),), ember.tensor(y.numpy())) == pytest.approx(expected,
+                                                                                                   rel=1e-5)
+    close_states(em, model)
+    model.eval()
+    em.eval()
+    assert not dict(em.named_modules())["features.1.bn"].training
+    with torch.no_grad():
+        np.testing.assert_allclose(em(ember.tensor(x.numpy())).numpy(), model(x).numpy(), rtol=1e-4, atol=1e-5)
+    assert len(em._programs) == 2  # one program per training mode
+
+
+def test_keyword_arguments_a_mask_and_a_dictionary_out_at_several_batch_sizes_from_one_program():
+    torch.manual_seed(1)
+    model = Encoder().eval()
+    em = ember.from_torch(model)
+    rng = np.random.default_rng(2)
+    for batch in (3, 5, 2):
+        ids = rng.integers(0, 30, size=(batch, 6))
+        mask = np.ones((batch, 6), np.int64)
+        mask[0, 4:] = 0
+        with torch.no_grad():
+            expected = model(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask))
+        got = em(ember.tensor(ids), attention_mask=ember.tensor(mask))
+        assert set(got) == {"logits", "hidden_states"}
+        for k in got:
+            np.testing.assert_allclose(got[k].numpy(), expected[k].numpy(), rtol=1e-4, atol=1e-5, err_msg=k)
+    assert len(em._programs) == 1  # the batch dimension is dynamic in the exported program
+
+
+def test_training_the_exported_encoder_matches_torch():
+    torch.manual_seed(3)
+    model = Encoder()
+    em = ember.from_torch(copy.deepcopy(model), via="export")
+    ids = torch.randint(0, 30, (4, 5))
+    target = torch.randint(0, 3, (4,))
+    expected = torch_step(model, (ids,), target)
+    assert ember_step(em, (ember.tensor(ids.numpy()),), ember.tensor(target.numpy())) == pytest.approx(expected,
+                                                                                                      rel=1e-5)
+    close_states(em, model)
+
+
+def test_example_inputs_export_at_import_and_the_state_goes_back_to_torch():
+    torch.manual_seed(4)
+    model = Mobile().eval()
+    em = ember.from_torch(model, example_inputs=(ember.randn(2, 3, 8, 8),))
+    assert len(em._programs) == 1
+    other = Mobile().eval()
+    other.load_state_dict({k: torch.from_numpy(v.numpy().copy()) for k, v in em.state_dict().items()})
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        np.testing.assert_allclose(other(x).numpy(), model(x).numpy(), rtol=1e-6)
+
+
+def test_a_model_both_paths_take_gives_the_same_values():
+    torch.manual_seed(5)
+    model = tnn.Sequential(tnn.Linear(6, 8), tnn.GELU(), tnn.LayerNorm(8), tnn.Linear(8, 3))
+    x = ember.randn(4, 6)
+    np.testing.assert_allclose(ember.from_torch(model, via="export")(x).numpy(),
+                               ember.from_torch(model)(x).numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_first_call_of_batch_one_fixes_that_program_and_other_batches_get_their_own():
+    torch.manual_seed(6)
+    model = tnn.Sequential(tnn.Linear(6, 8), tnn.SELU(), tnn.Linear(8, 3))
+    em = ember.from_torch(model)
+    for batch in (1, 4, 4, 1):
+        x = torch.randn(batch, 6)
+        with torch.no_grad():
+            np.testing.assert_allclose(em(ember.tensor(x.numpy())).numpy(), model(x).numpy(), rtol=1e-5, atol=1e-6)
+    assert len(em._programs) <= 2

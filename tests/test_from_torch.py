@@ -273,8 +273,9 @@ def test_errors_name_every_part_that_cannot_be_imported():
                 return self.rnn(x)[0]
 
         ember.from_torch(Recurrent(), via="fx")
-    with pytest.raises(TypeError, match="MaxPool2d: MaxPool2d: return_indices=True is not supported"):
-        ember.from_torch(tnn.Sequential(tnn.MaxPool2d(2, return_indices=True)), via="fx")
+    with pytest.raises(TypeError, match="EmbeddingBag: EmbeddingBag: max_norm, scale_grad_by_freq and sparse are not "
+                                        "supported"):
+        ember.from_torch(tnn.Sequential(tnn.EmbeddingBag(4, 2, max_norm=1.0)), via="fx")
     with pytest.raises(ValueError, match="via must be"):
         ember.from_torch(Branchy(), via="onnx")
 

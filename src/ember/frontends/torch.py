@@ -15,9 +15,10 @@ the torch module holds keeps its torch name and path, used by the forward or not
 order of `parameters()` are the torch model's; a tensor held twice (a tied weight) is one ember Parameter. Each
 module keeps its own training mode.
 
-Layers: Linear, Conv2d, ConvTranspose2d, BatchNorm1d, BatchNorm2d, LayerNorm, Embedding, MaxPool2d,
-AvgPool2d, AdaptiveAvgPool2d, ReLU, LeakyReLU, Sigmoid, Tanh, GELU, SiLU, Softplus, Softmax, LogSoftmax,
-Identity, Dropout and Flatten. Anything else is an error at import that names it and where it sits, once: another
+Layers: Linear, Conv2d, ConvTranspose2d, BatchNorm1d, BatchNorm2d, LayerNorm, Embedding, EmbeddingBag,
+MaxPool2d (return_indices too), MaxUnpool2d, AvgPool2d, AdaptiveAvgPool2d, AdaptiveMaxPool2d, Unfold, Fold, ReLU,
+LeakyReLU, Sigmoid, Tanh, GELU, SiLU, Softplus, Softmax, LogSoftmax, Identity, Dropout and Flatten, among others
+(the `_LAYERS` table). Anything else is an error at import that names it and where it sits, once: another
 layer the forward calls, a function or Tensor method ember does not have (named with the module whose forward
 calls it), or a forward torch.fx cannot trace (one that branches on its inputs' values).
 """
@@ -471,6 +472,12 @@ def _embedding(m, importer: _Importer) -> Module:
     return _sharing(out, m, importer)
 
 
+def _embedding_bag(m, importer: _Importer) -> Module:
+    out = nn.EmbeddingBag(m.num_embeddings, m.embedding_dim, m.max_norm, m.norm_type, m.scale_grad_by_freq, m.mode,
+                          m.sparse, importer.shared(m.weight).detach(), m.include_last_offset, m.padding_idx)
+    return _sharing(out, m, importer)
+
+
 def _stateless(make):
     return lambda m, importer: make(m)
 
@@ -518,6 +525,7 @@ _LAYERS = {
     "BatchNorm2d": _batch_norm(nn.BatchNorm2d),
     "LayerNorm": _layer_norm,
     "Embedding": _embedding,
+    "EmbeddingBag": _embedding_bag,
     "MaxPool2d": _stateless(lambda m: nn.MaxPool2d(m.kernel_size, m.stride, m.padding, m.dilation, m.return_indices,
                                                    m.ceil_mode)),
     "AvgPool2d": _stateless(lambda m: nn.AvgPool2d(m.kernel_size, m.stride, m.padding, m.ceil_mode,
@@ -564,6 +572,10 @@ _LAYERS = {
     "Unflatten": _stateless(lambda m: nn.Unflatten(m.dim, m.unflattened_size)),
     "PixelShuffle": _stateless(lambda m: nn.PixelShuffle(m.upscale_factor)),
     "PixelUnshuffle": _stateless(lambda m: nn.PixelUnshuffle(m.downscale_factor)),
+    "Unfold": _stateless(lambda m: nn.Unfold(m.kernel_size, m.dilation, m.padding, m.stride)),
+    "Fold": _stateless(lambda m: nn.Fold(m.output_size, m.kernel_size, m.dilation, m.padding, m.stride)),
+    "MaxUnpool1d": _stateless(lambda m: nn.MaxUnpool1d(m.kernel_size, m.stride, m.padding)),
+    "MaxUnpool2d": _stateless(lambda m: nn.MaxUnpool2d(m.kernel_size, m.stride, m.padding)),
     "MultiheadAttention": _composite(nn.MultiheadAttention, "embed_dim", "num_heads", "dropout", "batch_first",
                                      "kdim", "vdim", "head_dim", "_qkv_same_embed_dim"),
     "TransformerEncoderLayer": _composite(nn.TransformerEncoderLayer, "norm_first"),

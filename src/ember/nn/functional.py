@@ -23,6 +23,7 @@ from ember.ir import Op
 from ember.ir.ops import define_composite
 from ember.nn.attention import scaled_dot_product_attention
 from ember.nn.checks import check_float, opmath
+from ember.nn.embedding_bag import embedding_bag
 from ember.nn.loss_functions import (
     binary_cross_entropy,
     binary_cross_entropy_with_logits,
@@ -65,6 +66,7 @@ from ember.ops.activations import hardsigmoid as _hardsigmoid
 from ember.ops.activations import hardswish as _hardswish
 from ember.ops.movement import normalize_dim, pixel_shuffle, pixel_unshuffle
 from ember.ops.pointwise import cast, converted, where
+from ember.ops.pooling import fold, max_unpool2d, unfold
 from ember.ops.random import rand
 from ember.ops.reduce import cosine_similarity, norm
 from ember.runtime.executor import realize_with_next
@@ -73,12 +75,12 @@ from ember.tensor import Tensor, apply, composite, expect_tensors, realize
 __all__ = [
     "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_max_pool1d", "adaptive_max_pool2d", "avg_pool1d",
     "avg_pool2d", "batch_norm", "binary_cross_entropy", "binary_cross_entropy_with_logits", "conv1d", "conv2d",
-    "conv_transpose2d", "cosine_similarity", "cross_entropy", "dropout", "dropout2d", "elu", "embedding", "gelu",
-    "glu", "group_norm", "hardsigmoid", "hardswish", "hardtanh", "huber_loss", "instance_norm", "interpolate",
-    "kl_div", "l1_loss", "layer_norm", "leaky_relu", "linear", "log_softmax", "logsigmoid", "max_pool1d",
-    "max_pool2d", "mish", "mse_loss", "nll_loss", "normalize", "one_hot", "pad", "pixel_shuffle", "pixel_unshuffle",
-    "prelu", "relu", "relu6", "rms_norm", "scaled_dot_product_attention", "sigmoid", "silu", "smooth_l1_loss",
-    "softmax", "softplus", "tanh",
+    "conv_transpose2d", "cosine_similarity", "cross_entropy", "dropout", "dropout2d", "elu", "embedding",
+    "embedding_bag", "fold", "gelu", "glu", "group_norm", "hardsigmoid", "hardswish", "hardtanh", "huber_loss",
+    "instance_norm", "interpolate", "kl_div", "l1_loss", "layer_norm", "leaky_relu", "linear", "log_softmax",
+    "logsigmoid", "max_pool1d", "max_pool2d", "max_unpool1d", "max_unpool2d", "mish", "mse_loss", "nll_loss",
+    "normalize", "one_hot", "pad", "pixel_shuffle", "pixel_unshuffle", "prelu", "relu", "relu6", "rms_norm",
+    "scaled_dot_product_attention", "sigmoid", "silu", "smooth_l1_loss", "softmax", "softplus", "tanh", "unfold",
 ]
 
 
@@ -522,15 +524,31 @@ def conv1d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, 
 
 
 def max_pool1d(input: Tensor, kernel_size, stride=None, padding=0, dilation=1, ceil_mode: bool = False,
-               return_indices: bool = False) -> Tensor:
-    """The maximum over windows along the last dim of (N, C, L) or (C, L) input, as torch's max_pool1d."""
+               return_indices: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """The maximum over windows along the last dim of (N, C, L) or (C, L) input, as torch's max_pool1d (the
+    indices are positions along L)."""
     k = _single("max_pool1d", "kernel_size", kernel_size)
     s = k if stride is None or stride == () else _single("max_pool1d", "stride", stride)
     p, d = _single("max_pool1d", "padding", padding), _single("max_pool1d", "dilation", dilation)
     if p > k // 2:
         raise ValueError(f"max_pool1d: padding {p} should be at most half of the kernel size {k}")
-    return max_pool2d(_with_height("max_pool1d", input), (1, k), (1, s), (0, p), (1, d), ceil_mode,
-                      return_indices).squeeze(-2)
+    return _without_height(max_pool2d(_with_height("max_pool1d", input), (1, k), (1, s), (0, p), (1, d), ceil_mode,
+                                      return_indices))
+
+
+def _without_height(out: Tensor | tuple[Tensor, ...]) -> Tensor | tuple[Tensor, ...]:
+    """A 2-d pooling's result (or its values and indices) less the height-1 axis _with_height added."""
+    return tuple(t.squeeze(-2) for t in out) if isinstance(out, tuple) else out.squeeze(-2)
+
+
+def max_unpool1d(input: Tensor, indices: Tensor, kernel_size, stride=None, padding=0, output_size=None) -> Tensor:
+    """max_pool1d's partial inverse: each value placed at its position `indices` along L in a row of zeros."""
+    k = _single("max_unpool1d", "kernel_size", kernel_size)
+    s = k if stride is None else _single("max_unpool1d", "stride", stride)
+    p = _single("max_unpool1d", "padding", padding)
+    size = None if output_size is None else (1, tuple(output_size)[-1])
+    return max_unpool2d(_with_height("max_unpool1d", input), _with_height("max_unpool1d", indices), (1, k), (1, s),
+                        (0, p), size).squeeze(-2)
 
 
 def avg_pool1d(input: Tensor, kernel_size, stride=None, padding=0, ceil_mode: bool = False,
@@ -552,12 +570,10 @@ def adaptive_avg_pool1d(input: Tensor, output_size) -> Tensor:
     return adaptive_avg_pool2d(_with_height("adaptive_avg_pool1d", input), (1, out)).squeeze(-2)
 
 
-def adaptive_max_pool1d(input: Tensor, output_size, return_indices: bool = False) -> Tensor:
-    """The maximum over adaptive_avg_pool1d's bins along the last dim."""
-    if return_indices:
-        raise NotImplementedError("adaptive_max_pool1d: return_indices=True is not supported")
+def adaptive_max_pool1d(input: Tensor, output_size, return_indices: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """The maximum over adaptive_avg_pool1d's bins along the last dim (the indices are positions along L)."""
     out = _single("adaptive_max_pool1d", "output_size", output_size)
-    return adaptive_max_pool2d(_with_height("adaptive_max_pool1d", input), (1, out)).squeeze(-2)
+    return _without_height(adaptive_max_pool2d(_with_height("adaptive_max_pool1d", input), (1, out), return_indices))
 
 
 # -- more activations, losses, distances and layers as functions -------------------------

@@ -209,19 +209,17 @@ class ConvTranspose2d(_Conv):
                 f"bias={self.bias is not None}")
 
 
-class Embedding(Module):
-    """A lookup table of `num_embeddings` vectors; the row at `padding_idx` starts at zero and gets no gradient."""
+class _EmbeddingTable(Module):
+    """The weight of Embedding and EmbeddingBag: `num_embeddings` rows of `embedding_dim`, the row at
+    `padding_idx` starting at zero."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
-                 max_norm: float | None = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
-                 sparse: bool = False, _weight: Tensor | None = None, _freeze: bool = False, device=None,
-                 dtype=None) -> None:
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None, _weight: Tensor | None,
+                 _freeze: bool, device, dtype) -> None:
         super().__init__()
-        if max_norm is not None or scale_grad_by_freq or sparse:
-            raise NotImplementedError("Embedding: max_norm, scale_grad_by_freq and sparse are not supported")
+        name = type(self).__name__
         if padding_idx is not None:
             if not -num_embeddings <= padding_idx < num_embeddings:
-                raise ValueError(f"Embedding: padding_idx {padding_idx} must be within num_embeddings "
+                raise ValueError(f"{name}: padding_idx {padding_idx} must be within num_embeddings "
                                  f"({num_embeddings})")
             padding_idx %= num_embeddings
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
@@ -231,7 +229,7 @@ class Embedding(Module):
             self.reset_parameters()
         else:
             if _weight.shape != (num_embeddings, embedding_dim):
-                raise ValueError(f"Embedding: _weight of shape {_weight.shape} must have shape "
+                raise ValueError(f"{name}: _weight of shape {_weight.shape} must have shape "
                                  f"({num_embeddings}, {embedding_dim})")
             self.weight = Parameter(_weight, requires_grad=not _freeze)
 
@@ -242,6 +240,26 @@ class Embedding(Module):
                 rows = arange(self.num_embeddings, device=self.weight.device).reshape(-1, 1)
                 self.weight.assign(where(rows == self.padding_idx, 0.0, self.weight))
 
+    def extra_repr(self) -> str:
+        text = f"{self.num_embeddings}, {self.embedding_dim}"
+        return text + (f", padding_idx={self.padding_idx}" if self.padding_idx is not None else "")
+
+
+def _check_supported(name: str, max_norm: float | None, scale_grad_by_freq: bool, sparse: bool) -> None:
+    if max_norm is not None or scale_grad_by_freq or sparse:
+        raise NotImplementedError(f"{name}: max_norm, scale_grad_by_freq and sparse are not supported")
+
+
+class Embedding(_EmbeddingTable):
+    """A lookup table of `num_embeddings` vectors; the row at `padding_idx` starts at zero and gets no gradient."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
+                 max_norm: float | None = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
+                 sparse: bool = False, _weight: Tensor | None = None, _freeze: bool = False, device=None,
+                 dtype=None) -> None:
+        _check_supported("Embedding", max_norm, scale_grad_by_freq, sparse)
+        super().__init__(num_embeddings, embedding_dim, padding_idx, _weight, _freeze, device, dtype)
+
     @classmethod
     def from_pretrained(cls, embeddings: Tensor, freeze: bool = True, padding_idx: int | None = None) -> Embedding:
         rows, dim = embeddings.shape
@@ -250,9 +268,37 @@ class Embedding(Module):
     def forward(self, input: Tensor) -> Tensor:
         return F.embedding(input, self.weight, self.padding_idx)
 
+
+class EmbeddingBag(_EmbeddingTable):
+    """Sums, means or maxima of bags of embedding rows (see F.embedding_bag); indices equal to `padding_idx` are
+    left out of their bag, and that row starts at zero."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, max_norm: float | None = None,
+                 norm_type: float = 2.0, scale_grad_by_freq: bool = False, mode: str = "mean", sparse: bool = False,
+                 _weight: Tensor | None = None, include_last_offset: bool = False, padding_idx: int | None = None,
+                 device=None, dtype=None, _freeze: bool = False) -> None:
+        _check_supported("EmbeddingBag", max_norm, scale_grad_by_freq, sparse)
+        if mode not in ("sum", "mean", "max"):
+            raise ValueError(f"EmbeddingBag: mode has to be one of sum, mean or max, got {mode!r}")
+        super().__init__(num_embeddings, embedding_dim, padding_idx, _weight, _freeze, device, dtype)
+        self.mode, self.include_last_offset = mode, include_last_offset
+
+    @classmethod
+    def from_pretrained(cls, embeddings: Tensor, freeze: bool = True, max_norm: float | None = None,
+                        norm_type: float = 2.0, scale_grad_by_freq: bool = False, mode: str = "mean",
+                        sparse: bool = False, include_last_offset: bool = False,
+                        padding_idx: int | None = None) -> EmbeddingBag:
+        rows, dim = embeddings.shape
+        return cls(rows, dim, max_norm, norm_type, scale_grad_by_freq, mode, sparse, embeddings.detach(),
+                   include_last_offset, padding_idx, _freeze=freeze)
+
+    def forward(self, input: Tensor, offsets: Tensor | None = None,
+                per_sample_weights: Tensor | None = None) -> Tensor:
+        return F.embedding_bag(input, self.weight, offsets, mode=self.mode, per_sample_weights=per_sample_weights,
+                               include_last_offset=self.include_last_offset, padding_idx=self.padding_idx)
+
     def extra_repr(self) -> str:
-        text = f"{self.num_embeddings}, {self.embedding_dim}"
-        return text + (f", padding_idx={self.padding_idx}" if self.padding_idx is not None else "")
+        return f"{super().extra_repr()}, mode={self.mode!r}"
 
 
 class Dropout(Module):
@@ -286,16 +332,19 @@ class Flatten(Module):
 # -- pooling ------------------------------------------------------------------------------
 
 class MaxPool2d(Module):
+    """The maximum over windows of (N, C, H, W) or (C, H, W) input; with `return_indices`, also each maximum's
+    flat position in its input plane."""
+
     def __init__(self, kernel_size, stride=None, padding=0, dilation=1, return_indices: bool = False,
                  ceil_mode: bool = False) -> None:
         super().__init__()
-        if return_indices:
-            raise NotImplementedError("MaxPool2d: return_indices=True is not supported")
         self.kernel_size, self.stride = kernel_size, stride if stride is not None else kernel_size
         self.padding, self.dilation, self.ceil_mode = padding, dilation, ceil_mode
+        self.return_indices = return_indices
 
-    def forward(self, input: Tensor) -> Tensor:
-        return F.max_pool2d(input, self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode)
+    def forward(self, input: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+        return F.max_pool2d(input, self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode,
+                            self.return_indices)
 
     def extra_repr(self) -> str:
         return (f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}, "
@@ -336,13 +385,13 @@ class MaxPool1d(Module):
     def __init__(self, kernel_size, stride=None, padding=0, dilation=1, return_indices: bool = False,
                  ceil_mode: bool = False) -> None:
         super().__init__()
-        if return_indices:
-            raise NotImplementedError("MaxPool1d: return_indices=True is not supported")
         self.kernel_size, self.stride = kernel_size, stride if stride is not None else kernel_size
         self.padding, self.dilation, self.ceil_mode = padding, dilation, ceil_mode
+        self.return_indices = return_indices
 
-    def forward(self, input: Tensor) -> Tensor:
-        return F.max_pool1d(input, self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode)
+    def forward(self, input: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+        return F.max_pool1d(input, self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode,
+                            self.return_indices)
 
     def extra_repr(self) -> str:
         return (f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}, "
@@ -382,12 +431,10 @@ class AdaptiveAvgPool1d(Module):
 class AdaptiveMaxPool1d(Module):
     def __init__(self, output_size, return_indices: bool = False) -> None:
         super().__init__()
-        if return_indices:
-            raise NotImplementedError("AdaptiveMaxPool1d: return_indices=True is not supported")
         self.output_size, self.return_indices = output_size, return_indices
 
-    def forward(self, input: Tensor) -> Tensor:
-        return F.adaptive_max_pool1d(input, self.output_size)
+    def forward(self, input: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+        return F.adaptive_max_pool1d(input, self.output_size, self.return_indices)
 
     def extra_repr(self) -> str:
         return f"output_size={self.output_size}"
@@ -396,15 +443,66 @@ class AdaptiveMaxPool1d(Module):
 class AdaptiveMaxPool2d(Module):
     def __init__(self, output_size, return_indices: bool = False) -> None:
         super().__init__()
-        if return_indices:
-            raise NotImplementedError("AdaptiveMaxPool2d: return_indices=True is not supported")
         self.output_size, self.return_indices = output_size, return_indices
 
-    def forward(self, input: Tensor) -> Tensor:
-        return F.adaptive_max_pool2d(input, self.output_size)
+    def forward(self, input: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+        return F.adaptive_max_pool2d(input, self.output_size, self.return_indices)
 
     def extra_repr(self) -> str:
         return f"output_size={self.output_size}"
+
+
+class MaxUnpool2d(Module):
+    """max_pool2d's partial inverse: values placed at their indices in planes of zeros."""
+
+    def __init__(self, kernel_size, stride=None, padding=0) -> None:
+        super().__init__()
+        self.kernel_size, self.stride = kernel_size, stride if stride is not None else kernel_size
+        self.padding = padding
+
+    def forward(self, input: Tensor, indices: Tensor, output_size=None) -> Tensor:
+        return F.max_unpool2d(input, indices, self.kernel_size, self.stride, self.padding, output_size)
+
+    def extra_repr(self) -> str:
+        return f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}"
+
+
+class MaxUnpool1d(MaxUnpool2d):
+    """max_pool1d's partial inverse: values placed at their indices in rows of zeros."""
+
+    def forward(self, input: Tensor, indices: Tensor, output_size=None) -> Tensor:
+        return F.max_unpool1d(input, indices, self.kernel_size, self.stride, self.padding, output_size)
+
+
+class Unfold(Module):
+    """The sliding blocks of (N, C, H, W) input as columns (N, C * kh * kw, L) (see F.unfold)."""
+
+    def __init__(self, kernel_size, dilation=1, padding=0, stride=1) -> None:
+        super().__init__()
+        self.kernel_size, self.dilation, self.padding, self.stride = kernel_size, dilation, padding, stride
+
+    def forward(self, input: Tensor) -> Tensor:
+        return F.unfold(input, self.kernel_size, self.dilation, self.padding, self.stride)
+
+    def extra_repr(self) -> str:
+        return (f"kernel_size={self.kernel_size}, dilation={self.dilation}, padding={self.padding}, "
+                f"stride={self.stride}")
+
+
+class Fold(Module):
+    """Columns (N, C * kh * kw, L) summed into (N, C, H, W) planes of `output_size` (see F.fold)."""
+
+    def __init__(self, output_size, kernel_size, dilation=1, padding=0, stride=1) -> None:
+        super().__init__()
+        self.output_size, self.kernel_size = output_size, kernel_size
+        self.dilation, self.padding, self.stride = dilation, padding, stride
+
+    def forward(self, input: Tensor) -> Tensor:
+        return F.fold(input, self.output_size, self.kernel_size, self.dilation, self.padding, self.stride)
+
+    def extra_repr(self) -> str:
+        return (f"output_size={self.output_size}, kernel_size={self.kernel_size}, dilation={self.dilation}, "
+                f"padding={self.padding}, stride={self.stride}")
 
 
 # -- resampling ---------------------------------------------------------------------------

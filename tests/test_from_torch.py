@@ -263,16 +263,16 @@ def test_errors_name_every_part_that_cannot_be_imported():
 
     with pytest.raises(TypeError, match=r"\(the model\): the forward of Branchy cannot be traced by torch.fx"):
         ember.from_torch(Branchy(), via="fx")
-    with pytest.raises(TypeError, match=r"unsupported layer rnn: GRU"):
-        class Recurrent(tnn.Module):
+    with pytest.raises(TypeError, match=r"unsupported layer pair: Bilinear"):
+        class Pairwise(tnn.Module):
             def __init__(self) -> None:
                 super().__init__()
-                self.rnn = tnn.GRU(4, 4)
+                self.pair = tnn.Bilinear(4, 4, 2)
 
             def forward(self, x):
-                return self.rnn(x)[0]
+                return self.pair(x, x)
 
-        ember.from_torch(Recurrent(), via="fx")
+        ember.from_torch(Pairwise(), via="fx")
     with pytest.raises(TypeError, match="EmbeddingBag: EmbeddingBag: max_norm, scale_grad_by_freq and sparse are not "
                                         "supported"):
         ember.from_torch(tnn.Sequential(tnn.EmbeddingBag(4, 2, max_norm=1.0)), via="fx")
@@ -285,7 +285,7 @@ def test_a_torch_layer_the_forward_never_calls_is_left_out():
         def __init__(self) -> None:
             super().__init__()
             self.fc = tnn.Linear(3, 2)
-            self.rnn = tnn.GRU(3, 3)  # no ember equivalent, but never called
+            self.pair = tnn.Bilinear(3, 3, 3)  # no ember equivalent, but never called
 
         def forward(self, x):
             return self.fc(x)

@@ -292,20 +292,21 @@ def _native_layer_norm(x, normalized_shape, weight, bias, eps):
 
 def _batch_norm_functional(x, weight, bias, running_mean, running_var, training, momentum, eps):
     """_native_batch_norm_legit_functional: the output, the batch mean and inverse deviation, and the new
-    running statistics (unbiased variance), as values."""
+    running statistics (unbiased variance), as values; half-precision inputs are normalized in float32."""
     dims = (0, *range(2, x.ndim))
     shape = (1, -1, *([1] * (x.ndim - 2)))
+    wide = x if x.dtype in (dtypes.float32, dtypes.float64) else x.float()
     if training:
-        mean = x.float().mean(dims)
-        var = _var(x.float(), dims, 0)
+        mean = wide.mean(dims)
+        var = _var(wide, dims, 0)
     else:
-        mean, var = running_mean.float(), running_var.float()
+        mean, var = running_mean.to(wide.dtype), running_var.to(wide.dtype)
     rstd = (var + eps).rsqrt()
-    out = (x.float() - mean.reshape(shape)) * rstd.reshape(shape)
+    out = (wide - mean.reshape(shape)) * rstd.reshape(shape)
     if weight is not None:
-        out = out * weight.float().reshape(shape)
+        out = out * weight.to(wide.dtype).reshape(shape)
     if bias is not None:
-        out = out + bias.float().reshape(shape)
+        out = out + bias.to(wide.dtype).reshape(shape)
     out = out.to(x.dtype)
     if running_mean is None or not training:
         return out, mean, rstd, running_mean, running_var
@@ -455,7 +456,11 @@ OPS: dict[str, Callable] = {
     "aten.new_ones": lambda x, size, **kw: _full(size, 1, **{"dtype": x.dtype, "device": str(x.device), **kw}),
     "aten.new_full": lambda x, size, v, **kw: _full(size, v, **{"dtype": x.dtype, "device": str(x.device), **kw}),
     "aten.new_empty": lambda x, size, **kw: _full(size, 0, **{"dtype": x.dtype, "device": str(x.device), **kw}),
-    "aten.fill.Scalar": lambda x, value: _full_like(x, value), "aten.rand": lambda size, **kw: ember.rand(
+    "aten.fill.Scalar": lambda x, value: _full_like(x, value),
+    "aten.empty_permuted": lambda size, layout, **kw: _full(size, 0, **kw),
+    "aten.bernoulli.p": lambda x, p=0.5, generator=None: (ember.rand(x.shape, device=x.device) < p).to(x.dtype),
+    "aten.bernoulli.default": lambda x, generator=None: (ember.rand(x.shape, device=x.device) < x).to(x.dtype),
+    "aten.rand": lambda size, **kw: ember.rand(
         tuple(size), dtype=_dtype(kw.get("dtype")), device=_device(kw.get("device"))),
     "aten.randn": lambda size, **kw: ember.randn(tuple(size), dtype=_dtype(kw.get("dtype")),
                                                  device=_device(kw.get("device"))),
@@ -601,10 +606,13 @@ class AtenGraph:
     def __init__(self, graph, what: str = "graph") -> None:
         self.graph = graph
         missing: dict[str, None] = {}
+        self.functions: dict = {}  # per call_function node: the ember function it runs
         for node in graph.nodes:
             if node.op == "call_function":
-                if lookup(node.target) is None:
+                fn = _as_strided(node) if name_of(node.target).startswith("aten.as_strided") else lookup(node.target)
+                if fn is None:
                     missing[name_of(node.target)] = None
+                self.functions[node] = fn
                 self._check_auxiliary(node)
             elif node.op not in ("placeholder", "output", "get_attr"):
                 missing[f"{node.op} {node.target}"] = None
@@ -639,7 +647,7 @@ class AtenGraph:
             elif node.op == "get_attr":
                 env[node] = attributes(node.target)
             elif node.op == "call_function":
-                fn = lookup(node.target)
+                fn = self.functions[node]
                 a = _fetch(node.args, env)
                 kw = _fetch(node.kwargs, env)
                 try:
@@ -650,6 +658,34 @@ class AtenGraph:
             elif node.op == "output":
                 result = _fetch(node.args[0], env)
         return result
+
+
+def _as_strided(node) -> Callable | None:
+    """aten.as_strided addresses its input's memory, which only torch's strides describe (ember's values have no
+    layout): from the strides the graph records for the input, a restriding that changes nothing (the same sizes,
+    strides that differ only on dimensions of size 1) is the input itself, and a view of a contiguous input
+    gathers its elements; any other is not supported (None)."""
+    import torch
+
+    value = node.args[0].meta.get("val") if hasattr(node.args[0], "meta") else None
+    if not isinstance(value, torch.Tensor):
+        return None
+    size, stride = list(node.args[1]), list(node.args[2])
+    offset = node.args[3] if len(node.args) > 3 and node.args[3] is not None else value.storage_offset()
+    if offset == value.storage_offset() and size == list(value.shape) and all(
+            n == 1 or a == b for n, a, b in zip(size, stride, value.stride())):
+        return lambda x, *args, **kwargs: x
+    if not value.is_contiguous() or value.storage_offset() != 0:
+        return None
+
+    def gather(x, size, stride, storage_offset=None):
+        import numpy as np
+
+        where = np.full(tuple(size), storage_offset or 0, dtype=np.int64)
+        for d, (n, step) in enumerate(zip(size, stride)):
+            where = where + (np.arange(n) * step).reshape([n if i == d else 1 for i in range(len(size))])
+        return x.reshape(-1)[ember.tensor(where, device=x.device)]
+    return gather
 
 
 def _fetch(value, env):

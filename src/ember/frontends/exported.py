@@ -61,7 +61,7 @@ class Exported(Module):
             self._programs[modes if program[3] else (modes, shapes)] = program
         graph, specs, out_spec, _ = program
         leaves = iter(flat)
-        named = {**dict(self.named_parameters()), **dict(self.named_buffers())}
+        named = self._tensors()
         inputs = []
         for spec in specs.input_specs:
             kind = spec.kind.name
@@ -83,6 +83,16 @@ class Exported(Module):
                 raise NotImplementedError(f"from_torch: an exported program's {kind} output is not supported")
         return pytree.tree_unflatten(results, out_spec)
 
+    def _tensors(self) -> dict[str, Tensor]:
+        """Every parameter and buffer by its dotted name, a tied one under each of its names (the program may
+        name it by any)."""
+        named = {}
+        for path, m in self.named_modules():
+            for name, t in (*m._parameters.items(), *m._buffers.items()):
+                if t is not None:
+                    named[f"{path}.{name}" if path else name] = t
+        return named
+
     def _export(self, args, kwargs):
         import torch
         from torch.export import Dim
@@ -99,10 +109,10 @@ class Exported(Module):
         dynamic = tuple(torch.utils._pytree.tree_map(spec, v) for v in (*example[0], *example[1].values()))
         try:
             try:
-                program = torch.export.export(self._torch, example[0], example[1], dynamic_shapes=dynamic)
+                program = torch.export.export(self._torch, example[0], example[1],
+                                              dynamic_shapes=dynamic).run_decompositions()
             except Exception:  # a model whose first dimension cannot vary: one program for this shape
-                program = torch.export.export(self._torch, example[0], example[1])
-            program = program.run_decompositions()
+                program = torch.export.export(self._torch, example[0], example[1]).run_decompositions()
             graph = AtenGraph(program.graph_module.graph, f"{type(self._torch).__name__} exported")
         except Exception as error:
             before = f" (imported layer by layer it was refused: {'; '.join(self._problems)})" if self._problems else ""

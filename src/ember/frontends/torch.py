@@ -17,10 +17,11 @@ module keeps its own training mode.
 
 Layers: Linear, Conv2d, ConvTranspose2d, BatchNorm1d, BatchNorm2d, LayerNorm, Embedding, EmbeddingBag,
 MaxPool2d (return_indices too), MaxUnpool2d, AvgPool2d, AdaptiveAvgPool2d, AdaptiveMaxPool2d, Unfold, Fold, ReLU,
-LeakyReLU, Sigmoid, Tanh, GELU, SiLU, Softplus, Softmax, LogSoftmax, Identity, Dropout and Flatten, among others
-(the `_LAYERS` table). Anything else is an error at import that names it and where it sits, once: another
-layer the forward calls, a function or Tensor method ember does not have (named with the module whose forward
-calls it), or a forward torch.fx cannot trace (one that branches on its inputs' values).
+LeakyReLU, Sigmoid, Tanh, GELU, SiLU, Softplus, Softmax, LogSoftmax, Identity, Dropout, Flatten, the recurrent
+layers (RNN, LSTM, GRU) and their cells, among others (the `_LAYERS` table). Anything else is an error at import
+that names it and where it sits, once: another layer the forward calls, a function or Tensor method ember does not
+have (named with the module whose forward calls it), or a forward torch.fx cannot trace (one that branches on its
+inputs' values). Where that import fails, `from_torch` runs the program torch.export captures (`via`).
 """
 
 from __future__ import annotations
@@ -478,6 +479,17 @@ def _embedding_bag(m, importer: _Importer) -> Module:
     return _sharing(out, m, importer)
 
 
+def _recurrent(cls, *attributes: str):
+    """A recurrent layer or cell: the ember `cls` built with the torch layer's `attributes`, on its parameters."""
+    def convert(m, importer: _Importer) -> Module:
+        return _sharing(cls(**{name: getattr(m, name) for name in attributes}), m, importer)
+    return convert
+
+
+_CELL = ("input_size", "hidden_size", "bias")
+_RECURRENT = (*_CELL, "num_layers", "batch_first", "dropout", "bidirectional")
+
+
 def _stateless(make):
     return lambda m, importer: make(m)
 
@@ -584,4 +596,10 @@ _LAYERS = {
                                      "mask_check"),
     "TransformerDecoder": _composite(nn.TransformerDecoder, "num_layers", "norm"),
     "Transformer": _composite(nn.Transformer, "d_model", "nhead", "batch_first"),
+    "RNN": _recurrent(nn.RNN, *_RECURRENT, "nonlinearity"),
+    "LSTM": _recurrent(nn.LSTM, *_RECURRENT, "proj_size"),
+    "GRU": _recurrent(nn.GRU, *_RECURRENT),
+    "RNNCell": _recurrent(nn.RNNCell, *_CELL, "nonlinearity"),
+    "LSTMCell": _recurrent(nn.LSTMCell, *_CELL),
+    "GRUCell": _recurrent(nn.GRUCell, *_CELL),
 }

@@ -75,6 +75,7 @@ from ember.nn.normalization import (
     LayerNorm,
     RMSNorm,
 )
+from ember.nn.recurrent import GRU, LSTM, RNN, GRUCell, LSTMCell, RNNBase, RNNCell, RNNCellBase
 from ember.nn.transformer import (
     Transformer,
     TransformerDecoder,
@@ -87,12 +88,13 @@ __all__ = [
     "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AdaptiveMaxPool1d", "AdaptiveMaxPool2d", "AvgPool1d", "AvgPool2d",
     "BCELoss", "BCEWithLogitsLoss", "BatchNorm1d", "BatchNorm2d", "Conv1d", "Conv2d", "ConvTranspose2d",
     "CosineSimilarity", "CrossEntropyLoss", "Dropout", "Dropout2d", "ELU", "Embedding", "EmbeddingBag", "Flatten",
-    "Fold", "GELU", "GLU", "GroupNorm", "Hardsigmoid", "Hardswish", "Hardtanh", "HuberLoss", "Identity",
-    "InstanceNorm1d", "InstanceNorm2d", "KLDivLoss", "L1Loss", "LayerNorm", "LeakyReLU", "Linear", "LogSoftmax",
-    "MSELoss", "MaxPool1d", "MaxPool2d", "MaxUnpool1d", "MaxUnpool2d", "Mish", "Module", "ModuleDict", "ModuleList",
-    "MultiheadAttention", "NLLLoss", "PReLU", "Parameter", "ParameterDict", "ParameterList", "PixelShuffle",
-    "PixelUnshuffle", "RMSNorm", "ReLU", "ReLU6", "Sequential", "SiLU", "Sigmoid", "SmoothL1Loss", "Softmax",
-    "Softplus", "Tanh", "Transformer", "TransformerDecoder", "TransformerDecoderLayer", "TransformerEncoder",
-    "TransformerEncoderLayer", "Unflatten", "Unfold", "Upsample", "UpsamplingBilinear2d", "UpsamplingNearest2d",
-    "ZeroPad2d", "functional", "init", "parallel", "utils",
+    "Fold", "GELU", "GLU", "GRU", "GRUCell", "GroupNorm", "Hardsigmoid", "Hardswish", "Hardtanh", "HuberLoss",
+    "Identity", "InstanceNorm1d", "InstanceNorm2d", "KLDivLoss", "L1Loss", "LSTM", "LSTMCell", "LayerNorm",
+    "LeakyReLU", "Linear", "LogSoftmax", "MSELoss", "MaxPool1d", "MaxPool2d", "MaxUnpool1d", "MaxUnpool2d", "Mish",
+    "Module", "ModuleDict", "ModuleList", "MultiheadAttention", "NLLLoss", "PReLU", "Parameter", "ParameterDict",
+    "ParameterList", "PixelShuffle", "PixelUnshuffle", "RMSNorm", "RNN", "RNNBase", "RNNCell", "RNNCellBase", "ReLU",
+    "ReLU6", "Sequential", "SiLU", "Sigmoid", "SmoothL1Loss", "Softmax", "Softplus", "Tanh", "Transformer",
+    "TransformerDecoder", "TransformerDecoderLayer", "TransformerEncoder", "TransformerEncoderLayer", "Unflatten",
+    "Unfold", "Upsample", "UpsamplingBilinear2d", "UpsamplingNearest2d", "ZeroPad2d", "functional", "init",
+    "parallel", "utils",
 ]

@@ -168,3 +168,31 @@ def test_a_first_call_of_batch_one_fixes_that_program_and_other_batches_get_thei
         with torch.no_grad():
             np.testing.assert_allclose(em(ember.tensor(x.numpy())).numpy(), model(x).numpy(), rtol=1e-5, atol=1e-6)
     assert len(em._programs) <= 2
+
+
+def test_an_import_moved_to_another_device_makes_its_new_tensors_there():
+    """A program captured on the cpu, run after .to("cuda"): the positions it creates (arange) and the constants
+    it holds follow the module (the cuda device runs through the interpreter without a GPU)."""
+    from ember.runtime import cuda
+
+    if not cuda.is_available():
+        pytest.skip("the cuda backend needs a GPU or EMBER_INTERPRET=1")
+    class Positions(tnn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tokens, self.positions = tnn.Embedding(30, 8), tnn.Embedding(16, 8)
+            self.register_buffer("scale", torch.tensor(0.5), persistent=False)
+
+        def forward(self, ids, **kwargs):
+            where = torch.arange(ids.shape[1], device=ids.device)
+            return {"logits": (self.tokens(ids) + self.positions(where)) * self.scale}
+
+    torch.manual_seed(7)
+    model = Positions().eval()
+    ids = np.random.default_rng(8).integers(0, 30, size=(2, 4))
+    em = ember.from_torch(model, example_inputs=(ember.tensor(ids),), via="export").to("cuda")
+    with torch.no_grad():
+        expected = model(torch.from_numpy(ids))["logits"].numpy()
+    got = em(ember.tensor(ids, device="cuda"))["logits"]
+    assert got.device == ember.Device("cuda", 0)
+    np.testing.assert_allclose(got.numpy(), expected, rtol=1e-4, atol=1e-5)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import operator
+import threading
 from collections.abc import Callable
 
 import ember
@@ -29,8 +30,14 @@ def _dtype(d):
     return None if d is None else dtypes.as_dtype(d)
 
 
+_placement = threading.local()  # device: where the running graph makes its new tensors (None: where torch said)
+
+
 def _device(d):
-    return None if d is None else as_device(str(d))
+    if d is None:
+        return None
+    placed = getattr(_placement, "device", None)
+    return placed if placed is not None else as_device(str(d))
 
 
 def _vjp(forward: Callable, inputs: list, grad: Tensor, wanted: list[bool] | None = None) -> list:
@@ -637,7 +644,17 @@ class AtenGraph:
                 raise NotImplementedError(f"ember cannot run this graph: {reader_name} reads output "
                                           f"{user.args[1]} of {name}, which ember does not compute")
 
-    def __call__(self, *args, attributes: Callable[[str], object] | None = None) -> list:
+    def __call__(self, *args, attributes: Callable[[str], object] | None = None, device=None) -> list:
+        """The graph's outputs on `args`; `device`, if given, is where the tensors it creates go (a program
+        captured on one device, run on another), else where the graph says."""
+        outer = getattr(_placement, "device", None)
+        _placement.device = device
+        try:
+            return self._run(args, attributes)
+        finally:
+            _placement.device = outer
+
+    def _run(self, args, attributes) -> list:
         env: dict = {}
         inputs = iter(args)
         result = None

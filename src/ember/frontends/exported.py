@@ -71,7 +71,11 @@ class Exported(Module):
                 inputs.append(next(leaves))
             else:  # a constant tensor the program holds
                 inputs.append(self._constants[spec.target])
-        outputs = graph(*inputs)
+        device = next((t.device for t in named.values()), None)
+        if device is not None:  # the module may have moved since the capture
+            inputs = [t.to(device) if isinstance(t, Tensor) and t.device != device and spec.kind.name != "USER_INPUT"
+                      else t for t, spec in zip(inputs, specs.input_specs)]
+        outputs = graph(*inputs, device=device)
         results = []
         for spec, value in zip(specs.output_specs, outputs):
             kind = spec.kind.name

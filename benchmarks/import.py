@@ -1,0 +1,203 @@
+"""Imported-model benchmark: models people already have, trained by torch eager, torch.compile (Inductor), torch.compile
+with backend="ember", and ember.jit on the from_torch import, with step time and first-step time.
+
+Rows:
+ resnet50  torchvision's ResNet-50, 224x224 x 64, bfloat16, SGD momentum 0.9
+ gpt2      transformers' GPT-2 124M shape (12 layers, width 768, 12 heads, T 1024) x 8, bfloat16, AdamW; attention
+           as transformers' "sdpa" (torch.export cannot capture it: the from_torch row uses "eager" attention)
+
+Steps are timed back to back (median of 3 bursts), from the first call until the GPU is done; "first step" is a
+variant's first call until its loss is on the host (point EMBER_CACHE_DIR and TRITON_CACHE_DIR at empty
+directories for a cold start). Every variant's first losses are checked against torch eager's.
+
+    python benchmarks/import.py                      # on a CUDA GPU, appended to RESULTS.md
+    python benchmarks/import.py --rows gpt2 --skip "ember.jit from_torch"
+    python benchmarks/import.py --cpu-smoke          # no GPU: tiny models, every code path, times mean nothing
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as TF
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+VARIANTS = ("torch eager", "torch.compile", "torch.compile backend=ember", "ember.jit from_torch")
+CHECK_STEPS = 3
+LOSS_TOL = 5e-2  # relative, bfloat16
+
+
+def make(row: str, smoke: bool, dev: str, attention: str = "sdpa"):
+    """(model, batch inputs, targets, optimizer class and settings) of a row, on `dev` in bfloat16 (float32 smoke)."""
+    from model_libraries import library
+
+    dtype = torch.float32 if smoke else torch.bfloat16
+    torch.manual_seed(0)
+    if row == "resnet50":
+        model = library("torchvision").models.resnet50(num_classes=1000)
+        batch, size = (2, 32) if smoke else (64, 224)
+        x = torch.randn(batch, 3, size, size)
+        y = torch.randint(0, 1000, (batch,))
+        optimizer = (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9})
+    else:
+        transformers = library("transformers")
+        layers, width, heads, context, batch = (2, 64, 2, 32, 2) if smoke else (12, 768, 12, 1024, 8)
+        config = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=heads, n_positions=context,
+                                         vocab_size=50304, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                         use_cache=False, attn_implementation=attention)
+        model = transformers.GPT2LMHeadModel(config)
+        x = torch.randint(0, 50304, (batch, context))
+        y = torch.randint(0, 50304, (batch * context,))
+        optimizer = (torch.optim.AdamW, {"lr": 3e-4})
+    model = model.to(dev, dtype)
+    return model, x.to(dev, dtype) if x.is_floating_point() else x.to(dev), y.to(dev), optimizer
+
+
+def logits(out):
+    return out.logits if hasattr(out, "logits") else out
+
+
+def torch_step(model, optimizer, backend: str | None):
+    opt = optimizer[0](model.parameters(), **optimizer[1])
+
+    def step(x, y):
+        out = logits(model(x))
+        loss = TF.cross_entropy(out.reshape(-1, out.shape[-1]), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss
+    return step if backend is None else torch.compile(step, backend=backend)
+
+
+def ember_step(model, optimizer, x, y, smoke: bool):
+    """ember.jit of the step on the import (under --cpu-smoke on ember's cpu device: through the interpreter these
+    models take many minutes)."""
+    from common import to_ember
+
+    import ember
+
+    imported = ember.from_torch(model)
+    if smoke:
+        to_ember = ember.from_dlpack
+    else:
+        imported = imported.to("cuda")
+    opt = getattr(ember.optim, optimizer[0].__name__)(imported.parameters(), **optimizer[1])
+
+    def step(x, y):
+        out = logits(imported(x))
+        loss = ember.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss
+    run, ex, ey = ember.jit(step), to_ember(x), to_ember(y)
+    return lambda *_: run(ex, ey)
+
+
+def sync(smoke: bool) -> None:
+    if not smoke:
+        torch.cuda.synchronize()
+
+
+def measure(step, x, y, smoke: bool, reps: int) -> dict:
+    start = time.perf_counter()
+    losses = [float(step(x, y).item())]
+    first = time.perf_counter() - start
+    losses += [float(step(x, y).item()) for _ in range(CHECK_STEPS - 1)]
+    times = []
+    for _ in range(3):
+        sync(smoke)
+        start = time.perf_counter()
+        for _ in range(reps):
+            step(x, y)
+        sync(smoke)
+        times.append((time.perf_counter() - start) * 1e3 / reps)
+    return {"first_s": first, "losses": losses, "ms": statistics.median(times)}
+
+
+def variant_line(row: str, variant: str, base, x, y, optimizer, args) -> dict:
+    """One variant's step, measured (an error is reported and leaves its cells empty)."""
+    from common import guarded
+
+    model = copy.deepcopy(base)
+    if variant == "ember.jit from_torch" and row == "gpt2":  # export cannot capture the "sdpa" attention
+        model, *_ = make(row, args.cpu_smoke, args.dev, attention="eager")
+        model.load_state_dict(base.state_dict())
+    backend = {"torch eager": None, "torch.compile": "eager" if args.cpu_smoke else "inductor",
+               "torch.compile backend=ember": "ember"}.get(variant)
+    if variant.startswith("ember"):
+        step = guarded(f"{row} {variant} (setup)", lambda: ember_step(model, optimizer, x, y, args.cpu_smoke))
+    else:
+        step = guarded(f"{row} {variant} (setup)", lambda: torch_step(model, optimizer, backend))
+    result = guarded(f"{row} {variant}", lambda: measure(step, x, y, args.cpu_smoke, args.reps)) if step else None
+    return {"row": row, "variant": variant, **(result or {})}
+
+
+def run_row(row: str, args) -> list[dict]:
+    from common import release_memory
+
+    lines = []
+    base, x, y, optimizer = make(row, args.cpu_smoke, args.dev)
+    for variant in VARIANTS:
+        if variant in args.skip:
+            continue
+        print(f"  {row}: {variant}", flush=True)
+        lines.append(variant_line(row, variant, base, x, y, optimizer, args))
+        release_memory(args.cpu_smoke)
+    reference = next((line.get("losses") for line in lines if line["variant"] == "torch eager"), None)
+    for line in lines:
+        mine = line.get("losses")
+        if line["variant"] == "torch eager":
+            line["check"] = "reference"
+        elif mine and reference:
+            err = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(mine, reference))
+            line["check"] = f"{err:.1e}" + ("" if err <= LOSS_TOL else " FAIL")
+        else:
+            line["check"] = "error"
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", default="resnet50,gpt2", help="rows: resnet50, gpt2")
+    parser.add_argument("--skip", default="", help=f"variants to leave out, comma-separated, of {VARIANTS}")
+    parser.add_argument("--reps", type=int, default=10, help="steps per timed burst (default 10)")
+    parser.add_argument("--cpu-smoke", action="store_true", help="no GPU: tiny models, ember through Triton's "
+                        "interpreter, torch.compile with backend='eager'")
+    parser.add_argument("--results", type=Path, default=None, help="markdown file to append to")
+    args = parser.parse_args(argv)
+    from common import cell, environment, markdown_table, publish, select_backend
+
+    select_backend(args.cpu_smoke, "import.py")
+    args.dev = "cpu" if args.cpu_smoke else "cuda"
+    args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    lines = []
+    for row in args.rows.split(","):
+        lines += run_row(row, args)
+    eager = {line["row"]: line.get("ms") for line in lines if line["variant"] == "torch eager"}
+    inductor = {line["row"]: line.get("ms") for line in lines if line["variant"] == "torch.compile"}
+    body = [[line["row"], line["variant"], cell(line.get("ms")),
+             cell(eager[line["row"]] / line["ms"] if line.get("ms") and eager.get(line["row"]) else None, "{:.2f}x"),
+             cell(inductor[line["row"]] / line["ms"] if line.get("ms") and inductor.get(line["row"]) else None,
+                  "{:.2f}x"), cell(line.get("first_s"), "{:.3g}"), line["check"]] for line in lines]
+    table = markdown_table(["row", "variant", "ms per step", "vs torch eager", "vs torch.compile", "first step s",
+                            "loss check"], body)
+    notes = ["a training step: forward, cross entropy, backward, optimizer step; torch.compile variants compile the "
+             "whole step", f"loss check: the first {CHECK_STEPS} losses against torch eager's, relative tolerance "
+             f"{LOSS_TOL}"]
+    results = args.results or (None if args.cpu_smoke else HERE / "RESULTS.md")
+    publish(f"Import benchmark: {environment(args.cpu_smoke)}", table, notes, results)
+
+
+if __name__ == "__main__":
+    main()

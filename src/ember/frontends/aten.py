@@ -1,6 +1,6 @@
-"""ATen graphs on ember tensors: the core ATen operator set (what torch.export and AOTAutograd produce, with
-torch's decompositions applied to the rest) mapped to ember's ops, and an interpreter that runs a torch.fx graph of
-such operators on ember tensors, building one lazy ember graph that the compiler fuses like any other.
+"""ATen operators on ember tensors: the core ATen operator set (what torch.export and AOTAutograd produce, with
+torch's decompositions applied to the rest) mapped to ember's ops. `ember.frontends.aten_graph` runs a torch.fx
+graph of such operators by this table, building one lazy ember graph that the compiler fuses like any other.
 
 `OPS` is the one table: ATen overload name ("aten.add.Tensor"), or its packet's ("aten.add") for every overload
 with the same meaning, to a function of ember tensors and the node's Python arguments (dtypes and devices as torch
@@ -8,7 +8,7 @@ names them). A backward operator torch keeps whole (a convolution's, max pooling
 vector-Jacobian product of ember's own forward op, taken by ember's autograd: each derivative keeps one home, the
 VJP rules of ember's ops. Its forward's auxiliary outputs (max pooling's indices, attention's log-sum-exp) are read
 by nothing else in the graphs torch makes; a graph that reads them elsewhere is refused at translation
-(`AtenGraph`), as is any operator the table lacks, all named in one error.
+(`aten_graph.AtenGraph`), as is any operator the table lacks, all named in one error.
 """
 
 from __future__ import annotations
@@ -551,165 +551,9 @@ OPS: dict[str, Callable] = {
     "aten._assert_scalar": lambda *args: None, "aten._assert_tensor_metadata": lambda *args, **kw: None,
 }
 
-# the auxiliary outputs ember does not compute, and the backward operators that alone may read them
-_READERS_OF_AUXILIARY = {
-    "aten.max_pool2d_with_indices": ("aten.max_pool2d_with_indices_backward",),
-    "aten._scaled_dot_product_flash_attention": ("aten._scaled_dot_product_flash_attention_backward",),
-    "aten._scaled_dot_product_flash_attention_for_cpu": (
-        "aten._scaled_dot_product_flash_attention_for_cpu_backward",),
-    "aten._scaled_dot_product_efficient_attention": ("aten._scaled_dot_product_efficient_attention_backward",),
-}
-
-
 def _broadcast_in_dim(x, shape, dims):
     """prims.broadcast_in_dim: x's dimension i becomes dimension dims[i] of `shape`, the others broadcast."""
     kept = [1] * len(shape)
     for i, d in enumerate(dims):
         kept[d] = x.shape[i]
     return x.reshape(tuple(kept)).expand(*shape)
-
-
-def _foreach(op: Callable) -> Callable:
-    """An `aten._foreach_*` operator: `op` applied to each position of its list arguments."""
-    def each(*args, **kwargs):
-        count = next(len(a) for a in args if isinstance(a, (list, tuple)))
-        pick = [a if isinstance(a, (list, tuple)) else [a] * count for a in args]
-        return [op(*column, **kwargs) for column in zip(*pick)]
-    return each
-
-
-def name_of(target) -> str:
-    """An FX node target's table name: "aten.add.Tensor" for an ATen overload, "_operator.mul" for Python's."""
-    if hasattr(target, "_schema") or type(target).__name__ == "OpOverload":
-        return str(target)
-    return f"{getattr(target, '__module__', '')}.{getattr(target, '__name__', target)}"
-
-
-def lookup(target) -> Callable | None:
-    """The ember function for an FX node's target: by overload, else by packet."""
-    name = name_of(target)
-    if name in OPS:
-        return OPS[name]
-    if name.startswith("aten._foreach_"):
-        op = lookup_name("aten." + name.removeprefix("aten._foreach_").rstrip("_").replace("_.", "."))
-        return _foreach(op) if op is not None else None
-    return lookup_name(name)
-
-
-def lookup_name(name: str) -> Callable | None:
-    if name in OPS:
-        return OPS[name]
-    packet = name.rsplit(".", 1)[0] if name.startswith(("aten.", "prims.")) else None
-    if packet is not None and packet.endswith("_") and packet.rstrip("_") in OPS:  # an in-place form, functional
-        return OPS[packet.rstrip("_")]
-    return OPS.get(packet) if packet is not None else None
-
-
-class AtenGraph:
-    """A torch.fx graph of ATen operators, run on ember tensors: each call builds the ember graph of its nodes
-    (lazy, nothing computed) and returns its outputs. Checked when made: an operator the table lacks, or an
-    auxiliary output read elsewhere than by its backward, is an error naming them all."""
-
-    def __init__(self, graph, what: str = "graph") -> None:
-        self.graph = graph
-        missing: dict[str, None] = {}
-        self.functions: dict = {}  # per call_function node: the ember function it runs
-        for node in graph.nodes:
-            if node.op == "call_function":
-                fn = _as_strided(node) if name_of(node.target).startswith("aten.as_strided") else lookup(node.target)
-                if fn is None:
-                    missing[name_of(node.target)] = None
-                self.functions[node] = fn
-                self._check_auxiliary(node)
-            elif node.op not in ("placeholder", "output", "get_attr"):
-                missing[f"{node.op} {node.target}"] = None
-        if missing:
-            raise NotImplementedError(f"ember cannot run this {what}: no ember op for {', '.join(missing)}")
-        self.nodes = list(graph.nodes)
-
-    @staticmethod
-    def _check_auxiliary(node) -> None:
-        name = name_of(node.target)
-        packet = name.rsplit(".", 1)[0]
-        readers = _READERS_OF_AUXILIARY.get(name) or _READERS_OF_AUXILIARY.get(packet)
-        if readers is None:
-            return
-        for user in node.users:
-            if user.target is not operator.getitem or user.args[1] == 0:
-                continue
-            for reader in user.users:
-                reader_name = name_of(getattr(reader, "target", None))
-                if reader.op == "output" or reader_name.rsplit(".", 1)[0] in readers or reader_name in readers:
-                    continue
-                raise NotImplementedError(f"ember cannot run this graph: {reader_name} reads output "
-                                          f"{user.args[1]} of {name}, which ember does not compute")
-
-    def __call__(self, *args, attributes: Callable[[str], object] | None = None, device=None) -> list:
-        """The graph's outputs on `args`; `device`, if given, is where the tensors it creates go (a program
-        captured on one device, run on another), else where the graph says."""
-        outer = getattr(_placement, "device", None)
-        _placement.device = device
-        try:
-            return self._run(args, attributes)
-        finally:
-            _placement.device = outer
-
-    def _run(self, args, attributes) -> list:
-        env: dict = {}
-        inputs = iter(args)
-        result = None
-        for node in self.nodes:
-            if node.op == "placeholder":
-                env[node] = next(inputs)
-            elif node.op == "get_attr":
-                env[node] = attributes(node.target)
-            elif node.op == "call_function":
-                fn = self.functions[node]
-                a = _fetch(node.args, env)
-                kw = _fetch(node.kwargs, env)
-                try:
-                    env[node] = fn(*a, **kw)
-                except Exception as error:
-                    error.add_note(f"(running {name_of(node.target)}, node {node.name} of the ATen graph)")
-                    raise
-            elif node.op == "output":
-                result = _fetch(node.args[0], env)
-        return result
-
-
-def _as_strided(node) -> Callable | None:
-    """aten.as_strided addresses its input's memory, which only torch's strides describe (ember's values have no
-    layout): from the strides the graph records for the input, a restriding that changes nothing (the same sizes,
-    strides that differ only on dimensions of size 1) is the input itself, and a view of a contiguous input
-    gathers its elements; any other is not supported (None)."""
-    import torch
-
-    value = node.args[0].meta.get("val") if hasattr(node.args[0], "meta") else None
-    if not isinstance(value, torch.Tensor):
-        return None
-    size, stride = list(node.args[1]), list(node.args[2])
-    offset = node.args[3] if len(node.args) > 3 and node.args[3] is not None else value.storage_offset()
-    if offset == value.storage_offset() and size == list(value.shape) and all(
-            n == 1 or a == b for n, a, b in zip(size, stride, value.stride())):
-        return lambda x, *args, **kwargs: x
-    if not value.is_contiguous() or value.storage_offset() != 0:
-        return None
-
-    def gather(x, size, stride, storage_offset=None):
-        import numpy as np
-
-        where = np.full(tuple(size), storage_offset or 0, dtype=np.int64)
-        for d, (n, step) in enumerate(zip(size, stride)):
-            where = where + (np.arange(n) * step).reshape([n if i == d else 1 for i in range(len(size))])
-        return x.reshape(-1)[ember.tensor(where, device=x.device)]
-    return gather
-
-
-def _fetch(value, env):
-    if isinstance(value, (list, tuple)):
-        return type(value)(_fetch(v, env) for v in value)
-    if isinstance(value, dict):
-        return {k: _fetch(v, env) for k, v in value.items()}
-    if hasattr(value, "op") and hasattr(value, "users"):
-        return env[value]
-    return value

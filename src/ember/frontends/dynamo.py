@@ -13,7 +13,8 @@ Options (`torch.compile(..., backend="ember", options={...})`): none yet.
 
 from __future__ import annotations
 
-from ember.frontends.aten import AtenGraph, _NotComputed
+from ember.frontends.aten import _NotComputed
+from ember.frontends.aten_graph import AtenGraph
 from ember.tensor import Tensor, realize
 
 

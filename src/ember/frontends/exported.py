@@ -15,7 +15,7 @@ running statistics) take their new values, computed with the step that follows.
 
 from __future__ import annotations
 
-from ember.frontends.aten import AtenGraph
+from ember.frontends.aten_graph import AtenGraph
 from ember.nn.module import Module
 from ember.tensor import Tensor
 

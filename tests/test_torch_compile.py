@@ -123,6 +123,52 @@ def test_a_whole_step_with_its_optimizer_update_compiles_to_ember(device, optimi
     assert_same_training(expected, train(net, x, y, True, optimizer=kind, whole_step=True))
 
 
+def test_each_graph_is_interpreted_once_and_built_from_its_template_on_new_batches(monkeypatch):
+    from ember.frontends.aten_graph import AtenGraph
+
+    interpreted = []
+    run = AtenGraph._run
+    monkeypatch.setattr(AtenGraph, "_run", lambda self, *args: interpreted.append(self) or run(self, *args))
+    net, _, _ = case("cnn", "cpu")
+    reference = copy.deepcopy(net)
+    compiled = torch.compile(net, backend="ember")
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (reference, net)]
+    for _ in range(4):
+        x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
+        losses = []
+        for model, opt in zip((reference, compiled), opts):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        np.testing.assert_allclose(losses[1], losses[0], rtol=1e-4)
+    assert len(interpreted) == len(set(interpreted)) == 2  # the forward and the backward graph, each once
+    for name, value in reference.state_dict().items():
+        np.testing.assert_allclose(net.state_dict()[name].numpy(), value.numpy(), rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_dropout_draws_a_new_mask_each_call_of_a_graph_built_from_its_template(monkeypatch):
+    from ember.frontends.aten_graph import AtenGraph
+
+    interpreted = []
+    run = AtenGraph._run
+    monkeypatch.setattr(AtenGraph, "_run", lambda self, *args: interpreted.append(self) or run(self, *args))
+    net = nn.Sequential(nn.Linear(64, 256), nn.Dropout(0.25), nn.Linear(256, 8))
+    compiled = torch.compile(net, backend="ember")
+    x = torch.randn(16, 64, requires_grad=True)
+    hidden = {}
+    net[1].register_forward_hook(lambda m, i, o: hidden.update(out=o))  # the dropout's output, seen in torch
+    masks = []
+    for _ in range(3):
+        compiled(x).sum().backward()
+        masks.append((hidden["out"] != 0).numpy())
+        x.grad = None
+    assert all(abs(m.mean() - 0.75) < 0.03 for m in masks)
+    assert (masks[0] != masks[1]).mean() > 0.2 and (masks[1] != masks[2]).mean() > 0.2
+    assert len(set(interpreted)) == len(interpreted)
+
+
 def test_inference_at_several_batch_sizes_and_in_eval_mode():
     net, x, _ = case("cnn", "cpu")
     net.eval()

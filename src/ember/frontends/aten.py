@@ -111,7 +111,8 @@ def _arange(start, end=None, step=1, dtype=None, layout=None, device=None, pin_m
 
 
 def _scalar_tensor(value, dtype=None, layout=None, device=None, pin_memory=None):
-    return ember.tensor(value, dtype=_dtype(dtype) or dtypes.float32, device=_device(device))
+    """A constant in the graph (folded into the kernels that read it), not a value uploaded each call."""
+    return ember.full((), value, dtype=_dtype(dtype) or dtypes.float32, device=_device(device))
 
 
 def _empty(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):

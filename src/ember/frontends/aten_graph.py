@@ -2,6 +2,14 @@
 torch.export and AOTAutograd produce) by the table of `ember.frontends.aten`, building one lazy ember graph per call.
 A graph is checked when it is made: an operator the table lacks, or an auxiliary output ember does not compute read
 elsewhere than by its backward, is an error naming them all.
+
+A graph runs the same way call after call, so its first call on inputs of given shapes, dtypes and devices is
+recorded as a template (ir.template), and later ones are built from it: one node per output, which the compiler
+expands once per plan, instead of the Python of every operator (for a ResNet's training step, thousands of ember
+ops a call). The first call's results come from the template too, so every call's graph is the same and a steady
+loop compiles one plan; a graph that draws random numbers (dropout) is built node for node, with new offsets each
+call. A call whose inputs need ember's autograd (an imported module training), or whose graph realizes a value
+while it is built, is interpreted every time.
 """
 
 from __future__ import annotations
@@ -10,7 +18,14 @@ import operator
 from collections.abc import Callable
 
 import ember
+from ember import nested
 from ember.frontends.aten import OPS, _placement
+from ember.ir.template import Template, recording, template
+from ember.ops.random import take_offsets
+from ember.runtime import executor
+from ember.tensor import Tensor
+
+_RESULT = object()  # in a template's record of a call's results: the place of a Tensor it builds
 
 # the auxiliary outputs ember does not compute, and the backward operators that alone may read them
 _READERS_OF_AUXILIARY = {
@@ -79,6 +94,10 @@ class AtenGraph:
         if missing:
             raise NotImplementedError(f"ember cannot run this {what}: no ember op for {', '.join(missing)}")
         self.nodes = list(graph.nodes)
+        self.attribute_names = list(dict.fromkeys(n.target for n in self.nodes if n.op == "get_attr"))
+        # by the inputs' description: (template, the results' nesting, their leaves with Tensors as _RESULT), or
+        # None where a call on such inputs cannot be recorded
+        self._templates: dict[tuple, tuple[Template, object, list] | None] = {}
 
     @staticmethod
     def _check_auxiliary(node) -> None:
@@ -103,11 +122,53 @@ class AtenGraph:
         outer = getattr(_placement, "device", None)
         _placement.device = device
         try:
-            return self._run(args, attributes)
+            values = {name: attributes(name) for name in self.attribute_names}
+            return self._replayed(args, values, device)
         finally:
             _placement.device = outer
 
-    def _run(self, args, attributes) -> list:
+    def _replayed(self, args, attributes: dict, device):
+        """The outputs, from the template of these inputs' first call where there is one."""
+        values = [*args, *attributes.values()]
+        tensors = [v for v in values if isinstance(v, Tensor)]
+        if any(t.requires_grad for t in tensors):  # ember's autograd records through each operator
+            return self._run(args, attributes)
+        key = (device, *[(v.shape, v.dtype, v.device) if isinstance(v, Tensor) else (type(v), v) for v in values])
+        try:
+            recorded = self._templates.get(key, False)
+        except TypeError:  # an unhashable argument
+            return self._run(args, attributes)
+        if recorded is None:
+            return self._run(args, attributes)
+        inputs = [t._node for t in tensors]
+        if recorded is False:
+            recorded = self._templates[key] = self._record(args, attributes, inputs)
+            if recorded is None:
+                return self._run(args, attributes)
+        built, structure, leaves = recorded
+        one_device = len({n.device for n in inputs}) <= 1
+        nodes = iter(built.apply(inputs) if one_device and not built.random else built.build(inputs, take_offsets))
+        return nested.rebuild(structure, iter([Tensor(next(nodes)) if leaf is _RESULT else leaf for leaf in leaves]))
+
+    def _record(self, args, attributes: dict, inputs: list) -> tuple[Template, object, list] | None:
+        """The template of a call on these inputs, None where it realizes a value while it builds its graph (a
+        value read on the host) or its outputs are not all made of its inputs by it."""
+        realized = []
+        observe = lambda order, keep: realized.append(True)  # noqa: E731
+        executor.this_thread.observers.append(observe)
+        try:
+            with recording() as made:
+                result = self._run(args, attributes)
+        finally:
+            executor.this_thread.observers.remove(observe)
+        leaves = nested.leaves(result)
+        outputs = [leaf._node for leaf in leaves if isinstance(leaf, Tensor)]
+        built = template(inputs, outputs, made, random=True) if not realized else None
+        if built is None:
+            return None
+        return built, nested.structure(result), [_RESULT if isinstance(leaf, Tensor) else leaf for leaf in leaves]
+
+    def _run(self, args, attributes: dict) -> list:
         env: dict = {}
         inputs = iter(args)
         result = None
@@ -115,7 +176,7 @@ class AtenGraph:
             if node.op == "placeholder":
                 env[node] = next(inputs)
             elif node.op == "get_attr":
-                env[node] = attributes(node.target)
+                env[node] = attributes[node.target]
             elif node.op == "call_function":
                 fn = self.functions[node]
                 a = _fetch(node.args, env)

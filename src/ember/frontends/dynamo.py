@@ -33,11 +33,12 @@ def _compile(gm, example_inputs):
 
     graph = AtenGraph(gm.graph, "graph torch.compile captured")
     device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    constants = {name: _to_ember(getattr(gm, name)) for name in graph.attribute_names}  # the graph's own tensors
 
     def run(args: list) -> list:
         inputs = [_to_ember(a) for a in args]
         args.clear()  # AOTAutograd's boxed convention: the inputs can be freed as soon as they are read
-        return _to_torch(graph(*inputs, attributes=lambda name: _to_ember(getattr(gm, name))), device)
+        return _to_torch(graph(*inputs, attributes=constants.__getitem__), device)
 
     run._boxed_call = True
     return run

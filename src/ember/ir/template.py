@@ -16,14 +16,17 @@ whatever Python values the caller keys it by), such a graph is built again in on
 - `build`: the recorded nodes made again directly, with their recorded shapes and dtypes: the graph the
   Python would build, node for node.
 
-A function can be recorded when every node its outputs depend on is one of its inputs or a node it made,
-pending (not realized while it ran), and not random (a random node draws a new offset each time it is made).
+A function can be recorded when every node its outputs depend on is one of its inputs or a node it made, and
+pending (not realized while it ran). A random node draws new offsets each time it is made: a template with random
+nodes (`template(..., random=True)`) is built with `build` only, given the draw that gives them theirs.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import threading
+from collections.abc import Callable
 
 from ember.ir import node as _graph
 from ember.ir.node import Node, picker, static_key
@@ -57,26 +60,37 @@ class Template:
             attrs = {"template": digest, "output": k}
             self._results.append((attrs, shape, dtype, device, (Op.TEMPLATE, shape, dtype, tuple(attrs.items()))))
 
+    @property
+    def random(self) -> bool:
+        """Whether it draws random numbers: then it is built node for node (`build`), each time with new offsets."""
+        return any(step[0] is Op.RAND for step in self.steps)
+
     def apply(self, inputs: list[Node]) -> list[Node]:
         """The outputs on `inputs` (of the recorded shapes, dtypes and devices) as TEMPLATE nodes, one per
-        output (an output that is an input is that input)."""
+        output (an output that is an input is that input). Not for a random template: its expansion, once per
+        plan, would fix its offsets."""
+        assert not self.random, "a template that draws random numbers is built node for node"
         if self.digest not in _by_digest:
             with _registering:
                 _by_digest.setdefault(self.digest, self)
         ins = tuple(inputs)
-        return [ins[r] if type(r) is int else Node(Op.TEMPLATE, ins, r[0], r[1], r[2], r[3], None, r[4])
-                for r in self._results]
+        results = [ins[r] if type(r) is int else Node(Op.TEMPLATE, ins, r[0], r[1], r[2], r[3], None, r[4])
+                   for r in self._results]
+        _note_made([n for n, r in zip(results, self._results) if type(r) is not int])
+        return results
 
-    def build(self, inputs: list[Node]) -> list[Node]:
+    def build(self, inputs: list[Node], draw: Callable[[int], tuple[int, int]] | None = None) -> list[Node]:
         """The recorded nodes made again on `inputs` (of the recorded shapes, dtypes and devices); a recording
-        of this thread (`recording`) lists them, as it lists the nodes `Node.make` makes."""
+        of this thread (`recording`) lists them, as it lists the nodes `Node.make` makes. A random node takes
+        the (seed, offset) that `draw` gives for its number of values."""
         made = list(inputs)
         append = made.append
         for op, pick, attrs, shape, dtype, device, static in self.steps:
+            if op is Op.RAND:
+                seed, offset = draw(math.prod(attrs["shape"]))
+                attrs = {**attrs, "seed": seed, "offset": offset}
             append(Node(op, pick(made), attrs, shape, dtype, device, None, static))
-        recordings = _graph.made
-        if recordings is not None and threading.get_ident() in recordings:
-            recordings[threading.get_ident()].extend(made[len(inputs):])
+        _note_made(made[len(inputs):])
         return [made[i] for i in self.outputs]
 
     def expand(self, inputs: tuple[Node, ...]) -> list[Node]:
@@ -90,6 +104,13 @@ class Template:
 
     def __len__(self) -> int:
         return len(self.steps)
+
+
+def _note_made(nodes: list[Node]) -> None:
+    """List nodes a template made in this thread's recording (`recording`), as `Node.make` lists its own."""
+    recordings = _graph.made
+    if recordings is not None and threading.get_ident() in recordings:
+        recordings[threading.get_ident()].extend(nodes)
 
 
 def _shape(inputs, attrs) -> tuple:
@@ -128,9 +149,10 @@ class recording:
             self.outer.extend(made)
 
 
-def template(inputs: list[Node], outputs: list[Node], made: list[Node]) -> Template | None:
+def template(inputs: list[Node], outputs: list[Node], made: list[Node], random: bool = False) -> Template | None:
     """The template of a recorded call that took `inputs`, made `made` and produced `outputs`; None when
-    the outputs depend on anything else, or on a node that was realized or draws random numbers."""
+    the outputs depend on anything else, or on a node that was realized, or (unless `random`) that draws random
+    numbers."""
     index = {id(n): i for i, n in enumerate(inputs)}
     if len(index) != len(inputs):  # one node passed as two inputs: a template would wire every use to one
         return None
@@ -141,7 +163,7 @@ def template(inputs: list[Node], outputs: list[Node], made: list[Node]) -> Templ
         n = stack.pop()
         if id(n) in needed or id(n) in index:
             continue
-        if id(n) not in made_ids or n.realized or n.op is Op.RAND:
+        if id(n) not in made_ids or n.realized or n.op is Op.RAND and not random:
             return None
         needed.add(id(n))
         stack.extend(n.inputs)

@@ -67,6 +67,8 @@ def logits(out):
 
 
 def torch_step(model, optimizer, backend: str | None):
+    if backend == "ember":
+        import ember.frontends.dynamo  # noqa: F401  (registers the backend where ember is on the path, not installed)
     opt = optimizer[0](model.parameters(), **optimizer[1])
 
     def step(x, y):

@@ -6,6 +6,7 @@ exist, which `library` defines first where they are missing."""
 from __future__ import annotations
 
 import importlib
+import sys
 
 import pytest
 import torch
@@ -15,15 +16,25 @@ _STAND_INS = None  # the torch.library holding the stand-in schemas (kept alive 
 
 def library(name: str):
     """Import torchvision, timm or transformers, or skip the test where it is not installed."""
-    global _STAND_INS
-    if _STAND_INS is None:  # (timm and transformers import torchvision too)
-        try:
-            torch.ops.torchvision.nms  # noqa: B018  (present where torchvision's compiled operators load)
-        except (AttributeError, RuntimeError):
-            _STAND_INS = torch.library.Library("torchvision", "DEF")
-            for op in ("nms", "qnms"):
-                _STAND_INS.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    try:
+        importlib.import_module("torchvision")  # (timm and transformers import it too)
+    except ImportError:
+        pass
+    except RuntimeError as error:  # its compiled operators did not load: stand-in schemas, and import again
+        if "torchvision::" not in str(error):
+            raise
+        _define_stand_ins()
+        for module in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+            del sys.modules[module]
     try:
         return importlib.import_module(name)
     except ImportError as error:
         pytest.skip(f"{name} is not installed ({error})")
+
+
+def _define_stand_ins() -> None:
+    global _STAND_INS
+    if _STAND_INS is None:
+        _STAND_INS = torch.library.Library("torchvision", "DEF")
+        for op in ("nms", "qnms"):
+            _STAND_INS.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")

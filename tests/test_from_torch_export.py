@@ -196,3 +196,37 @@ def test_an_import_moved_to_another_device_makes_its_new_tensors_there():
     got = em(ember.tensor(ids, device="cuda"))["logits"]
     assert got.device == ember.Device("cuda", 0)
     np.testing.assert_allclose(got.numpy(), expected, rtol=1e-4, atol=1e-5)
+
+
+class HandWrittenAttention(tnn.Module):
+    """Attention as transformers' "eager" implementations write it: the heads flattened into one batch dim for
+    `bmm` (which torch.export records with clones and reshapes around it), a scale, an added mask, a float32
+    softmax."""
+
+    def __init__(self, d: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads, self.qkv, self.out = heads, tnn.Linear(d, 3 * d), tnn.Linear(d, 5)
+
+    def forward(self, x, mask):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).reshape(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * (d // self.heads) ** -0.5
+        weights = TF.softmax(scores + mask, dim=-1, dtype=torch.float32).to(v.dtype)
+        return self.out(torch.matmul(weights, v).transpose(1, 2).reshape(b, t, d)).mean(1)
+
+
+def test_attention_written_by_hand_imports_as_one_attention_kernel_forward_and_backward():
+    torch.manual_seed(0)
+    model = HandWrittenAttention()
+    x = torch.randn(3, 7, 16)
+    mask = torch.where(torch.rand(3, 1, 7, 7) < 0.3, torch.finfo(torch.float32).min, 0.0)
+    target = torch.randint(0, 5, (3,))
+    em = ember.from_torch(copy.deepcopy(model), via="export")
+    ex, emask = ember.from_dlpack(x), ember.from_dlpack(mask)
+    loss = ember.nn.functional.cross_entropy(em(ex, emask), ember.from_dlpack(target))
+    loss.backward()
+    plan = str(ember.explain.plan(loss, *[p.grad for p in em.parameters()]))
+    assert plan.count(" attention ") == 2, plan  # the forward's kernel and the backward's
+    expected = torch_step(model, (x, mask), target)
+    assert abs(ember_step(em, (ex, emask), ember.from_dlpack(target)) - expected) < 1e-5 * abs(expected)
+    close_states(em, model)

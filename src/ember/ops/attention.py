@@ -8,9 +8,10 @@ for the backward, whose kernels compute the scores again per tile (ATTENTION_GRA
 
 `recognised` finds the same computation written by hand, when `matmul(weights, value)` is called on weights that are
 a softmax over the last axis of scores `q @ kᵀ`, scaled by a constant and masked (`masked_fill`, `where` or an
-added mask) in either order, through casts (autocast runs the softmax in float32). A mask made of index arithmetic
-alone (`tril`, `triu`, comparisons of `arange`s) is evaluated once per structure, and a causal one becomes the
-kernel's `causal` flag, whose tiles above the diagonal are skipped. Dropout on the weights (`dropout()`'s form,
+added mask) in either order, through casts (autocast runs the softmax in float32), clones and reshapes of the batch
+dims (an imported ATen graph's `bmm` of operands whose heads are flattened into one batch dim). A mask made of index
+arithmetic alone (`tril`, `triu`, comparisons of `arange`s) is evaluated once per structure, and a causal one becomes
+the kernel's `causal` flag, whose tiles above the diagonal are skipped. Dropout on the weights (`dropout()`'s form,
 where(draw >= p, w / (1 - p), 0) of a uniform draw) is the kernel's: the draws are a RAND leaf that the kernels
 compute at each position, forward and backward, never stored. A mask that needs a gradient, or a scale that is not a
 constant, leaves the graph as written.
@@ -70,18 +71,20 @@ def recognised(weights: Tensor, value: Tensor) -> Tensor | None:
     module's doc); None otherwise."""
     node = weights._node
     under = node
-    while under.op is Op.CAST:  # every matmul asks: rejected on the nodes, before any Tensor is made
+    for _ in range(8):  # every matmul asks: rejected on the nodes, before any Tensor is made
+        if under.op not in _TRANSPARENT:
+            break
         under = under.inputs[0]
     if under.op is not Op.SOFTMAX and under.op is not Op.WHERE:
         return None
-    p = _under_casts(weights)
+    p = _through(weights)
     dropout, draws = 0.0, None
     if p is not None and p._node.op is Op.WHERE:  # dropout(weights): where(rand >= p, weights * 1/(1-p), 0)
         p, dropout, draws = _dropped(p)
-        p = _under_casts(p) if p is not None else None
+        p = _through(p) if p is not None else None
     if p is None or p._node.op is not Op.SOFTMAX or p._node.attrs["axis"] != p.ndim - 1 or p.ndim < 2:
         return None
-    scores = _under_casts(_parents(p)[0])
+    scores = _through(_parents(p)[0])
     scale, mask, keep = 1.0, None, None
     while scores is not None and scores._node.op is not Op.MATMUL:
         n = scores._node
@@ -104,10 +107,16 @@ def recognised(weights: Tensor, value: Tensor) -> Tensor | None:
             mask = mask if scale == 1.0 else mask * (1.0 / scale)
         else:
             return None
-        scores = _under_casts(scores) if scores is not None else None
+        scores = _through(scores) if scores is not None else None
     if scores is None or not math.isfinite(scale) or scale <= 0.0:
         return None
-    q, kt = _parents(scores)
+    # the operands in the softmax's batch dims: a batched matmul over flattened heads (an imported graph's bmm of
+    # reshaped operands) is the same attention
+    batch = p.shape[:-2]
+    operands = [_through(t) for t in (*_parents(scores), value)]
+    if any(t is None or math.prod(t.shape[:-2]) != math.prod(batch) for t in operands):
+        return None
+    q, kt, v = (t.reshape(batch + t.shape[-2:]) if t.shape[:-2] != batch else t for t in operands)
     k = kt.transpose(-2, -1)
     causal = False
     if keep is not None:
@@ -116,11 +125,12 @@ def recognised(weights: Tensor, value: Tensor) -> Tensor | None:
             mask, causal = None, True
         elif not keep:
             mask = mask.logical_not()
-    if not fusable(q, k, value, mask) or q.dtype is not value.dtype or value.dtype is not node.dtype:
+    if not fusable(q, k, v, mask) or q.dtype is not v.dtype or v.dtype is not node.dtype:
         return None
     if draws is not None and draws.shape != q.shape[:-1] + (k.shape[-2],):
         return None
-    return attention(q, k, value, mask, scale, causal, safe=False, dropout=dropout, draws=draws)
+    out = attention(q, k, v, mask, scale, causal, safe=False, dropout=dropout, draws=draws)
+    return out.reshape(weights.shape[:-1] + v.shape[-1:]) if weights.ndim != p.ndim else out
 
 
 def _dropped(t: Tensor) -> tuple[Tensor | None, float, Tensor | None]:
@@ -147,12 +157,26 @@ def _parents(t: Tensor) -> list[Tensor]:
             for i, nxt in zip(fn.inputs, fn.next)]
 
 
-def _under_casts(t: Tensor) -> Tensor | None:
-    while t._node.op is Op.CAST:
-        if not (t.dtype.is_floating_point and t._node.inputs[0].dtype.is_floating_point):
-            return None
-        t = _parents(t)[0]
-    return t
+_TRANSPARENT = (Op.CAST, Op.RESHAPE, Op.EXPAND, Op.ADD)
+
+
+def _through(t: Tensor) -> Tensor | None:
+    """`t` under what leaves its matrices' values as they are: casts between float types, reshapes of the leading
+    (batch) dims alone, expands that change nothing, and `x + 0` (a clone that keeps the gradient's path); None
+    under a cast to or from a type that is not float."""
+    while True:
+        n = t._node
+        if n.op is Op.CAST:
+            if not (t.dtype.is_floating_point and n.inputs[0].dtype.is_floating_point):
+                return None
+            t = _parents(t)[0]
+        elif n.op is Op.RESHAPE and len(n.shape) >= 2 and len(n.inputs[0].shape) >= 2 \
+                and n.shape[-2:] == n.inputs[0].shape[-2:] or n.op is Op.EXPAND and n.shape == n.inputs[0].shape:
+            t = _parents(t)[0]
+        elif n.op is Op.ADD and n.inputs[0].shape == n.shape and _constant(_parents(t)[1]) == 0.0:
+            t = _parents(t)[0]
+        else:
+            return t
 
 
 def _constant(t: Tensor) -> float | None:

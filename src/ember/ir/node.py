@@ -126,6 +126,8 @@ def static_key(node: Node) -> tuple:
         own = None
     elif op is Op.CONST and attrs["value"] != attrs["value"]:
         own = ("nan", attrs["dtype"])  # NaN is not equal to itself
+    elif op is Op.CONST and attrs["value"] == 0 and math.copysign(1.0, attrs["value"]) < 0:
+        own = ("-0.0", attrs["dtype"])  # equal to 0.0, but not the same constant (1 / -0.0 is -inf)
     else:
         own = tuple(attrs.items())
     return (op, node.shape, node.dtype, own)

@@ -138,6 +138,8 @@ def literal(value, dtype: DType | None) -> str:
         return 'float("nan")'
     if math.isinf(value):
         return 'float("inf")' if value > 0 else 'float("-inf")'
+    if value == 0 and math.copysign(1.0, value) < 0:  # Triton makes every zero literal +0.0: negate a tensor zero
+        return f"(-tl.full([], 0.0, {TL[dtype or dtypes.float32]}))"
     return repr(float(value))
 
 

@@ -241,52 +241,72 @@ def _native_dropout(x, p, train=True):
 # -- neural-network operators --------------------------------------------------------------------------------------
 
 def _convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
-    if x.ndim != 4:
-        raise NotImplementedError(f"aten.convolution of a {x.ndim - 2}-d input: ember convolves 2-d images")
+    if transposed and x.ndim != 4:
+        raise NotImplementedError(f"aten.convolution, transposed, of a {x.ndim - 2}-d input: ember's transposed "
+                                  f"convolution is 2-d")
     if transposed:
         return ember.conv_transpose2d(x, weight, bias, tuple(stride), tuple(padding), tuple(output_padding),
                                       groups, tuple(dilation))
-    return ember.conv2d(x, weight, bias, tuple(stride), tuple(padding), tuple(dilation), groups)
+    convolve = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}.get(x.ndim)
+    if convolve is None:
+        raise NotImplementedError(f"aten.convolution of a {x.ndim - 2}-d input: ember convolves 1-, 2- and 3-d inputs")
+    return convolve(x, weight, bias, tuple(stride), tuple(padding), tuple(dilation), groups)
 
 
 def _convolution_backward(grad, x, weight, bias_sizes, stride, padding, dilation, transposed, output_padding,
                           groups, output_mask):
     dx, dw = _vjp(lambda a, w: _convolution(a, w, None, stride, padding, dilation, transposed, output_padding,
                                             groups), [x, weight], grad, list(output_mask[:2]))
-    db = grad.sum((0, 2, 3)) if output_mask[2] else None
+    db = grad.sum((0, *range(2, grad.ndim))) if output_mask[2] else None
     return dx, dw, db
 
 
-def _max_pool2d_with_indices(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
-    out = F.max_pool2d(x, tuple(kernel_size), tuple(stride) or None, _pair(padding), _pair(dilation), ceil_mode)
-    return out, _NotComputed("the indices of aten.max_pool2d_with_indices", out.shape)
+# -- pooling, 2-d and 3-d: the rank is the kernel's ----------------------------------------------------------------
+
+_MAX_POOLS, _AVG_POOLS = {2: F.max_pool2d, 3: F.max_pool3d}, {2: F.avg_pool2d, 3: F.avg_pool3d}
+_ADAPTIVE_AVG_POOLS = {2: F.adaptive_avg_pool2d, 3: F.adaptive_avg_pool3d}
 
 
-def _max_pool2d_with_indices_backward(grad, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
-    (dx,) = _vjp(lambda a: F.max_pool2d(a, tuple(kernel_size), tuple(stride) or None, _pair(padding),
-                                        _pair(dilation), ceil_mode), [x], grad)
+def _spread(v, rank: int) -> tuple:
+    """An int[] argument of a pooling (an int, one entry for every axis, or one per axis) as one per axis."""
+    v = (v,) if isinstance(v, int) else tuple(v)
+    return v * rank if len(v) == 1 else v
+
+
+def _max_pool_with_indices(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+    rank = len(kernel_size)
+    out = _MAX_POOLS[rank](x, tuple(kernel_size), tuple(stride) or None, _spread(padding, rank),
+                           _spread(dilation, rank), ceil_mode)
+    return out, _NotComputed(f"the indices of aten.max_pool{rank}d_with_indices", out.shape)
+
+
+def _max_pool_with_indices_backward(grad, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
+    (dx,) = _vjp(lambda a: _max_pool_with_indices(a, kernel_size, stride, padding, dilation, ceil_mode)[0], [x],
+                 grad)
     return dx
 
 
-def _avg_pool2d(x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
-                divisor_override=None):
-    return F.avg_pool2d(x, tuple(kernel_size), tuple(stride) or None, _pair(padding), ceil_mode, count_include_pad,
-                        divisor_override)
+def _avg_pool(x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None):
+    rank = len(kernel_size)
+    return _AVG_POOLS[rank](x, tuple(kernel_size), tuple(stride) or None, _spread(padding, rank), ceil_mode,
+                            count_include_pad, divisor_override)
 
 
-def _avg_pool2d_backward(grad, x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
-    (dx,) = _vjp(lambda a: _avg_pool2d(a, kernel_size, stride, padding, ceil_mode, count_include_pad,
-                                       divisor_override), [x], grad)
+def _avg_pool_backward(grad, x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    (dx,) = _vjp(lambda a: _avg_pool(a, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                                     divisor_override), [x], grad)
     return dx
 
 
-def _adaptive_avg_pool2d_backward(grad, x):
-    (dx,) = _vjp(lambda a: F.adaptive_avg_pool2d(a, grad.shape[-2:]), [x], grad)
-    return dx
+def _adaptive_avg_pool(x, size):
+    return _ADAPTIVE_AVG_POOLS[len(size)](x, tuple(size))
 
 
-def _pair(v):
-    return (v, v) if isinstance(v, int) else tuple(v) if len(v) == 2 else (v[0], v[0])
+def _adaptive_avg_pool_backward(rank: int):
+    def backward(grad, x):
+        (dx,) = _vjp(lambda a: _adaptive_avg_pool(a, grad.shape[-rank:]), [x], grad)
+        return dx
+    return backward
 
 
 def _native_layer_norm(x, normalized_shape, weight, bias, eps):
@@ -416,10 +436,12 @@ def _efficient_attention_backward(grad, q, k, v, attn_bias, out, lse, seed, offs
 
 
 def _upsample(mode):
-    def upsample(x, output_size, align_corners=None, scales_h=None, scales_w=None):
+    """aten.upsample_{mode}: resampled to the output size (the interpolating modes' next argument is
+    align_corners; the scales that follow give the same sizes)."""
+    def upsample(x, output_size, *rest):
         if mode == "nearest":
             return F.interpolate(x, size=tuple(output_size), mode="nearest")
-        return F.interpolate(x, size=tuple(output_size), mode=mode, align_corners=align_corners)
+        return F.interpolate(x, size=tuple(output_size), mode=mode, align_corners=rest[0] if rest else None)
     return upsample
 
 
@@ -520,13 +542,17 @@ OPS: dict[str, Callable] = {
     "aten.native_group_norm": _native_group_norm, "aten.embedding": _embedding,
     "aten.embedding_dense_backward": _embedding_dense_backward, "aten.native_dropout": _native_dropout,
     "aten.native_dropout_backward": lambda grad, mask, scale: grad * mask.to(grad.dtype) * scale,
-    "aten.max_pool2d_with_indices": _max_pool2d_with_indices,
-    "aten.max_pool2d_with_indices_backward": _max_pool2d_with_indices_backward,
-    "aten.avg_pool2d": _avg_pool2d, "aten.avg_pool2d_backward": _avg_pool2d_backward,
-    "aten._adaptive_avg_pool2d": lambda x, size: F.adaptive_avg_pool2d(x, tuple(size)),
-    "aten._adaptive_avg_pool2d_backward": _adaptive_avg_pool2d_backward,
+    "aten.max_pool2d_with_indices": _max_pool_with_indices, "aten.max_pool3d_with_indices": _max_pool_with_indices,
+    "aten.max_pool2d_with_indices_backward": _max_pool_with_indices_backward,
+    "aten.max_pool3d_with_indices_backward": _max_pool_with_indices_backward,
+    "aten.avg_pool2d": _avg_pool, "aten.avg_pool2d_backward": _avg_pool_backward,
+    "aten.avg_pool3d": _avg_pool, "aten.avg_pool3d_backward": _avg_pool_backward,
+    "aten._adaptive_avg_pool2d": _adaptive_avg_pool, "aten._adaptive_avg_pool3d": _adaptive_avg_pool,
+    "aten._adaptive_avg_pool2d_backward": _adaptive_avg_pool_backward(2),
+    "aten._adaptive_avg_pool3d_backward": _adaptive_avg_pool_backward(3),
     "aten.upsample_nearest2d": _upsample("nearest"), "aten.upsample_bilinear2d": _upsample("bilinear"),
-    "aten.upsample_bicubic2d": _upsample("bicubic"),
+    "aten.upsample_bicubic2d": _upsample("bicubic"), "aten.upsample_nearest3d": _upsample("nearest"),
+    "aten.upsample_trilinear3d": _upsample("trilinear"),
     "aten.scaled_dot_product_attention": _attention,
     "aten._scaled_dot_product_flash_attention": _flash_attention,
     "aten._scaled_dot_product_flash_attention_for_cpu": _flash_attention_cpu,

@@ -210,17 +210,13 @@ def _select_like(src, index):
 
 
 def _index_put(x, indices, values, accumulate=False):
-    """x[indices] = values (or +=, with `accumulate`) for one index tensor on the first dimension."""
-    if len(indices) != 1 or indices[0] is None or indices[0].dtype is dtypes.bool_:
-        raise NotImplementedError("aten.index_put is supported with one integer index tensor on the first "
-                                  f"dimension; got {len(indices)} indices")
-    index = indices[0].reshape(-1)
-    rows = values.expand(*index.shape, *x.shape[1:]) if values.ndim <= x.ndim - 1 else \
-        values.reshape(index.shape[0], *x.shape[1:])
-    spread = index.reshape(-1, *([1] * (x.ndim - 1))).expand(*rows.shape)
-    if accumulate:
-        return ember.scatter_add(x, 0, spread, rows)
-    return _scatter(x, 0, spread, rows)
+    """x[indices] = values (or +=, with `accumulate`, where repeated positions add up): the flat positions the
+    indices select in x, scattered into x flattened (what decomposed backward operators, an upsampling's, write)."""
+    positions = _index(ember.arange(x.numel(), device=x.device).reshape(x.shape), indices)
+    values = ember.broadcast_to(values, positions.shape).reshape(-1)
+    positions, flat = positions.reshape(-1), x.reshape(-1)
+    put = ember.scatter_add(flat, 0, positions, values) if accumulate else _scatter(flat, 0, positions, values)
+    return put.reshape(x.shape)
 
 
 def _index(x, indices):
@@ -229,6 +225,19 @@ def _index(x, indices):
 
 def _constant_pad_nd(x, pad, value=0.0):
     return ember.pad(x, list(pad), value=value)
+
+
+def _padding(mode: str) -> dict:
+    """aten.{reflection,replication}_pad{1,2,3}d and their backward operators (`mode` ember.pad's name)."""
+    def backward(grad, x, padding):
+        (dx,) = _vjp(lambda a: ember.pad(a, list(padding), mode=mode), [x], grad)
+        return dx
+    name = {"reflect": "reflection", "replicate": "replication"}[mode]
+    table = {}
+    for rank in (1, 2, 3):
+        table[f"aten.{name}_pad{rank}d"] = lambda x, padding: ember.pad(x, list(padding), mode=mode)
+        table[f"aten.{name}_pad{rank}d_backward"] = backward
+    return table
 
 
 def _native_dropout(x, p, train=True):
@@ -436,12 +445,20 @@ def _efficient_attention_backward(grad, q, k, v, attn_bias, out, lse, seed, offs
 
 
 def _upsample(mode):
-    """aten.upsample_{mode}: resampled to the output size (the interpolating modes' next argument is
-    align_corners; the scales that follow give the same sizes)."""
+    """aten.upsample_{mode}, both overloads: (x, output_size, [align_corners,] scales...) and .vec's
+    (x, output_size or None, [align_corners,] scale_factors or None). Where every axis has its scale, the
+    source positions are computed from the scales, as torch computes them."""
     def upsample(x, output_size, *rest):
-        if mode == "nearest":
-            return F.interpolate(x, size=tuple(output_size), mode="nearest")
-        return F.interpolate(x, size=tuple(output_size), mode=mode, align_corners=rest[0] if rest else None)
+        align_corners = None
+        if mode != "nearest":
+            align_corners, rest = rest[0], rest[1:]
+        scales = rest[0] if len(rest) == 1 and not isinstance(rest[0], (int, float)) else rest  # .vec: one list
+        scales = tuple(scales or ())
+        spatial = x.shape[2:]
+        if len(scales) == len(spatial) and None not in scales and (
+                output_size is None or all(int(n * f) == m for n, f, m in zip(spatial, scales, output_size))):
+            return F.interpolate(x, scale_factor=scales, mode=mode, align_corners=align_corners)
+        return F.interpolate(x, size=tuple(output_size), mode=mode, align_corners=align_corners)
     return upsample
 
 
@@ -471,6 +488,7 @@ OPS: dict[str, Callable] = {
     "aten.flip": lambda x, dims: x.flip(tuple(dims)), "aten.roll": lambda x, shifts, dims=(): ember.roll(
         x, tuple(shifts), tuple(dims) or None),
     "aten.constant_pad_nd": _constant_pad_nd, "aten.repeat": lambda x, repeats: x.repeat(*repeats),
+    **_padding("reflect"), **_padding("replicate"),
     "aten.index_select": lambda x, dim, index: x.index_select(dim, index), "aten.index.Tensor": _index,
     "aten.gather": lambda x, dim, index, sparse_grad=False: x.gather(dim, index),
     "aten.scatter_add": lambda x, dim, index, src: ember.scatter_add(x, dim, index, src),
@@ -552,7 +570,8 @@ OPS: dict[str, Callable] = {
     "aten._adaptive_avg_pool3d_backward": _adaptive_avg_pool_backward(3),
     "aten.upsample_nearest2d": _upsample("nearest"), "aten.upsample_bilinear2d": _upsample("bilinear"),
     "aten.upsample_bicubic2d": _upsample("bicubic"), "aten.upsample_nearest3d": _upsample("nearest"),
-    "aten.upsample_trilinear3d": _upsample("trilinear"),
+    "aten.upsample_trilinear3d": _upsample("trilinear"), "aten.upsample_nearest1d": _upsample("nearest"),
+    "aten.upsample_linear1d": _upsample("linear"),
     "aten.scaled_dot_product_attention": _attention,
     "aten._scaled_dot_product_flash_attention": _flash_attention,
     "aten._scaled_dot_product_flash_attention_for_cpu": _flash_attention_cpu,

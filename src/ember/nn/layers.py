@@ -1,5 +1,5 @@
-"""Layers: Linear, Conv1d/2d/3d, Embedding, dropout, pooling, padding, resampling, reshaping, activations and
-distances.
+"""Layers: Linear, Conv1d/2d/3d, Embedding, dropout, padding, resampling, reshaping, activations and distances
+(the pooling layers live in pooling.py).
 
 Each layer holds its Parameters, initialises them as PyTorch does (so ported models
 train the same way), and calls into `ember.nn.functional` in `forward`.
@@ -327,7 +327,8 @@ class Flatten(Module):
 # -- resampling ---------------------------------------------------------------------------
 
 class Upsample(Module):
-    """Resample (N, C, H, W) input to `size` or by `scale_factor`, as torch.nn.Upsample (see F.interpolate)."""
+    """Resample (N, C, L), (N, C, H, W) or (N, C, D, H, W) input to `size` or by `scale_factor`, as
+    torch.nn.Upsample (see F.interpolate)."""
 
     def __init__(self, size=None, scale_factor=None, mode: str = "nearest", align_corners: bool | None = None,
                  recompute_scale_factor: bool | None = None) -> None:

@@ -196,3 +196,15 @@ def test_an_import_moved_to_another_device_makes_its_new_tensors_there():
     got = em(ember.tensor(ids, device="cuda"))["logits"]
     assert got.device == ember.Device("cuda", 0)
     np.testing.assert_allclose(got.numpy(), expected, rtol=1e-4, atol=1e-5)
+
+
+class Put(tnn.Module):
+    def forward(self, x, rows, cols):
+        y = torch.ops.aten.index_put.default(x, [None, cols], torch.full((4, 3), 2.0))  # a slice, then an index
+        return y.index_put((rows, cols), torch.ones(rows.shape), accumulate=True)  # two indices, a repeated pair
+
+
+def test_index_put_takes_a_slice_before_an_index_and_several_indices_that_accumulate():
+    x, rows, cols = torch.randn(4, 5), torch.tensor([0, 3, 0]), torch.tensor([1, 4, 1])
+    got = ember.from_torch(Put(), via="export")(*(ember.tensor(t.numpy()) for t in (x, rows, cols)))
+    np.testing.assert_allclose(got.numpy(), Put()(x, rows, cols).numpy(), rtol=1e-6)

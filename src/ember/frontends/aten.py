@@ -193,15 +193,20 @@ def _gelu(x, approximate="none"):
 
 
 def _scatter(x, dim, index, src, reduce=None):
-    """scatter.value / scatter.src: positions the index names take the value (indices unique, as torch assumes)."""
+    """scatter.value / scatter.src: positions the index names take the value; a position named several times
+    (which torch leaves undefined) takes the mean of its values, so equal copies give that value."""
     if reduce is not None:
         raise NotImplementedError(f"aten.scatter with reduce={reduce!r} is not supported")
     ones = ember.ones(index.shape, dtype=x.dtype, device=x.device)
-    hit = ember.scatter_add(ember.zeros(x.shape, dtype=x.dtype, device=x.device), dim, index, ones) > 0
+    count = ember.scatter_add(ember.zeros(x.shape, dtype=x.dtype, device=x.device), dim, index, ones)
+    hit = count > 0
     if not isinstance(src, Tensor):
         return ember.where(hit, ember.full((), src, dtype=x.dtype, device=x.device), x)
     placed = ember.scatter_add(ember.zeros(x.shape, dtype=x.dtype, device=x.device), dim, index,
                                _select_like(src, index))
+    if x.dtype is not dtypes.bool_:
+        placed = ember.div(placed, ember.where(hit, count, ember.ones_like(count)),
+                           rounding_mode=None if x.dtype.is_floating_point else "floor")
     return ember.where(hit, placed, x)
 
 

@@ -230,3 +230,15 @@ def test_attention_written_by_hand_imports_as_one_attention_kernel_forward_and_b
     expected = torch_step(model, (x, mask), target)
     assert abs(ember_step(em, (ex, emask), ember.from_dlpack(target)) - expected) < 1e-5 * abs(expected)
     close_states(em, model)
+
+
+class Put(tnn.Module):
+    def forward(self, x, rows, cols):
+        y = torch.ops.aten.index_put.default(x, [None, cols], torch.full((4, 3), 2.0))  # a slice, then an index
+        return y.index_put((rows, cols), torch.ones(rows.shape), accumulate=True)  # two indices, a repeated pair
+
+
+def test_index_put_takes_a_slice_before_an_index_and_several_indices_that_accumulate():
+    x, rows, cols = torch.randn(4, 5), torch.tensor([0, 3, 0]), torch.tensor([1, 4, 1])
+    got = ember.from_torch(Put(), via="export")(*(ember.tensor(t.numpy()) for t in (x, rows, cols)))
+    np.testing.assert_allclose(got.numpy(), Put()(x, rows, cols).numpy(), rtol=1e-6)

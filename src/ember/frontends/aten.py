@@ -194,15 +194,20 @@ def _gelu(x, approximate="none"):
 
 
 def _scatter(x, dim, index, src, reduce=None):
-    """scatter.value / scatter.src: positions the index names take the value (indices unique, as torch assumes)."""
+    """scatter.value / scatter.src: positions the index names take the value; a position named several times
+    (which torch leaves undefined) takes the mean of its values, so equal copies give that value."""
     if reduce is not None:
         raise NotImplementedError(f"aten.scatter with reduce={reduce!r} is not supported")
     ones = ember.ones(index.shape, dtype=x.dtype, device=x.device)
-    hit = ember.scatter_add(ember.zeros(x.shape, dtype=x.dtype, device=x.device), dim, index, ones) > 0
+    count = ember.scatter_add(ember.zeros(x.shape, dtype=x.dtype, device=x.device), dim, index, ones)
+    hit = count > 0
     if not isinstance(src, Tensor):
         return ember.where(hit, ember.full((), src, dtype=x.dtype, device=x.device), x)
     placed = ember.scatter_add(ember.zeros(x.shape, dtype=x.dtype, device=x.device), dim, index,
                                _select_like(src, index))
+    if x.dtype is not dtypes.bool_:
+        placed = ember.div(placed, ember.where(hit, count, ember.ones_like(count)),
+                           rounding_mode=None if x.dtype.is_floating_point else "floor")
     return ember.where(hit, placed, x)
 
 
@@ -211,17 +216,13 @@ def _select_like(src, index):
 
 
 def _index_put(x, indices, values, accumulate=False):
-    """x[indices] = values (or +=, with `accumulate`) for one index tensor on the first dimension."""
-    if len(indices) != 1 or indices[0] is None or indices[0].dtype is dtypes.bool_:
-        raise NotImplementedError("aten.index_put is supported with one integer index tensor on the first "
-                                  f"dimension; got {len(indices)} indices")
-    index = indices[0].reshape(-1)
-    rows = values.expand(*index.shape, *x.shape[1:]) if values.ndim <= x.ndim - 1 else \
-        values.reshape(index.shape[0], *x.shape[1:])
-    spread = index.reshape(-1, *([1] * (x.ndim - 1))).expand(*rows.shape)
-    if accumulate:
-        return ember.scatter_add(x, 0, spread, rows)
-    return _scatter(x, 0, spread, rows)
+    """x[indices] = values (or +=, with `accumulate`, where repeated positions add up): the flat positions the
+    indices select in x, scattered into x flattened (what decomposed backward operators, an upsampling's, write)."""
+    positions = _index(ember.arange(x.numel(), device=x.device).reshape(x.shape), indices)
+    values = ember.broadcast_to(values, positions.shape).reshape(-1)
+    positions, flat = positions.reshape(-1), x.reshape(-1)
+    put = ember.scatter_add(flat, 0, positions, values) if accumulate else _scatter(flat, 0, positions, values)
+    return put.reshape(x.shape)
 
 
 def _index(x, indices):
@@ -230,6 +231,19 @@ def _index(x, indices):
 
 def _constant_pad_nd(x, pad, value=0.0):
     return ember.pad(x, list(pad), value=value)
+
+
+def _padding(mode: str) -> dict:
+    """aten.{reflection,replication}_pad{1,2,3}d and their backward operators (`mode` ember.pad's name)."""
+    def backward(grad, x, padding):
+        (dx,) = _vjp(lambda a: ember.pad(a, list(padding), mode=mode), [x], grad)
+        return dx
+    name = {"reflect": "reflection", "replicate": "replication"}[mode]
+    table = {}
+    for rank in (1, 2, 3):
+        table[f"aten.{name}_pad{rank}d"] = lambda x, padding: ember.pad(x, list(padding), mode=mode)
+        table[f"aten.{name}_pad{rank}d_backward"] = backward
+    return table
 
 
 def _native_dropout(x, p, train=True):
@@ -242,52 +256,72 @@ def _native_dropout(x, p, train=True):
 # -- neural-network operators --------------------------------------------------------------------------------------
 
 def _convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
-    if x.ndim != 4:
-        raise NotImplementedError(f"aten.convolution of a {x.ndim - 2}-d input: ember convolves 2-d images")
+    if transposed and x.ndim != 4:
+        raise NotImplementedError(f"aten.convolution, transposed, of a {x.ndim - 2}-d input: ember's transposed "
+                                  f"convolution is 2-d")
     if transposed:
         return ember.conv_transpose2d(x, weight, bias, tuple(stride), tuple(padding), tuple(output_padding),
                                       groups, tuple(dilation))
-    return ember.conv2d(x, weight, bias, tuple(stride), tuple(padding), tuple(dilation), groups)
+    convolve = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}.get(x.ndim)
+    if convolve is None:
+        raise NotImplementedError(f"aten.convolution of a {x.ndim - 2}-d input: ember convolves 1-, 2- and 3-d inputs")
+    return convolve(x, weight, bias, tuple(stride), tuple(padding), tuple(dilation), groups)
 
 
 def _convolution_backward(grad, x, weight, bias_sizes, stride, padding, dilation, transposed, output_padding,
                           groups, output_mask):
     dx, dw = _vjp(lambda a, w: _convolution(a, w, None, stride, padding, dilation, transposed, output_padding,
                                             groups), [x, weight], grad, list(output_mask[:2]))
-    db = grad.sum((0, 2, 3)) if output_mask[2] else None
+    db = grad.sum((0, *range(2, grad.ndim))) if output_mask[2] else None
     return dx, dw, db
 
 
-def _max_pool2d_with_indices(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
-    out = F.max_pool2d(x, tuple(kernel_size), tuple(stride) or None, _pair(padding), _pair(dilation), ceil_mode)
-    return out, _NotComputed("the indices of aten.max_pool2d_with_indices", out.shape)
+# -- pooling, 2-d and 3-d: the rank is the kernel's ----------------------------------------------------------------
+
+_MAX_POOLS, _AVG_POOLS = {2: F.max_pool2d, 3: F.max_pool3d}, {2: F.avg_pool2d, 3: F.avg_pool3d}
+_ADAPTIVE_AVG_POOLS = {2: F.adaptive_avg_pool2d, 3: F.adaptive_avg_pool3d}
 
 
-def _max_pool2d_with_indices_backward(grad, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
-    (dx,) = _vjp(lambda a: F.max_pool2d(a, tuple(kernel_size), tuple(stride) or None, _pair(padding),
-                                        _pair(dilation), ceil_mode), [x], grad)
+def _spread(v, rank: int) -> tuple:
+    """An int[] argument of a pooling (an int, one entry for every axis, or one per axis) as one per axis."""
+    v = (v,) if isinstance(v, int) else tuple(v)
+    return v * rank if len(v) == 1 else v
+
+
+def _max_pool_with_indices(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+    rank = len(kernel_size)
+    out = _MAX_POOLS[rank](x, tuple(kernel_size), tuple(stride) or None, _spread(padding, rank),
+                           _spread(dilation, rank), ceil_mode)
+    return out, _NotComputed(f"the indices of aten.max_pool{rank}d_with_indices", out.shape)
+
+
+def _max_pool_with_indices_backward(grad, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
+    (dx,) = _vjp(lambda a: _max_pool_with_indices(a, kernel_size, stride, padding, dilation, ceil_mode)[0], [x],
+                 grad)
     return dx
 
 
-def _avg_pool2d(x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
-                divisor_override=None):
-    return F.avg_pool2d(x, tuple(kernel_size), tuple(stride) or None, _pair(padding), ceil_mode, count_include_pad,
-                        divisor_override)
+def _avg_pool(x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None):
+    rank = len(kernel_size)
+    return _AVG_POOLS[rank](x, tuple(kernel_size), tuple(stride) or None, _spread(padding, rank), ceil_mode,
+                            count_include_pad, divisor_override)
 
 
-def _avg_pool2d_backward(grad, x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
-    (dx,) = _vjp(lambda a: _avg_pool2d(a, kernel_size, stride, padding, ceil_mode, count_include_pad,
-                                       divisor_override), [x], grad)
+def _avg_pool_backward(grad, x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    (dx,) = _vjp(lambda a: _avg_pool(a, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                                     divisor_override), [x], grad)
     return dx
 
 
-def _adaptive_avg_pool2d_backward(grad, x):
-    (dx,) = _vjp(lambda a: F.adaptive_avg_pool2d(a, grad.shape[-2:]), [x], grad)
-    return dx
+def _adaptive_avg_pool(x, size):
+    return _ADAPTIVE_AVG_POOLS[len(size)](x, tuple(size))
 
 
-def _pair(v):
-    return (v, v) if isinstance(v, int) else tuple(v) if len(v) == 2 else (v[0], v[0])
+def _adaptive_avg_pool_backward(rank: int):
+    def backward(grad, x):
+        (dx,) = _vjp(lambda a: _adaptive_avg_pool(a, grad.shape[-rank:]), [x], grad)
+        return dx
+    return backward
 
 
 def _native_layer_norm(x, normalized_shape, weight, bias, eps):
@@ -417,9 +451,19 @@ def _efficient_attention_backward(grad, q, k, v, attn_bias, out, lse, seed, offs
 
 
 def _upsample(mode):
-    def upsample(x, output_size, align_corners=None, scales_h=None, scales_w=None):
-        if mode == "nearest":
-            return F.interpolate(x, size=tuple(output_size), mode="nearest")
+    """aten.upsample_{mode}, both overloads: (x, output_size, [align_corners,] scales...) and .vec's
+    (x, output_size or None, [align_corners,] scale_factors or None). Where every axis has its scale, the
+    source positions are computed from the scales, as torch computes them."""
+    def upsample(x, output_size, *rest):
+        align_corners = None
+        if mode != "nearest":
+            align_corners, rest = rest[0], rest[1:]
+        scales = rest[0] if len(rest) == 1 and not isinstance(rest[0], (int, float)) else rest  # .vec: one list
+        scales = tuple(scales or ())
+        spatial = x.shape[2:]
+        if len(scales) == len(spatial) and None not in scales and (
+                output_size is None or all(int(n * f) == m for n, f, m in zip(spatial, scales, output_size))):
+            return F.interpolate(x, scale_factor=scales, mode=mode, align_corners=align_corners)
         return F.interpolate(x, size=tuple(output_size), mode=mode, align_corners=align_corners)
     return upsample
 
@@ -450,6 +494,7 @@ OPS: dict[str, Callable] = {
     "aten.flip": lambda x, dims: x.flip(tuple(dims)), "aten.roll": lambda x, shifts, dims=(): ember.roll(
         x, tuple(shifts), tuple(dims) or None),
     "aten.constant_pad_nd": _constant_pad_nd, "aten.repeat": lambda x, repeats: x.repeat(*repeats),
+    **_padding("reflect"), **_padding("replicate"),
     "aten.index_select": lambda x, dim, index: x.index_select(dim, index), "aten.index.Tensor": _index,
     "aten.gather": lambda x, dim, index, sparse_grad=False: x.gather(dim, index),
     "aten.scatter_add": lambda x, dim, index, src: ember.scatter_add(x, dim, index, src),
@@ -521,13 +566,18 @@ OPS: dict[str, Callable] = {
     "aten.native_group_norm": _native_group_norm, "aten.embedding": _embedding,
     "aten.embedding_dense_backward": _embedding_dense_backward, "aten.native_dropout": _native_dropout,
     "aten.native_dropout_backward": lambda grad, mask, scale: grad * mask.to(grad.dtype) * scale,
-    "aten.max_pool2d_with_indices": _max_pool2d_with_indices,
-    "aten.max_pool2d_with_indices_backward": _max_pool2d_with_indices_backward,
-    "aten.avg_pool2d": _avg_pool2d, "aten.avg_pool2d_backward": _avg_pool2d_backward,
-    "aten._adaptive_avg_pool2d": lambda x, size: F.adaptive_avg_pool2d(x, tuple(size)),
-    "aten._adaptive_avg_pool2d_backward": _adaptive_avg_pool2d_backward,
+    "aten.max_pool2d_with_indices": _max_pool_with_indices, "aten.max_pool3d_with_indices": _max_pool_with_indices,
+    "aten.max_pool2d_with_indices_backward": _max_pool_with_indices_backward,
+    "aten.max_pool3d_with_indices_backward": _max_pool_with_indices_backward,
+    "aten.avg_pool2d": _avg_pool, "aten.avg_pool2d_backward": _avg_pool_backward,
+    "aten.avg_pool3d": _avg_pool, "aten.avg_pool3d_backward": _avg_pool_backward,
+    "aten._adaptive_avg_pool2d": _adaptive_avg_pool, "aten._adaptive_avg_pool3d": _adaptive_avg_pool,
+    "aten._adaptive_avg_pool2d_backward": _adaptive_avg_pool_backward(2),
+    "aten._adaptive_avg_pool3d_backward": _adaptive_avg_pool_backward(3),
     "aten.upsample_nearest2d": _upsample("nearest"), "aten.upsample_bilinear2d": _upsample("bilinear"),
-    "aten.upsample_bicubic2d": _upsample("bicubic"),
+    "aten.upsample_bicubic2d": _upsample("bicubic"), "aten.upsample_nearest3d": _upsample("nearest"),
+    "aten.upsample_trilinear3d": _upsample("trilinear"), "aten.upsample_nearest1d": _upsample("nearest"),
+    "aten.upsample_linear1d": _upsample("linear"),
     "aten.scaled_dot_product_attention": _attention,
     "aten._scaled_dot_product_flash_attention": _flash_attention,
     "aten._scaled_dot_product_flash_attention_for_cpu": _flash_attention_cpu,

@@ -30,6 +30,7 @@ _RESULT = object()  # in a template's record of a call's results: the place of a
 # the auxiliary outputs ember does not compute, and the backward operators that alone may read them
 _READERS_OF_AUXILIARY = {
     "aten.max_pool2d_with_indices": ("aten.max_pool2d_with_indices_backward",),
+    "aten.max_pool3d_with_indices": ("aten.max_pool3d_with_indices_backward",),
     "aten._scaled_dot_product_flash_attention": ("aten._scaled_dot_product_flash_attention_backward",),
     "aten._scaled_dot_product_flash_attention_for_cpu": (
         "aten._scaled_dot_product_flash_attention_for_cpu_backward",),

@@ -15,9 +15,9 @@ the torch module holds keeps its torch name and path, used by the forward or not
 order of `parameters()` are the torch model's; a tensor held twice (a tied weight) is one ember Parameter. Each
 module keeps its own training mode.
 
-Layers: Linear, Conv2d, ConvTranspose2d, BatchNorm1d, BatchNorm2d, LayerNorm, Embedding, EmbeddingBag,
-MaxPool2d (return_indices too), MaxUnpool2d, AvgPool2d, AdaptiveAvgPool2d, AdaptiveMaxPool2d, Unfold, Fold, ReLU,
-LeakyReLU, Sigmoid, Tanh, GELU, SiLU, Softplus, Softmax, LogSoftmax, Identity, Dropout, Flatten, the recurrent
+Layers: Linear, Conv1d/2d/3d, ConvTranspose2d, BatchNorm1d/2d/3d, LayerNorm, Embedding, EmbeddingBag,
+MaxPool2d/3d (return_indices too), MaxUnpool2d, AvgPool2d/3d, AdaptiveAvgPool2d/3d, AdaptiveMaxPool2d, Unfold, Fold,
+ReLU, LeakyReLU, Sigmoid, Tanh, GELU, SiLU, Softplus, Softmax, LogSoftmax, Identity, Dropout, Flatten, the recurrent
 layers (RNN, LSTM, GRU) and their cells, among others (the `_LAYERS` table). Anything else is an error at import
 that names it and where it sits, once: another layer the forward calls, a function or Tensor method ember does not
 have (named with the module whose forward calls it), or a forward torch.fx cannot trace (one that branches on its
@@ -445,9 +445,12 @@ def _linear(m, importer: _Importer) -> Module:
     return _sharing(out, m, importer)
 
 
-def _conv2d(m, importer: _Importer) -> Module:
-    return _sharing(nn.Conv2d(m.in_channels, m.out_channels, m.kernel_size, m.stride, m.padding, m.dilation,
-                              m.groups, m.bias is not None, m.padding_mode), m, importer)
+def _conv(cls):
+    """Conv1d, Conv2d or Conv3d: the ember `cls` with the torch layer's geometry, on its parameters."""
+    def convert(m, importer: _Importer) -> Module:
+        return _sharing(cls(m.in_channels, m.out_channels, m.kernel_size, m.stride, m.padding, m.dilation, m.groups,
+                            m.bias is not None, m.padding_mode), m, importer)
+    return convert
 
 
 def _conv_transpose2d(m, importer: _Importer) -> Module:
@@ -531,10 +534,13 @@ def _composite(cls, *attributes: str):
 
 _LAYERS = {
     "Linear": _linear,
-    "Conv2d": _conv2d,
+    "Conv1d": _conv(nn.Conv1d),
+    "Conv2d": _conv(nn.Conv2d),
+    "Conv3d": _conv(nn.Conv3d),
     "ConvTranspose2d": _conv_transpose2d,
     "BatchNorm1d": _batch_norm(nn.BatchNorm1d),
     "BatchNorm2d": _batch_norm(nn.BatchNorm2d),
+    "BatchNorm3d": _batch_norm(nn.BatchNorm3d),
     "LayerNorm": _layer_norm,
     "Embedding": _embedding,
     "EmbeddingBag": _embedding_bag,
@@ -543,6 +549,12 @@ _LAYERS = {
     "AvgPool2d": _stateless(lambda m: nn.AvgPool2d(m.kernel_size, m.stride, m.padding, m.ceil_mode,
                                                    m.count_include_pad, m.divisor_override)),
     "AdaptiveAvgPool2d": _stateless(lambda m: nn.AdaptiveAvgPool2d(m.output_size)),
+    "MaxPool3d": _stateless(lambda m: nn.MaxPool3d(m.kernel_size, m.stride, m.padding, m.dilation, m.return_indices,
+                                                   m.ceil_mode)),
+    "AvgPool3d": _stateless(lambda m: nn.AvgPool3d(m.kernel_size, m.stride, m.padding, m.ceil_mode,
+                                                   m.count_include_pad, m.divisor_override)),
+    "AdaptiveAvgPool3d": _stateless(lambda m: nn.AdaptiveAvgPool3d(m.output_size)),
+    "AdaptiveMaxPool3d": _stateless(lambda m: nn.AdaptiveMaxPool3d(m.output_size, m.return_indices)),
     "ReLU": _stateless(lambda m: nn.ReLU()),
     "LeakyReLU": _stateless(lambda m: nn.LeakyReLU(m.negative_slope)),
     "Sigmoid": _stateless(lambda m: nn.Sigmoid()),
@@ -555,13 +567,11 @@ _LAYERS = {
     "Identity": _stateless(lambda m: nn.Identity()),
     "Dropout": _stateless(lambda m: nn.Dropout(m.p)),
     "Flatten": _stateless(lambda m: nn.Flatten(m.start_dim, m.end_dim)),
-    "Conv1d": lambda m, importer: _sharing(nn.Conv1d(m.in_channels, m.out_channels, m.kernel_size, m.stride,
-                                                     m.padding, m.dilation, m.groups, m.bias is not None,
-                                                     m.padding_mode), m, importer),
     "GroupNorm": lambda m, importer: _sharing(nn.GroupNorm(m.num_groups, m.num_channels, m.eps, m.affine), m,
                                               importer),
     "InstanceNorm1d": _batch_norm(nn.InstanceNorm1d),
     "InstanceNorm2d": _batch_norm(nn.InstanceNorm2d),
+    "InstanceNorm3d": _batch_norm(nn.InstanceNorm3d),
     "MaxPool1d": _stateless(lambda m: nn.MaxPool1d(m.kernel_size, m.stride, m.padding, m.dilation, m.return_indices,
                                                    m.ceil_mode)),
     "AvgPool1d": _stateless(lambda m: nn.AvgPool1d(m.kernel_size, m.stride, m.padding, m.ceil_mode,

@@ -38,13 +38,18 @@ from ember.nn.loss_functions import (
 from ember.nn.resampling import interpolate
 from ember.ops import (
     adaptive_avg_pool2d,
+    adaptive_avg_pool3d,
     adaptive_max_pool2d,
+    adaptive_max_pool3d,
     avg_pool2d,
+    avg_pool3d,
     conv2d,
+    conv3d,
     conv_transpose2d,
     gelu,
     linear,
     max_pool2d,
+    max_pool3d,
     mish,
     one_hot,
     sigmoid,
@@ -73,14 +78,15 @@ from ember.runtime.executor import realize_with_next
 from ember.tensor import Tensor, apply, composite, expect_tensors, realize
 
 __all__ = [
-    "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_max_pool1d", "adaptive_max_pool2d", "avg_pool1d",
-    "avg_pool2d", "batch_norm", "binary_cross_entropy", "binary_cross_entropy_with_logits", "conv1d", "conv2d",
-    "conv_transpose2d", "cosine_similarity", "cross_entropy", "dropout", "dropout2d", "elu", "embedding",
-    "embedding_bag", "fold", "gelu", "glu", "group_norm", "hardsigmoid", "hardswish", "hardtanh", "huber_loss",
-    "instance_norm", "interpolate", "kl_div", "l1_loss", "layer_norm", "leaky_relu", "linear", "log_softmax",
-    "logsigmoid", "max_pool1d", "max_pool2d", "max_unpool1d", "max_unpool2d", "mish", "mse_loss", "nll_loss",
-    "normalize", "one_hot", "pad", "pixel_shuffle", "pixel_unshuffle", "prelu", "relu", "relu6", "rms_norm",
-    "scaled_dot_product_attention", "sigmoid", "silu", "smooth_l1_loss", "softmax", "softplus", "tanh", "unfold",
+    "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d",
+    "adaptive_max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d", "batch_norm", "binary_cross_entropy",
+    "binary_cross_entropy_with_logits", "conv1d", "conv2d", "conv3d", "conv_transpose2d", "cosine_similarity",
+    "cross_entropy", "dropout", "dropout2d", "elu", "embedding", "embedding_bag", "fold", "gelu", "glu", "group_norm",
+    "hardsigmoid", "hardswish", "hardtanh", "huber_loss", "instance_norm", "interpolate", "kl_div", "l1_loss",
+    "layer_norm", "leaky_relu", "linear", "log_softmax", "logsigmoid", "max_pool1d", "max_pool2d", "max_pool3d",
+    "max_unpool1d", "max_unpool2d", "mish", "mse_loss", "nll_loss", "normalize", "one_hot", "pad", "pixel_shuffle",
+    "pixel_unshuffle", "prelu", "relu", "relu6", "rms_norm", "scaled_dot_product_attention", "sigmoid", "silu",
+    "smooth_l1_loss", "softmax", "softplus", "tanh", "unfold",
 ]
 
 

@@ -1,5 +1,5 @@
-"""Layers: Linear, Conv1d/2d, Embedding, dropout, pooling, padding, resampling, reshaping, activations and
-distances.
+"""Layers: Linear, Conv1d/2d/3d, Embedding, dropout, padding, resampling, reshaping, activations and distances
+(the pooling layers live in pooling.py).
 
 Each layer holds its Parameters, initialises them as PyTorch does (so ported models
 train the same way), and calls into `ember.nn.functional` in `forward`.
@@ -71,6 +71,10 @@ def _single(v) -> tuple[int]:
     return (v,) if isinstance(v, int) else tuple(v)
 
 
+def _triple(v) -> tuple[int, int, int]:
+    return (v, v, v) if isinstance(v, int) else tuple(v)
+
+
 class _Conv(Module):
     """What a convolution layer and a transposed one share: channels, geometry, the weight and bias, and
     torch's default initialisation."""
@@ -97,41 +101,48 @@ class _Conv(Module):
             _uniform_fan_in_bias(self.bias, self.weight)
 
 
-class Conv2d(_Conv):
-    """2-d cross-correlation over (N, C, H, W) input, as torch.nn.Conv2d."""
+class _PaddedConv(_Conv):
+    """A convolution layer with torch.nn.ConvNd's arguments and padding modes: zero padding is the convolution's
+    own; 'reflect', 'replicate' and 'circular' pad the input first (padding='same' split as torch splits it, the
+    odd extra on the far side). A subclass names its functional form (`_convolve`) and how its int-or-tuple
+    arguments are read (`_spatial`, by its rank)."""
+
+    _spatial = staticmethod(_pair)
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
                  groups: int = 1, bias: bool = True, padding_mode: str = "zeros", device=None, dtype=None) -> None:
+        name = type(self).__name__
         if padding_mode not in ("zeros", "reflect", "replicate", "circular"):
-            raise ValueError(f"Conv2d: padding_mode must be 'zeros', 'reflect', 'replicate' or 'circular', "
+            raise ValueError(f"{name}: padding_mode must be 'zeros', 'reflect', 'replicate' or 'circular', "
                              f"not {padding_mode!r}")
         if isinstance(padding, str) and padding not in ("valid", "same"):
-            raise ValueError(f"Conv2d: padding must be an int, a pair, 'valid' or 'same', not {padding!r}")
-        super().__init__("Conv2d", in_channels, out_channels, kernel_size, stride, dilation, groups, bias,
-                         (out_channels, in_channels // groups), device, dtype)
-        self.padding = padding if isinstance(padding, str) else _pair(padding)
+            raise ValueError(f"{name}: padding must be an int, a tuple, 'valid' or 'same', not {padding!r}")
+        super().__init__(name, in_channels, out_channels, kernel_size, stride, dilation, groups, bias,
+                         (out_channels, in_channels // groups), device, dtype, spatial=self._spatial)
+        if padding == "same" and set(self.stride) != {1}:
+            raise ValueError(f"{name}: padding='same' is not supported for strided convolutions")
+        self.padding = padding if isinstance(padding, str) else self._spatial(padding)
         self.padding_mode = padding_mode
+
+    def _convolve(self, input: Tensor, padding) -> Tensor:
+        raise NotImplementedError(f"{type(self).__name__} names no convolution")
 
     def forward(self, input: Tensor) -> Tensor:
         if self.padding_mode == "zeros" or self.padding == "valid":
-            return F.conv2d(input, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups,
-                            memory_format=self.memory_format)
+            return self._convolve(input, self.padding)
         if self.padding == "same":
-            total = [d * (k - 1) for d, k in zip(self.dilation, self.kernel_size)]
-            amounts = (total[1] // 2, total[1] - total[1] // 2, total[0] // 2, total[0] - total[0] // 2)
+            totals = [d * (k - 1) for d, k in zip(self.dilation, self.kernel_size)]
         else:
-            ph, pw = self.padding
-            amounts = (pw, pw, ph, ph)
-        padded = F.pad(input, amounts, mode=self.padding_mode)
-        return F.conv2d(padded, self.weight, self.bias, self.stride, 0, self.dilation, self.groups,
-                        memory_format=self.memory_format)
+            totals = [2 * p for p in self.padding]
+        amounts = [a for total in reversed(totals) for a in (total // 2, total - total // 2)]
+        return self._convolve(F.pad(input, amounts, mode=self.padding_mode), 0)
 
     def extra_repr(self) -> str:
-        text = (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
-                f"stride={self.stride}")
-        if self.padding != (0, 0):
+        rank = len(self.kernel_size)
+        text = f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}"
+        if self.padding != (0,) * rank:
             text += f", padding={self.padding!r}" if isinstance(self.padding, str) else f", padding={self.padding}"
-        if self.dilation != (1, 1):
+        if self.dilation != (1,) * rank:
             text += f", dilation={self.dilation}"
         if self.groups != 1:
             text += f", groups={self.groups}"
@@ -142,47 +153,31 @@ class Conv2d(_Conv):
         return text
 
 
-class Conv1d(_Conv):
+class Conv1d(_PaddedConv):
     """1-d cross-correlation over (N, C, L) input, as torch.nn.Conv1d: weight (out, in / groups, k)."""
 
-    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
-                 groups: int = 1, bias: bool = True, padding_mode: str = "zeros", device=None, dtype=None) -> None:
-        if padding_mode not in ("zeros", "reflect", "replicate", "circular"):
-            raise ValueError(f"Conv1d: padding_mode must be 'zeros', 'reflect', 'replicate' or 'circular', "
-                             f"not {padding_mode!r}")
-        if isinstance(padding, str) and padding not in ("valid", "same"):
-            raise ValueError(f"Conv1d: padding must be an int, a 1-tuple, 'valid' or 'same', not {padding!r}")
-        super().__init__("Conv1d", in_channels, out_channels, kernel_size, stride, dilation, groups, bias,
-                         (out_channels, in_channels // groups), device, dtype, spatial=_single)
-        if padding == "same" and self.stride != (1,):
-            raise ValueError("Conv1d: padding='same' is not supported for strided convolutions")
-        self.padding = padding if isinstance(padding, str) else _single(padding)
-        self.padding_mode = padding_mode
+    _spatial = staticmethod(_single)
 
-    def forward(self, input: Tensor) -> Tensor:
-        if self.padding_mode == "zeros" or self.padding == "valid":
-            return F.conv1d(input, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
-        if self.padding == "same":
-            total = self.dilation[0] * (self.kernel_size[0] - 1)
-            amounts = (total // 2, total - total // 2)
-        else:
-            amounts = (self.padding[0], self.padding[0])
-        padded = F.pad(input, amounts, mode=self.padding_mode)
-        return F.conv1d(padded, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
+    def _convolve(self, input: Tensor, padding) -> Tensor:
+        return F.conv1d(input, self.weight, self.bias, self.stride, padding, self.dilation, self.groups)
 
-    def extra_repr(self) -> str:
-        text = f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}"
-        if self.padding != (0,):
-            text += f", padding={self.padding!r}" if isinstance(self.padding, str) else f", padding={self.padding}"
-        if self.dilation != (1,):
-            text += f", dilation={self.dilation}"
-        if self.groups != 1:
-            text += f", groups={self.groups}"
-        if self.bias is None:
-            text += ", bias=False"
-        if self.padding_mode != "zeros":
-            text += f", padding_mode={self.padding_mode}"
-        return text
+
+class Conv2d(_PaddedConv):
+    """2-d cross-correlation over (N, C, H, W) input, as torch.nn.Conv2d."""
+
+    def _convolve(self, input: Tensor, padding) -> Tensor:
+        return F.conv2d(input, self.weight, self.bias, self.stride, padding, self.dilation, self.groups,
+                        memory_format=self.memory_format)
+
+
+class Conv3d(_PaddedConv):
+    """3-d cross-correlation over (N, C, D, H, W) input, as torch.nn.Conv3d: weight (out, in / groups, kD, kH,
+    kW)."""
+
+    _spatial = staticmethod(_triple)
+
+    def _convolve(self, input: Tensor, padding) -> Tensor:
+        return F.conv3d(input, self.weight, self.bias, self.stride, padding, self.dilation, self.groups)
 
 
 class ConvTranspose2d(_Conv):
@@ -329,186 +324,11 @@ class Flatten(Module):
         return f"start_dim={self.start_dim}, end_dim={self.end_dim}"
 
 
-# -- pooling ------------------------------------------------------------------------------
-
-class MaxPool2d(Module):
-    """The maximum over windows of (N, C, H, W) or (C, H, W) input; with `return_indices`, also each maximum's
-    flat position in its input plane."""
-
-    def __init__(self, kernel_size, stride=None, padding=0, dilation=1, return_indices: bool = False,
-                 ceil_mode: bool = False) -> None:
-        super().__init__()
-        self.kernel_size, self.stride = kernel_size, stride if stride is not None else kernel_size
-        self.padding, self.dilation, self.ceil_mode = padding, dilation, ceil_mode
-        self.return_indices = return_indices
-
-    def forward(self, input: Tensor) -> Tensor | tuple[Tensor, Tensor]:
-        return F.max_pool2d(input, self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode,
-                            self.return_indices)
-
-    def extra_repr(self) -> str:
-        return (f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}, "
-                f"dilation={self.dilation}, ceil_mode={self.ceil_mode}")
-
-
-class AvgPool2d(Module):
-    def __init__(self, kernel_size, stride=None, padding=0, ceil_mode: bool = False, count_include_pad: bool = True,
-                 divisor_override: int | None = None) -> None:
-        super().__init__()
-        self.kernel_size, self.stride = kernel_size, stride if stride is not None else kernel_size
-        self.padding, self.ceil_mode = padding, ceil_mode
-        self.count_include_pad, self.divisor_override = count_include_pad, divisor_override
-
-    def forward(self, input: Tensor) -> Tensor:
-        return F.avg_pool2d(input, self.kernel_size, self.stride, self.padding, self.ceil_mode,
-                            self.count_include_pad, self.divisor_override)
-
-    def extra_repr(self) -> str:
-        return f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}"
-
-
-class AdaptiveAvgPool2d(Module):
-    def __init__(self, output_size) -> None:
-        super().__init__()
-        self.output_size = output_size
-
-    def forward(self, input: Tensor) -> Tensor:
-        return F.adaptive_avg_pool2d(input, self.output_size)
-
-    def extra_repr(self) -> str:
-        return f"output_size={self.output_size}"
-
-
-class MaxPool1d(Module):
-    """The maximum over windows along the last dim of (N, C, L) or (C, L) input."""
-
-    def __init__(self, kernel_size, stride=None, padding=0, dilation=1, return_indices: bool = False,
-                 ceil_mode: bool = False) -> None:
-        super().__init__()
-        self.kernel_size, self.stride = kernel_size, stride if stride is not None else kernel_size
-        self.padding, self.dilation, self.ceil_mode = padding, dilation, ceil_mode
-        self.return_indices = return_indices
-
-    def forward(self, input: Tensor) -> Tensor | tuple[Tensor, Tensor]:
-        return F.max_pool1d(input, self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode,
-                            self.return_indices)
-
-    def extra_repr(self) -> str:
-        return (f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}, "
-                f"dilation={self.dilation}, ceil_mode={self.ceil_mode}")
-
-
-class AvgPool1d(Module):
-    """The mean over windows along the last dim of (N, C, L) or (C, L) input."""
-
-    def __init__(self, kernel_size, stride=None, padding=0, ceil_mode: bool = False,
-                 count_include_pad: bool = True) -> None:
-        super().__init__()
-        self.kernel_size = _single(kernel_size)
-        self.stride = _single(stride if stride is not None else kernel_size)
-        self.padding, self.ceil_mode, self.count_include_pad = _single(padding), ceil_mode, count_include_pad
-
-    def forward(self, input: Tensor) -> Tensor:
-        return F.avg_pool1d(input, self.kernel_size, self.stride, self.padding, self.ceil_mode,
-                            self.count_include_pad)
-
-    def extra_repr(self) -> str:
-        return f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}"
-
-
-class AdaptiveAvgPool1d(Module):
-    def __init__(self, output_size) -> None:
-        super().__init__()
-        self.output_size = output_size
-
-    def forward(self, input: Tensor) -> Tensor:
-        return F.adaptive_avg_pool1d(input, self.output_size)
-
-    def extra_repr(self) -> str:
-        return f"output_size={self.output_size}"
-
-
-class AdaptiveMaxPool1d(Module):
-    def __init__(self, output_size, return_indices: bool = False) -> None:
-        super().__init__()
-        self.output_size, self.return_indices = output_size, return_indices
-
-    def forward(self, input: Tensor) -> Tensor | tuple[Tensor, Tensor]:
-        return F.adaptive_max_pool1d(input, self.output_size, self.return_indices)
-
-    def extra_repr(self) -> str:
-        return f"output_size={self.output_size}"
-
-
-class AdaptiveMaxPool2d(Module):
-    def __init__(self, output_size, return_indices: bool = False) -> None:
-        super().__init__()
-        self.output_size, self.return_indices = output_size, return_indices
-
-    def forward(self, input: Tensor) -> Tensor | tuple[Tensor, Tensor]:
-        return F.adaptive_max_pool2d(input, self.output_size, self.return_indices)
-
-    def extra_repr(self) -> str:
-        return f"output_size={self.output_size}"
-
-
-class MaxUnpool2d(Module):
-    """max_pool2d's partial inverse: values placed at their indices in planes of zeros."""
-
-    def __init__(self, kernel_size, stride=None, padding=0) -> None:
-        super().__init__()
-        self.kernel_size, self.stride = kernel_size, stride if stride is not None else kernel_size
-        self.padding = padding
-
-    def forward(self, input: Tensor, indices: Tensor, output_size=None) -> Tensor:
-        return F.max_unpool2d(input, indices, self.kernel_size, self.stride, self.padding, output_size)
-
-    def extra_repr(self) -> str:
-        return f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}"
-
-
-class MaxUnpool1d(MaxUnpool2d):
-    """max_pool1d's partial inverse: values placed at their indices in rows of zeros."""
-
-    def forward(self, input: Tensor, indices: Tensor, output_size=None) -> Tensor:
-        return F.max_unpool1d(input, indices, self.kernel_size, self.stride, self.padding, output_size)
-
-
-class Unfold(Module):
-    """The sliding blocks of (N, C, H, W) input as columns (N, C * kh * kw, L) (see F.unfold)."""
-
-    def __init__(self, kernel_size, dilation=1, padding=0, stride=1) -> None:
-        super().__init__()
-        self.kernel_size, self.dilation, self.padding, self.stride = kernel_size, dilation, padding, stride
-
-    def forward(self, input: Tensor) -> Tensor:
-        return F.unfold(input, self.kernel_size, self.dilation, self.padding, self.stride)
-
-    def extra_repr(self) -> str:
-        return (f"kernel_size={self.kernel_size}, dilation={self.dilation}, padding={self.padding}, "
-                f"stride={self.stride}")
-
-
-class Fold(Module):
-    """Columns (N, C * kh * kw, L) summed into (N, C, H, W) planes of `output_size` (see F.fold)."""
-
-    def __init__(self, output_size, kernel_size, dilation=1, padding=0, stride=1) -> None:
-        super().__init__()
-        self.output_size, self.kernel_size = output_size, kernel_size
-        self.dilation, self.padding, self.stride = dilation, padding, stride
-
-    def forward(self, input: Tensor) -> Tensor:
-        return F.fold(input, self.output_size, self.kernel_size, self.dilation, self.padding, self.stride)
-
-    def extra_repr(self) -> str:
-        return (f"output_size={self.output_size}, kernel_size={self.kernel_size}, dilation={self.dilation}, "
-                f"padding={self.padding}, stride={self.stride}")
-
-
 # -- resampling ---------------------------------------------------------------------------
 
 class Upsample(Module):
-    """Resample (N, C, H, W) input to `size` or by `scale_factor`, as torch.nn.Upsample (see F.interpolate)."""
+    """Resample (N, C, L), (N, C, H, W) or (N, C, D, H, W) input to `size` or by `scale_factor`, as
+    torch.nn.Upsample (see F.interpolate)."""
 
     def __init__(self, size=None, scale_factor=None, mode: str = "nearest", align_corners: bool | None = None,
                  recompute_scale_factor: bool | None = None) -> None:

@@ -1,4 +1,4 @@
-"""BatchNorm1d/2d, LayerNorm, RMSNorm, GroupNorm and InstanceNorm1d/2d.
+"""BatchNorm1d/2d/3d, LayerNorm, RMSNorm, GroupNorm and InstanceNorm1d/2d/3d.
 
 BatchNorm keeps running estimates of each channel's mean and (unbiased) variance as
 buffers, updated in training (lazily, outside autograd) and used in eval.
@@ -95,6 +95,12 @@ class BatchNorm2d(_BatchNorm):
     """Batch normalisation over (N, C, H, W) input."""
 
     _dims = (4,)
+
+
+class BatchNorm3d(_BatchNorm):
+    """Batch normalisation over (N, C, D, H, W) input."""
+
+    _dims = (5,)
 
 
 def _scaled(module: Module, normalized_shape, eps, elementwise_affine: bool, device, dtype) -> tuple:
@@ -213,3 +219,9 @@ class InstanceNorm2d(_InstanceNorm):
     """Instance normalisation over (N, C, H, W) or (C, H, W) input."""
 
     _dims = (3, 4)
+
+
+class InstanceNorm3d(_InstanceNorm):
+    """Instance normalisation over (N, C, D, H, W) or (C, D, H, W) input."""
+
+    _dims = (4, 5)

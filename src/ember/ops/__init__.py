@@ -17,6 +17,7 @@ from ember.ops.activations import (
     softplus,
 )
 from ember.ops.contraction import bmm, conv2d, conv_transpose2d, dot, einsum, linear, matmul, mm, outer
+from ember.ops.conv3d import conv3d
 from ember.ops.creation import (
     arange,
     empty,
@@ -134,7 +135,16 @@ from ember.ops.pointwise import (
     trunc,
     where,
 )
-from ember.ops.pooling import adaptive_avg_pool2d, adaptive_max_pool2d, avg_pool2d, max_pool2d
+from ember.ops.pooling import (
+    adaptive_avg_pool2d,
+    adaptive_avg_pool3d,
+    adaptive_max_pool2d,
+    adaptive_max_pool3d,
+    avg_pool2d,
+    avg_pool3d,
+    max_pool2d,
+    max_pool3d,
+)
 from ember.ops.random import (
     bernoulli,
     dropout,
@@ -251,17 +261,19 @@ _bind()
 
 
 __all__ = [
-    "abs", "adaptive_avg_pool2d", "adaptive_max_pool2d", "add", "addcdiv", "addcmul", "all", "amax", "amin", "any",
-    "arange", "argmax", "argmin", "argsort", "avg_pool2d", "bernoulli", "bitwise_and", "bitwise_not", "bitwise_or",
+    "abs", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool2d", "adaptive_max_pool3d", "add",
+    "addcdiv", "addcmul", "all", "amax", "amin", "any", "arange", "argmax", "argmin", "argsort", "avg_pool2d",
+    "avg_pool3d", "bernoulli", "bitwise_and", "bitwise_not", "bitwise_or",
     "bitwise_xor", "bmm", "broadcast_shapes", "broadcast_to", "cat", "ceil", "chunk", "clamp", "clip", "clone",
-    "concat", "concatenate", "contiguous", "conv2d", "conv_transpose2d",
+    "concat", "concatenate", "contiguous", "conv2d", "conv3d", "conv_transpose2d",
     "cos", "count_nonzero", "cumsum", "div", "divide", "dot", "dropout", "einsum",
     "elu", "embedding", "empty", "empty_like", "eq", "erf", "exp", "exp2", "expand", "expm1", "eye",
     "flatten", "flip", "fliplr", "flipud", "floor", "floor_divide", "fmod", "from_dlpack", "from_numpy", "full",
     "full_like", "gather", "ge", "gelu", "gt", "hardtanh", "hstack", "index_select", "initial_seed", "isfinite",
     "isinf", "isnan", "le", "leaky_relu", "lerp", "linear", "linspace", "log", "log1p", "log2", "log_softmax",
     "logical_and", "logical_not", "logical_or", "logical_xor", "logspace", "logsumexp", "lt", "manual_seed",
-    "masked_fill", "matmul", "max", "max_pool2d", "maximum", "mean", "min", "minimum", "mish", "mm", "mul",
+    "masked_fill", "matmul", "max", "max_pool2d", "max_pool3d", "maximum", "mean", "min", "minimum", "mish", "mm",
+    "mul",
     "multinomial", "nan_to_num", "narrow", "ne", "neg", "norm", "one_hot", "ones", "ones_like", "outer", "pad",
     "permute", "pixel_shuffle", "pixel_unshuffle", "pow", "prelu", "cosine_similarity",
     "prod", "rand", "rand_like", "randint", "randint_like", "randn", "randn_like", "randperm", "reciprocal",

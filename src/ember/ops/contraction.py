@@ -350,15 +350,17 @@ def _pair(op: str, name: str, v) -> tuple[int, int]:
     return pair
 
 
-def _batched(op: str, x: Tensor, weight: Tensor, weight_layout: str) -> tuple[Tensor, bool]:
-    """A convolution's checked operands: x with a batch axis (added if x is unbatched), and whether it was."""
+def batched(op: str, x: Tensor, weight: Tensor, weight_layout: str, spatial: str = "H, W") -> tuple[Tensor, bool]:
+    """A convolution's checked operands: x with a batch axis (added if x is unbatched), and whether it was; the
+    input's `spatial` axes are named as the error names them."""
     expect_tensors(op, input=x, weight=weight)
     _check_operands(op, x, weight)
-    unbatched = x.ndim == 3
+    rank = 3 + spatial.count(",")  # the batched input's
+    unbatched = x.ndim == rank - 1
     if unbatched:
         x = unsqueeze(x, 0)
-    if x.ndim != 4 or weight.ndim != 4:
-        raise ShapeError(f"{op}: expects input (N, C, H, W) or (C, H, W) and weight {weight_layout}, "
+    if x.ndim != rank or weight.ndim != rank:
+        raise ShapeError(f"{op}: expects input (N, C, {spatial}) or (C, {spatial}) and weight {weight_layout}, "
                          f"got {operands(x, weight)}")
     return x, unbatched
 
@@ -371,7 +373,7 @@ def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padd
     `memory_format` (ember's): ember.channels_last asks cuda to run this convolution, and its gradients,
     on (N, H, W, C) memory (float16 and bfloat16), as `ember.set_conv_memory_format` does for all of
     them; None or ember.contiguous_format follows that setting. Values are the same either way."""
-    x, unbatched = _batched("conv2d", x, weight, "(O, C/groups, kH, kW)")
+    x, unbatched = batched("conv2d", x, weight, "(O, C/groups, kH, kW)")
     stride, dilation = _pair("conv2d", "stride", stride), _pair("conv2d", "dilation", dilation)
     kh, kw = weight.shape[2:]
     if isinstance(padding, str):
@@ -421,7 +423,7 @@ def conv_transpose2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stri
     """2-d transposed convolution over NCHW input (or CHW), as torch.nn.functional.conv_transpose2d: the
     gradient of a conv2d with respect to its input, so it is that primitive (cuDNN's backward-data on a GPU).
     The weight is (in_channels, out_channels / groups, kH, kW); `memory_format` as conv2d's."""
-    x, unbatched = _batched("conv_transpose2d", x, weight, "(C, O/groups, kH, kW)")
+    x, unbatched = batched("conv_transpose2d", x, weight, "(C, O/groups, kH, kW)")
     stride, dilation = _pair("conv_transpose2d", "stride", stride), _pair("conv_transpose2d", "dilation", dilation)
     padding = _pair("conv_transpose2d", "padding", padding)
     output_padding = _pair("conv_transpose2d", "output_padding", output_padding)

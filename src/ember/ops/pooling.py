@@ -1,8 +1,10 @@
-"""Pooling as reductions over windows: each kernel offset is a strided slice of the
-(padded) input, and the windows are reduced elementwise; unfold and fold, the windows stacked as columns and
-summed back. No primitive of its own."""
+"""Pooling (1-d forms live in nn.functional as views of the 2-d ones; 2-d and 3-d here) as reductions over
+windows: each kernel offset is a strided slice of the (padded) input, and the windows are reduced elementwise;
+unfold and fold, the windows stacked as columns and summed back. No primitive of its own."""
 
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 
@@ -12,6 +14,7 @@ from ember.errors import ShapeError
 from ember.ir import Op
 from ember.ir.ops import RULES
 from ember.ops.contraction import _pair
+from ember.ops.conv3d import triple
 from ember.ops.creation import full_like, ones, tensor, zeros
 from ember.ops.index import checked, scatter_add_in_range, select_in_range
 from ember.ops.movement import (
@@ -28,6 +31,8 @@ from ember.ops.movement import (
 from ember.ops.pointwise import div, maximum, where
 from ember.tensor import Tensor, expect_tensors
 
+_SPATIAL = {2: _pair, 3: triple}  # a pooling's spatial rank: how its int-or-tuple arguments are read
+
 
 def _pool_out(size: int, k: int, s: int, p: int, d: int, ceil_mode: bool) -> int:
     span = size + 2 * p - d * (k - 1) - 1
@@ -38,51 +43,66 @@ def _pool_out(size: int, k: int, s: int, p: int, d: int, ceil_mode: bool) -> int
 
 
 def _windows(x: Tensor, k, s, p, d, ceil_mode: bool, fill: float):
-    """Yield, for every kernel offset, the strided slice of the padded input it sees."""
-    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = k, s, p, d
-    h, w = x.shape[-2:]
-    ho, wo = _pool_out(h, kh, sh, ph, dh, ceil_mode), _pool_out(w, kw, sw, pw, dw, ceil_mode)
-    if ho <= 0 or wo <= 0:
-        raise ShapeError(f"pool2d: input of spatial size {(h, w)} is too small for kernel {k} with padding {p}")
-    extra_h = max((ho - 1) * sh + dh * (kh - 1) + 1 - (h + 2 * ph), 0)
-    extra_w = max((wo - 1) * sw + dw * (kw - 1) + 1 - (w + 2 * pw), 0)
-    xp = pad(x, (pw, pw + extra_w, ph, ph + extra_h), value=fill)
-    for i in range(kh):
-        for j in range(kw):
-            rows = slice_axis(xp, xp.ndim - 2, i * dh, i * dh + (ho - 1) * sh + 1, sh)
-            yield slice_axis(rows, xp.ndim - 1, j * dw, j * dw + (wo - 1) * sw + 1, sw)
+    """Yield, for every kernel offset (in row-major order), the strided slice of the padded input it sees; the
+    kernel's rank says how many trailing axes are spatial."""
+    rank = len(k)
+    spatial = x.shape[-rank:]
+    out = tuple(_pool_out(n, *geometry, ceil_mode) for n, geometry in zip(spatial, zip(k, s, p, d)))
+    if min(out) <= 0:
+        raise ShapeError(f"pool{rank}d: input of spatial size {spatial} is too small for kernel {k} with padding {p}")
+    extra = [max((o - 1) * si + di * (ki - 1) + 1 - (n + 2 * pi), 0)
+             for n, o, ki, si, pi, di in zip(spatial, out, k, s, p, d)]
+    xp = pad(x, [a for pi, e in zip(reversed(p), reversed(extra)) for a in (pi, pi + e)], value=fill)
+    for offset in itertools.product(*(range(ki) for ki in k)):
+        window = xp
+        for axis, t, o, si, di in zip(range(x.ndim - rank, x.ndim), offset, out, s, d):
+            window = slice_axis(window, axis, t * di, t * di + (o - 1) * si + 1, si)
+        yield window
 
 
-def _check_input(op: str, x: Tensor) -> None:
+def _check_input(op: str, x: Tensor, rank: int = 2) -> None:
     expect_tensors(op, input=x)
-    if x.ndim not in (3, 4):
-        raise ShapeError(f"{op}: expects input (N, C, H, W) or (C, H, W), got shape {x.shape}")
+    if x.ndim not in (rank + 1, rank + 2):
+        spatial = "D, H, W" if rank == 3 else "H, W"
+        raise ShapeError(f"{op}: expects input (N, C, {spatial}) or (C, {spatial}), got shape {x.shape}")
 
 
 def max_pool2d(x: Tensor, kernel_size, stride=None, padding=0, dilation=1, ceil_mode: bool = False,
                return_indices: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """The maximum over windows of the last two dims; with `return_indices`, also where each maximum sits, as
     torch gives it: its flat position in its input plane (row * W + column), int64."""
-    _check_input("max_pool2d", x)
-    k = _pair("max_pool2d", "kernel_size", kernel_size)
-    s = _pair("max_pool2d", "stride", stride if stride is not None else kernel_size)
-    p, d = _pair("max_pool2d", "padding", padding), _pair("max_pool2d", "dilation", dilation)
-    if p[0] > k[0] // 2 or p[1] > k[1] // 2:
-        raise ValueError(f"max_pool2d: padding {p} should be at most half of the kernel size {k}")
+    return _max_pool("max_pool2d", 2, x, kernel_size, stride, padding, dilation, ceil_mode, return_indices)
+
+
+def max_pool3d(x: Tensor, kernel_size, stride=None, padding=0, dilation=1, ceil_mode: bool = False,
+               return_indices: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """The maximum over windows of the last three dims; the indices (with `return_indices`) are flat positions
+    in each input volume ((depth * H + row) * W + column)."""
+    return _max_pool("max_pool3d", 3, x, kernel_size, stride, padding, dilation, ceil_mode, return_indices)
+
+
+def _max_pool(op: str, rank: int, x: Tensor, kernel_size, stride, padding, dilation, ceil_mode: bool,
+              return_indices: bool) -> Tensor | tuple[Tensor, Tensor]:
+    _check_input(op, x, rank)
+    spatial = _SPATIAL[rank]
+    k = spatial(op, "kernel_size", kernel_size)
+    s = spatial(op, "stride", stride if stride is not None and stride != () else kernel_size)
+    p, d = spatial(op, "padding", padding), spatial(op, "dilation", dilation)
+    if any(pi > ki // 2 for pi, ki in zip(p, k)):
+        raise ValueError(f"{op}: padding {p} should be at most half of the kernel size {k}")
     windows = list(_windows(x, k, s, p, d, ceil_mode, RULES[Op.MAX].identity(x.dtype)))
     differentiable = x.requires_grad and is_grad_enabled()
     if not return_indices:
         return first_maximum(windows, differentiable)
-    (h, w), (ho, wo) = x.shape[-2:], windows[0].shape[-2:]
-    rows = [np.arange(ho) * s[0] - p[0] + i * d[0] for i in range(k[0])]
-    cols = [np.arange(wo) * s[1] - p[1] + j * d[1] for j in range(k[1])]
-    return first_maximum(windows, differentiable, [(r, c, h, w) for r in rows for c in cols])
+    sizes, out = x.shape[-rank:], windows[0].shape[-rank:]
+    reads = [[np.arange(o) * si - pi + t * di for t in range(ki)] for o, si, pi, di, ki in zip(out, s, p, d, k)]
+    return first_maximum(windows, differentiable, [(coords, sizes) for coords in itertools.product(*reads)])
 
 
 def first_maximum(windows: list[Tensor], differentiable: bool, positions: list | None = None):
     """The elementwise maximum of `windows`. As in torch, a window's gradient goes to its first maximal element,
-    not shared among ties; given each window's input rows and columns (and the input's height and width), also
-    the flat input position of that element."""
+    not shared among ties; given, for each window, the input position it reads along each spatial axis and the
+    input's spatial sizes, also the flat input position of that element."""
     best = windows[0]
     for window in windows[1:]:
         best = maximum(best, window)
@@ -93,10 +113,11 @@ def first_maximum(windows: list[Tensor], differentiable: bool, positions: list |
     target, last = best.detach(), len(windows) - 1
     # the last window wins where no earlier one holds the maximum (one of them always does)
     which = full_like(target, last, dtype=dtypes.uint8 if last <= 255 else dtypes.int32)
+    located = [_flat_positions(*position) for position in positions] if positions is not None else None
     for k in reversed(range(last)):
         hit = (windows[k] == target) | (windows[k] != windows[k])  # a NaN is the maximum of its window
-        if positions is not None:
-            hit = hit & _inside(*positions[k], target.device)  # a window's padding is never its maximum
+        if located is not None and not located[k][1].all():  # a window's padding is never its maximum
+            hit = hit & tensor(located[k][1], device=target.device)
         which = where(hit, k, which)
     out = best
     if differentiable:
@@ -104,59 +125,72 @@ def first_maximum(windows: list[Tensor], differentiable: bool, positions: list |
         for k, window in enumerate(windows):
             picked = where(which == k, window, 0)
             out = picked if out is None else out + picked
-    if positions is None:
+    if located is None:
         return out
     index = None
-    for k, (rows, cols, _, w) in enumerate(positions):
-        flat = tensor((rows[:, None] * w + cols[None, :]).astype(np.int64), device=target.device)
+    for k, (flat, _) in enumerate(located):
+        flat = tensor(flat, device=target.device)
         index = flat if index is None else where(which == k, flat, index)
     return out, index.expand(target.shape)
 
 
-def _inside(rows: np.ndarray, cols: np.ndarray, h: int, w: int, device) -> Tensor | bool:
-    """Which of a window's positions lie inside the (h, w) input: True (one value) when all do."""
-    inside = ((rows >= 0) & (rows < h))[:, None] & ((cols >= 0) & (cols < w))[None, :]
-    return True if inside.all() else tensor(inside, device=device)
+def _flat_positions(coords: tuple[np.ndarray, ...], sizes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """For a window reading input positions `coords` (one array per spatial axis) of an input of spatial `sizes`:
+    each output's flat input position (int64) and whether it lies inside the input."""
+    grids = np.meshgrid(*coords, indexing="ij")
+    flat, inside = np.zeros(grids[0].shape, dtype=np.int64), np.ones(grids[0].shape, dtype=bool)
+    for grid, n in zip(grids, sizes):
+        flat = flat * n + grid
+        inside &= (grid >= 0) & (grid < n)
+    return flat, inside
 
 
 def avg_pool2d(x: Tensor, kernel_size, stride=None, padding=0, ceil_mode: bool = False,
                count_include_pad: bool = True, divisor_override: int | None = None) -> Tensor:
-    _check_input("avg_pool2d", x)
-    k = _pair("avg_pool2d", "kernel_size", kernel_size)
-    s = _pair("avg_pool2d", "stride", stride if stride is not None else kernel_size)
-    p = _pair("avg_pool2d", "padding", padding)
-    if p[0] > k[0] // 2 or p[1] > k[1] // 2:
-        raise ValueError(f"avg_pool2d: padding {p} should be at most half of the kernel size {k}")
+    return _avg_pool("avg_pool2d", 2, x, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                     divisor_override)
+
+
+def avg_pool3d(x: Tensor, kernel_size, stride=None, padding=0, ceil_mode: bool = False,
+               count_include_pad: bool = True, divisor_override: int | None = None) -> Tensor:
+    return _avg_pool("avg_pool3d", 3, x, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                     divisor_override)
+
+
+def _avg_pool(op: str, rank: int, x: Tensor, kernel_size, stride, padding, ceil_mode: bool, count_include_pad: bool,
+              divisor_override: int | None) -> Tensor:
+    _check_input(op, x, rank)
+    spatial = _SPATIAL[rank]
+    k = spatial(op, "kernel_size", kernel_size)
+    s = spatial(op, "stride", stride if stride is not None and stride != () else kernel_size)
+    p, ones_ = spatial(op, "padding", padding), (1,) * rank
+    if any(pi > ki // 2 for pi, ki in zip(p, k)):
+        raise ValueError(f"{op}: padding {p} should be at most half of the kernel size {k}")
     total = None
-    for window in _windows(x, k, s, p, (1, 1), ceil_mode, 0):
+    for window in _windows(x, k, s, p, ones_, ceil_mode, 0):
         total = window if total is None else total + window
     if divisor_override is not None:
         return _average(total, divisor_override)
-    if not ceil_mode and (count_include_pad or p == (0, 0)):
-        return _average(total, k[0] * k[1])
+    if not ceil_mode and (count_include_pad or not any(p)):
+        return _average(total, int(np.prod(k)))
     # the divisor varies per window: count the positions each window covers
-    h, w = x.shape[-2:]
-    counted = ones((1, h, w), dtype=dtypes.float32, device=x.device)
-    if count_include_pad:
-        counted = pad(counted, (p[1], p[1], p[0], p[0]), value=1.0)
-        counted_p = (0, 0)
-    else:
-        counted_p = p
+    counted = ones((1,) + x.shape[-rank:], dtype=dtypes.float32, device=x.device)
+    counted_p = p
+    if count_include_pad:  # windows taken over the already padded ones, cropped to the output
+        counted = pad(counted, [a for pi in reversed(p) for a in (pi, pi)], value=1.0)
+        counted_p = (0,) * rank
     count = None
-    for window in _windows(counted, k, s, counted_p, (1, 1), ceil_mode, 0):
+    for window in _windows(counted, k, s, counted_p, ones_, ceil_mode, 0):
         count = window if count is None else count + window
-    if count_include_pad:  # windows were taken over the already padded ones
-        count = _crop_to(count, total.shape[-2:])
+    if count_include_pad:
+        for axis, n in zip(range(1, rank + 1), total.shape[-rank:]):
+            count = slice_axis(count, axis, 0, n)
     return _average(total, count.to(total.dtype if total.dtype.is_floating_point else dtypes.int64))
 
 
 def _average(total: Tensor, count) -> Tensor:
     """Integer inputs stay integers, truncated as in torch."""
     return total / count if total.dtype.is_floating_point else div(total, count, rounding_mode="trunc")
-
-
-def _crop_to(t: Tensor, hw: tuple[int, int]) -> Tensor:
-    return slice_axis(slice_axis(t, t.ndim - 2, 0, hw[0]), t.ndim - 1, 0, hw[1])
 
 
 def _adaptive_axis(x: Tensor, axis: int, out: int, reduce) -> Tensor:
@@ -171,46 +205,65 @@ def _adaptive_axis(x: Tensor, axis: int, out: int, reduce) -> Tensor:
     return cat(pieces, axis)
 
 
-def _output_size(op: str, output_size, x: Tensor) -> tuple:
-    """An int, or a pair whose None entries keep the input's size."""
-    if output_size is None:
-        return x.shape[-2:]
-    pair = (output_size, output_size) if isinstance(output_size, int) else tuple(output_size)
-    if len(pair) != 2 or not all(v is None or isinstance(v, int) for v in pair):
-        raise ValueError(f"{op}: output_size must be an int or a pair of ints (or None), got {output_size!r}")
-    return pair
+def _output_size(op: str, output_size, x: Tensor, rank: int) -> tuple[int, ...]:
+    """An int, or one size per spatial axis whose None entries keep the input's size."""
+    sizes = (output_size,) * rank if isinstance(output_size, int) or output_size is None else tuple(output_size)
+    if len(sizes) != rank or not all(v is None or isinstance(v, int) for v in sizes):
+        raise ValueError(f"{op}: output_size must be an int or a {'pair' if rank == 2 else 'triple'} of ints (or "
+                         f"None), got {output_size!r}")
+    return tuple(n if v is None else v for n, v in zip(x.shape[-rank:], sizes))
 
 
 def adaptive_avg_pool2d(x: Tensor, output_size) -> Tensor:
-    _check_input("adaptive_avg_pool2d", x)
-    oh, ow = _output_size("adaptive_avg_pool2d", output_size, x)
-    oh = x.shape[-2] if oh is None else oh
-    ow = x.shape[-1] if ow is None else ow
-    if (oh, ow) == (1, 1) and x.shape[-2] and x.shape[-1]:  # global pooling: one reduction, keepdim
-        return x.mean((-2, -1), keepdim=True)
-    out = _adaptive_axis(x, x.ndim - 2, oh, lambda t, a: t.mean(a))
-    return _adaptive_axis(out, x.ndim - 1, ow, lambda t, a: t.mean(a))
+    return _adaptive_avg_pool("adaptive_avg_pool2d", 2, x, output_size)
+
+
+def adaptive_avg_pool3d(x: Tensor, output_size) -> Tensor:
+    """The mean over adaptive_avg_pool2d's bins along each of the last three dims."""
+    return _adaptive_avg_pool("adaptive_avg_pool3d", 3, x, output_size)
+
+
+def _adaptive_avg_pool(op: str, rank: int, x: Tensor, output_size) -> Tensor:
+    _check_input(op, x, rank)
+    sizes = _output_size(op, output_size, x, rank)
+    axes = tuple(range(x.ndim - rank, x.ndim))
+    if set(sizes) == {1} and all(x.shape[axes[0]:]):  # global pooling: one reduction, keepdim
+        return x.mean(axes, keepdim=True)
+    for axis, out in zip(axes, sizes):
+        x = _adaptive_axis(x, axis, out, lambda t, a: t.mean(a))
+    return x
 
 
 def adaptive_max_pool2d(x: Tensor, output_size, return_indices: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """The maximum over bins of the last two dims, bin i of an axis spanning floor(i n / out) to
     ceil((i + 1) n / out), as torch's adaptive_max_pool2d; with `return_indices`, also each maximum's flat
     position in its input plane, as max_pool2d gives it."""
-    _check_input("adaptive_max_pool2d", x)
-    oh, ow = _output_size("adaptive_max_pool2d", output_size, x)
-    oh = x.shape[-2] if oh is None else oh
-    ow = x.shape[-1] if ow is None else ow
+    return _adaptive_max_pool("adaptive_max_pool2d", 2, x, output_size, return_indices)
+
+
+def adaptive_max_pool3d(x: Tensor, output_size, return_indices: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """adaptive_max_pool2d's bins along each of the last three dims (the indices flat in each input volume)."""
+    return _adaptive_max_pool("adaptive_max_pool3d", 3, x, output_size, return_indices)
+
+
+def _adaptive_max_pool(op: str, rank: int, x: Tensor, output_size, return_indices: bool):
+    _check_input(op, x, rank)
+    sizes = _output_size(op, output_size, x, rank)
+    axes = tuple(range(x.ndim - rank, x.ndim))
     if not return_indices:
-        out = _adaptive_axis(x, x.ndim - 2, oh, lambda t, a: t.amax(a))
-        return _adaptive_axis(out, x.ndim - 1, ow, lambda t, a: t.amax(a))
-    h, w = x.shape[-2:]
-    if min(h, w, oh, ow) <= 0:
-        raise ShapeError(f"adaptive_max_pool2d: input {x.shape} and output size {(oh, ow)} must be non-empty")
-    rows, cols = _bin_offsets(h, oh), _bin_offsets(w, ow)
-    by_row = [select_in_range(x, x.ndim - 2, tensor(r.astype(np.int32), device=x.device)) for r in rows]
-    windows = [select_in_range(t, x.ndim - 1, tensor(c.astype(np.int32), device=x.device)) for t in by_row
-               for c in cols]
-    return first_maximum(windows, x.requires_grad and is_grad_enabled(), [(r, c, h, w) for r in rows for c in cols])
+        for axis, out in zip(axes, sizes):
+            x = _adaptive_axis(x, axis, out, lambda t, a: t.amax(a))
+        return x
+    spatial = x.shape[-rank:]
+    if min(spatial + sizes) <= 0:
+        raise ShapeError(f"{op}: input {x.shape} and output size {sizes} must be non-empty")
+    reads = [_bin_offsets(n, out) for n, out in zip(spatial, sizes)]
+    windows = [x]
+    for axis, offsets in zip(axes, reads):
+        windows = [select_in_range(t, axis, tensor(r.astype(np.int32), device=x.device)) for t in windows
+                   for r in offsets]
+    return first_maximum(windows, x.requires_grad and is_grad_enabled(),
+                         [(coords, spatial) for coords in itertools.product(*reads)])
 
 
 def _bin_offsets(n: int, out: int) -> list[np.ndarray]:

@@ -296,6 +296,7 @@ def test_digits_example_trains_where_torch_and_triton_cannot_be_imported(tmp_pat
 
 # -- fit_image: a coordinate MLP learning a photo ------------------------------------------------------
 
+@pytest.mark.slow  # a whole example run
 def test_fit_image_learns_the_photo_and_writes_the_reconstruction(tmp_path):
     from PIL import Image
 

@@ -530,6 +530,7 @@ def test_jit_replays_a_training_step_whose_mlp_kernels_sum_and_update_the_weight
         np.testing.assert_allclose(b, a, rtol=1e-2, atol=1e-3)
 
 
+@pytest.mark.slow  # an interpreter run of a whole training step, twice
 def test_a_fused_training_step_equals_the_unfused_one(monkeypatch, tmp_path):
     monkeypatch.setenv("EMBER_SPLIT_K", "1")
     case = ([32, 48, 48, 48, 10], FUSED_TRAINING_BATCH + 5, "relu", "float16")

@@ -7,12 +7,12 @@ from __future__ import annotations
 import numpy as np
 
 from ember import dtypes
-from ember.autograd import is_grad_enabled
+from ember.autograd import composite_vjp, is_grad_enabled, no_grad
 from ember.errors import ShapeError
 from ember.ir import Op
-from ember.ir.ops import RULES
+from ember.ir.ops import RULES, define_composite
 from ember.ops.contraction import _pair
-from ember.ops.creation import full_like, ones, tensor, zeros
+from ember.ops.creation import arange, full_like, ones, tensor, zeros
 from ember.ops.index import checked, scatter_add_in_range, select_in_range
 from ember.ops.movement import (
     cat,
@@ -26,7 +26,7 @@ from ember.ops.movement import (
     unsqueeze,
 )
 from ember.ops.pointwise import div, maximum, where
-from ember.tensor import Tensor, expect_tensors
+from ember.tensor import Tensor, apply, expect_tensors
 
 
 def _pool_out(size: int, k: int, s: int, p: int, d: int, ceil_mode: bool) -> int:
@@ -37,13 +37,19 @@ def _pool_out(size: int, k: int, s: int, p: int, d: int, ceil_mode: bool) -> int
     return out
 
 
+def _pooled_size(size: tuple[int, int], k, s, p, d, ceil_mode: bool) -> tuple[int, int]:
+    """The output's height and width of pooling a plane of `size`."""
+    pooled = tuple(_pool_out(n, ki, si, pi, di, ceil_mode) for n, ki, si, pi, di in zip(size, k, s, p, d))
+    if min(pooled) <= 0:
+        raise ShapeError(f"pool2d: input of spatial size {tuple(size)} is too small for kernel {k} with padding {p}")
+    return pooled
+
+
 def _windows(x: Tensor, k, s, p, d, ceil_mode: bool, fill: float):
     """Yield, for every kernel offset, the strided slice of the padded input it sees."""
     (kh, kw), (sh, sw), (ph, pw), (dh, dw) = k, s, p, d
     h, w = x.shape[-2:]
-    ho, wo = _pool_out(h, kh, sh, ph, dh, ceil_mode), _pool_out(w, kw, sw, pw, dw, ceil_mode)
-    if ho <= 0 or wo <= 0:
-        raise ShapeError(f"pool2d: input of spatial size {(h, w)} is too small for kernel {k} with padding {p}")
+    ho, wo = _pooled_size((h, w), k, s, p, d, ceil_mode)
     extra_h = max((ho - 1) * sh + dh * (kh - 1) + 1 - (h + 2 * ph), 0)
     extra_w = max((wo - 1) * sw + dw * (kw - 1) + 1 - (w + 2 * pw), 0)
     xp = pad(x, (pw, pw + extra_w, ph, ph + extra_h), value=fill)
@@ -69,6 +75,9 @@ def max_pool2d(x: Tensor, kernel_size, stride=None, padding=0, dilation=1, ceil_
     p, d = _pair("max_pool2d", "padding", padding), _pair("max_pool2d", "dilation", dilation)
     if p[0] > k[0] // 2 or p[1] > k[1] // 2:
         raise ValueError(f"max_pool2d: padding {p} should be at most half of the kernel size {k}")
+    if not return_indices and d == (1, 1):  # one node, whose gradient reads only the windows holding each input
+        _pooled_size(x.shape[-2:], k, s, p, d, ceil_mode)
+        return apply(Op.MAX_POOL2D, x, kernel=k, stride=s, padding=p, ceil_mode=ceil_mode)
     windows = list(_windows(x, k, s, p, d, ceil_mode, RULES[Op.MAX].identity(x.dtype)))
     differentiable = x.requires_grad and is_grad_enabled()
     if not return_indices:
@@ -88,16 +97,7 @@ def first_maximum(windows: list[Tensor], differentiable: bool, positions: list |
         best = maximum(best, window)
     if not differentiable and positions is None:
         return best
-    # which window holds the first maximum, per output, is one byte (stored once, read by the forward sum and
-    # its gradient), rather than a mask per window
-    target, last = best.detach(), len(windows) - 1
-    # the last window wins where no earlier one holds the maximum (one of them always does)
-    which = full_like(target, last, dtype=dtypes.uint8 if last <= 255 else dtypes.int32)
-    for k in reversed(range(last)):
-        hit = (windows[k] == target) | (windows[k] != windows[k])  # a NaN is the maximum of its window
-        if positions is not None:
-            hit = hit & _inside(*positions[k], target.device)  # a window's padding is never its maximum
-        which = where(hit, k, which)
+    which = _first_window(windows, best.detach(), positions)
     out = best
     if differentiable:
         out = None
@@ -108,15 +108,97 @@ def first_maximum(windows: list[Tensor], differentiable: bool, positions: list |
         return out
     index = None
     for k, (rows, cols, _, w) in enumerate(positions):
-        flat = tensor((rows[:, None] * w + cols[None, :]).astype(np.int64), device=target.device)
+        flat = tensor((rows[:, None] * w + cols[None, :]).astype(np.int64), device=best.device)
         index = flat if index is None else where(which == k, flat, index)
-    return out, index.expand(target.shape)
+    return out, index.expand(best.shape)
+
+
+def _first_window(windows: list[Tensor], target: Tensor, positions: list | None = None) -> Tensor:
+    """Which window holds the first maximum `target`, per output: one byte (stored once, read by the forward sum
+    and its gradient) rather than a mask per window. Given the windows' positions, a window's padding is never
+    its maximum."""
+    last = len(windows) - 1
+    # the last window wins where no earlier one holds the maximum (one of them always does)
+    which = full_like(target, last, dtype=dtypes.uint8 if last <= 255 else dtypes.int32)
+    for k in reversed(range(last)):
+        hit = (windows[k] == target) | (windows[k] != windows[k])  # a NaN is the maximum of its window
+        if positions is not None:
+            hit = hit & _inside(*positions[k], target.device)
+        which = where(hit, k, which)
+    return which
+
+
+# -- max_pool2d as one node: its expansion, and its gradient by stride phase ---------------------------------------
+# An input element at padded row r + p = q * s + a lies in the windows of output rows q - t (t < ceil(k / s)), at
+# offset a + t * s of each (an offset past the kernel: not in that window). So its gradient is a sum of at most
+# ceil(kh / sh) * ceil(kw / sw) terms (4 for kernel 3, stride 2; 1 where windows do not overlap), each reading the
+# output gradient and the first maximum's window where the output row q - t repeats s times (a view), instead of
+# one term per kernel offset.
+
+def _max_pool2d_shape(inputs, attrs) -> tuple:
+    (x,) = inputs
+    size = _pooled_size(x.shape[-2:], attrs["kernel"], attrs["stride"], attrs["padding"], (1, 1), attrs["ceil_mode"])
+    return x.shape[:-2] + size, x.dtype
+
+
+def _pool_windows(x: Tensor, attrs: dict) -> list[Tensor]:
+    return list(_windows(x, attrs["kernel"], attrs["stride"], attrs["padding"], (1, 1), attrs["ceil_mode"],
+                         RULES[Op.MAX].identity(x.dtype)))
+
+
+def _max_pool2d_expansion(inputs, attrs):
+    with no_grad():
+        return first_maximum(_pool_windows(Tensor(inputs[0]), attrs), False)._node
+
+
+def _max_pool2d_vjp(g: Tensor, xs: list[Tensor], out: Tensor, attrs: dict) -> tuple:
+    x = xs[0].detach()
+    which = _first_window(_pool_windows(x, attrs), out.detach())
+    (kh, kw), (sh, sw), (ph, pw) = attrs["kernel"], attrs["stride"], attrs["padding"]
+    h, w = x.shape[-2:]
+    total = None
+    # in torch's order of the outputs adding into an element: the output rows, then columns, ascending
+    outside = -kh * kw  # an offset past the kernel, along either axis: the sum below stays negative
+    for th in reversed(range(-(-kh // sh))):
+        rows = _phase_offsets(h, kh, sh, ph, th, outside, x.device)
+        for tw in reversed(range(-(-kw // sw))):
+            cols = _phase_offsets(w, kw, sw, pw, tw, outside, x.device)
+            # the kernel offset of each input element in the window it reads: negative where it lies outside
+            offset = reshape(rows, (h, 1)) * kw + reshape(cols, (1, w))
+            spread_which = _repeat_windows(_repeat_windows(which, th, sh, ph, h, x.ndim - 2), tw, sw, pw, w,
+                                           x.ndim - 1)
+            spread_g = _repeat_windows(_repeat_windows(g, th, sh, ph, h, x.ndim - 2), tw, sw, pw, w, x.ndim - 1)
+            term = where(spread_which == offset, spread_g, 0)
+            total = term if total is None else total + term
+    return (total,)
+
+
+def _phase_offsets(n: int, k: int, s: int, p: int, t: int, outside: int, device) -> Tensor:
+    """For each of the n input positions of an axis, its offset in the window t before its own ((r + p) // s - t):
+    (r + p) % s + t * s, or `outside` where that is past the kernel."""
+    offset = (arange(n, dtype=dtypes.int32, device=device) + p) % s + t * s
+    return where(offset < k, offset, outside)
+
+
+def _repeat_windows(t: Tensor, shift: int, s: int, p: int, n: int, axis: int) -> Tensor:
+    """Along `axis`, the value of window (r + p) // s - shift at each of n input positions r: each window's value
+    repeated s times (a view), shifted; zero before the first window and past the last."""
+    rows = -(-(n + p) // s)
+    shifted = pad_axis(t, axis, shift, rows - t.shape[axis] - shift)
+    spread = list(shifted.shape)
+    spread[axis] = rows * s
+    repeated = unsqueeze(shifted, axis + 1).expand(*shifted.shape[:axis + 1], s, *shifted.shape[axis + 1:])
+    return slice_axis(reshape(repeated, tuple(spread)), axis, p, p + n)
 
 
 def _inside(rows: np.ndarray, cols: np.ndarray, h: int, w: int, device) -> Tensor | bool:
     """Which of a window's positions lie inside the (h, w) input: True (one value) when all do."""
     inside = ((rows >= 0) & (rows < h))[:, None] & ((cols >= 0) & (cols < w))[None, :]
     return True if inside.all() else tensor(inside, device=device)
+
+
+define_composite(Op.MAX_POOL2D, shape=_max_pool2d_shape, vjp=composite_vjp(_max_pool2d_vjp),
+                 expand=_max_pool2d_expansion)
 
 
 def avg_pool2d(x: Tensor, kernel_size, stride=None, padding=0, ceil_mode: bool = False,

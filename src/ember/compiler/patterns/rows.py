@@ -5,7 +5,10 @@ every reduction), with the values the reductions read (FULL level) and those com
 Planning: a stored reduction read by exactly one row kernel over its own space, at ROW level, is computed in
 that kernel instead of being stored (`pull_reductions`). Lowering: a program per block of rows, each reduction
 accumulated over the row in registers, a row that does not fit one tile walked in loops of chunks; what reads
-the reductions' results stored after them (`RowKernel`).
+the reductions' results stored after them (`RowKernel`). Where the kept axes are the contiguous ones (a column
+reduction) a program holds a block of kept positions and walks the reduced ones; how wide that block is, and into
+how many parts `compiler/passes.py` splits a column reduction too narrow to fill the GPU, is this pattern's rule
+(`column_block`, `column_parts`).
 """
 
 from __future__ import annotations

@@ -85,6 +85,15 @@ def test_long_column_sum_is_split_so_its_partial_stage_fills_the_gpu():
     assert partial.reductions[0].dtype is ember.float32  # partial sums of bf16 kept in float32, rounded once
 
 
+def test_split_column_sum_into_three_channels_reads_32_rows_at_once_as_contiguous_blocks():
+    with ember.device("cuda"):
+        x = ember.randn((1 << 20, 3), dtype=ember.bfloat16)
+        partial, total = _reduce_kernels(x.sum(0))
+    parts, _, width = partial.space
+    assert width == 32 * 3  # three blocks of 32 contiguous positions
+    assert total.space == (parts * 32, 3)
+
+
 def test_column_sum_whose_kept_positions_fill_the_gpu_is_one_kernel():
     with ember.device("cuda"):
         x = ember.randn((64, 1 << 16), dtype=ember.float32)

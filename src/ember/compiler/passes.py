@@ -25,7 +25,7 @@ import numpy as np
 
 from ember import dtypes
 from ember.compiler.patterns.gemm import gemm_splits  # the GEMM pattern's own decision (_summed_by_gemms)
-from ember.compiler.patterns.rows import column_parts  # the row pattern's split of a column reduction
+from ember.compiler.patterns.rows import column_parts, column_rows_together  # the row pattern's column split
 from ember.errors import CompileError
 from ember.ir import Kind, Node, Op, toposort
 from ember.ir.node import is_runtime_scalar, static_key
@@ -274,6 +274,10 @@ class _Builder:
         simplified = self._simplify(op, ins, attrs, original)
         if simplified is not None:
             return simplified
+        return self._made(op, ins, attrs, original)
+
+    def _made(self, op: Op, ins: tuple[Node, ...], attrs: dict, original: Node) -> Node:
+        """The node as given, not simplified (one already in its final form), or the equal one made before."""
         key = (op, tuple(id(i) for i in ins), _attr_key(attrs), original.shape, original.dtype.name)
         if key in self.seen and op is not Op.RAND:
             return self.seen[key]
@@ -540,32 +544,53 @@ class _Builder:
             x = self.make(Op.RESHAPE, (x,), {"shape": merged}, _like(x, merged))
         n, outputs = x.shape[axis], original.numel
         trailing = all(s == 1 for s in x.shape[axis + 1:])
+        # a column reduction into few contiguous positions reads `together` rows at once, as one wider row
+        together = 1 if trailing or any(s != 1 for s in x.shape[:axis]) else column_rows_together(outputs)
         parts = self._row_parts(n, outputs) if trailing else column_parts(
-            n, outputs, x.dtype.itemsize, self.multiprocessors)
+            n // together, outputs * together, x.dtype.itemsize, self.multiprocessors)
         if parts == 1 or n * outputs < SPLIT_MIN_ELEMENTS:
             return None
-        padded = -(-n // parts) * parts
+        padded = -(-n // (parts * together)) * parts * together
+        if padded != n and not original.dtype.is_floating_point:
+            return None
         if padded != n:  # pad with the reduction's identity, so the padding changes nothing
-            pads = tuple((0, padded - n) if d == axis else (0, 0) for d in range(len(x.shape)))
-            shape = tuple(padded if d == axis else s for d, s in enumerate(x.shape))
-            if not original.dtype.is_floating_point:
-                return None
-            x = self.make(Op.PAD, (x,), {"pads": pads, "value": RULES[op].identity(original.dtype)}, _like(x, shape))
+            x = self._padded_rows(op, x, axis, padded, flat=together > 1)
+        kept = x.shape[axis + 1:] if together == 1 else (together * outputs,)
+        split = x.shape[:axis] + (parts, padded // parts // together) + kept
+        x = self.make(Op.RESHAPE, (x,), {"shape": split}, _like(x, split))
         # half-precision sums and products keep their partial results in float32 and round once, as a single
-        # reduction does
+        # reduction does (cast after the reshapes: a reshaped buffer is loaded at its linear position)
         wide = dtypes.float32 if op in (Op.SUM, Op.PROD) and original.dtype in HALF_FLOATS else original.dtype
         if wide is not x.dtype:
             x = self.make(Op.CAST, (x,), {"dtype": wide}, _like(x, x.shape, wide))
-        split = x.shape[:axis] + (parts, padded // parts) + x.shape[axis + 1:]
-        x = self.make(Op.RESHAPE, (x,), {"shape": split}, _like(x, split))
         partial_shape = split[:axis + 1] + (1,) + split[axis + 2:]
-        partial = self.make(op, (x,), {"axes": (axis + 1,)}, _like(x, partial_shape))
-        total_shape = split[:axis] + (1, 1) + split[axis + 2:]
-        total = self.make(op, (partial,), {"axes": (axis,)}, _like(x, total_shape))
+        # the two stages are made as they are: neither is split again
+        partial = self._made(op, (x,), {"axes": (axis + 1,)}, _like(x, partial_shape))
+        if together > 1:  # the partial results of each of the rows read together, as rows of their own
+            rows = x.shape[:axis] + (parts * together, outputs)
+            partial = self.make(Op.RESHAPE, (partial,), {"shape": rows}, _like(partial, rows))
+        total_shape = partial.shape[:axis] + (1,) + partial.shape[axis + 1:]
+        total = self._made(op, (partial,), {"axes": (axis,)}, _like(x, total_shape))
         total = self.make(Op.RESHAPE, (total,), {"shape": original.shape}, _like(total, original.shape))
         if wide is not original.dtype:
             total = self.make(Op.CAST, (total,), {"dtype": original.dtype}, original)
         return total
+
+    def _padded_rows(self, op: Op, x: Node, axis: int, padded: int, flat: bool) -> Node:
+        """x padded along `axis` to `padded` with op's identity; `flat`: as one flat axis (x has no kept axes
+        before `axis`), so that rows read together stay one run of contiguous positions, not an unravelled one."""
+        value = RULES[op].identity(x.dtype)
+        if flat:
+            length = math.prod(x.shape)
+            line = self.make(Op.RESHAPE, (x,), {"shape": (length,)}, _like(x, (length,)))
+            extra = (padded - x.shape[axis]) * length // max(x.shape[axis], 1)
+            shape = (length + extra,)
+            line = self.make(Op.PAD, (line,), {"pads": ((0, extra),), "value": value}, _like(x, shape))
+            rows = x.shape[:axis] + (padded,) + x.shape[axis + 1:]
+            return self.make(Op.RESHAPE, (line,), {"shape": rows}, _like(x, rows))
+        pads = tuple((0, padded - x.shape[axis]) if d == axis else (0, 0) for d in range(len(x.shape)))
+        shape = tuple(padded if d == axis else s for d, s in enumerate(x.shape))
+        return self.make(Op.PAD, (x,), {"pads": pads, "value": value}, _like(x, shape))
 
     @staticmethod
     def _row_parts(n: int, outputs: int) -> int:

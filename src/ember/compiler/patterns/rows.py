@@ -13,6 +13,8 @@ how many parts `compiler/passes.py` splits a column reduction too narrow to fill
 
 from __future__ import annotations
 
+import math
+
 from ember import dtypes
 from ember.compiler.emit import ZERO, Context, Emitter, Index, identity, next_pow2, program_index
 from ember.compiler.fused import FULL, ROW, FusedKernel, KernelKind, Pattern, Stage
@@ -67,7 +69,17 @@ def column_parts(length: int, kept: int, itemsize: int, multiprocessors: int) ->
     wanted = -(-waves * MIN_KEPT_BLOCK // kept)
     rows_per_program = max(COLUMN_MIN_PART, -(-COLUMN_MIN_PART_BYTES // (MIN_KEPT_BLOCK * itemsize)))
     parts = min(wanted, length // rows_per_program)
-    return parts if parts >= 2 else 1
+    if parts < 2:
+        return 1
+    # rather a few parts fewer that divide the rows evenly than padding (a mask and a clamp per load)
+    return next((p for p in range(parts, parts // 2, -1) if length % p == 0), parts)
+
+
+def column_rows_together(kept: int) -> int:
+    """How many rows a split column reduction into `kept` contiguous positions reads as one row: where kept is
+    narrower than MIN_KEPT_BLOCK (3 channels), enough that their positions fill blocks of MIN_KEPT_BLOCK exactly
+    (32 rows of 3, 96 positions), so the blocks' loads are contiguous and aligned; 1 otherwise."""
+    return MIN_KEPT_BLOCK // math.gcd(kept, MIN_KEPT_BLOCK) if 0 < kept < MIN_KEPT_BLOCK else 1
 
 
 BLOCK_M, BLOCK_N = Block("BLOCK_M", "m"), Block("BLOCK_N", "n")  # a row kernel's tile

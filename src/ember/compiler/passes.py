@@ -25,7 +25,7 @@ import numpy as np
 
 from ember import dtypes
 from ember.compiler.patterns.gemm import gemm_splits  # the GEMM pattern's own decision (_summed_by_gemms)
-from ember.compiler.patterns.rows import KEPT_BLOCK  # the row pattern's block of kept positions
+from ember.compiler.patterns.rows import column_parts, column_rows_together  # the row pattern's column split
 from ember.errors import CompileError
 from ember.ir import Kind, Node, Op, toposort
 from ember.ir.node import is_runtime_scalar, static_key
@@ -172,13 +172,15 @@ def _expand_once(order: list[Node]) -> tuple[list[Node], dict[int, Node]]:
 
 
 def lower(order: list[Node], keep: set[int], sig: Signature, channels_last: bool = False,
-          multiprocessors: int = 0, results: list[Node] | None = None) -> Lowered:
+          multiprocessors: int = 0, results: list[Node] | None = None, gpu_multiprocessors: int = 0) -> Lowered:
     """`multiprocessors`: the SMs of the GPU that generated GEMMs run on (0: none, or not generated), which
-    decides what a GEMM sums along K itself. `results`: the kept nodes in the order the plan gives their values
+    decides what a GEMM sums along K itself. `gpu_multiprocessors`: the GPU's SMs, which decide how a column
+    reduction is split (0: unknown). `results`: the kept nodes in the order the plan gives their values
     (by default `order`'s)."""
     builder = _Builder()
     builder.channels_last = channels_last
     builder.summed_by_gemms = _summed_by_gemms(order, multiprocessors)
+    builder.multiprocessors = gpu_multiprocessors
     # convolutions that ask for channels-last themselves (conv2d's memory_format) turn the layout on
     builder.laying_out = channels_last or any(n.attrs.get("memory_format") == "channels_last" for n in order
                                               if n.op in CONVOLUTIONS)
@@ -258,6 +260,7 @@ class _Builder:
         self.inputs: list[Node] = []
         self.transposed_products: set[int] = set()  # (ids of original matmuls) lowered transposed
         self.summed_by_gemms: set[tuple[int, int]] = set()  # (id(original node), axis) a split GEMM sums
+        self.multiprocessors = 0  # the GPU's SMs, that a split column reduction's partial stage fills (0: unknown)
         self.channels_last = False  # every half-precision convolution on (N, H, W, C) memory
         self.laying_out = False  # some convolution is (those asking for it), so permutes sink
         self.in_nhwc: dict[int, Node | None] = {}  # id(node) -> the node made on (N, H, W, C) memory, if any
@@ -271,6 +274,10 @@ class _Builder:
         simplified = self._simplify(op, ins, attrs, original)
         if simplified is not None:
             return simplified
+        return self._made(op, ins, attrs, original)
+
+    def _made(self, op: Op, ins: tuple[Node, ...], attrs: dict, original: Node) -> Node:
+        """The node as given, not simplified (one already in its final form), or the equal one made before."""
         key = (op, tuple(id(i) for i in ins), _attr_key(attrs), original.shape, original.dtype.name)
         if key in self.seen and op is not Op.RAND:
             return self.seen[key]
@@ -536,31 +543,65 @@ class _Builder:
             merged = x.shape[:axis] + (math.prod(x.shape[a] for a in axes),) + x.shape[axes[-1] + 1:]
             x = self.make(Op.RESHAPE, (x,), {"shape": merged}, _like(x, merged))
         n, outputs = x.shape[axis], original.numel
-        # a row kernel gives each program one or a few rows when the reduced axis is the last one,
-        # and a block of KEPT_BLOCK outputs when it is a leading axis (the kept axes are contiguous then)
         trailing = all(s == 1 for s in x.shape[axis + 1:])
-        programs = outputs if trailing else -(-outputs // KEPT_BLOCK)
-        if programs >= SPLIT_MIN_PROGRAMS or n < SPLIT_MIN_LENGTH or n * outputs < SPLIT_MIN_ELEMENTS:
+        # a column reduction into few contiguous positions reads `together` rows at once, as one wider row
+        together = 1 if trailing or any(s != 1 for s in x.shape[:axis]) else column_rows_together(outputs)
+        parts = self._row_parts(n, outputs) if trailing else column_parts(
+            n // together, outputs * together, x.dtype.itemsize, self.multiprocessors)
+        if parts == 1 or n * outputs < SPLIT_MIN_ELEMENTS:
             return None
-        # the partial results fill SPLIT_MIN_PROGRAMS programs (rows) or blocks of outputs (columns), so the
-        # partial stage is not split again: two kernels, the second reducing at most SPLIT_MIN_PROGRAMS partials
-        # (or SPLIT_PARTS) per output
-        wanted = max(SPLIT_PARTS, -(-SPLIT_MIN_PROGRAMS // programs))
-        parts = min(wanted, n // SPLIT_MIN_PART)
-        padded = -(-n // parts) * parts
+        padded = -(-n // (parts * together)) * parts * together
+        if padded != n and not original.dtype.is_floating_point:
+            return None
         if padded != n:  # pad with the reduction's identity, so the padding changes nothing
-            pads = tuple((0, padded - n) if d == axis else (0, 0) for d in range(len(x.shape)))
-            shape = tuple(padded if d == axis else s for d, s in enumerate(x.shape))
-            if not original.dtype.is_floating_point:
-                return None
-            x = self.make(Op.PAD, (x,), {"pads": pads, "value": RULES[op].identity(original.dtype)}, _like(x, shape))
-        split = x.shape[:axis] + (parts, padded // parts) + x.shape[axis + 1:]
+            x = self._padded_rows(op, x, axis, padded, flat=together > 1)
+        kept = x.shape[axis + 1:] if together == 1 else (together * outputs,)
+        split = x.shape[:axis] + (parts, padded // parts // together) + kept
         x = self.make(Op.RESHAPE, (x,), {"shape": split}, _like(x, split))
+        # half-precision sums and products keep their partial results in float32 and round once, as a single
+        # reduction does (cast after the reshapes: a reshaped buffer is loaded at its linear position)
+        wide = dtypes.float32 if op in (Op.SUM, Op.PROD) and original.dtype in HALF_FLOATS else original.dtype
+        if wide is not x.dtype:
+            x = self.make(Op.CAST, (x,), {"dtype": wide}, _like(x, x.shape, wide))
         partial_shape = split[:axis + 1] + (1,) + split[axis + 2:]
-        partial = self.make(op, (x,), {"axes": (axis + 1,)}, _like(x, partial_shape))
-        total_shape = split[:axis] + (1, 1) + split[axis + 2:]
-        total = self.make(op, (partial,), {"axes": (axis,)}, _like(x, total_shape))
-        return self.make(Op.RESHAPE, (total,), {"shape": original.shape}, original)
+        # the two stages are made as they are: neither is split again
+        partial = self._made(op, (x,), {"axes": (axis + 1,)}, _like(x, partial_shape))
+        if together > 1:  # the partial results of each of the rows read together, as rows of their own
+            rows = x.shape[:axis] + (parts * together, outputs)
+            partial = self.make(Op.RESHAPE, (partial,), {"shape": rows}, _like(partial, rows))
+        total_shape = partial.shape[:axis] + (1,) + partial.shape[axis + 1:]
+        total = self._made(op, (partial,), {"axes": (axis,)}, _like(x, total_shape))
+        total = self.make(Op.RESHAPE, (total,), {"shape": original.shape}, _like(total, original.shape))
+        if wide is not original.dtype:
+            total = self.make(Op.CAST, (total,), {"dtype": original.dtype}, original)
+        return total
+
+    def _padded_rows(self, op: Op, x: Node, axis: int, padded: int, flat: bool) -> Node:
+        """x padded along `axis` to `padded` with op's identity; `flat`: as one flat axis (x has no kept axes
+        before `axis`), so that rows read together stay one run of contiguous positions, not an unravelled one."""
+        value = RULES[op].identity(x.dtype)
+        if flat:
+            length = math.prod(x.shape)
+            line = self.make(Op.RESHAPE, (x,), {"shape": (length,)}, _like(x, (length,)))
+            extra = (padded - x.shape[axis]) * length // max(x.shape[axis], 1)
+            shape = (length + extra,)
+            line = self.make(Op.PAD, (line,), {"pads": ((0, extra),), "value": value}, _like(x, shape))
+            rows = x.shape[:axis] + (padded,) + x.shape[axis + 1:]
+            return self.make(Op.RESHAPE, (line,), {"shape": rows}, _like(x, rows))
+        pads = tuple((0, padded - x.shape[axis]) if d == axis else (0, 0) for d in range(len(x.shape)))
+        shape = tuple(padded if d == axis else s for d, s in enumerate(x.shape))
+        return self.make(Op.PAD, (x,), {"pads": pads, "value": value}, _like(x, shape))
+
+    @staticmethod
+    def _row_parts(n: int, outputs: int) -> int:
+        """Into how many parts a reduction of rows (the reduced axis the last) is split: a row kernel gives each
+        program one or a few rows, so few long rows fill few programs. 1: not split."""
+        if outputs >= SPLIT_MIN_PROGRAMS or n < SPLIT_MIN_LENGTH:
+            return 1
+        # the partial results fill SPLIT_MIN_PROGRAMS programs (rows), so the partial stage is not split again: two
+        # kernels, the second reducing at most SPLIT_MIN_PROGRAMS partials (or SPLIT_PARTS) per output
+        wanted = max(SPLIT_PARTS, -(-SPLIT_MIN_PROGRAMS // outputs))
+        return min(wanted, n // SPLIT_MIN_PART)
 
     def _fold_movement(self, op: Op, x: Node, attrs: dict, original: Node) -> Node | None:
         if op is Op.PERMUTE and x.op is Op.MATMUL and original.inputs and \
@@ -583,11 +624,13 @@ class _Builder:
         return None
 
 
+# a reduction of rows is split (a column reduction's split is the row pattern's rule, rows.column_parts)
 SPLIT_PARTS = 64  # partial results per output of a split reduction
 SPLIT_MIN_PROGRAMS = 1024  # split only reductions that would otherwise run on fewer programs
 SPLIT_MIN_LENGTH = 1024  # and only reductions at least this long
-SPLIT_MIN_ELEMENTS = 1 << 18  # reading at least this many elements (below, the extra launch costs more)
 SPLIT_MIN_PART = 64  # elements each partial result reduces, at least
+SPLIT_MIN_ELEMENTS = 1 << 18  # any split reduction reads this many elements (below, the extra launch costs more)
+HALF_FLOATS = (dtypes.float16, dtypes.bfloat16)
 SPLIT_REDUCTIONS = (Op.SUM, Op.MAX, Op.MIN, Op.PROD)  # the reductions that combine partial results
 CONVOLUTIONS = (Op.CONV2D, Op.CONV2D_INPUT_GRAD, Op.CONV2D_WEIGHT_GRAD)
 TO_NHWC, TO_NCHW = (0, 2, 3, 1), (0, 3, 1, 2)  # the permutes into and out of channels-last

@@ -116,7 +116,8 @@ def compile(order: list[Node], keep: set[int], target: str, context: CompileCont
     splitting = context.split_k and context.gemm_backend != "cublas"  # generated GEMMs that split a long K
     lowered = passes.lower(order, {id(n) for n in results}, sig,
                            channels_last=context.conv_memory_format == "channels_last",
-                           multiprocessors=context.multiprocessors if splitting else 0, results=results)
+                           multiprocessors=context.multiprocessors if splitting else 0, results=results,
+                           gpu_multiprocessors=context.multiprocessors)
     kernels, stored = fusion.plan(lowered.nodes, lowered.outputs, context, chosen.costs)
     compiled = [_generate(k, stored, context, chosen) for k in kernels]
     small = [_is_small(ck, context.multiprocessors) for ck in compiled]

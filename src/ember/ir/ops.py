@@ -17,8 +17,8 @@ which fill the table when ember is imported, as JAX's lax.py registers each prim
 tests/test_primitives.py checks that every primitive declares every rule.
 
 A composite op (Kind.COMPOSITE: linear, relu, gelu, silu, softmax, log_softmax, layer_norm, batch_norm, mse_loss,
-cross_entropy, an optimizer's update) is one node where a user calls one function, so a step's graph is built,
-keyed and looked up with fewer nodes; it declares a shape rule, a VJP and its expansion into primitives
+cross_entropy, max_pool2d, an optimizer's update) is one node where a user calls one function, so a step's graph is
+built, keyed and looked up with fewer nodes; it declares a shape rule, a VJP and its expansion into primitives
 (`define_composite`), and the compiler expands it before anything else sees the graph. A composite with several
 results (batch norm's output and running statistics, an optimizer's update of a parameter and its state:
 ember.ir.template) is one node per result, all on the same inputs; they share one expansion (`expand`).
@@ -141,6 +141,9 @@ class Op(enum.Enum):
     # batch norm in training with running statistics: one node per result (attrs["result"]: 0 the output, 1 and 2
     # the new running mean and variance); inputs x, running mean, running variance (, weight) (, bias)
     BATCH_NORM = ("batch_norm", Kind.COMPOSITE)
+    # the maximum over windows of the last two dims (attrs: kernel, stride, padding, ceil_mode; no dilation), whose
+    # gradient reads, for each input element, only the windows that hold it
+    MAX_POOL2D = ("max_pool2d", Kind.COMPOSITE)
     TEMPLATE = ("template", Kind.COMPOSITE)  # one output of a recorded subgraph (ember.ir.template): an update
 
     def __init__(self, label: str, kind: Kind):

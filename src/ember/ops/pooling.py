@@ -9,13 +9,13 @@ import itertools
 import numpy as np
 
 from ember import dtypes
-from ember.autograd import is_grad_enabled
+from ember.autograd import composite_vjp, is_grad_enabled, no_grad
 from ember.errors import ShapeError
 from ember.ir import Op
-from ember.ir.ops import RULES
+from ember.ir.ops import RULES, define_composite
 from ember.ops.contraction import _pair
 from ember.ops.conv3d import triple
-from ember.ops.creation import full_like, ones, tensor, zeros
+from ember.ops.creation import arange, full_like, ones, tensor, zeros
 from ember.ops.index import checked, scatter_add_in_range, select_in_range
 from ember.ops.movement import (
     cat,
@@ -29,7 +29,7 @@ from ember.ops.movement import (
     unsqueeze,
 )
 from ember.ops.pointwise import div, maximum, where
-from ember.tensor import Tensor, expect_tensors
+from ember.tensor import Tensor, apply, expect_tensors
 
 _SPATIAL = {2: _pair, 3: triple}  # a pooling's spatial rank: how its int-or-tuple arguments are read
 
@@ -40,6 +40,14 @@ def _pool_out(size: int, k: int, s: int, p: int, d: int, ceil_mode: bool) -> int
     if ceil_mode and (out - 1) * s >= size + p:
         out -= 1  # the last window would start in the right padding
     return out
+
+
+def _pooled_size(size: tuple[int, int], k, s, p, d, ceil_mode: bool) -> tuple[int, int]:
+    """The output's height and width of pooling a plane of `size`."""
+    pooled = tuple(_pool_out(n, ki, si, pi, di, ceil_mode) for n, ki, si, pi, di in zip(size, k, s, p, d))
+    if min(pooled) <= 0:
+        raise ShapeError(f"pool2d: input of spatial size {tuple(size)} is too small for kernel {k} with padding {p}")
+    return pooled
 
 
 def _windows(x: Tensor, k, s, p, d, ceil_mode: bool, fill: float):
@@ -90,6 +98,10 @@ def _max_pool(op: str, rank: int, x: Tensor, kernel_size, stride, padding, dilat
     p, d = spatial(op, "padding", padding), spatial(op, "dilation", dilation)
     if any(pi > ki // 2 for pi, ki in zip(p, k)):
         raise ValueError(f"{op}: padding {p} should be at most half of the kernel size {k}")
+    if rank == 2 and not return_indices and d == (1, 1):
+        # one node, whose gradient reads only the windows that hold each input element (_max_pool2d_vjp)
+        _pooled_size(x.shape[-2:], k, s, p, d, ceil_mode)
+        return apply(Op.MAX_POOL2D, x, kernel=k, stride=s, padding=p, ceil_mode=ceil_mode)
     windows = list(_windows(x, k, s, p, d, ceil_mode, RULES[Op.MAX].identity(x.dtype)))
     differentiable = x.requires_grad and is_grad_enabled()
     if not return_indices:
@@ -108,17 +120,9 @@ def first_maximum(windows: list[Tensor], differentiable: bool, positions: list |
         best = maximum(best, window)
     if not differentiable and positions is None:
         return best
-    # which window holds the first maximum, per output, is one byte (stored once, read by the forward sum and
-    # its gradient), rather than a mask per window
-    target, last = best.detach(), len(windows) - 1
-    # the last window wins where no earlier one holds the maximum (one of them always does)
-    which = full_like(target, last, dtype=dtypes.uint8 if last <= 255 else dtypes.int32)
+    target = best.detach()
     located = [_flat_positions(*position) for position in positions] if positions is not None else None
-    for k in reversed(range(last)):
-        hit = (windows[k] == target) | (windows[k] != windows[k])  # a NaN is the maximum of its window
-        if located is not None and not located[k][1].all():  # a window's padding is never its maximum
-            hit = hit & tensor(located[k][1], device=target.device)
-        which = where(hit, k, which)
+    which = _first_window(windows, target, [inside for _, inside in located] if located is not None else None)
     out = best
     if differentiable:
         out = None
@@ -131,7 +135,85 @@ def first_maximum(windows: list[Tensor], differentiable: bool, positions: list |
     for k, (flat, _) in enumerate(located):
         flat = tensor(flat, device=target.device)
         index = flat if index is None else where(which == k, flat, index)
-    return out, index.expand(target.shape)
+    return out, index.expand(best.shape)
+
+
+def _first_window(windows: list[Tensor], target: Tensor, inside: list[np.ndarray] | None = None) -> Tensor:
+    """Which window holds the first maximum `target`, per output: one byte (stored once, read by the forward sum
+    and its gradient) rather than a mask per window. Given which of each window's positions lie inside the input,
+    a window's padding is never its maximum."""
+    last = len(windows) - 1
+    # the last window wins where no earlier one holds the maximum (one of them always does)
+    which = full_like(target, last, dtype=dtypes.uint8 if last <= 255 else dtypes.int32)
+    for k in reversed(range(last)):
+        hit = (windows[k] == target) | (windows[k] != windows[k])  # a NaN is the maximum of its window
+        if inside is not None and not inside[k].all():
+            hit = hit & tensor(inside[k], device=target.device)
+        which = where(hit, k, which)
+    return which
+
+
+# -- max_pool2d as one node: its expansion, and its gradient by stride phase ---------------------------------------
+# An input element at padded row r + p = q * s + a lies in the windows of output rows q - t (t < ceil(k / s)), at
+# offset a + t * s of each (an offset past the kernel: not in that window). So its gradient is a sum of at most
+# ceil(kh / sh) * ceil(kw / sw) terms (4 for kernel 3, stride 2; 1 where windows do not overlap), each reading the
+# output gradient and the first maximum's window where the output row q - t repeats s times (a view), instead of
+# one term per kernel offset.
+
+def _max_pool2d_shape(inputs, attrs) -> tuple:
+    (x,) = inputs
+    size = _pooled_size(x.shape[-2:], attrs["kernel"], attrs["stride"], attrs["padding"], (1, 1), attrs["ceil_mode"])
+    return x.shape[:-2] + size, x.dtype
+
+
+def _pool_windows(x: Tensor, attrs: dict) -> list[Tensor]:
+    return list(_windows(x, attrs["kernel"], attrs["stride"], attrs["padding"], (1, 1), attrs["ceil_mode"],
+                         RULES[Op.MAX].identity(x.dtype)))
+
+
+def _max_pool2d_expansion(inputs, attrs):
+    with no_grad():
+        return first_maximum(_pool_windows(Tensor(inputs[0]), attrs), False)._node
+
+
+def _max_pool2d_vjp(g: Tensor, xs: list[Tensor], out: Tensor, attrs: dict) -> tuple:
+    x = xs[0].detach()
+    which = _first_window(_pool_windows(x, attrs), out.detach())
+    (kh, kw), (sh, sw), (ph, pw) = attrs["kernel"], attrs["stride"], attrs["padding"]
+    h, w = x.shape[-2:]
+    total = None
+    # in torch's order of the outputs adding into an element: the output rows, then columns, ascending
+    outside = -kh * kw  # an offset past the kernel, along either axis: the sum below stays negative
+    for th in reversed(range(-(-kh // sh))):
+        rows = _phase_offsets(h, kh, sh, ph, th, outside, x.device)
+        for tw in reversed(range(-(-kw // sw))):
+            cols = _phase_offsets(w, kw, sw, pw, tw, outside, x.device)
+            # the kernel offset of each input element in the window it reads: negative where it lies outside
+            offset = reshape(rows, (h, 1)) * kw + reshape(cols, (1, w))
+            spread_which = _repeat_windows(_repeat_windows(which, th, sh, ph, h, x.ndim - 2), tw, sw, pw, w,
+                                           x.ndim - 1)
+            spread_g = _repeat_windows(_repeat_windows(g, th, sh, ph, h, x.ndim - 2), tw, sw, pw, w, x.ndim - 1)
+            term = where(spread_which == offset, spread_g, 0)
+            total = term if total is None else total + term
+    return (total,)
+
+
+def _phase_offsets(n: int, k: int, s: int, p: int, t: int, outside: int, device) -> Tensor:
+    """For each of the n input positions of an axis, its offset in the window t before its own ((r + p) // s - t):
+    (r + p) % s + t * s, or `outside` where that is past the kernel."""
+    offset = (arange(n, dtype=dtypes.int32, device=device) + p) % s + t * s
+    return where(offset < k, offset, outside)
+
+
+def _repeat_windows(t: Tensor, shift: int, s: int, p: int, n: int, axis: int) -> Tensor:
+    """Along `axis`, the value of window (r + p) // s - shift at each of n input positions r: each window's value
+    repeated s times (a view), shifted; zero before the first window and past the last."""
+    rows = -(-(n + p) // s)
+    shifted = pad_axis(t, axis, shift, rows - t.shape[axis] - shift)
+    spread = list(shifted.shape)
+    spread[axis] = rows * s
+    repeated = unsqueeze(shifted, axis + 1).expand(*shifted.shape[:axis + 1], s, *shifted.shape[axis + 1:])
+    return slice_axis(reshape(repeated, tuple(spread)), axis, p, p + n)
 
 
 def _flat_positions(coords: tuple[np.ndarray, ...], sizes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -143,6 +225,10 @@ def _flat_positions(coords: tuple[np.ndarray, ...], sizes: tuple[int, ...]) -> t
         flat = flat * n + grid
         inside &= (grid >= 0) & (grid < n)
     return flat, inside
+
+
+define_composite(Op.MAX_POOL2D, shape=_max_pool2d_shape, vjp=composite_vjp(_max_pool2d_vjp),
+                 expand=_max_pool2d_expansion)
 
 
 def avg_pool2d(x: Tensor, kernel_size, stride=None, padding=0, ceil_mode: bool = False,

@@ -5,10 +5,15 @@ every reduction), with the values the reductions read (FULL level) and those com
 Planning: a stored reduction read by exactly one row kernel over its own space, at ROW level, is computed in
 that kernel instead of being stored (`pull_reductions`). Lowering: a program per block of rows, each reduction
 accumulated over the row in registers, a row that does not fit one tile walked in loops of chunks; what reads
-the reductions' results stored after them (`RowKernel`).
+the reductions' results stored after them (`RowKernel`). Where the kept axes are the contiguous ones (a column
+reduction) a program holds a block of kept positions and walks the reduced ones; how wide that block is, and into
+how many parts `compiler/passes.py` splits a column reduction too narrow to fill the GPU, is this pattern's rule
+(`column_block`, `column_parts`).
 """
 
 from __future__ import annotations
+
+import math
 
 from ember import dtypes
 from ember.compiler.emit import ZERO, Context, Emitter, Index, identity, next_pow2, program_index
@@ -26,11 +31,56 @@ LOOP_CHUNK = 1024  # columns per step of that loop
 # a kernel reducing leading axes (a column sum: the kept axes are contiguous) holds a block of KEPT_BLOCK kept
 # positions and walks the reduced ones COLUMN_TILE // KEPT_BLOCK at a time, with 4 warps: wide, short tiles keep
 # many rows of loads in flight (H200, a layer norm's weight gradient over 32768 x 4096 bf16: 0.53 ms at 128 x 32
-# with 8 warps, 0.20 ms at 512 x 8 with 4)
+# with 8 warps, 0.20 ms at 512 x 8 with 4). It keeps a partial result per element of its tile and reduces the tile
+# once, after the loop: a reduction across the tile's rows at every step would cross warps (shared memory and a
+# barrier per step). Blocks narrow (down to MIN_KEPT_BLOCK) until the programs fill COLUMN_WAVES waves of the SMs.
 KEPT_BLOCK = 512
 COLUMN_TILE = 4096
 COLUMN_WARPS = 4
 MIN_KEPT_BLOCK = 32
+COLUMN_WAVES = 4
+COLUMN_SPLIT_WAVES = 2
+# a column reduction with too few kept positions for that is split (compiler/passes.py): each of its partial
+# results reduces at least COLUMN_MIN_PART_BYTES of input per program and COLUMN_MIN_PART rows
+COLUMN_MIN_PART_BYTES = 16 * 1024
+COLUMN_MIN_PART = 64
+ASSUMED_MULTIPROCESSORS = 132  # where the GPU is not known (an H100's or H200's)
+
+
+def column_block(kept: int, multiprocessors: int) -> int:
+    """Kept positions per program of a column kernel over `kept` positions: KEPT_BLOCK, halved (down to
+    MIN_KEPT_BLOCK) while the programs would not fill COLUMN_WAVES waves of the GPU's multiprocessors."""
+    waves = COLUMN_WAVES * (multiprocessors or ASSUMED_MULTIPROCESSORS)
+    block = min(next_pow2(kept), KEPT_BLOCK)
+    while block > MIN_KEPT_BLOCK and -(-kept // block) < waves:
+        block //= 2
+    return block
+
+
+def column_parts(length: int, kept: int, itemsize: int, multiprocessors: int) -> int:
+    """Into how many parts a column reduction of `length` rows into `kept` contiguous positions is split: where
+    unsplit it would fill fewer than COLUMN_SPLIT_WAVES waves of the multiprocessors, enough parts that its partial
+    stage (a column kernel over parts x kept positions, in blocks that narrow to MIN_KEPT_BLOCK) fills COLUMN_WAVES,
+    few enough that each of its programs reads COLUMN_MIN_PART_BYTES and COLUMN_MIN_PART rows. 1: not split."""
+    multiprocessors = multiprocessors or ASSUMED_MULTIPROCESSORS
+    if not kept or -(-kept // MIN_KEPT_BLOCK) >= COLUMN_SPLIT_WAVES * multiprocessors:
+        return 1
+    waves = COLUMN_WAVES * multiprocessors
+    wanted = -(-waves * MIN_KEPT_BLOCK // kept)
+    rows_per_program = max(COLUMN_MIN_PART, -(-COLUMN_MIN_PART_BYTES // (MIN_KEPT_BLOCK * itemsize)))
+    parts = min(wanted, length // rows_per_program)
+    if parts < 2:
+        return 1
+    # rather a few parts fewer that divide the rows evenly than padding (a mask and a clamp per load)
+    return next((p for p in range(parts, parts // 2, -1) if length % p == 0), parts)
+
+
+def column_rows_together(kept: int) -> int:
+    """How many rows a split column reduction into `kept` contiguous positions reads as one row: where kept is
+    narrower than MIN_KEPT_BLOCK (3 channels), enough that their positions fill blocks of MIN_KEPT_BLOCK exactly
+    (32 rows of 3, 96 positions), so the blocks' loads are contiguous and aligned; 1 otherwise."""
+    return MIN_KEPT_BLOCK // math.gcd(kept, MIN_KEPT_BLOCK) if 0 < kept < MIN_KEPT_BLOCK else 1
+
 
 BLOCK_M, BLOCK_N = Block("BLOCK_M", "m"), Block("BLOCK_N", "n")  # a row kernel's tile
 
@@ -85,9 +135,7 @@ class RowKernel:
                 block_n = LOOP_CHUNK
             block_m = max(1, min(ROW_TILE // block_n, next_pow2(m), 64)) if block_n != LOOP_CHUNK else 1
         else:  # the kept axes are the contiguous ones: wide along them, so loads coalesce
-            block_m = min(next_pow2(m), KEPT_BLOCK)
-            while block_m > MIN_KEPT_BLOCK and -(-m // block_m) < ctx.settings.multiprocessors:
-                block_m //= 2  # few kept positions (a split sum's last stage): narrower blocks, more programs
+            block_m = column_block(m, ctx.settings.multiprocessors)
             block_n = max(1, min(next_pow2(n), COLUMN_TILE // block_m))
         self.block_m, self.block_n = block_m, block_n
         self.persistent = next_pow2(n) <= block_n
@@ -220,17 +268,20 @@ class RowKernel:
         return phases
 
     def reduce(self, phase: list[Node]) -> None:
-        """One loop over the row that accumulates every reduction of `phase`."""
+        """One loop over the row that accumulates every reduction of `phase`. A column kernel keeps a partial
+        result per element of its tile (`spread`) and reduces the tile once, after the loop."""
         emitter = self.emitter
         accs = []
         for r in phase:
             arg_reduction = r.op in (Op.ARGMAX, Op.ARGMIN)
+            spread = not self.trailing and not arg_reduction
             dt = compute_dtype(r.inputs[0].dtype if arg_reduction else r.dtype)
             acc_dt = dtypes.int32 if dt is dtypes.bool_ else dt
-            acc = Var(emitter.fresh("acc"), frozenset({"m"}))
+            acc = Var(emitter.fresh("acc"), frozenset({"m", "n"} if spread else {"m"}))
             arg = Var(emitter.fresh("arg"), frozenset({"m"})) if arg_reduction else None
             start_value = identity(r.op, dt)
-            emitter.emit(Assign((acc,), call("full", start_value, shape=(BLOCK_M, 1), dtype=acc_dt)))
+            shape = (BLOCK_M, BLOCK_N) if spread else (BLOCK_M, 1)
+            emitter.emit(Assign((acc,), call("full", start_value, shape=shape, dtype=acc_dt)))
             if arg:
                 emitter.emit(Assign((arg,), call("zeros", shape=(BLOCK_M, 1), dtype=dtypes.int64)))
             accs.append((r, dt, acc_dt, start_value, acc, arg))
@@ -240,10 +291,18 @@ class RowKernel:
         emitter.block = self.body
         for r, dt, acc_dt, _, acc, arg in accs:
             result = arg if arg else acc
+            if "n" in acc.varies:
+                result = emitter.define(call("reduce", acc, combine=r.op.label, axis=1, drop="n",
+                                             **self.nan_option(r)), "total")
             if acc_dt is not dt and not arg:  # a bool max or min, accumulated in int32
-                result = emitter.define(Bin("!=", acc, ZERO))
+                result = emitter.define(Bin("!=", result, ZERO))
             emitter.reduced[id(r)] = result
         self.close_loop()
+
+    @staticmethod
+    def nan_option(r: Node) -> dict:
+        """A max or min keeps a NaN it meets (as torch's do)."""
+        return {"nan": "propagate"} if r.op in (Op.MAX, Op.MIN) else {}
 
     def accumulate(self, r: Node, start_value, acc_dt, acc: Var, arg: Var | None) -> None:
         """Fold the chunk's values of `r`'s input into its accumulator (and, for an arg reduction, the
@@ -254,12 +313,20 @@ class RowKernel:
                                    Bin("+", value, call("zeros", shape=(BLOCK_M, BLOCK_N), dtype=acc_dt)),
                                    start_value), "t")
         combine = r.op.label
-        if r.op is Op.SUM:
+        if "n" in acc.varies:  # elementwise into the tile of partial results
+            if r.op is Op.SUM:
+                folded = Bin("+", acc, tile)
+            elif r.op is Op.PROD:
+                folded = Bin("*", acc, tile)
+            else:
+                folded = call("combine", acc, tile, combine=combine)
+            emitter.emit(Assign((acc,), folded))
+        elif r.op is Op.SUM:
             emitter.emit(Assign((acc,), Bin("+", acc, call("reduce", tile, combine="sum", axis=1, drop="n"))))
         elif r.op is Op.PROD:
             emitter.emit(Assign((acc,), Bin("*", acc, call("reduce", tile, combine="prod", axis=1, drop="n"))))
         elif r.op in (Op.MAX, Op.MIN):
-            part = call("reduce", tile, combine=combine, axis=1, drop="n", nan="propagate")
+            part = call("reduce", tile, combine=combine, axis=1, drop="n", **self.nan_option(r))
             emitter.emit(Assign((acc,), call("combine", acc, part, combine=combine)))
         else:  # the chunk's best (value, column), then the best of it and the rows' best so far
             columns = emitter.define(Bin("+", self.cols, call("zeros", shape=(BLOCK_M, BLOCK_N),

@@ -210,3 +210,31 @@ def test_backend_ember_is_found_through_the_entry_point_in_a_fresh_process():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "[6.0, 6.0]"
+
+
+@pytest.mark.parametrize("form", ["flash", "efficient", "cudnn"])
+def test_the_attention_operators_of_torchs_gpu_kernels_run_as_ember_attention(form):
+    """What AOTAutograd records on a GPU depends on the kernel torch picks there (FlashAttention, memory-efficient,
+    cuDNN): each form's forward and backward operator, run by ember on the cpu, against torch's attention."""
+    from ember.frontends.aten_graph import lookup
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 5, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    grad = torch.randn_like(out)
+    expected = torch.autograd.grad(out, (q, k, v), grad)
+    eq, ek, ev, eg = (ember.from_dlpack(t.detach()) for t in (q, k, v, grad))
+    forward = lookup(getattr(torch.ops.aten, f"_scaled_dot_product_{form}_attention").default)
+    backward = lookup(getattr(torch.ops.aten, f"_scaled_dot_product_{form}_attention_backward").default)
+    if form == "flash":
+        mine = forward(eq, ek, ev, 0.0, True)
+        grads = backward(eg, eq, ek, ev, mine[0], mine[1], None, None, 5, 5, 0.0, True, None, None)
+    elif form == "efficient":
+        mine = forward(eq, ek, ev, None, True, 0.0, True)
+        grads = backward(eg, eq, ek, ev, None, mine[0], mine[1], None, None, 0.0, [True, True, True, False], True)
+    else:
+        mine = forward(eq, ek, ev, None, True, 0.0, True)
+        grads = backward(eg, eq, ek, ev, mine[0], mine[1], None, None, None, None, None, 5, 5, 0.0, True)
+    np.testing.assert_allclose(mine[0].numpy(), out.detach().numpy(), rtol=1e-10, atol=1e-12)
+    for got, want in zip(grads[:3], expected):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-9, atol=1e-12)

@@ -430,6 +430,13 @@ def _efficient_attention(q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0, 
             _NotComputed("an offset", ()))
 
 
+def _cudnn_attention(q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, return_debug_mask=False,
+                     scale=None):
+    out = _attention(q, k, v, dropout_p, is_causal, attn_bias, scale)
+    return (out, _NotComputed("the log-sum-exp of an attention", (*q.shape[:-1],)), None, None, q.shape[-2],
+            k.shape[-2], _NotComputed("a seed", ()), _NotComputed("an offset", ()), _NotComputed("a debug mask", ()))
+
+
 def _attention_backward(grad, q, k, v, attn_mask, is_causal, scale, mask_wanted=False):
     dq, dk, dv, dmask = _vjp(lambda a, b, c, m: _attention(a, b, c, 0.0, is_causal, m, scale),
                              [q, k, v, attn_mask], grad, [True, True, True, mask_wanted])
@@ -448,6 +455,11 @@ def _flash_attention_cpu_backward(grad, q, k, v, out, lse, dropout_p, is_causal,
 def _efficient_attention_backward(grad, q, k, v, attn_bias, out, lse, seed, offset, dropout_p, grad_input_mask,
                                   is_causal=False, scale=None):
     return _attention_backward(grad, q, k, v, attn_bias, is_causal, scale, bool(grad_input_mask[3]))
+
+
+def _cudnn_attention_backward(grad, q, k, v, out, lse, seed, offset, attn_bias, cum_q, cum_k, max_q, max_k, dropout_p,
+                              is_causal, scale=None):
+    return _attention_backward(grad, q, k, v, attn_bias, is_causal, scale)[:3]
 
 
 def _upsample(mode):
@@ -585,6 +597,8 @@ OPS: dict[str, Callable] = {
     "aten._scaled_dot_product_flash_attention_backward": _flash_attention_backward,
     "aten._scaled_dot_product_flash_attention_for_cpu_backward": _flash_attention_cpu_backward,
     "aten._scaled_dot_product_efficient_attention_backward": _efficient_attention_backward,
+    "aten._scaled_dot_product_cudnn_attention": _cudnn_attention,
+    "aten._scaled_dot_product_cudnn_attention_backward": _cudnn_attention_backward,
     "aten.lerp": lambda x, end, weight: x + (end - x) * weight,
     "aten.addcmul": lambda x, a, b, value=1: x + a * b * value,
     "aten.addcdiv": lambda x, a, b, value=1: x + a / b * value,

@@ -35,6 +35,7 @@ _READERS_OF_AUXILIARY = {
     "aten._scaled_dot_product_flash_attention_for_cpu": (
         "aten._scaled_dot_product_flash_attention_for_cpu_backward",),
     "aten._scaled_dot_product_efficient_attention": ("aten._scaled_dot_product_efficient_attention_backward",),
+    "aten._scaled_dot_product_cudnn_attention": ("aten._scaled_dot_product_cudnn_attention_backward",),
 }
 
 

@@ -653,3 +653,33 @@ def test_a_step_that_sets_the_mode_itself_is_replayed():
         jitted_train(ember.tensor(x, device="cuda"), ember.tensor(y, device="cuda"))
         jitted_eval(ember.tensor(x, device="cuda"))
     assert jitted_train.stats["replays"] == 4 and jitted_eval.stats["replays"] >= 3
+
+
+def test_two_returned_values_the_plan_stores_once_are_both_written_by_each_replay():
+    """Two results of one value (two nodes the compiler computes once, as a template's outputs that name the same
+    node) share a slot: a replay into a fresh set of result buffers (the recording's still shown) writes both."""
+    from ember.ir.template import recording, template
+
+    def body(x):
+        y = (x * 3).exp()
+        return y, y * 1.0
+
+    x0 = ember.randn(4, 5, device="cuda")
+    with recording() as made:
+        a, b = body(x0)
+    built = template([x0._node], [a._node, a._node, b._node], made)
+
+    def step(x):
+        first, second, third = (ember.Tensor(n) for n in built.apply([x._node]))
+        return first, second, third
+
+    replayed = ember.jit(step)
+    kept = []
+    for _ in range(5):
+        x = ember.randn(4, 5, device="cuda")
+        outs = replayed(x)
+        kept.append(outs)  # every set of results stays shown: each replay writes fresh buffers
+        expected = np.exp(x.numpy() * 3)
+        for out in outs:
+            np.testing.assert_allclose(out.numpy(), expected, rtol=1e-5)
+    assert replayed.stats["replays"] >= 2

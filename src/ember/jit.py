@@ -376,7 +376,9 @@ class _Program:
         # a gradient the step also returns keeps showing the buffer replays write, as .grad does
         gradients = {id(p.grad._node) for ref, _, _ in rec.grads.values() if (p := ref()) is not None
                      and p.grad is not None}
+        self._kept_results: dict[int, object] = {}  # id(recorded buffer of a returned value) -> this call's copy
         steps = [self._bind(r, slots, finals, uploaded, returned - gradients, draw_index) for r in rec.plans]
+        del self._kept_results
         self.out_slots = self._returns(rec, out_leaves, arg_nodes)
         self.grads = self._gradients(rec, produced_ids)
         self.none_before = [ref for ref, _, needs_none in self.grads if needs_none]
@@ -433,6 +435,7 @@ class _Program:
 
         inputs, reads_state = [], {}
         arguments, results_in, results_out = [], [], []
+        kept = self._kept_results
         for i, (leaf, buffer) in enumerate(zip(r.sig.inputs, r.inputs)):
             key = id(buffer)
             if key in self.result_slot:
@@ -465,10 +468,14 @@ class _Program:
                     buffer = copies[-1][1]
                 slots.written.add(id(node.buffer))
             elif id(node) in returned and not passthrough:
-                node.set_buffer(buffer.clone())  # this call's result stays; replays write the slot
-                self.result_slot[id(buffer)] = len(self.results[0])
-                results_out.append((j, len(self.results[0])))
-                self.results[0].append(buffer)
+                # this call's result stays (a copy); replays write the slot. Returned nodes the plan stores in
+                # one buffer (one value returned twice) share its slot: a slot of each would leave one unwritten
+                if id(buffer) not in self.result_slot:
+                    self.result_slot[id(buffer)] = len(self.results[0])
+                    self.results[0].append(buffer)
+                    kept[id(buffer)] = buffer.clone()
+                node.set_buffer(kept[id(buffer)])
+                results_out.append((j, self.result_slot[id(buffer)]))
             if passthrough:
                 outputs.append(None)
                 continue

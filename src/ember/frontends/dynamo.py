@@ -3,10 +3,11 @@
 Registered under torch's backend entry point (`torch_dynamo_backends`), so `backend="ember"` works once ember is
 installed. TorchDynamo captures the Python; AOTAutograd splits each captured graph into a forward and a backward
 graph of core ATen operators (torch's decompositions applied to the rest) and functionalizes them; each graph is
-run by `ember.frontends.aten.AtenGraph` on ember tensors that share the memory of torch's (DLPack, no copies),
-realized as one ember plan per call: its operators fused by ember's compiler, its plans cached, its steady steps
-replayed. What dynamo cannot capture runs in torch between the graphs (graph breaks), as with any backend; an
-optimizer step dynamo captures is one more graph.
+run by `ember.frontends.aten_graph.AtenGraph` on ember tensors that share the memory of torch's (DLPack, no
+copies), built from its template after the first call and realized as one ember plan per call: its operators fused
+by ember's compiler, its plans cached, and on a GPU each graph's calls replayed as CUDA graphs (ember.jit; the
+results torch keeps get buffers of their own). What dynamo cannot capture runs in torch between the graphs (graph
+breaks), as with any backend; an optimizer step dynamo captures is one more graph.
 
 Options (`torch.compile(..., backend="ember", options={...})`): none yet.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 from ember.frontends.aten import _NotComputed
 from ember.frontends.aten_graph import AtenGraph
+from ember.jit import jit
 from ember.tensor import Tensor, realize
 
 
@@ -35,10 +37,17 @@ def _compile(gm, example_inputs):
     device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
     constants = {name: _to_ember(getattr(gm, name)) for name in graph.attribute_names}  # the graph's own tensors
 
+    def step(*inputs):
+        return graph(*inputs, attributes=constants.__getitem__)
+
+    # on a GPU, recorded and replayed as CUDA graphs, one per binding of its inputs' buffers (ember.jit): a plan
+    # whose inputs are torch's tensors is no steady chain of the lazy path, which would run it launch by launch
+    step = jit(step) if device.type == "cuda" else step
+
     def run(args: list) -> list:
         inputs = [_to_ember(a) for a in args]
         args.clear()  # AOTAutograd's boxed convention: the inputs can be freed as soon as they are read
-        return _to_torch(graph(*inputs, attributes=constants.__getitem__), device)
+        return _to_torch(step(*inputs), device)
 
     run._boxed_call = True
     return run

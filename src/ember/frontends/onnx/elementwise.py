@@ -1,0 +1,209 @@
+"""ONNX's elementwise operators (arithmetic, comparisons, logic, activations, casts) as ember ops.
+
+Each function takes the node's context and its input values and returns its output(s). ONNX operands of a
+binary op share one type, so ember's promotion never widens them; constants are made in the operand's dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import reduce
+
+import ember
+from ember import dtypes
+from ember.frontends.onnx.graph import NodeContext
+from ember.nn import functional as F
+from ember.tensor import Tensor
+
+
+def _unary(fn):
+    return lambda n, x: fn(x)
+
+
+def _binary(fn):
+    return lambda n, a, b: fn(a, b)
+
+
+def _variadic(fn):
+    return lambda n, *xs: reduce(fn, xs)
+
+
+def _div(n: NodeContext, a, b):
+    if a.dtype.is_floating_point:
+        return a / b
+    return ember.div(a, b, rounding_mode="trunc")
+
+
+def _mod(n: NodeContext, a, b):
+    if n.attr("fmod", 0):
+        return ember.fmod(a, b)
+    return ember.remainder(a, b)
+
+
+def _pow(n: NodeContext, a, b):
+    if not a.dtype.is_floating_point:
+        return ember.pow(a.to(dtypes.float64), b.to(dtypes.float64)).round().to(a.dtype)
+    return ember.pow(a, b.to(a.dtype))
+
+
+def _mean(n: NodeContext, *xs):
+    return reduce(lambda a, b: a + b, xs) / n.const(len(xs), xs[0])
+
+
+def _bit_shift(n: NodeContext, x, y):
+    scale = ember.pow(n.const(2, dtypes.int64), y.to(dtypes.int64))
+    wide = x.to(dtypes.int64)
+    shifted = wide * scale if n.attr("direction") == "LEFT" else ember.div(wide, scale, rounding_mode="floor")
+    bits = 8 * _unsigned_bits(x.dtype)
+    return ember.remainder(shifted, n.const(2 ** bits, dtypes.int64)).to(x.dtype) if bits < 64 else shifted
+
+
+def _unsigned_bits(dtype) -> int:
+    """BitShift's operands are unsigned: uint8 held as itself, uint16 in int32, uint32 and uint64 in int64."""
+    return {dtypes.uint8: 1, dtypes.int32: 2, dtypes.int64: 8}.get(dtype, dtype.itemsize)
+
+
+def _clip(n: NodeContext, x, low=None, high=None):
+    if n.opset < 11:
+        low, high = n.attr("min"), n.attr("max")
+        low = None if low is None else n.const(low, x)
+        high = None if high is None else n.const(high, x)
+    if low is not None:
+        x = ember.maximum(x, low)
+    if high is not None:
+        x = ember.minimum(x, high)
+    return x
+
+
+def _cast(n: NodeContext, x, like=None):
+    dtype = like.dtype if like is not None else n.dtype_of(n.attr("to"))
+    if x.dtype.is_floating_point and not dtype.is_floating_point and dtype is not dtypes.bool_:
+        x = ember.trunc(x)  # ONNX (as C) truncates toward zero; ember's cast of NaN/inf is undefined as theirs
+    return x.to(dtype)
+
+
+def _where(n: NodeContext, cond, a, b):
+    return ember.where(cond, a, b)
+
+
+def _is_inf(n: NodeContext, x):
+    out = ember.isinf(x)
+    if not n.attr("detect_negative", 1):
+        out = out & (x > 0)
+    if not n.attr("detect_positive", 1):
+        out = out & (x < 0)
+    return out
+
+
+def _elu(n: NodeContext, x):
+    alpha = n.attr("alpha", 1.0)
+    return ember.where(x > 0, x, ember.expm1(x) * alpha)
+
+
+def _selu(n: NodeContext, x):
+    alpha, gamma = n.attr("alpha", 1.67326319217681884765625), n.attr("gamma", 1.05070102214813232421875)
+    return ember.where(x > 0, x, ember.expm1(x) * alpha) * gamma
+
+
+def _celu(n: NodeContext, x):
+    alpha = n.attr("alpha", 1.0)
+    return ember.maximum(x, n.const(0, x)) + ember.minimum(n.const(0, x), ember.expm1(x / alpha) * alpha)
+
+
+def _leaky_relu(n: NodeContext, x):
+    return ember.where(x >= 0, x, x * n.attr("alpha", 0.01))
+
+
+def _thresholded_relu(n: NodeContext, x):
+    return ember.where(x > n.attr("alpha", 1.0), x, n.const(0, x))
+
+
+def _hard_sigmoid(n: NodeContext, x):
+    return ember.clamp(x * n.attr("alpha", 0.2) + n.attr("beta", 0.5), 0.0, 1.0)
+
+
+def _hard_swish(n: NodeContext, x):
+    return x * ember.clamp(x / 6 + 0.5, 0.0, 1.0)
+
+
+def _gelu(n: NodeContext, x):
+    return F.gelu(x, approximate=n.attr("approximate", "none"))
+
+
+def _prelu(n: NodeContext, x, slope):
+    return ember.where(x >= 0, x, x * slope)
+
+
+def _shrink(n: NodeContext, x):
+    bias, lambd = n.attr("bias", 0.0), n.attr("lambd", 0.5)
+    zero = n.const(0, x)
+    return ember.where(x < -lambd, x + n.const(bias, x), ember.where(x > lambd, x - n.const(bias, x), zero))
+
+
+def _softplus(n: NodeContext, x):
+    return ember.log1p(ember.exp(-ember.abs(x))) + ember.maximum(x, n.const(0, x))
+
+
+def _swish(n: NodeContext, x):
+    return x * ember.sigmoid(x * n.attr("alpha", 1.0))
+
+
+def _atan(x: Tensor) -> Tensor:
+    """arctan by range reduction to [0, tan(pi/12)] and a Taylor polynomial there (error below 1e-8):
+    ember has no arctan primitive."""
+    sign = ember.sign(x)
+    a = ember.abs(x)
+    inverted = a > 1
+    a = ember.where(inverted, 1 / ember.maximum(a, ember.full_like(a, 1e-30)), a)
+    t = math.tan(math.pi / 12)
+    shifted = a > t
+    a = ember.where(shifted, (a - t) / (1 + a * t), a)
+    a2 = a * a
+    series = a * (1 - a2 * (1 / 3 - a2 * (1 / 5 - a2 * (1 / 7 - a2 * (1 / 9 - a2 * (1 / 11 - a2 / 13))))))
+    series = ember.where(shifted, series + math.pi / 12, series)
+    series = ember.where(inverted, math.pi / 2 - series, series)
+    return sign * series
+
+
+def _asin(x: Tensor) -> Tensor:
+    return _atan2(x, ember.sqrt(1 - x * x))
+
+
+def _atan2(y: Tensor, x: Tensor) -> Tensor:
+    """atan2 for x >= 0 (what asin and acos need)."""
+    safe = ember.where(x == 0, ember.ones_like(x), x)
+    return ember.where(x == 0, ember.sign(y) * (math.pi / 2), _atan(y / safe))
+
+
+_UNARY = {
+    "Abs": ember.abs, "Neg": ember.neg, "Exp": ember.exp, "Log": ember.log, "Sqrt": ember.sqrt,
+    "Reciprocal": ember.reciprocal, "Sin": ember.sin, "Cos": ember.cos, "Tanh": ember.tanh, "Sigmoid": ember.sigmoid,
+    "Floor": ember.floor, "Ceil": ember.ceil, "Round": ember.round, "Sign": ember.sign, "Erf": ember.erf,
+    "Not": ember.logical_not, "IsNaN": ember.isnan, "BitwiseNot": ember.bitwise_not,
+    "Relu": lambda x: ember.maximum(x, ember.zeros_like(x)),
+    "Tan": lambda x: ember.sin(x) / ember.cos(x),
+    "Sinh": lambda x: (ember.exp(x) - ember.exp(-x)) / 2, "Cosh": lambda x: (ember.exp(x) + ember.exp(-x)) / 2,
+    "Asinh": lambda x: ember.log(x + ember.sqrt(x * x + 1)), "Acosh": lambda x: ember.log(x + ember.sqrt(x * x - 1)),
+    "Atanh": lambda x: ember.log((1 + x) / (1 - x)) / 2, "Atan": _atan, "Asin": _asin,
+    "Acos": lambda x: math.pi / 2 - _asin(x),
+    "Softsign": lambda x: x / (1 + ember.abs(x)), "Mish": lambda x: x * ember.tanh(F.softplus(x)),
+    "Identity": lambda x: x,
+}
+
+_BINARY = {
+    "Add": ember.add, "Sub": ember.sub, "Mul": ember.mul, "Equal": ember.eq, "Greater": ember.gt,
+    "Less": ember.lt, "GreaterOrEqual": ember.ge, "LessOrEqual": ember.le, "And": ember.logical_and,
+    "Or": ember.logical_or, "Xor": ember.logical_xor, "BitwiseAnd": ember.bitwise_and,
+    "BitwiseOr": ember.bitwise_or, "BitwiseXor": ember.bitwise_xor,
+}
+
+OPS = {
+    **{name: _unary(fn) for name, fn in _UNARY.items()},
+    **{name: _binary(fn) for name, fn in _BINARY.items()},
+    "Max": _variadic(ember.maximum), "Min": _variadic(ember.minimum), "Sum": _variadic(ember.add), "Mean": _mean,
+    "Div": _div, "Mod": _mod, "Pow": _pow, "BitShift": _bit_shift, "Clip": _clip, "Cast": _cast,
+    "CastLike": _cast, "Where": _where, "IsInf": _is_inf, "Elu": _elu, "Selu": _selu, "Celu": _celu,
+    "LeakyRelu": _leaky_relu, "ThresholdedRelu": _thresholded_relu, "HardSigmoid": _hard_sigmoid,
+    "HardSwish": _hard_swish, "Gelu": _gelu, "PRelu": _prelu, "Shrink": _shrink, "Softplus": _softplus,
+    "Swish": _swish,
+}

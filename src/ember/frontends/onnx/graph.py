@@ -1,0 +1,204 @@
+"""Running an ONNX graph on ember tensors: each node, in the graph's (topological) order, calls its op's ember
+function from `registry.OPS`, so one forward builds one lazy ember graph that the compiler fuses like native code.
+
+An op ember has no function for, but that ONNX defines as a function of other ops (LayerNormalization, Attention,
+the losses, Gelu ...), runs as that function body, taken from onnx's own schema for the node's opset; the model's
+local functions run the same way. Subgraphs (If, Loop, Scan) run through the same `GraphRunner`, seeing the names
+of the scopes around them.
+
+Values are ember tensors, Python lists of tensors (sequences) and None (an absent optional input). Where ONNX
+computes a shape or an axis list as a tensor, the op that needs it as a number reads it with `NodeContext.static`:
+that realizes the (small) shape computation now, while the data path stays lazy.
+"""
+
+from __future__ import annotations
+
+from collections import ChainMap
+from collections.abc import Callable
+
+import numpy as np
+import onnx
+from onnx import AttributeProto, helper
+
+from ember.device import Device
+from ember.errors import UnsupportedOperatorError
+from ember.frontends.onnx.values import UnsupportedType, ember_dtype, proto_array, to_tensor
+from ember.tensor import Tensor
+
+
+def attributes(node: onnx.NodeProto) -> dict:
+    """A node's attributes as Python values: tensors as NumPy arrays, strings decoded, graphs kept as protos."""
+    out = {}
+    for a in node.attribute:
+        if a.ref_attr_name:
+            continue  # bound by the calling function (run_function)
+        value = helper.get_attribute_value(a)
+        if a.type == AttributeProto.TENSOR:
+            value = proto_array(value)
+        elif a.type == AttributeProto.STRING:
+            value = value.decode()
+        elif a.type == AttributeProto.STRINGS:
+            value = [v.decode() for v in value]
+        elif a.type == AttributeProto.TENSORS:
+            value = [proto_array(v) for v in value]
+        out[a.name] = value
+    return out
+
+
+class NodeContext:
+    """What an op's ember function knows of its node besides the input values: attributes, opset, device."""
+
+    def __init__(self, node: onnx.NodeProto, opset: int, attrs: dict, runner: GraphRunner, scope: ChainMap):
+        self.node, self.opset, self.attrs, self.runner, self.scope = node, opset, attrs, runner, scope
+
+    @property
+    def device(self) -> Device:
+        return self.runner.device
+
+    def attr(self, name: str, default=None):
+        return self.attrs.get(name, default)
+
+    def static(self, t: Tensor | None) -> np.ndarray | None:
+        """A shape-like input's value, computed now (ONNX passes shapes, axes and sizes as tensors)."""
+        return None if t is None else t.numpy()
+
+    def ints(self, t: Tensor | None) -> list[int] | None:
+        return None if t is None else [int(v) for v in np.asarray(self.static(t)).reshape(-1)]
+
+    def const(self, value, dtype=None) -> Tensor:
+        """A constant on this node's device, of `dtype` (an ember dtype, or that of a tensor given as `dtype`)."""
+        dtype = dtype.dtype if isinstance(dtype, Tensor) else dtype
+        array = np.asarray(value, dtype=None if dtype is None else dtype.np)
+        return to_tensor(array, self.device)
+
+    def dtype_of(self, elem_type: int):
+        try:
+            return ember_dtype(elem_type)
+        except UnsupportedType as e:
+            raise self.unsupported(str(e)) from None
+
+    def unsupported(self, what: str) -> UnsupportedOperatorError:
+        return unsupported(self.node, self.opset, what)
+
+
+def unsupported(node: onnx.NodeProto, opset: int, what: str) -> UnsupportedOperatorError:
+    domain = f"{node.domain}." if node.domain not in ("", "ai.onnx") else ""
+    name = f" {node.name!r}" if node.name else ""
+    return UnsupportedOperatorError(f"ONNX node{name} ({domain}{node.op_type}, opset {opset}, outputs "
+                                    f"{list(node.output)}): {what}")
+
+
+class GraphRunner:
+    """Runs graphs and functions of one model: its opsets, its local functions, the device of new tensors."""
+
+    def __init__(self, opsets: dict[str, int], functions: dict[tuple[str, str], onnx.FunctionProto],
+                 device: Device, ops: dict[str, Callable]):
+        self.opsets, self.functions, self.device, self.ops = opsets, functions, device, ops
+
+    def run(self, graph: onnx.GraphProto, scope: ChainMap) -> list:
+        """Runs `graph`'s nodes in `scope` (its inputs and initializers bound, outer scopes behind), returning
+        its outputs' values."""
+        for node in graph.node:
+            self.run_node(node, scope)
+        return [scope[o.name] for o in graph.output]
+
+    def run_node(self, node: onnx.NodeProto, scope: ChainMap, attrs: dict | None = None) -> None:
+        domain = "" if node.domain == "ai.onnx" else node.domain
+        opset = self.opsets.get(domain, 1)
+        inputs = [scope[name] if name else None for name in node.input]
+        attrs = attributes(node) if attrs is None else attrs
+        context = NodeContext(node, opset, attrs, self, scope)
+        fn = self.ops.get(node.op_type) if domain == "" else None
+        if fn is not None:
+            outputs = fn(context, *inputs)
+        elif (domain, node.op_type) in self.functions:
+            outputs = self.run_function(self.functions[domain, node.op_type], context, inputs)
+        else:
+            outputs = self.run_function(self.schema_function(node, opset, inputs), context, inputs)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        for name, value in zip(node.output, outputs):
+            if name:
+                scope[name] = value
+
+    def schema_function(self, node: onnx.NodeProto, opset: int, inputs: list) -> onnx.FunctionProto:
+        """The function body onnx defines for an op, at the node's opset (for its input types, where the body
+        depends on them)."""
+        try:
+            schema = onnx.defs.get_schema(node.op_type, opset, node.domain)
+        except onnx.defs.SchemaError:
+            raise unsupported(node, opset, "ember has no implementation of this operator and onnx defines "
+                                           "no schema for it") from None
+        function = onnx.FunctionProto()
+        if schema.has_function:
+            function.ParseFromString(schema.get_function_with_opset_version(
+                max(v for v in schema.function_opset_versions if v <= opset)))
+        elif schema.has_context_dependent_function:
+            types = [_type_of(v, node, opset) for v in inputs]
+            function.ParseFromString(schema.get_context_dependent_function(
+                node.SerializeToString(), [t.SerializeToString() for t in types]))
+        else:
+            raise unsupported(node, opset, "ember has no implementation of this operator (and onnx defines it "
+                                           "as no function of other operators)")
+        if not function.node:
+            raise unsupported(node, opset, "onnx gives no function body for these inputs")
+        for schema_attr in schema.attributes.values():
+            if schema_attr.name not in {a.name for a in node.attribute} and schema_attr.default_value.name:
+                node.attribute.append(schema_attr.default_value)  # the function body reads the default
+        return function
+
+    def run_function(self, function: onnx.FunctionProto, context: NodeContext, inputs: list) -> tuple:
+        """Runs a function body: its formal inputs bound to the node's values, its attribute references to the
+        node's attributes (or the function's defaults)."""
+        bound = dict(attributes(_attributes_node(function.attribute_proto)))
+        bound.update(attributes(context.node))
+        references = {a.name: a for a in function.attribute_proto}
+        references.update({a.name: a for a in context.node.attribute})
+        scope = ChainMap({name: value for name, value in zip(function.input, inputs)})
+        runner = self
+        if function.opset_import:
+            opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in function.opset_import}
+            runner = GraphRunner({**self.opsets, **opsets}, self.functions, self.device, self.ops)
+        for node in function.node:
+            own = attributes(node)
+            for a in node.attribute:
+                if a.ref_attr_name and a.ref_attr_name in references:
+                    own[a.name] = bound[a.ref_attr_name]
+            bound_node = _with_attributes(node, own, references)
+            runner.run_node(bound_node, scope, own)
+        return tuple(scope.get(name) for name in function.output)
+
+
+def _attributes_node(protos) -> onnx.NodeProto:
+    node = onnx.NodeProto()
+    node.attribute.extend(protos)
+    return node
+
+
+def _with_attributes(node: onnx.NodeProto, own: dict, references: dict) -> onnx.NodeProto:
+    """The node with its attribute references replaced by the caller's attributes (a nested function body or a
+    context-dependent schema reads the node's attributes, not our dict)."""
+    if not any(a.ref_attr_name for a in node.attribute):
+        return node
+    copy = onnx.NodeProto()
+    copy.CopyFrom(node)
+    del copy.attribute[:]
+    for a in node.attribute:
+        if not a.ref_attr_name:
+            copy.attribute.append(a)
+        elif a.ref_attr_name in references:
+            value = onnx.AttributeProto()
+            value.CopyFrom(references[a.ref_attr_name])
+            value.name = a.name
+            copy.attribute.append(value)
+    return copy
+
+
+def _type_of(value, node: onnx.NodeProto, opset: int) -> onnx.TypeProto:
+    """The ONNX type of a value, for a schema whose function body depends on its input types."""
+    if value is None:
+        return onnx.TypeProto()
+    if isinstance(value, list):
+        element = _type_of(value[0], node, opset) if value else onnx.TypeProto()
+        return helper.make_sequence_type_proto(element)
+    elem = helper.np_dtype_to_tensor_dtype(value.dtype.np)
+    return helper.make_tensor_type_proto(elem, list(value.shape))

@@ -1,0 +1,137 @@
+"""ONNX's reductions, arg-extrema, softmaxes and scans as ember ops.
+
+A reduction's axes are an attribute before opset 18 (ReduceSum: 13) and an input after; an empty axis list
+reduces everything unless `noop_with_empty_axes`. A reduction over no elements gives the operation's identity
+(0 for a sum, -inf for a max ...), as ONNX's reference does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+import ember
+from ember import dtypes
+from ember.frontends.onnx.graph import NodeContext
+from ember.frontends.onnx.tensors import slice_axis
+
+
+def _reduction(fn, empty, since_input: int = 18):
+    """An ONNX reduction from `fn(x, dims, keepdim)`; `empty(dtype)` is its value over no elements."""
+    def reduce(n: NodeContext, x, axes=None):
+        axes = n.attr("axes") if n.opset < since_input else n.ints(axes)
+        keep = bool(n.attr("keepdims", 1))
+        if not axes:
+            if n.attr("noop_with_empty_axes", 0):
+                return x
+            axes = list(range(x.ndim))
+        dims = tuple(sorted(a % x.ndim for a in axes)) if x.ndim else ()
+        if any(x.shape[d] == 0 for d in dims):
+            shape = tuple(1 if i in dims else s for i, s in enumerate(x.shape) if keep or i not in dims)
+            return ember.full(shape, empty(x.dtype), dtype=x.dtype, device=x.device)
+        return fn(x, dims, keep) if dims else x
+    return reduce
+
+
+def _lowest(dtype):
+    return -math.inf if dtype.is_floating_point else np.iinfo(dtype.np).min
+
+
+def _highest(dtype):
+    return math.inf if dtype.is_floating_point else np.iinfo(dtype.np).max
+
+
+def _log_sum_exp(x, dims, keep):
+    peak = x.amax(dims, keepdim=True)
+    peak = ember.where(ember.isinf(peak), ember.zeros_like(peak), peak)
+    out = ember.log(ember.exp(x - peak).sum(dims, keepdim=True)) + peak
+    return out if keep else out.reshape(tuple(s for i, s in enumerate(x.shape) if i not in dims))
+
+
+_REDUCTIONS = {
+    "ReduceSum": _reduction(lambda x, d, k: x.sum(d, keepdim=k), lambda t: 0, since_input=13),
+    "ReduceMean": _reduction(lambda x, d, k: x.mean(d, keepdim=k), lambda t: math.nan),
+    "ReduceMax": _reduction(lambda x, d, k: x.amax(d, keepdim=k), _lowest),
+    "ReduceMin": _reduction(lambda x, d, k: x.amin(d, keepdim=k), _highest),
+    "ReduceProd": _reduction(lambda x, d, k: _prod(x, d, k), lambda t: 1),
+    "ReduceL1": _reduction(lambda x, d, k: ember.abs(x).sum(d, keepdim=k), lambda t: 0),
+    "ReduceL2": _reduction(lambda x, d, k: _root((x * x).sum(d, keepdim=k)), lambda t: 0),
+    "ReduceSumSquare": _reduction(lambda x, d, k: (x * x).sum(d, keepdim=k), lambda t: 0),
+    "ReduceLogSum": _reduction(lambda x, d, k: ember.log(x.sum(d, keepdim=k)), lambda t: -math.inf),
+    "ReduceLogSumExp": _reduction(_log_sum_exp, lambda t: -math.inf),
+}
+
+
+def _prod(x, dims, keep: bool):
+    for d in reversed(dims):  # the last first, so that the others keep their positions
+        x = x.prod(d, keepdim=keep)
+    return x
+
+
+def _root(x):
+    return ember.sqrt(x) if x.dtype.is_floating_point else ember.sqrt(x.to(dtypes.float64)).round().to(x.dtype)
+
+
+def _arg(largest: bool):
+    def arg(n: NodeContext, x):
+        axis = n.attr("axis", 0) % max(x.ndim, 1)
+        keep = bool(n.attr("keepdims", 1))
+        last = n.attr("select_last_index", 0)
+        source = x.flip((axis,)) if last else x
+        index = source.argmax(axis, keepdim=keep) if largest else source.argmin(axis, keepdim=keep)
+        return x.shape[axis] - 1 - index if last else index
+    return arg
+
+
+def _softmax(kind: str):
+    def softmax(n: NodeContext, x):
+        if n.opset < 13:  # the input seen as a matrix [prod(shape[:axis]), prod(shape[axis:])]
+            axis = n.attr("axis", 1) % max(x.ndim, 1)
+            rows = x.reshape(math.prod(x.shape[:axis]), -1)
+            return _normalize(kind, rows, 1).reshape(x.shape)
+        return _normalize(kind, x, n.attr("axis", -1) % max(x.ndim, 1))
+    return softmax
+
+
+def _normalize(kind: str, x, axis: int):
+    if kind == "softmax":
+        return ember.softmax(x, axis)
+    if kind == "log_softmax":
+        return ember.log_softmax(x, axis)
+    first = x.argmax(axis, keepdim=True)
+    positions = ember.arange(x.shape[axis], dtype=dtypes.int64, device=x.device)
+    positions = positions.reshape(tuple(x.shape[axis] if i == axis else 1 for i in range(x.ndim)))
+    return (positions == first).to(x.dtype)
+
+
+def _cumulative(product: bool):
+    def cumulative(n: NodeContext, x, axis):
+        axis = n.ints(axis)[0] % x.ndim
+        if n.attr("reverse", 0):
+            x = x.flip((axis,))
+        out = _cumprod(x, axis) if product else x.cumsum(axis)
+        if n.attr("exclusive", 0):
+            identity = ember.ones_like(slice_axis(x, axis, 0, 1, 1)) if product else \
+                ember.zeros_like(slice_axis(x, axis, 0, 1, 1))
+            out = ember.cat([identity, slice_axis(out, axis, 0, x.shape[axis] - 1, 1)], axis)
+        return out.flip((axis,)) if n.attr("reverse", 0) else out
+    return cumulative
+
+
+def _cumprod(x, axis: int):
+    """A running product, one step per position (ember has a cumulative sum, and a product through logarithms
+    would lose signs and zeros)."""
+    running = slice_axis(x, axis, 0, 1, 1)
+    steps = [running]
+    for i in range(1, x.shape[axis]):
+        running = running * slice_axis(x, axis, i, i + 1, 1)
+        steps.append(running)
+    return ember.cat(steps, axis) if len(steps) > 1 else running
+
+
+OPS = {
+    **_REDUCTIONS, "ArgMax": _arg(True), "ArgMin": _arg(False), "Softmax": _softmax("softmax"),
+    "LogSoftmax": _softmax("log_softmax"), "Hardmax": _softmax("hardmax"), "CumSum": _cumulative(False),
+    "CumProd": _cumulative(True),
+}

@@ -1,0 +1,140 @@
+"""ONNX's Resize and Upsample as ember ops: separable interpolation, one axis at a time.
+
+For each resized axis the source coordinates of the output positions (ONNX's coordinate transformation modes)
+give, on the host, a few source indices and weights per output position (1 for nearest, 2 for linear, 4 for
+cubic); the tensor is then a weighted sum of gathers along that axis, lazy and fusable like any ember expression.
+Indices outside the input are clamped to its edge, as ONNX's reference pads with the edge values.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+import ember
+from ember.frontends.onnx.graph import NodeContext
+
+
+def _source(n: NodeContext, mode: str, i: np.ndarray, in_size: int, out_size: int, scale: float, roi) -> np.ndarray:
+    """The input coordinate each output position i samples."""
+    if mode == "half_pixel":
+        return (i + 0.5) / scale - 0.5
+    if mode == "half_pixel_symmetric":
+        adjustment = out_size / (scale * in_size)
+        return in_size / 2 * (1 - adjustment) + (i + 0.5) / scale - 0.5
+    if mode == "pytorch_half_pixel":
+        return (i + 0.5) / scale - 0.5 if out_size > 1 else np.zeros_like(i, dtype=np.float64)
+    if mode == "align_corners":
+        return i * (in_size - 1) / (out_size - 1) if out_size > 1 else np.zeros_like(i, dtype=np.float64)
+    if mode == "asymmetric":
+        return i / scale
+    if mode == "tf_crop_and_resize":
+        start, end = roi
+        if out_size > 1:
+            return start * (in_size - 1) + i * (end - start) * (in_size - 1) / (out_size - 1)
+        return np.full(i.shape, 0.5 * (start + end) * (in_size - 1))
+    raise n.unsupported(f"coordinate_transformation_mode={mode!r}")
+
+
+def _nearest(n: NodeContext, x: np.ndarray, rounding: str) -> np.ndarray:
+    if rounding == "round_prefer_floor":
+        return np.where(x - np.floor(x) == 0.5, np.floor(x), np.round(x))
+    if rounding == "round_prefer_ceil":
+        return np.where(x - np.floor(x) == 0.5, np.ceil(x), np.round(x))
+    if rounding == "floor":
+        return np.floor(x)
+    if rounding == "ceil":
+        return np.ceil(x)
+    raise n.unsupported(f"nearest_mode={rounding!r}")
+
+
+def _cubic(t: np.ndarray, a: float) -> np.ndarray:
+    """The cubic convolution kernel at distances t (Keys, with coefficient a)."""
+    t = np.abs(t)
+    return np.where(t <= 1, ((a + 2) * t - (a + 3)) * t * t + 1,
+                    np.where(t < 2, ((a * t - 5 * a) * t + 8 * a) * t - 4 * a, 0.0))
+
+
+def _taps(n: NodeContext, mode: str, coords: np.ndarray, in_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(indices, weights), each [out, taps]: the input positions each output reads and their weights."""
+    if mode == "nearest":
+        rounding = n.attr("nearest_mode", "round_prefer_floor") if n.opset >= 11 else "floor"
+        return _nearest(n, coords, rounding)[:, None].astype(np.int64), np.ones((len(coords), 1))
+    base = np.floor(coords)
+    if mode == "linear":
+        offsets = np.array([0, 1])
+        weights = np.stack([1 - (coords - base), coords - base], 1)
+    elif mode == "cubic":
+        offsets = np.array([-1, 0, 1, 2])
+        weights = _cubic(coords[:, None] - (base[:, None] + offsets), n.attr("cubic_coeff_a", -0.75))
+    else:
+        raise n.unsupported(f"mode={mode!r}")
+    indices = base[:, None].astype(np.int64) + offsets
+    if n.attr("exclude_outside", 0):
+        weights = np.where((indices < 0) | (indices >= in_size), 0.0, weights)
+        weights = weights / weights.sum(1, keepdims=True)
+    return indices, weights
+
+
+def _resize_axis(n: NodeContext, x, axis: int, out_size: int, scale: float, roi, mode: str, transform: str):
+    in_size = x.shape[axis]
+    coords = _source(n, transform, np.arange(out_size, dtype=np.float64), in_size, out_size, scale, roi)
+    indices, weights = _taps(n, mode, coords, in_size)
+    outside = (coords < 0) | (coords > in_size - 1)
+    indices = np.clip(indices, 0, in_size - 1)
+    shape = [1] * x.ndim
+    shape[axis] = out_size
+    out = None
+    for t in range(indices.shape[1]):
+        picked = x.index_select(axis, n.const(indices[:, t]))
+        term = picked if mode == "nearest" else picked * n.const(weights[:, t].reshape(shape), x)
+        out = term if out is None else out + term
+    if transform == "tf_crop_and_resize" and outside.any():
+        fill = n.const(n.attr("extrapolation_value", 0.0), x)
+        out = ember.where(n.const(outside.reshape(shape)), fill, out)
+    return out
+
+
+def _resize(n: NodeContext, x, roi=None, scales=None, sizes=None):
+    if n.attr("antialias", 0):
+        raise n.unsupported("antialias=1")
+    if n.opset < 11:  # Resize-10: (X, scales)
+        scales, roi = roi, None
+    axes = n.attr("axes") or list(range(x.ndim))
+    axes = [a % x.ndim for a in axes]
+    scale_values = None if scales is None or 0 in scales.shape else [float(s) for s in n.static(scales).reshape(-1)]
+    size_values = None if sizes is None or 0 in sizes.shape else n.ints(sizes)
+    if size_values is not None:
+        ins = [x.shape[a] for a in axes]
+        policy = n.attr("keep_aspect_ratio_policy", "stretch")
+        if policy != "stretch":
+            pick = min if policy == "not_larger" else max
+            ratio = pick(s / i for s, i in zip(size_values, ins))
+            size_values = [int(math.floor(ratio * i + 0.5)) for i in ins]
+            scale_values = [ratio] * len(axes)
+        else:
+            scale_values = [s / i for s, i in zip(size_values, ins)]
+    else:
+        size_values = [int(math.floor(x.shape[a] * s)) for a, s in zip(axes, scale_values)]
+    roi_values = None if roi is None or 0 in roi.shape else np.asarray(n.static(roi), dtype=np.float64).reshape(-1)
+    mode = n.attr("mode", "nearest")
+    transform = n.attr("coordinate_transformation_mode", "half_pixel") if n.opset >= 11 else "asymmetric"
+    for k, axis in enumerate(axes):
+        roi_axis = None if roi_values is None else (roi_values[k], roi_values[k + len(axes)])
+        if size_values[k] == x.shape[axis] and scale_values[k] == 1 and transform != "tf_crop_and_resize":
+            continue
+        x = _resize_axis(n, x, axis, size_values[k], scale_values[k], roi_axis, mode, transform)
+    return x
+
+
+def _upsample(n: NodeContext, x, scales=None):
+    values = n.attr("scales") if scales is None else [float(s) for s in n.static(scales).reshape(-1)]
+    mode = n.attr("mode", "nearest")
+    for axis, scale in enumerate(values):
+        if scale != 1:
+            x = _resize_axis(n, x, axis, int(math.floor(x.shape[axis] * scale)), scale, None, mode, "asymmetric")
+    return x
+
+
+OPS = {"Resize": _resize, "Upsample": _upsample}

@@ -12,8 +12,7 @@ import re
 
 import pytest
 
-onnx = pytest.importorskip("onnx")
-import onnx.backend.test  # noqa: E402
+backend_test = pytest.importorskip("onnx.backend.test")
 
 import ember.onnx  # noqa: E402
 
@@ -50,7 +49,7 @@ QUICK_SAMPLE = [
 def _cases(device_suffix: str, keep: str, drop: str | None = None):
     """The node cases named `test_<case>_<device_suffix>` whose case matches `keep` and not `drop`, with the cases
     of NOT_PASSED as expected failures."""
-    suite = onnx.backend.test.BackendTest(ember.onnx, __name__)
+    suite = backend_test.BackendTest(ember.onnx, __name__)
     for patterns in NOT_PASSED.values():
         for pattern in patterns:
             suite.xfail(pattern)

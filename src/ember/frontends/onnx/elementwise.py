@@ -12,6 +12,7 @@ from functools import reduce
 import ember
 from ember import dtypes
 from ember.frontends.onnx.graph import NodeContext
+from ember.frontends.onnx.values import NARROW, NarrowFloat, NarrowInt, numpy_type
 from ember.nn import functional as F
 from ember.tensor import Tensor
 
@@ -76,10 +77,35 @@ def _clip(n: NodeContext, x, low=None, high=None):
 
 
 def _cast(n: NodeContext, x, like=None):
-    dtype = like.dtype if like is not None else n.dtype_of(n.attr("to"))
+    target = n.attr("to") if like is None else n.declared_type(1)
+    dtype = like.dtype if like is not None else n.dtype_of(target)
+    narrow = NARROW.get(numpy_type(target)) if target is not None else None
+    if isinstance(narrow, NarrowFloat):
+        return _round_to_format(x.to(dtypes.float32), narrow, bool(n.attr("saturate", 1))).to(dtype)
+    if isinstance(narrow, NarrowInt):
+        x = (ember.round(x) if x.dtype.is_floating_point else x).to(dtypes.int64)
+        span = narrow.high - narrow.low + 1  # ONNX's reference wraps around, as an integer of that width does
+        return (ember.remainder(x - narrow.low, n.const(span, x)) + narrow.low).to(dtype)
     if x.dtype.is_floating_point and not dtype.is_floating_point and dtype is not dtypes.bool_:
         x = ember.trunc(x)  # ONNX (as C) truncates toward zero; ember's cast of NaN/inf is undefined as theirs
     return x.to(dtype)
+
+
+def _round_to_format(x, f: NarrowFloat, saturate: bool):
+    """x rounded (to nearest, ties to even) to the values of a narrow float format, in float32: the exponent
+    from log2, corrected where log2 rounds across a power of two, fixes the spacing of representable values."""
+    a = ember.abs(x)
+    exponent = ember.floor(ember.log2(ember.maximum(a, ember.full_like(a, 2.0 ** -126))))
+    exponent = ember.where(ember.exp2(exponent + 1) <= a, exponent + 1, exponent)
+    spacing = ember.exp2(ember.maximum(exponent, ember.full_like(a, f.min_exponent)) - f.mantissa)
+    rounded = ember.round(a / spacing) * spacing
+    infinite = ember.isinf(x)
+    if saturate:
+        rounded = ember.where(rounded > f.largest, ember.full_like(a, f.largest), rounded)
+        rounded = ember.where(infinite, ember.full_like(a, f.saturated_infinity), rounded)
+    else:
+        rounded = ember.where((rounded > f.largest) | infinite, ember.full_like(a, f.overflow), rounded)
+    return ember.where(x < 0, -rounded, rounded)
 
 
 def _where(n: NodeContext, cond, a, b):

@@ -71,6 +71,10 @@ class NodeContext:
         array = np.asarray(value, dtype=None if dtype is None else dtype.np)
         return to_tensor(array, self.device)
 
+    def declared_type(self, i: int) -> int | None:
+        """The ONNX element type the graph declares for input `i` (ember may hold it in a wider type)."""
+        return self.runner.declared.get(self.node.input[i])
+
     def dtype_of(self, elem_type: int):
         try:
             return ember_dtype(elem_type)
@@ -92,8 +96,9 @@ class GraphRunner:
     """Runs graphs and functions of one model: its opsets, its local functions, the device of new tensors."""
 
     def __init__(self, opsets: dict[str, int], functions: dict[tuple[str, str], onnx.FunctionProto],
-                 device: Device, ops: dict[str, Callable]):
+                 device: Device, ops: dict[str, Callable], declared: dict[str, int] | None = None):
         self.opsets, self.functions, self.device, self.ops = opsets, functions, device, ops
+        self.declared = declared or {}  # value name -> the ONNX element type the graph declares
 
     def run(self, graph: onnx.GraphProto, scope: ChainMap) -> list:
         """Runs `graph`'s nodes in `scope` (its inputs and initializers bound, outer scopes behind), returning
@@ -133,7 +138,7 @@ class GraphRunner:
             function.ParseFromString(schema.get_function_with_opset_version(
                 max(v for v in schema.function_opset_versions if v <= opset)))
         elif schema.has_context_dependent_function:
-            types = [_type_of(v, node, opset) for v in inputs]
+            types = [_type_of(v, self.declared.get(name)) for v, name in zip(inputs, node.input)]
             function.ParseFromString(schema.get_context_dependent_function(
                 node.SerializeToString(), [t.SerializeToString() for t in types]))
         else:
@@ -157,7 +162,7 @@ class GraphRunner:
         runner = self
         if function.opset_import:
             opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in function.opset_import}
-            runner = GraphRunner({**self.opsets, **opsets}, self.functions, self.device, self.ops)
+            runner = GraphRunner({**self.opsets, **opsets}, self.functions, self.device, self.ops, self.declared)
         for node in function.node:
             own = attributes(node)
             for a in node.attribute:
@@ -193,12 +198,13 @@ def _with_attributes(node: onnx.NodeProto, own: dict, references: dict) -> onnx.
     return copy
 
 
-def _type_of(value, node: onnx.NodeProto, opset: int) -> onnx.TypeProto:
-    """The ONNX type of a value, for a schema whose function body depends on its input types."""
+def _type_of(value, declared: int | None) -> onnx.TypeProto:
+    """The ONNX type of a value (as the graph declares it, where it does), for a schema whose function body
+    depends on its input types."""
     if value is None:
         return onnx.TypeProto()
     if isinstance(value, list):
-        element = _type_of(value[0], node, opset) if value else onnx.TypeProto()
+        element = _type_of(value[0], declared) if value else onnx.TypeProto()
         return helper.make_sequence_type_proto(element)
-    elem = helper.np_dtype_to_tensor_dtype(value.dtype.np)
+    elem = declared or helper.np_dtype_to_tensor_dtype(value.dtype.np)
     return helper.make_tensor_type_proto(elem, list(value.shape))

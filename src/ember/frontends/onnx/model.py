@@ -46,7 +46,7 @@ class OnnxModule(Module):
         graph = model.graph
         device = as_device(device)
         functions = {(f.domain, f.name): f for f in model.functions}
-        self._runner = GraphRunner(opsets, functions, device, OPS)
+        self._runner = GraphRunner(opsets, functions, device, OPS, _declared_types(graph))
         self._graph = graph
         self._initializers: dict[str, str] = {}  # ONNX name -> attribute name
         for proto in graph.initializer:
@@ -115,6 +115,20 @@ def _declared_type(value: onnx.ValueInfoProto) -> np.dtype | None:
         return numpy_type(value.type.tensor_type.elem_type)
     except (KeyError, ValueError, TypeError):
         return None
+
+
+def _declared_types(graph: onnx.GraphProto) -> dict[str, int]:
+    """The element type the graph declares for each named tensor it types (inputs, outputs, value_info,
+    initializers), in this graph and its subgraphs."""
+    declared = {t.name: t.data_type for t in graph.initializer}
+    for value in (*graph.input, *graph.output, *graph.value_info):
+        if value.type.HasField("tensor_type") and value.type.tensor_type.elem_type:
+            declared[value.name] = value.type.tensor_type.elem_type
+    for node in graph.node:
+        for a in node.attribute:
+            for sub in ([a.g] if a.HasField("g") else list(a.graphs)):
+                declared.update(_declared_types(sub))
+    return declared
 
 
 def _check_supported(graph: onnx.GraphProto, opsets: dict[str, int], functions: set, runner: GraphRunner) -> None:

@@ -1,12 +1,17 @@
 """Values crossing between ONNX and ember: ONNX element types as ember dtypes, NumPy arrays (inputs,
 initializers, constant attributes) as ember tensors, and ember tensors back as the arrays ONNX declares.
 
-ember has no unsigned integers wider than 8 bits: uint16 and uint32 are held as int32 and int64, uint64 as int64
-(exact for values below 2**63), and `to_array` gives the declared type back at the graph's outputs.
+ember has no unsigned integers wider than 8 bits and none of ONNX's narrow formats: uint16 and uint32 are held as
+int32 and int64, uint64 as int64 (exact for values below 2**63); the 8-bit and 4-bit floats as float32, the 4-bit
+and 2-bit integers as int8 and uint8 (exact: every value of theirs is one of those). A Cast to a narrow format
+rounds to that format's values (`NARROW`); `to_array` gives the declared type back at the graph's outputs.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import ml_dtypes
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
@@ -16,9 +21,38 @@ from ember import dtypes
 from ember.device import Device
 from ember.tensor import Tensor
 
+
+
+class NarrowFloat(NamedTuple):
+    """A float format narrower than ember's: mantissa bits, smallest normal exponent, largest finite value, what a
+    cast gives for a value beyond it without saturation (inf or NaN), and for an infinity with it."""
+    mantissa: int
+    min_exponent: int
+    largest: float
+    overflow: float
+    saturated_infinity: float
+
+
+class NarrowInt(NamedTuple):
+    low: int
+    high: int
+
+
+NARROW = {
+    np.dtype(ml_dtypes.float8_e4m3fn): NarrowFloat(3, -6, 448.0, np.nan, 448.0),
+    np.dtype(ml_dtypes.float8_e4m3fnuz): NarrowFloat(3, -7, 240.0, np.nan, 240.0),
+    np.dtype(ml_dtypes.float8_e5m2): NarrowFloat(2, -14, 57344.0, np.inf, 57344.0),
+    np.dtype(ml_dtypes.float8_e5m2fnuz): NarrowFloat(2, -15, 57344.0, np.nan, 57344.0),
+    np.dtype(ml_dtypes.float4_e2m1fn): NarrowFloat(1, 0, 6.0, 6.0, 6.0),
+    np.dtype(ml_dtypes.int4): NarrowInt(-8, 7), np.dtype(ml_dtypes.uint4): NarrowInt(0, 15),
+    np.dtype(ml_dtypes.int2): NarrowInt(-2, 1), np.dtype(ml_dtypes.uint2): NarrowInt(0, 3),
+}
+
 # How ember holds the NumPy types it lacks.
 _WIDENED = {np.dtype(np.uint16): np.dtype(np.int32), np.dtype(np.uint32): np.dtype(np.int64),
-            np.dtype(np.uint64): np.dtype(np.int64)}
+            np.dtype(np.uint64): np.dtype(np.int64),
+            **{npd: np.dtype(np.float32 if isinstance(f, NarrowFloat) else np.int8 if f.low < 0 else np.uint8)
+               for npd, f in NARROW.items()}}
 
 
 class UnsupportedType(TypeError):

@@ -22,7 +22,6 @@ from ember.device import Device
 from ember.tensor import Tensor
 
 
-
 class NarrowFloat(NamedTuple):
     """A float format narrower than ember's: mantissa bits, smallest normal exponent, largest finite value, what a
     cast gives for a value beyond it without saturation (inf or NaN), and for an infinity with it."""

@@ -9,6 +9,9 @@ from __future__ import annotations
 import math
 from functools import reduce
 
+import numpy as np
+from onnx import TensorProto
+
 import ember
 from ember import dtypes
 from ember.frontends.onnx.graph import NodeContext
@@ -89,6 +92,43 @@ def _cast(n: NodeContext, x, like=None):
     if x.dtype.is_floating_point and not dtype.is_floating_point and dtype is not dtypes.bool_:
         x = ember.trunc(x)  # ONNX (as C) truncates toward zero; ember's cast of NaN/inf is undefined as theirs
     return x.to(dtype)
+
+
+def _along(n: NodeContext, param, x):
+    """A quantization scale or zero point laid along x: a scalar, one value per position of `axis`, or (with
+    block_size) one per block of positions."""
+    if param.ndim == 0 or param.numel() == 1 and param.ndim <= 1:
+        return param.reshape(())
+    axis = n.attr("axis", 1) % x.ndim
+    block = n.attr("block_size", 0)
+    if block:
+        return param.repeat_interleave(block, axis)[tuple(slice(0, size) for size in x.shape)]
+    return param.reshape(tuple(-1 if i == axis else 1 for i in range(x.ndim)))
+
+
+def _dequantize(n: NodeContext, x, scale, zero_point=None):
+    scale = _along(n, scale, x)
+    centred = x.to(scale.dtype) if zero_point is None else x.to(dtypes.float32) - _along(n, zero_point, x).to(
+        dtypes.float32)
+    return centred.to(scale.dtype) * scale
+
+
+def _quantize(n: NodeContext, x, scale, zero_point=None):
+    target = n.declared_type(2) if zero_point is not None else None
+    target = target or n.attr("output_dtype") or TensorProto.UINT8
+    dtype = n.dtype_of(target)
+    scaled = x.to(dtypes.float32) / _along(n, scale, x).to(dtypes.float32)
+    narrow = NARROW.get(numpy_type(target))
+    zero = 0.0 if zero_point is None else _along(n, zero_point, x).to(dtypes.float32)
+    if isinstance(narrow, NarrowFloat):
+        return _round_to_format(scaled + zero, narrow, bool(n.attr("saturate", 1))).to(dtype)
+    low, high = (narrow.low, narrow.high) if narrow else _int_range(numpy_type(target))
+    return ember.clamp(ember.round(scaled) + zero, float(low), float(high)).to(dtype)
+
+
+def _int_range(npd) -> tuple[int, int]:
+    info = np.iinfo(npd)
+    return int(info.min), int(info.max)
 
 
 def _round_to_format(x, f: NarrowFloat, saturate: bool):
@@ -231,5 +271,5 @@ OPS = {
     "CastLike": _cast, "Where": _where, "IsInf": _is_inf, "Elu": _elu, "Selu": _selu, "Celu": _celu,
     "LeakyRelu": _leaky_relu, "ThresholdedRelu": _thresholded_relu, "HardSigmoid": _hard_sigmoid,
     "HardSwish": _hard_swish, "Gelu": _gelu, "PRelu": _prelu, "Shrink": _shrink, "Softplus": _softplus,
-    "Swish": _swish,
+    "Swish": _swish, "QuantizeLinear": _quantize, "DequantizeLinear": _dequantize,
 }

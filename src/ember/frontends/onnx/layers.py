@@ -61,9 +61,9 @@ def _conv(n: NodeContext, x, weight, bias=None):
     symmetric = before == after
     if not symmetric:
         x = _pad_spatial(x, before, after)
-    pair = (lambda v: (1, *v)) if rank == 1 else tuple
+    pair = (lambda v, one=1: (one, *v)) if rank == 1 else (lambda v, one=1: tuple(v))
     out = ember.conv2d(_as_2d(x, rank), _as_2d(weight, rank), bias, pair(strides),
-                       pair(before if symmetric else [0] * rank), pair(dilations), n.attr("group", 1))
+                       pair(before if symmetric else [0] * rank, 0), pair(dilations), n.attr("group", 1))
     return out.squeeze(2) if rank == 1 else out
 
 
@@ -89,7 +89,7 @@ def _conv_transpose(n: NodeContext, x, weight, bias=None):
             before[i], after[i] = (small, large) if auto != "SAME_LOWER" else (large, small)
     pair = (lambda v: (1, *v)) if rank == 1 else tuple
     out = ember.conv_transpose2d(_as_2d(x, rank), _as_2d(weight, rank), None, pair(strides), 0,
-                                 pair([0] * rank), n.attr("group", 1), pair(dilations))
+                                 (0, 0), n.attr("group", 1), pair(dilations))
     out = out.squeeze(2) if rank == 1 else out
     for i in range(rank):  # output_padding's rows get no contribution: zeros (and the bias)
         if extra[i]:

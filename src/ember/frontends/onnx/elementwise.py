@@ -54,17 +54,74 @@ def _mean(n: NodeContext, *xs):
     return reduce(lambda a, b: a + b, xs) / n.const(len(xs), xs[0])
 
 
-def _bit_shift(n: NodeContext, x, y):
-    scale = ember.pow(n.const(2, dtypes.int64), y.to(dtypes.int64))
+def _integer_format(n: NodeContext, x, i: int) -> tuple[int, bool]:
+    """(bits, signed) of integer input `i` as the graph declares it (ember may hold it in a wider type)."""
+    declared = n.declared_type(i)
+    npd = numpy_type(declared) if declared else x.dtype.np
+    try:
+        info = np.iinfo(npd)
+    except ValueError:
+        info = np.iinfo(x.dtype.np)
+    return info.bits, info.min < 0
+
+
+def _wrapped(x, bits: int, signed: bool):
+    """An int64 tensor's values modulo 2**bits, in the range of a `bits`-wide integer (int64 wraps by itself)."""
+    if bits >= 64:
+        return x
+    low = -(2 ** (bits - 1)) if signed else 0
+    return ember.remainder(x - low, ember.full_like(x, 2 ** bits)) + low
+
+
+def _bit_shift(n: NodeContext, x, shift):
+    bits, signed = _integer_format(n, x, 0)
+    wide, shift = x.to(dtypes.int64), shift.to(dtypes.int64)
+    valid = (shift >= 0) & (shift < bits)
+    scale = ember.pow(ember.full_like(wide, 2), ember.where(valid, shift, ember.zeros_like(shift)))
+    if n.attr("direction") == "LEFT":
+        out = ember.where(valid, _wrapped(wide * scale, bits, signed), ember.zeros_like(wide))
+    else:
+        beyond = ember.where(wide < 0, ember.full_like(wide, -1), ember.zeros_like(wide))
+        out = ember.where(valid, ember.div(wide, scale, rounding_mode="floor"), beyond)
+    return out.to(x.dtype)
+
+
+def _bitwise(combine):
+    """An integer bitwise operator, bit by bit (ember's bitwise operators take bools): each operand's bits by
+    floor division, combined, weighed back (the top bit of a signed type weighs -2**(bits-1))."""
+    def bitwise(n: NodeContext, a, b):
+        if a.dtype is dtypes.bool_:
+            return combine(a, b)
+        bits, signed = _integer_format(n, a, 0)
+        wide_a, wide_b = a.to(dtypes.int64), b.to(dtypes.int64)
+        out = None
+        for k in range(bits):
+            weight = -(2 ** k) if signed and k == bits - 1 else 2 ** k
+            if k == 63:
+                bit_a, bit_b = (wide_a < 0).to(dtypes.int64), (wide_b < 0).to(dtypes.int64)
+            else:
+                bit_a = ember.remainder(ember.div(wide_a, 2 ** k, rounding_mode="floor"), 2)
+                bit_b = ember.remainder(ember.div(wide_b, 2 ** k, rounding_mode="floor"), 2)
+            term = _combine_bits(combine, bit_a, bit_b) * weight
+            out = term if out is None else out + term
+        return out.to(a.dtype)
+    return bitwise
+
+
+def _combine_bits(combine, a, b):
+    if combine is ember.bitwise_and:
+        return a * b
+    if combine is ember.bitwise_or:
+        return a + b - a * b
+    return a + b - 2 * a * b
+
+
+def _bitwise_not(n: NodeContext, x):
+    if x.dtype is dtypes.bool_:
+        return ember.logical_not(x)
+    bits, signed = _integer_format(n, x, 0)
     wide = x.to(dtypes.int64)
-    shifted = wide * scale if n.attr("direction") == "LEFT" else ember.div(wide, scale, rounding_mode="floor")
-    bits = 8 * _unsigned_bits(x.dtype)
-    return ember.remainder(shifted, n.const(2 ** bits, dtypes.int64)).to(x.dtype) if bits < 64 else shifted
-
-
-def _unsigned_bits(dtype) -> int:
-    """BitShift's operands are unsigned: uint8 held as itself, uint16 in int32, uint32 and uint64 in int64."""
-    return {dtypes.uint8: 1, dtypes.int32: 2, dtypes.int64: 8}.get(dtype, dtype.itemsize)
+    return (-wide - 1 if signed else (2 ** bits - 1) - wide).to(x.dtype)
 
 
 def _clip(n: NodeContext, x, low=None, high=None):
@@ -245,7 +302,7 @@ _UNARY = {
     "Abs": ember.abs, "Neg": ember.neg, "Exp": ember.exp, "Log": ember.log, "Sqrt": ember.sqrt,
     "Reciprocal": ember.reciprocal, "Sin": ember.sin, "Cos": ember.cos, "Tanh": ember.tanh, "Sigmoid": ember.sigmoid,
     "Floor": ember.floor, "Ceil": ember.ceil, "Round": ember.round, "Sign": ember.sign, "Erf": ember.erf,
-    "Not": ember.logical_not, "IsNaN": ember.isnan, "BitwiseNot": ember.bitwise_not,
+    "Not": ember.logical_not, "IsNaN": ember.isnan,
     "Relu": lambda x: ember.maximum(x, ember.zeros_like(x)),
     "Tan": lambda x: ember.sin(x) / ember.cos(x),
     "Sinh": lambda x: (ember.exp(x) - ember.exp(-x)) / 2, "Cosh": lambda x: (ember.exp(x) + ember.exp(-x)) / 2,
@@ -259,8 +316,7 @@ _UNARY = {
 _BINARY = {
     "Add": ember.add, "Sub": ember.sub, "Mul": ember.mul, "Equal": ember.eq, "Greater": ember.gt,
     "Less": ember.lt, "GreaterOrEqual": ember.ge, "LessOrEqual": ember.le, "And": ember.logical_and,
-    "Or": ember.logical_or, "Xor": ember.logical_xor, "BitwiseAnd": ember.bitwise_and,
-    "BitwiseOr": ember.bitwise_or, "BitwiseXor": ember.bitwise_xor,
+    "Or": ember.logical_or, "Xor": ember.logical_xor,
 }
 
 OPS = {
@@ -271,5 +327,7 @@ OPS = {
     "CastLike": _cast, "Where": _where, "IsInf": _is_inf, "Elu": _elu, "Selu": _selu, "Celu": _celu,
     "LeakyRelu": _leaky_relu, "ThresholdedRelu": _thresholded_relu, "HardSigmoid": _hard_sigmoid,
     "HardSwish": _hard_swish, "Gelu": _gelu, "PRelu": _prelu, "Shrink": _shrink, "Softplus": _softplus,
-    "Swish": _swish, "QuantizeLinear": _quantize, "DequantizeLinear": _dequantize,
+    "Swish": _swish, "BitwiseAnd": _bitwise(ember.bitwise_and), "BitwiseOr": _bitwise(ember.bitwise_or),
+    "BitwiseXor": _bitwise(ember.bitwise_xor), "BitwiseNot": _bitwise_not,
+    "QuantizeLinear": _quantize, "DequantizeLinear": _dequantize,
 }

@@ -16,6 +16,7 @@ import ember
 from ember import dtypes
 from ember.frontends.onnx.graph import NodeContext
 from ember.frontends.onnx.tensors import slice_axis
+from ember.frontends.onnx.values import numpy_type
 
 
 def _spatial(n: NodeContext, x, kernel: list[int]) -> tuple[list[int], list[int], list[int], list[int]]:
@@ -242,11 +243,60 @@ def _dropout(n: NodeContext, x, ratio=None, training=None):
     return x, ember.ones(x.shape, dtype=dtypes.bool_, device=x.device)
 
 
+def _centred(x, zero_point, axis_shape=None):
+    """An integer operand less its zero point, in float64 (exact), the zero point laid along `axis_shape` when it
+    is a vector."""
+    wide = x.to(dtypes.float64)
+    if zero_point is None:
+        return wide
+    zero = zero_point.to(dtypes.float64)
+    return wide - (zero.reshape(axis_shape) if zero.ndim == 1 and axis_shape else zero)
+
+
+def _matmul_integer(n: NodeContext, a, b, a_zero=None, b_zero=None):
+    out = _centred(a, a_zero, (-1, 1)) @ _centred(b, b_zero, (1, -1))
+    return out.to(dtypes.int32)
+
+
+def _conv_integer(n: NodeContext, x, w, x_zero=None, w_zero=None):
+    centred_w = _centred(w, w_zero, (-1, *([1] * (w.ndim - 1))))
+    return _conv(n, _centred(x, x_zero), centred_w).to(dtypes.int32)
+
+
+def _requantized(n: NodeContext, value, scale, zero, zero_index: int):
+    """A float result quantized to the type of its zero point (ONNX's QLinear* outputs): rounded half to even,
+    saturated."""
+    declared = n.declared_type(zero_index)
+    npd = numpy_type(declared) if declared else zero.dtype.np
+    info = np.iinfo(npd)
+    q = ember.round(value / scale.to(value.dtype)) + zero.to(value.dtype)
+    return ember.clamp(q, float(info.min), float(info.max)).to(zero.dtype)
+
+
+def _qlinear_matmul(n: NodeContext, a, a_scale, a_zero, b, b_scale, b_zero, y_scale, y_zero):
+    da = _centred(a, a_zero, (-1, 1)).to(dtypes.float32) * (a_scale.reshape(-1, 1) if a_scale.ndim == 1 else a_scale)
+    db = _centred(b, b_zero, (1, -1)).to(dtypes.float32) * (b_scale.reshape(1, -1) if b_scale.ndim == 1 else b_scale)
+    return _requantized(n, da @ db, y_scale, y_zero, 7)
+
+
+def _qlinear_conv(n: NodeContext, x, x_scale, x_zero, w, w_scale, w_zero, y_scale, y_zero, bias=None):
+    per_channel = (-1, *([1] * (w.ndim - 1)))
+    dx = _centred(x, x_zero).to(dtypes.float32) * x_scale
+    dw = _centred(w, w_zero, per_channel).to(dtypes.float32) * (w_scale.reshape(per_channel) if w_scale.ndim == 1
+                                                               else w_scale)
+    out = _conv(n, dx, dw)
+    if bias is not None:
+        scale = (x_scale * w_scale).reshape(-1) if w_scale.ndim == 1 else (x_scale * w_scale).reshape(1)
+        out = out + (bias.to(dtypes.float32) * scale).reshape(1, -1, *([1] * (out.ndim - 2)))
+    return _requantized(n, out, y_scale, y_zero, 7)
+
+
 OPS = {
     "Conv": _conv, "ConvTranspose": _conv_transpose, "MaxPool": _max_pool, "AveragePool": _average_pool,
     "LpPool": _lp_pool, "GlobalAveragePool": _global(ember.mean), "GlobalMaxPool": _global(ember.amax),
     "GlobalLpPool": lambda n, x: ember.pow(ember.pow(ember.abs(x), float(n.attr("p", 2))).sum(
         tuple(range(2, x.ndim)), keepdim=True), 1.0 / n.attr("p", 2)),
     "BatchNormalization": _batch_norm, "InstanceNormalization": _instance_norm, "LRN": _lrn,
-    "LpNormalization": _lp_normalization, "Dropout": _dropout,
+    "LpNormalization": _lp_normalization, "Dropout": _dropout, "MatMulInteger": _matmul_integer,
+    "ConvInteger": _conv_integer, "QLinearMatMul": _qlinear_matmul, "QLinearConv": _qlinear_conv,
 }

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ember.frontends.onnx import control, elementwise, layers, reductions, resize, tensors
+from ember.frontends.onnx import control, elementwise, layers, recurrent, reductions, resize, tensors
 
 OPS: dict[str, Callable] = {
-    **elementwise.OPS, **reductions.OPS, **tensors.OPS, **layers.OPS, **resize.OPS, **control.OPS,
+    **elementwise.OPS, **reductions.OPS, **tensors.OPS, **layers.OPS, **recurrent.OPS, **resize.OPS, **control.OPS,
 }

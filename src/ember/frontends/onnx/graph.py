@@ -45,6 +45,11 @@ def attributes(node: onnx.NodeProto) -> dict:
     return out
 
 
+def op_key(domain: str, op_type: str) -> str:
+    """An operator's key in the op table: its type in the default domain, "domain.OpType" in another."""
+    return f"{domain}.{op_type}" if domain else op_type
+
+
 class NodeContext:
     """What an op's ember function knows of its node besides the input values: attributes, opset, device."""
 
@@ -113,7 +118,7 @@ class GraphRunner:
         inputs = [scope[name] if name else None for name in node.input]
         attrs = attributes(node) if attrs is None else attrs
         context = NodeContext(node, opset, attrs, self, scope)
-        fn = self.ops.get(node.op_type) if domain == "" else None
+        fn = self.ops.get(op_key(domain, node.op_type))
         if fn is not None:
             outputs = fn(context, *inputs)
         elif (domain, node.op_type) in self.functions:

@@ -12,7 +12,7 @@ import onnx
 
 from ember.device import Device, as_device
 from ember.errors import UnsupportedOperatorError
-from ember.frontends.onnx.graph import GraphRunner, unsupported
+from ember.frontends.onnx.graph import GraphRunner, op_key, unsupported
 from ember.frontends.onnx.registry import OPS
 from ember.frontends.onnx.values import UnsupportedType, numpy_type, proto_array, to_tensor
 from ember.nn.module import Module, Parameter
@@ -136,7 +136,7 @@ def _check_supported(graph: onnx.GraphProto, opsets: dict[str, int], functions: 
     problems = []
     for node in graph.node:
         domain = "" if node.domain == "ai.onnx" else node.domain
-        if (domain == "" and node.op_type in runner.ops) or (domain, node.op_type) in functions:
+        if op_key(domain, node.op_type) in runner.ops or (domain, node.op_type) in functions:
             continue
         opset = opsets.get(domain, 1)
         try:

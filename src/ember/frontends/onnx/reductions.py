@@ -35,10 +35,14 @@ def _reduction(fn, empty, since_input: int = 18):
 
 
 def _lowest(dtype):
+    if dtype is dtypes.bool_:
+        return False
     return -math.inf if dtype.is_floating_point else np.iinfo(dtype.np).min
 
 
 def _highest(dtype):
+    if dtype is dtypes.bool_:
+        return True
     return math.inf if dtype.is_floating_point else np.iinfo(dtype.np).max
 
 
@@ -110,7 +114,7 @@ def _cumulative(product: bool):
         axis = n.ints(axis)[0] % x.ndim
         if n.attr("reverse", 0):
             x = x.flip((axis,))
-        out = _cumprod(x, axis) if product else x.cumsum(axis)
+        out = _cumprod(x, axis) if product else x.cumsum(axis).to(x.dtype)  # ember sums integers in int64
         if n.attr("exclusive", 0):
             identity = ember.ones_like(slice_axis(x, axis, 0, 1, 1)) if product else \
                 ember.zeros_like(slice_axis(x, axis, 0, 1, 1))

@@ -255,7 +255,7 @@ def _constant_of_shape(n: NodeContext, shape):
 
 
 def _range(n: NodeContext, start, limit, delta):
-    values = [n.static(v) for v in (start, limit, delta)]
+    values = [np.asarray(n.static(v)).reshape(-1)[0] for v in (start, limit, delta)]
     return to_tensor(np.arange(*values, dtype=values[0].dtype), n.device)
 
 

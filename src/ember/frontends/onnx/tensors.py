@@ -373,3 +373,54 @@ OPS = {
     "MatMul": lambda n, a, b: ember.matmul(a, b),
     "Einsum": lambda n, *xs: ember.einsum(n.attr("equation"), *xs),
 }
+
+
+def _dft(n: NodeContext, x, length=None, axis=None):
+    """DFT as matmuls with cosine and sine matrices, in float64 (the last dimension holds real and imaginary parts).
+    An inverse of a one-sided spectrum is a real signal (irfft)."""
+    axis = n.attr("axis", 1) if n.opset < 20 else (-2 if axis is None else n.ints(axis)[0])
+    axis = _axis(axis, x.ndim)
+    wide = x.to(dtypes.float64)
+    real = _last(wide[..., 0], axis)
+    imag = _last(wide[..., 1], axis) if x.shape[-1] == 2 else None
+    size = real.shape[-1]
+    inverse, onesided = bool(n.attr("inverse", 0)), bool(n.attr("onesided", 0))
+    dft_length = n.ints(length)[0] if length is not None else 2 * (size - 1) if inverse and onesided else size
+    if inverse and onesided:
+        bins = dft_length // 2 + 1
+        real, imag = (None if t is None else _fit(t, t.ndim - 1, bins) for t in (real, imag))
+        weight = np.where((np.arange(bins) == 0) | (2 * np.arange(bins) == dft_length), 1.0, 2.0)[:, None]
+        angle = 2 * np.pi * np.outer(np.arange(bins), np.arange(dft_length)) / dft_length
+        out = real @ n.const(weight * np.cos(angle) / dft_length, real)
+        if imag is not None:
+            out = out - imag @ n.const(weight * np.sin(angle) / dft_length, imag)
+        parts = [out]
+    else:
+        if dft_length != size:
+            real, imag = (None if t is None else _fit(t, t.ndim - 1, dft_length) for t in (real, imag))
+        kept = dft_length // 2 + 1 if onesided else dft_length
+        angle = 2 * np.pi * np.outer(np.arange(dft_length), np.arange(kept)) / dft_length * (1 if inverse else -1)
+        scale = 1 / dft_length if inverse else 1
+        cos, sin = (n.const(m * scale, real) for m in (np.cos(angle), np.sin(angle)))
+        parts = [real @ cos - imag @ sin if imag is not None else real @ cos,
+                 real @ sin + imag @ cos if imag is not None else real @ sin]
+    out = ember.stack(parts, -1).to(x.dtype)
+    order = list(range(out.ndim - 2))
+    order.insert(axis, out.ndim - 2)
+    return out.permute(*order, out.ndim - 1)
+
+
+def _last(t, axis: int):
+    order = [d for d in range(t.ndim) if d != axis] + [axis]
+    return t.permute(*order)
+
+
+def _fit(t, axis: int, size: int):
+    """t cut or zero-padded to `size` along `axis`."""
+    if t.shape[axis] >= size:
+        return slice_axis(t, axis, 0, size, 1)
+    pads = [0, 0] * (t.ndim - 1 - axis) + [0, size - t.shape[axis]]
+    return ember.pad(t, pads)
+
+
+OPS["DFT"] = _dft

@@ -75,7 +75,7 @@ def _conv_transpose(n: NodeContext, x, weight, bias=None):
         raise n.unsupported(f"a {rank}-d transposed convolution (ember convolves 1-d and 2-d images)")
     strides = n.attr("strides") or [1] * rank
     dilations = n.attr("dilations") or [1] * rank
-    extra = n.attr("output_padding") or [0] * rank
+    extra = list(n.attr("output_padding") or [0] * rank)
     pads = n.attr("pads") or [0] * (2 * rank)
     before, after = list(pads[:rank]), list(pads[rank:])
     full = [(s - 1) * st + (k - 1) * d + 1 + e for s, st, k, d, e in
@@ -86,6 +86,8 @@ def _conv_transpose(n: NodeContext, x, weight, bias=None):
         wanted = list(wanted)[-rank:] if wanted else [s * st for s, st in zip(x.shape[2:], strides)]
         for i in range(rank):
             total = full[i] - wanted[i]
+            if total < 0:  # a larger output than the convolution reaches: zeros after it (and the bias)
+                extra[i], full[i], total = extra[i] - total, wanted[i], 0
             small, large = total // 2, total - total // 2
             before[i], after[i] = (small, large) if auto != "SAME_LOWER" else (large, small)
     pair = (lambda v: (1, *v)) if rank == 1 else tuple
@@ -186,6 +188,27 @@ def _lp_pool(n: NodeContext, x):
     return ember.pow(ember.stack([ember.pow(ember.abs(v), p) for v in views], 0).sum(0), 1.0 / p)
 
 
+def _max_unpool(n: NodeContext, x, indices, output_shape=None):
+    """Each value placed at its (flattened) index in a zero tensor of the unpooled shape."""
+    kernel = n.attr("kernel_shape")
+    strides = n.attr("strides") or [1] * len(kernel)
+    pads = n.attr("pads") or [0] * (2 * len(kernel))
+    rank = len(kernel)
+    pooled_from = (*x.shape[:2], *((s - 1) * st + k - pads[i] - pads[i + rank] for i, (s, st, k) in
+                                   enumerate(zip(x.shape[2:], strides, kernel))))
+    shape = pooled_from if output_shape is None else tuple(n.ints(output_shape))
+    indices = indices.reshape(-1).to(dtypes.int64)
+    if shape != pooled_from:  # the indices count positions of the unpadded shape: the same positions in `shape`
+        rest, moved = indices, None
+        strides_out = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+        for size, stride in zip(reversed(pooled_from), reversed(strides_out)):
+            term = ember.remainder(rest, size) * stride
+            moved, rest = term if moved is None else moved + term, ember.div(rest, size, rounding_mode="floor")
+        indices = moved
+    flat = ember.zeros((math.prod(shape),), dtype=x.dtype, device=x.device)
+    return ember.scatter_add(flat, 0, indices, x.reshape(-1)).reshape(shape)
+
+
 def _global(fn):
     return lambda n, x: fn(x, tuple(range(2, x.ndim)), keepdim=True)
 
@@ -230,7 +253,7 @@ def _lp_normalization(n: NodeContext, x):
         norm = ember.abs(x).sum(axis, keepdim=True)
     else:
         norm = ember.sqrt((x * x).sum(axis, keepdim=True))
-    return x / norm
+    return ember.where(norm == 0, ember.zeros_like(x), x / ember.where(norm == 0, ember.ones_like(norm), norm))
 
 
 def _dropout(n: NodeContext, x, ratio=None, training=None):
@@ -293,7 +316,7 @@ def _qlinear_conv(n: NodeContext, x, x_scale, x_zero, w, w_scale, w_zero, y_scal
 
 OPS = {
     "Conv": _conv, "ConvTranspose": _conv_transpose, "MaxPool": _max_pool, "AveragePool": _average_pool,
-    "LpPool": _lp_pool, "GlobalAveragePool": _global(ember.mean), "GlobalMaxPool": _global(ember.amax),
+    "LpPool": _lp_pool, "MaxUnpool": _max_unpool, "GlobalAveragePool": _global(ember.mean), "GlobalMaxPool": _global(ember.amax),
     "GlobalLpPool": lambda n, x: ember.pow(ember.pow(ember.abs(x), float(n.attr("p", 2))).sum(
         tuple(range(2, x.ndim)), keepdim=True), 1.0 / n.attr("p", 2)),
     "BatchNormalization": _batch_norm, "InstanceNormalization": _instance_norm, "LRN": _lrn,

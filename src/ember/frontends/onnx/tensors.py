@@ -322,7 +322,8 @@ def _depth_to_space(n: NodeContext, x):
 def _space_to_depth(n: NodeContext, x):
     b, c, h, w = x.shape
     s = n.attr("blocksize")
-    y = x.reshape(b, c, h // s, s, w // s, s).permute(0, 3, 5, 1, 2, 4)
+    y = x.reshape(b, c, h // s, s, w // s, s)
+    y = y.permute(0, 1, 3, 5, 2, 4) if n.attr("mode", "DCR") == "CRD" else y.permute(0, 3, 5, 1, 2, 4)
     return y.reshape(b, c * s * s, h // s, w // s)
 
 

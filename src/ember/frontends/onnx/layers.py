@@ -316,7 +316,8 @@ def _qlinear_conv(n: NodeContext, x, x_scale, x_zero, w, w_scale, w_zero, y_scal
 
 OPS = {
     "Conv": _conv, "ConvTranspose": _conv_transpose, "MaxPool": _max_pool, "AveragePool": _average_pool,
-    "LpPool": _lp_pool, "MaxUnpool": _max_unpool, "GlobalAveragePool": _global(ember.mean), "GlobalMaxPool": _global(ember.amax),
+    "LpPool": _lp_pool, "MaxUnpool": _max_unpool, "GlobalAveragePool": _global(ember.mean),
+    "GlobalMaxPool": _global(ember.amax),
     "GlobalLpPool": lambda n, x: ember.pow(ember.pow(ember.abs(x), float(n.attr("p", 2))).sum(
         tuple(range(2, x.ndim)), keepdim=True), 1.0 / n.attr("p", 2)),
     "BatchNormalization": _batch_norm, "InstanceNormalization": _instance_norm, "LRN": _lrn,

@@ -170,8 +170,33 @@ def _gather_nd(n: NodeContext, x, index):
 def _scattered(base, axis: int, index, updates, reduction: str, n: NodeContext):
     if reduction == "add":
         return ember.scatter_add(base, axis, index, updates)
-    if reduction != "none":
-        raise n.unsupported(f"reduction={reduction!r} (ember scatters with none and add)")
+    if reduction == "none":
+        return _placed(base, axis, index, updates)
+    combine = {"mul": ember.mul, "max": ember.maximum, "min": ember.minimum}.get(reduction)
+    if combine is None:
+        raise n.unsupported(f"reduction={reduction!r}")
+    # ember scatters by adding: each round scatters at most one update per position (the k-th of those aimed at
+    # it, found from the index's values now) and combines it where one landed
+    positions = np.indices(index.shape)
+    positions[axis] = n.static(index)
+    targets = np.ravel_multi_index(tuple(positions), base.shape).reshape(-1)
+    order = np.argsort(targets, kind="stable")
+    first = np.searchsorted(targets[order], targets[order])
+    rank = np.empty_like(targets)
+    rank[order] = np.arange(len(targets)) - first
+    out = base
+    for k in range(int(rank.max()) + 1 if rank.size else 0):
+        chosen = n.const((rank == k).reshape(index.shape))
+        landed = ember.scatter_add(ember.zeros(base.shape, dtype=dtypes.int32, device=base.device), axis, index,
+                                   chosen.to(dtypes.int32)) > 0
+        value = ember.scatter_add(ember.zeros(base.shape, dtype=base.dtype, device=base.device), axis, index,
+                                  ember.where(chosen, updates, ember.zeros_like(updates)))
+        out = ember.where(landed, combine(out, value), out)
+    return out
+
+
+def _placed(base, axis: int, index, updates):
+    """base with the updates at the positions the index names (ONNX leaves repeated positions undefined)."""
     zeros = ember.zeros(base.shape, dtype=base.dtype, device=base.device)
     hit = ember.scatter_add(ember.zeros(base.shape, dtype=dtypes.int32, device=base.device), axis, index,
                             ember.ones(index.shape, dtype=dtypes.int32, device=base.device)) > 0

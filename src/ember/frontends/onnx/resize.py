@@ -17,7 +17,8 @@ from ember.frontends.onnx.graph import NodeContext
 
 
 def _source(n: NodeContext, mode: str, i: np.ndarray, in_size: int, out_size: int, scale: float, roi) -> np.ndarray:
-    """The input coordinate each output position i samples."""
+    """The input coordinate each output position i samples (align_corners spans the unrounded output length,
+    in_size * scale, where a scale was given)."""
     if mode == "half_pixel":
         return (i + 0.5) / scale - 0.5
     if mode == "half_pixel_symmetric":
@@ -26,7 +27,8 @@ def _source(n: NodeContext, mode: str, i: np.ndarray, in_size: int, out_size: in
     if mode == "pytorch_half_pixel":
         return (i + 0.5) / scale - 0.5 if out_size > 1 else np.zeros_like(i, dtype=np.float64)
     if mode == "align_corners":
-        return i * (in_size - 1) / (out_size - 1) if out_size > 1 else np.zeros_like(i, dtype=np.float64)
+        span = in_size * scale - 1
+        return i * (in_size - 1) / span if out_size > 1 else np.zeros_like(i, dtype=np.float64)
     if mode == "asymmetric":
         return i / scale
     if mode == "tf_crop_and_resize":
@@ -56,20 +58,26 @@ def _cubic(t: np.ndarray, a: float) -> np.ndarray:
                     np.where(t < 2, ((a * t - 5 * a) * t + 8 * a) * t - 4 * a, 0.0))
 
 
-def _taps(n: NodeContext, mode: str, coords: np.ndarray, in_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(indices, weights), each [out, taps]: the input positions each output reads and their weights."""
+def _taps(n: NodeContext, mode: str, coords: np.ndarray, in_size: int, scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """(indices, weights), each [out, taps]: the input positions each output reads and their weights. With
+    antialias, a downscale widens the filter by 1/scale (and normalizes its weights)."""
     if mode == "nearest":
         rounding = n.attr("nearest_mode", "round_prefer_floor") if n.opset >= 11 else "floor"
         return _nearest(n, coords, rounding)[:, None].astype(np.int64), np.ones((len(coords), 1))
-    base = np.floor(coords)
-    if mode == "linear":
-        offsets = np.array([0, 1])
-        weights = np.stack([1 - (coords - base), coords - base], 1)
-    elif mode == "cubic":
-        offsets = np.array([-1, 0, 1, 2])
-        weights = _cubic(coords[:, None] - (base[:, None] + offsets), n.attr("cubic_coeff_a", -0.75))
-    else:
+    if mode not in ("linear", "cubic"):
         raise n.unsupported(f"mode={mode!r}")
+    base = np.floor(coords)
+    stretch = min(scale, 1.0) if n.attr("antialias", 0) else 1.0
+    reach = 1 if mode == "linear" else 2
+    first = int(np.floor(-reach / stretch) + 1)
+    offsets = np.arange(first, 2 - first if mode == "cubic" else first + 2 - 2 * first)
+    distances = (coords[:, None] - (base[:, None] + offsets)) * stretch
+    if mode == "linear":
+        weights = np.clip(1 - np.abs(distances), 0, 1)
+    else:
+        weights = _cubic(distances, n.attr("cubic_coeff_a", -0.75))
+    if stretch != 1:
+        weights = weights / weights.sum(1, keepdims=True)
     indices = base[:, None].astype(np.int64) + offsets
     if n.attr("exclude_outside", 0):
         weights = np.where((indices < 0) | (indices >= in_size), 0.0, weights)
@@ -80,7 +88,7 @@ def _taps(n: NodeContext, mode: str, coords: np.ndarray, in_size: int) -> tuple[
 def _resize_axis(n: NodeContext, x, axis: int, out_size: int, scale: float, roi, mode: str, transform: str):
     in_size = x.shape[axis]
     coords = _source(n, transform, np.arange(out_size, dtype=np.float64), in_size, out_size, scale, roi)
-    indices, weights = _taps(n, mode, coords, in_size)
+    indices, weights = _taps(n, mode, coords, in_size, scale)
     outside = (coords < 0) | (coords > in_size - 1)
     indices = np.clip(indices, 0, in_size - 1)
     shape = [1] * x.ndim
@@ -97,8 +105,6 @@ def _resize_axis(n: NodeContext, x, axis: int, out_size: int, scale: float, roi,
 
 
 def _resize(n: NodeContext, x, roi=None, scales=None, sizes=None):
-    if n.attr("antialias", 0):
-        raise n.unsupported("antialias=1")
     if n.opset < 11:  # Resize-10: (X, scales)
         scales, roi = roi, None
     axes = n.attr("axes") or list(range(x.ndim))

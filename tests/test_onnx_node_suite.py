@@ -16,25 +16,34 @@ backend_test = pytest.importorskip("onnx.backend.test")
 
 import ember.onnx  # noqa: E402
 
-# The node cases ember does not pass (regular expressions over the case name, without the device suffix), by reason.
+# The node cases ember does not pass (regular expressions searched in the case's test name), by reason.
 NOT_PASSED: dict[str, list[str]] = {
-    # Element types ember holds no tensors of: 8-bit and 4-bit floats, 4-bit and 2-bit integers, strings.
-    "element types ember does not hold": [
-        r"float8", r"float4", r"_e4m3", r"_e5m2", r"int4", r"uint4", r"int2", r"uint2", r"_string", r"strnorm",
-        r"string_", r"regex_full_match", r"label_encoder", r"cast_.*STRING", r"castlike_.*STRING",
+    # Strings: ember tensors hold numbers (and bool) only.
+    "strings": [
+        r"^test_string_concat", r"^test_string_split", r"^test_strnormalizer", r"^test_regex_full_match",
+        r"^test_equal_string", r"^test_image_decoder",
     ],
-    # Quantized arithmetic (QuantizeLinear, QLinearConv, ConvInteger ...): not built.
-    "quantized operators": [
-        r"quantizelinear", r"qlinear", r"convinteger", r"matmulinteger", r"dynamicquantizelinear",
-    ],
-    # Operators ember has no implementation of and onnx defines as no function of others.
+    # float8e8m0 (exponent-only, opset 24): not among the narrow formats ember holds widened.
+    "float8e8m0": [r"^test_cast_e8m0_"],
+    # The ai.onnx.ml domain (tree ensembles, label encoders, binarizer, array feature extractor): not built.
+    "ai.onnx.ml operators": [r"^test_ai_onnx_ml_"],
+    # Operators ember has no implementation of, and onnx defines as no function of other operators.
     "operators not implemented": [
-        r"gridsample", r"nonmaxsuppression", r"_dft", r"_stft", r"bitcast", r"image_decoder", r"tfidfvectorizer",
-        r"col2im", r"roialign", r"deform_conv", r"_det_", r"maxunpool", r"tensorscatter", r"ai_onnx_ml",
-        r"_momentum", r"_adagrad", r"_adam", r"treeensemble", r"melweightmatrix", r"_blackmanwindow",
-        r"_hammingwindow", r"_hannwindow", r"affine_grid", r"_rnn_seq", r"_simple_rnn", r"_gru_", r"_lstm_",
-        r"_bernoulli", r"randomuniformlike", r"randomnormallike",
+        r"^test_gridsample", r"^test_nonmaxsuppression", r"^test_roialign", r"^test_(basic_)?deform_conv",
+        r"^test_det_", r"^test_col2im", r"^test_stft", r"^test_melweightmatrix", r"^test_bitcast",
+        r"^test_tensorscatter", r"^test_tfidfvectorizer",
     ],
+    # A 3-d transposed convolution: ember convolves 1-d and 2-d images.
+    "3-d transposed convolution": [r"^test_convtranspose_3d"],
+    # Scan before opset 9 (a batch axis and sequence_lens): only Scan-9 and later are built.
+    "Scan-8": [r"^test_scan_sum_"],
+    # An absent optional sequence as a Loop's carried value: ember holds no optional types.
+    "optional sequences": [r"^test_loop16_seq_none"],
+    # Random draws: ONNX's expected values come from NumPy's generator, ember's (counter-based Philox) draws others.
+    "random values": [r"^test_bernoulli", r"^test_training_dropout(_default)?(_mask)?_(cpu|cuda)$"],
+    # Rounding: the reference's float32 noise (1.9e-7 where ember's float64 DFT gives ~1e-15) exceeds atol 1e-7;
+    # attention in float16 differs from the reference's float16 step-by-step rounding by one float16 ulp.
+    "rounding of the reference": [r"^test_dft_inverse", r"^test_attention_4d_causal_fp16"],
 }
 
 # One case of each family for the quick tier (the full tier runs them all).

@@ -123,3 +123,21 @@ def test_torchvision_models_exported_by_torch_match_torch(name, dynamo, tmp_path
         expected = model(x).numpy()
     got = ember.from_onnx(str(path))(ember.tensor(x.numpy())).numpy()
     assert np.abs(got - expected).max() / np.abs(expected).max() < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v3_small", "vit"])
+def test_torchvision_models_exported_by_torch_match_torch_on_cuda(name, tmp_path):
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    model = _torchvision_models()[name]().eval()
+    if name == "vit":
+        torch.nn.init.normal_(model.heads.head.weight, std=0.1)
+    x = torch.randn(2, 3, 32, 32) if name == "vit" else torch.randn(2, 3, 64, 64)
+    path = tmp_path / f"{name}.onnx"
+    torch.onnx.export(model, (x,), str(path), dynamo=False, opset_version=18)
+    with torch.no_grad():
+        expected = model(x).numpy()
+    module = ember.from_onnx(str(path), device="cuda")
+    got = module(ember.tensor(x.numpy(), device="cuda")).numpy()
+    assert np.abs(got - expected).max() / np.abs(expected).max() < 1e-3  # TF32 may be on for the GPU's matmuls

@@ -9,6 +9,7 @@ ceil_mode, dilations and count_include_pad rules taken literally.
 from __future__ import annotations
 
 import math
+from functools import reduce
 
 import numpy as np
 
@@ -17,6 +18,7 @@ from ember import dtypes
 from ember.frontends.onnx.graph import NodeContext
 from ember.frontends.onnx.tensors import slice_axis
 from ember.frontends.onnx.values import numpy_type
+from ember.ops.pooling import first_maximum
 
 
 def _spatial(n: NodeContext, x, kernel: list[int]) -> tuple[list[int], list[int], list[int], list[int]]:
@@ -148,11 +150,11 @@ def _lowest(dtype):
 def _max_pool(n: NodeContext, x):
     kernel = n.attr("kernel_shape")
     windows = _Windows(n, x, kernel)
-    stacked = ember.stack(windows.views(x, _lowest(x.dtype)), 0)
-    values = stacked.amax(0)
-    if len(n.node.output) < 2 or not n.node.output[1]:
-        return values
-    return values, _pool_indices(n, x, stacked.argmax(0), kernel, windows)
+    views = windows.views(x, _lowest(x.dtype))
+    if len(n.node.output) < 2 or not n.node.output[1]:  # a pointwise maximum of the views: one fused kernel
+        return first_maximum(views, x.requires_grad and ember.is_grad_enabled())
+    stacked = ember.stack(views, 0)
+    return stacked.amax(0), _pool_indices(n, x, stacked.argmax(0), kernel, windows)
 
 
 def _pool_indices(n: NodeContext, x, offset, kernel, windows: _Windows):
@@ -177,7 +179,7 @@ def _pool_indices(n: NodeContext, x, offset, kernel, windows: _Windows):
 
 def _average_pool(n: NodeContext, x):
     windows = _Windows(n, x, n.attr("kernel_shape"))
-    total = ember.stack(windows.views(x, 0.0), 0).sum(0)
+    total = reduce(ember.add, windows.views(x, 0.0))
     counts = windows.counts(x.shape[2:], bool(n.attr("count_include_pad", 0)))
     return total / n.const(counts, x)
 
@@ -185,7 +187,7 @@ def _average_pool(n: NodeContext, x):
 def _lp_pool(n: NodeContext, x):
     p = float(n.attr("p", 2))
     views = _Windows(n, x, n.attr("kernel_shape")).views(x, 0.0)
-    return ember.pow(ember.stack([ember.pow(ember.abs(v), p) for v in views], 0).sum(0), 1.0 / p)
+    return ember.pow(reduce(ember.add, [ember.pow(ember.abs(v), p) for v in views]), 1.0 / p)
 
 
 def _max_unpool(n: NodeContext, x, indices, output_shape=None):

@@ -9,6 +9,7 @@ so one that starts passing fails the suite until it leaves the list.
 from __future__ import annotations
 
 import re
+import unittest
 
 import pytest
 
@@ -55,23 +56,34 @@ QUICK_SAMPLE = [
 ]
 
 
-def _cases(device_suffix: str, keep: str, drop: str | None = None):
-    """The node cases named `test_<case>_<device_suffix>` whose case matches `keep` and not `drop`, with the cases
-    of NOT_PASSED as expected failures."""
+def _node_cases() -> type[unittest.TestCase]:
+    """Every node case on every device (`test_<case>_cpu`, `test_<case>_cuda`), NOT_PASSED as expected failures."""
     suite = backend_test.BackendTest(ember.onnx, __name__)
     for patterns in NOT_PASSED.values():
         for pattern in patterns:
             suite.xfail(pattern)
-    cases = suite.test_cases["OnnxBackendNodeModelTest"]
-    for name in [name for name in vars(cases) if name.startswith("test_")]:
-        case = name.removesuffix(f"_{device_suffix}")
-        if case == name or not re.fullmatch(keep, case) or (drop and re.fullmatch(drop, case)):
-            delattr(cases, name)
-    return cases
+    return suite.test_cases["OnnxBackendNodeModelTest"]
 
 
-_QUICK = "|".join(re.escape(name) for name in QUICK_SAMPLE)
+def _cases(every: type[unittest.TestCase], name: str, device_suffix: str, keep: str,
+           drop: str | None = None) -> type[unittest.TestCase]:
+    """A TestCase class of the node cases on one device whose case name matches `keep` and not `drop`."""
+    methods = {}
+    for method, fn in vars(every).items():
+        case = method.removesuffix(f"_{device_suffix}")
+        if case != method and re.fullmatch(keep, case) and not (drop and re.fullmatch(drop, case)):
+            methods[method] = fn
+    return type(name, (unittest.TestCase,), {"__module__": __name__, **methods})
 
-OnnxNodeCpuQuick = _cases("cpu", _QUICK)
-OnnxNodeCpu = pytest.mark.slow(_cases("cpu", ".*", _QUICK))
-OnnxNodeCuda = pytest.mark.gpu(_cases("cuda", ".*"))
+
+def _suites() -> tuple[type[unittest.TestCase], ...]:
+    """The quick tier's sample on the cpu, every other case on the cpu (full tier) and every case on cuda (GPU
+    suite), from one load of the node cases."""
+    every = _node_cases()
+    quick = "|".join(re.escape(name) for name in QUICK_SAMPLE)
+    return (_cases(every, "OnnxNodeCpuQuick", "cpu", quick),
+            pytest.mark.slow(_cases(every, "OnnxNodeCpu", "cpu", ".*", quick)),
+            pytest.mark.gpu(_cases(every, "OnnxNodeCuda", "cuda", ".*")))
+
+
+OnnxNodeCpuQuick, OnnxNodeCpu, OnnxNodeCuda = _suites()

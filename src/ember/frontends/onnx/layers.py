@@ -18,6 +18,7 @@ from ember import dtypes
 from ember.frontends.onnx.graph import NodeContext
 from ember.frontends.onnx.tensors import slice_axis
 from ember.frontends.onnx.values import numpy_type
+from ember.nn import functional as F
 from ember.ops.pooling import first_maximum
 
 
@@ -211,6 +212,18 @@ def _max_unpool(n: NodeContext, x, indices, output_shape=None):
     return ember.scatter_add(flat, 0, indices, x.reshape(-1)).reshape(shape)
 
 
+def _col2im(n: NodeContext, x, image_shape, block_shape):
+    """Col2Im: the columns summed back into the image (ember's fold), over the image padded by `pads`, then cropped."""
+    image, block = n.ints(image_shape), n.ints(block_shape)
+    if len(image) != 2:
+        raise n.unsupported(f"a {len(image)}-d image (ember folds 2-d images)")
+    pads = n.attr("pads") or [0, 0, 0, 0]
+    padded = (image[0] + pads[0] + pads[2], image[1] + pads[1] + pads[3])
+    out = F.fold(x, padded, tuple(block), tuple(n.attr("dilations") or (1, 1)), 0,
+                     tuple(n.attr("strides") or (1, 1)))
+    return out[..., pads[0]:pads[0] + image[0], pads[1]:pads[1] + image[1]]
+
+
 def _global(fn):
     return lambda n, x: fn(x, tuple(range(2, x.ndim)), keepdim=True)
 
@@ -318,7 +331,7 @@ def _qlinear_conv(n: NodeContext, x, x_scale, x_zero, w, w_scale, w_zero, y_scal
 
 OPS = {
     "Conv": _conv, "ConvTranspose": _conv_transpose, "MaxPool": _max_pool, "AveragePool": _average_pool,
-    "LpPool": _lp_pool, "MaxUnpool": _max_unpool, "GlobalAveragePool": _global(ember.mean),
+    "LpPool": _lp_pool, "MaxUnpool": _max_unpool, "Col2Im": _col2im, "GlobalAveragePool": _global(ember.mean),
     "GlobalMaxPool": _global(ember.amax),
     "GlobalLpPool": lambda n, x: ember.pow(ember.pow(ember.abs(x), float(n.attr("p", 2))).sum(
         tuple(range(2, x.ndim)), keepdim=True), 1.0 / n.attr("p", 2)),

@@ -319,6 +319,35 @@ def _unique(n: NodeContext, x):
             n.const(counts.astype(np.int64)))
 
 
+def _non_max_suppression(n: NodeContext, boxes, scores, max_boxes=None, iou_threshold=None, score_threshold=None):
+    """The boxes kept by greedy non-maximum suppression, per batch and class, as [batch, class, box] rows: computed
+    now, as the output's length depends on the data."""
+    boxes, scores = np.asarray(n.static(boxes), np.float64), np.asarray(n.static(scores), np.float64)
+    limit = 0 if max_boxes is None else int(np.asarray(n.static(max_boxes)).reshape(-1)[0])
+    overlap = 0.0 if iou_threshold is None else float(np.asarray(n.static(iou_threshold)).reshape(-1)[0])
+    floor = None if score_threshold is None else float(np.asarray(n.static(score_threshold)).reshape(-1)[0])
+    if n.attr("center_point_box", 0):
+        centre, size = boxes[..., :2], boxes[..., 2:]
+        low, high = centre - size / 2, centre + size / 2
+    else:
+        low, high = np.minimum(boxes[..., :2], boxes[..., 2:]), np.maximum(boxes[..., :2], boxes[..., 2:])
+    area = np.prod(high - low, -1)
+    kept = []
+    for b in range(scores.shape[0]):
+        for c in range(scores.shape[1]):
+            chosen: list[int] = []
+            for i in np.argsort(-scores[b, c], kind="stable"):
+                if len(chosen) >= limit or (floor is not None and scores[b, c, i] <= floor):
+                    break
+                inner = np.clip(np.minimum(high[b, i], high[b, chosen]) - np.maximum(low[b, i], low[b, chosen]),
+                                0, None).prod(-1)
+                union = area[b, i] + area[b, chosen] - inner
+                if not np.any(inner > overlap * union):
+                    chosen.append(int(i))
+            kept += [(b, c, i) for i in chosen]
+    return n.const(np.array(kept, dtype=np.int64).reshape(-1, 3))
+
+
 def _compress(n: NodeContext, x, condition):
     kept = np.nonzero(np.asarray(n.static(condition)).reshape(-1))[0]
     axis = n.attr("axis")
@@ -393,7 +422,8 @@ OPS = {
     "Slice": _slice, "Gather": _gather, "GatherElements": _gather_elements, "GatherND": _gather_nd,
     "ScatterElements": _scatter_elements, "Scatter": _scatter_elements, "ScatterND": _scatter_nd,
     "Expand": _expand, "Tile": _tile, "Pad": _pad, "ConstantOfShape": _constant_of_shape, "Range": _range,
-    "EyeLike": _eye_like, "OneHot": _one_hot, "NonZero": _non_zero, "Unique": _unique, "Compress": _compress,
+    "EyeLike": _eye_like, "OneHot": _one_hot, "NonZero": _non_zero, "NonMaxSuppression": _non_max_suppression,
+    "Unique": _unique, "Compress": _compress,
     "Trilu": _trilu, "DepthToSpace": _depth_to_space, "SpaceToDepth": _space_to_depth,
     "ReverseSequence": _reverse_sequence, "Gemm": _gemm, "TopK": _top_k,
     "MatMul": lambda n, a, b: ember.matmul(a, b),

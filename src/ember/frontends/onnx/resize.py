@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 import ember
+from ember import dtypes
 from ember.frontends.onnx.graph import NodeContext
 
 
@@ -143,4 +144,89 @@ def _upsample(n: NodeContext, x, scales=None):
     return x
 
 
-OPS = {"Resize": _resize, "Upsample": _upsample}
+def _reflect(c, low: float, high: float):
+    """Coordinates outside [low, high] reflected at the near border until inside."""
+    span = high - low
+    below, above = c < low, c > high
+    distance = ember.where(below, low - c, c - high)
+    folds = ember.trunc(distance / span) if span else ember.zeros_like(c)
+    rest = distance - folds * span
+    even = ember.remainder(folds, 2.0) == 0
+    from_below = ember.where(even, low + rest, high - rest)
+    from_above = ember.where(even, high - rest, low + rest)
+    return ember.where(below, from_below, ember.where(above, from_above, c))
+
+
+def _grid_sample(n: NodeContext, x, grid):
+    """GridSample of any rank: each output position's input coordinates (from the grid, lazily), the taps of its
+    interpolation around them, and a gather of each tap from the flattened image, weighed and summed."""
+    mode = {"bilinear": "linear", "bicubic": "cubic"}.get(n.attr("mode", "linear"), n.attr("mode", "linear"))
+    padding, aligned = n.attr("padding_mode", "zeros"), bool(n.attr("align_corners", 0))
+    batch, channels, dims = x.shape[0], x.shape[1], x.shape[2:]
+    rank, points = len(dims), math.prod(grid.shape[1:-1])
+    flat_grid = grid.reshape(batch, points, rank)
+    taps_per_dim = []
+    for i, size in enumerate(dims):
+        v = flat_grid[..., rank - 1 - i]  # the grid lists coordinates innermost dimension first
+        c = (v + 1) / 2 * (size - 1) if aligned else ((v + 1) * size - 1) / 2
+        if mode == "nearest":
+            c = ember.round(c)
+        low, high = (0.0, size - 1.0) if aligned else (-0.5, size - 0.5)
+        outside = (c < low) | (c > high)
+        if padding == "border":
+            c = ember.where(outside, ember.clamp(c, 0.0, size - 1.0), c)
+        elif padding == "reflection":
+            c = ember.where(outside, _reflect(c, low, high), c)
+        if mode == "nearest":
+            taps = [(c, None)]
+        else:
+            base = ember.floor(c)
+            t = c - base
+            if mode == "linear":
+                taps = [(base, 1 - t), (base + 1, t)]
+            elif mode == "cubic":
+                taps = [(base + k, _keys(t - k)) for k in (-1, 0, 1, 2)]
+            else:
+                raise n.unsupported(f"mode={mode!r}")
+        taps_per_dim.append([(*_tap_index(index, size, padding, low, high), weight) for index, weight in taps])
+    strides = [math.prod(dims[i + 1:]) for i in range(rank)]
+    image = x.reshape(batch, channels, -1)
+    out = None
+    for combination in np.ndindex(*(len(t) for t in taps_per_dim)):
+        position, weight, valid = None, None, None
+        for i, k in enumerate(combination):
+            index, inside, w = taps_per_dim[i][k]
+            term = index * strides[i]
+            position = term if position is None else position + term
+            weight = w if weight is None else weight if w is None else weight * w
+            valid = inside if valid is None else valid if inside is None else valid & inside
+        picked = ember.gather(image, 2, position.reshape(batch, 1, points).expand(batch, channels, points))
+        if weight is not None:
+            picked = picked * weight.reshape(batch, 1, points).to(x.dtype)
+        if valid is not None:
+            picked = ember.where(valid.reshape(batch, 1, points), picked, ember.zeros_like(picked))
+        out = picked if out is None else out + picked
+    return out.reshape(batch, channels, *grid.shape[1:-1])
+
+
+def _keys(t):
+    """The cubic convolution kernel (a = -0.75) at distances t."""
+    t = ember.abs(t)
+    a = -0.75
+    near = ((a + 2) * t - (a + 3)) * t * t + 1
+    far = ((a * t - 5 * a) * t + 8 * a) * t - 4 * a
+    return ember.where(t <= 1, near, ember.where(t < 2, far, ember.zeros_like(t)))
+
+
+def _tap_index(index, size: int, padding: str, low: float, high: float):
+    """(int64 index in range, where the tap lies inside the image or None): zeros padding masks the taps outside,
+    border clamps them, reflection reflects them."""
+    if padding == "reflection":
+        index = ember.trunc(_reflect(index, low, high))
+    elif padding == "border":
+        index = ember.clamp(index, 0.0, size - 1.0)
+    inside = (index >= 0) & (index <= size - 1) if padding == "zeros" else None
+    return ember.clamp(index, 0.0, size - 1.0).to(dtypes.int64), inside
+
+
+OPS = {"Resize": _resize, "Upsample": _upsample, "GridSample": _grid_sample}

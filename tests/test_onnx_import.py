@@ -84,6 +84,22 @@ def test_shapes_computed_in_the_graph_are_read_and_data_dependent_outputs_work()
     np.testing.assert_array_equal(nz.numpy(), [[1, 3, 5]])
 
 
+def test_shape_arithmetic_of_the_graph_is_folded_on_the_host_without_reading_the_device(monkeypatch):
+    one = helper.make_tensor("one", TensorProto.INT64, [1], [1])
+    nodes = [helper.make_node("Shape", ["x"], ["s"]),
+             helper.make_node("Gather", ["s", "one"], ["d"], axis=0),
+             helper.make_node("Mul", ["d", "d"], ["dd"]),
+             helper.make_node("Concat", ["one", "dd"], ["target"], axis=0),
+             helper.make_node("Reshape", ["x", "target"], ["y"])]
+    graph = helper.make_graph(nodes, "fold", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 9])], [one])
+    module = ember.from_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]))
+    reads = []
+    monkeypatch.setattr(ember.Tensor, "numpy", lambda self: reads.append(self) or pytest.fail("a device read"))
+    y = module(ember.tensor(np.arange(9, dtype=np.float32).reshape(3, 3)))
+    assert y.shape == (1, 9) and not reads
+
+
 def test_importing_and_running_on_the_cpu_loads_neither_torch_nor_triton():
     code = ("import sys, numpy as np, ember, onnx; from onnx import helper, TensorProto as T;"
             "g = helper.make_graph([helper.make_node('Relu', ['x'], ['y'])], 'g',"

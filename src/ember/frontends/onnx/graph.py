@@ -22,7 +22,8 @@ from onnx import AttributeProto, helper
 
 from ember.device import Device
 from ember.errors import UnsupportedOperatorError
-from ember.frontends.onnx.values import UnsupportedType, ember_dtype, proto_array, to_tensor
+from ember.frontends.onnx.host import HostValues
+from ember.frontends.onnx.values import UnsupportedType, ember_dtype, proto_array
 from ember.tensor import Tensor
 
 
@@ -64,8 +65,12 @@ class NodeContext:
         return self.attrs.get(name, default)
 
     def static(self, t: Tensor | None) -> np.ndarray | None:
-        """A shape-like input's value, computed now (ONNX passes shapes, axes and sizes as tensors)."""
-        return None if t is None else t.numpy()
+        """A shape-like input's value (ONNX passes shapes, axes and sizes as tensors): known on the host, or
+        computed now."""
+        if t is None:
+            return None
+        known = self.runner.host.get(t)
+        return known if known is not None else t.numpy()
 
     def ints(self, t: Tensor | None) -> list[int] | None:
         return None if t is None else [int(v) for v in np.asarray(self.static(t)).reshape(-1)]
@@ -73,8 +78,7 @@ class NodeContext:
     def const(self, value, dtype=None) -> Tensor:
         """A constant on this node's device, of `dtype` (an ember dtype, or that of a tensor given as `dtype`)."""
         dtype = dtype.dtype if isinstance(dtype, Tensor) else dtype
-        array = np.asarray(value, dtype=None if dtype is None else dtype.np)
-        return to_tensor(array, self.device)
+        return self.runner.host.constant(np.asarray(value, dtype=None if dtype is None else dtype.np), self.device)
 
     def declared_type(self, i: int) -> int | None:
         """The ONNX element type the graph declares for input `i` (ember may hold it in a wider type)."""
@@ -101,9 +105,11 @@ class GraphRunner:
     """Runs graphs and functions of one model: its opsets, its local functions, the device of new tensors."""
 
     def __init__(self, opsets: dict[str, int], functions: dict[tuple[str, str], onnx.FunctionProto],
-                 device: Device, ops: dict[str, Callable], declared: dict[str, int] | None = None):
+                 device: Device, ops: dict[str, Callable], declared: dict[str, int] | None = None,
+                 host: HostValues | None = None):
         self.opsets, self.functions, self.device, self.ops = opsets, functions, device, ops
         self.declared = declared or {}  # value name -> the ONNX element type the graph declares
+        self.host = host or HostValues()
 
     def run(self, graph: onnx.GraphProto, scope: ChainMap) -> list:
         """Runs `graph`'s nodes in `scope` (its inputs and initializers bound, outer scopes behind), returning
@@ -119,7 +125,10 @@ class GraphRunner:
         attrs = attributes(node) if attrs is None else attrs
         context = NodeContext(node, opset, attrs, self, scope)
         fn = self.ops.get(op_key(domain, node.op_type))
-        if fn is not None:
+        known = self.host.foldable(node, inputs)
+        if known is not None:
+            outputs = self.host.fold(node, opset, known, self.device)
+        elif fn is not None:
             outputs = fn(context, *inputs)
         elif (domain, node.op_type) in self.functions:
             outputs = self.run_function(self.functions[domain, node.op_type], context, inputs)
@@ -167,7 +176,8 @@ class GraphRunner:
         runner = self
         if function.opset_import:
             opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in function.opset_import}
-            runner = GraphRunner({**self.opsets, **opsets}, self.functions, self.device, self.ops, self.declared)
+            runner = GraphRunner({**self.opsets, **opsets}, self.functions, self.device, self.ops, self.declared,
+                                 self.host)
         for node in function.node:
             own = attributes(node)
             for a in node.attribute:

@@ -13,6 +13,7 @@ import onnx
 from ember.device import Device, as_device
 from ember.errors import UnsupportedOperatorError
 from ember.frontends.onnx.graph import GraphRunner, op_key, unsupported
+from ember.frontends.onnx.host import FOLD_LIMIT
 from ember.frontends.onnx.registry import OPS
 from ember.frontends.onnx.values import UnsupportedType, numpy_type, proto_array, to_tensor
 from ember.nn.module import Module, Parameter
@@ -68,12 +69,15 @@ class OnnxModule(Module):
             self.register_parameter(attribute, Parameter(value))
         else:
             self.register_buffer(attribute, value)
+            if array.size <= FOLD_LIMIT:  # shapes and axes: read on the host, never from the device
+                self._runner.host.keep(value, array.astype(value.dtype.np, copy=False))
         self._initializers[name] = attribute
 
     def forward(self, *inputs):
         if len(inputs) != len(self.input_names):
             raise TypeError(f"the ONNX graph takes {len(self.input_names)} inputs ({', '.join(self.input_names)}), "
                             f"got {len(inputs)}")
+        self._runner.host.start()
         values = {name: getattr(self, attribute) for name, attribute in self._initializers.items()}
         for name, value in zip(self.input_names, inputs):
             values[name] = value if isinstance(value, (Tensor, list)) or value is None else \

@@ -14,7 +14,6 @@ import numpy as np
 import ember
 from ember import dtypes
 from ember.frontends.onnx.graph import NodeContext
-from ember.frontends.onnx.values import to_tensor
 from ember.tensor import Tensor
 
 
@@ -33,7 +32,7 @@ def _constant(n: NodeContext):
             value = n.attrs[name]
             kind = np.float32 if name.startswith("value_float") else np.int64 if name.startswith("value_int") \
                 else None
-            return to_tensor(np.asarray(value, dtype=kind), n.device)
+            return n.const(np.asarray(value, dtype=kind))
     raise n.unsupported(f"a constant given as {sorted(n.attrs)} (strings and sparse values are not held)")
 
 
@@ -276,12 +275,12 @@ def _pad_by_axis(x, before, after, mode: str):
 def _constant_of_shape(n: NodeContext, shape):
     value = n.attr("value", np.zeros(1, np.float32))
     dims = tuple(n.ints(shape))
-    return to_tensor(np.full(dims, np.asarray(value).reshape(-1)[0], dtype=np.asarray(value).dtype), n.device)
+    return n.const(np.full(dims, np.asarray(value).reshape(-1)[0], dtype=np.asarray(value).dtype))
 
 
 def _range(n: NodeContext, start, limit, delta):
     values = [np.asarray(n.static(v)).reshape(-1)[0] for v in (start, limit, delta)]
-    return to_tensor(np.arange(*values, dtype=values[0].dtype), n.device)
+    return n.const(np.arange(*values, dtype=values[0].dtype))
 
 
 def _eye_like(n: NodeContext, x):

@@ -106,10 +106,11 @@ class GraphRunner:
 
     def __init__(self, opsets: dict[str, int], functions: dict[tuple[str, str], onnx.FunctionProto],
                  device: Device, ops: dict[str, Callable], declared: dict[str, int] | None = None,
-                 host: HostValues | None = None):
+                 host: HostValues | None = None, bodies: dict | None = None):
         self.opsets, self.functions, self.device, self.ops = opsets, functions, device, ops
         self.declared = declared or {}  # value name -> the ONNX element type the graph declares
         self.host = host or HostValues()
+        self.bodies = {} if bodies is None else bodies  # the function bodies of onnx's schemas run so far
 
     def run(self, graph: onnx.GraphProto, scope: ChainMap) -> list:
         """Runs `graph`'s nodes in `scope` (its inputs and initializers bound, outer scopes behind), returning
@@ -118,85 +119,76 @@ class GraphRunner:
             self.run_node(node, scope)
         return [scope[o.name] for o in graph.output]
 
-    def run_node(self, node: onnx.NodeProto, scope: ChainMap, attrs: dict | None = None) -> None:
+    def run_node(self, node: onnx.NodeProto, scope: ChainMap) -> None:
         domain = "" if node.domain == "ai.onnx" else node.domain
         opset = self.opsets.get(domain, 1)
         inputs = [scope[name] if name else None for name in node.input]
-        attrs = attributes(node) if attrs is None else attrs
-        context = NodeContext(node, opset, attrs, self, scope)
         fn = self.ops.get(op_key(domain, node.op_type))
         known = self.host.foldable(node, inputs)
         if known is not None:
             outputs = self.host.fold(node, opset, known, self.device)
         elif fn is not None:
-            outputs = fn(context, *inputs)
+            outputs = fn(NodeContext(node, opset, attributes(node), self, scope), *inputs)
         elif (domain, node.op_type) in self.functions:
-            outputs = self.run_function(self.functions[domain, node.op_type], context, inputs)
+            outputs = self.run_function(self.functions[domain, node.op_type], node, inputs)
         else:
-            outputs = self.run_function(self.schema_function(node, opset, inputs), context, inputs)
+            outputs = self.run_function(*self.schema_function(node, opset, inputs), inputs)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         for name, value in zip(node.output, outputs):
             if name:
                 scope[name] = value
 
-    def schema_function(self, node: onnx.NodeProto, opset: int, inputs: list) -> onnx.FunctionProto:
+    def schema_function(self, node: onnx.NodeProto, opset: int, inputs: list) -> tuple[onnx.FunctionProto,
+                                                                                        onnx.NodeProto]:
         """The function body onnx defines for an op, at the node's opset (for its input types, where the body
-        depends on them)."""
+        depends on them), and the node with the schema's defaults for the attributes it leaves out (the body reads
+        them). Kept for the next forward."""
         try:
             schema = onnx.defs.get_schema(node.op_type, opset, node.domain)
         except onnx.defs.SchemaError:
             raise unsupported(node, opset, "ember has no implementation of this operator and onnx defines "
                                            "no schema for it") from None
+        types = [_type_of(v, self.declared.get(name)).SerializeToString() for v, name in zip(inputs, node.input)] \
+            if schema.has_context_dependent_function and not schema.has_function else []
+        key = (node.SerializeToString(), opset, *types)
+        if key in self.bodies:
+            return self.bodies[key]
         function = onnx.FunctionProto()
         if schema.has_function:
             function.ParseFromString(schema.get_function_with_opset_version(
                 max(v for v in schema.function_opset_versions if v <= opset)))
         elif schema.has_context_dependent_function:
-            types = [_type_of(v, self.declared.get(name)) for v, name in zip(inputs, node.input)]
-            function.ParseFromString(schema.get_context_dependent_function(
-                node.SerializeToString(), [t.SerializeToString() for t in types]))
-        else:
-            raise unsupported(node, opset, "ember has no implementation of this operator (and onnx defines it "
-                                           "as no function of other operators)")
+            function.ParseFromString(schema.get_context_dependent_function(node.SerializeToString(), types))
         if not function.node:
-            raise unsupported(node, opset, "onnx gives no function body for these inputs")
-        for schema_attr in schema.attributes.values():
-            if schema_attr.name not in {a.name for a in node.attribute} and schema_attr.default_value.name:
-                node.attribute.append(schema_attr.default_value)  # the function body reads the default
-        return function
+            raise unsupported(node, opset, "ember has no implementation of this operator, and onnx defines it as "
+                                           "no function of other operators for these inputs")
+        with_defaults = onnx.NodeProto()
+        with_defaults.CopyFrom(node)
+        given = {a.name for a in node.attribute}
+        with_defaults.attribute.extend(a.default_value for a in schema.attributes.values()
+                                       if a.name not in given and a.default_value.name)
+        self.bodies[key] = (function, with_defaults)
+        return function, with_defaults
 
-    def run_function(self, function: onnx.FunctionProto, context: NodeContext, inputs: list) -> tuple:
-        """Runs a function body: its formal inputs bound to the node's values, its attribute references to the
-        node's attributes (or the function's defaults)."""
-        bound = dict(attributes(_attributes_node(function.attribute_proto)))
-        bound.update(attributes(context.node))
+    def run_function(self, function: onnx.FunctionProto, node: onnx.NodeProto, inputs: list) -> tuple:
+        """Runs a function body for `node`: its formal inputs bound to the node's values, its attribute references
+        to the node's attributes (or the function's defaults)."""
         references = {a.name: a for a in function.attribute_proto}
-        references.update({a.name: a for a in context.node.attribute})
+        references.update({a.name: a for a in node.attribute})
         scope = ChainMap({name: value for name, value in zip(function.input, inputs)})
         runner = self
         if function.opset_import:
             opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in function.opset_import}
             runner = GraphRunner({**self.opsets, **opsets}, self.functions, self.device, self.ops, self.declared,
-                                 self.host)
-        for node in function.node:
-            own = attributes(node)
-            for a in node.attribute:
-                if a.ref_attr_name and a.ref_attr_name in references:
-                    own[a.name] = bound[a.ref_attr_name]
-            bound_node = _with_attributes(node, own, references)
-            runner.run_node(bound_node, scope, own)
+                                 self.host, self.bodies)
+        for body_node in function.node:
+            runner.run_node(_with_attributes(body_node, references), scope)
         return tuple(scope.get(name) for name in function.output)
 
 
-def _attributes_node(protos) -> onnx.NodeProto:
-    node = onnx.NodeProto()
-    node.attribute.extend(protos)
-    return node
-
-
-def _with_attributes(node: onnx.NodeProto, own: dict, references: dict) -> onnx.NodeProto:
-    """The node with its attribute references replaced by the caller's attributes (a nested function body or a
-    context-dependent schema reads the node's attributes, not our dict)."""
+def _with_attributes(node: onnx.NodeProto, references: dict) -> onnx.NodeProto:
+    """A function body's node with its attribute references replaced by the calling node's attributes (those it
+    lacks dropped: the operator's defaults apply)."""
     if not any(a.ref_attr_name for a in node.attribute):
         return node
     copy = onnx.NodeProto()

@@ -69,6 +69,16 @@ def test_an_unsupported_operator_is_named_with_its_node_op_type_and_opset():
         ember.from_onnx(_linear_model("TfIdfVectorizer"))
 
 
+def test_an_error_inside_an_operator_names_its_node():
+    shape = helper.make_tensor("shape", TensorProto.INT64, [1], [5])
+    graph = helper.make_graph([helper.make_node("Reshape", ["x", "shape"], ["y"], name="flatten")], "bad",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [shape])
+    module = ember.from_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]))
+    with pytest.raises(ember.ShapeError, match=r"ONNX node 'flatten' \(Reshape, opset 13.*reshape: shape \(5,\)"):
+        module(ember.tensor(np.ones((2, 3), np.float32)))
+
+
 def test_shapes_computed_in_the_graph_are_read_and_data_dependent_outputs_work():
     nodes = [helper.make_node("Shape", ["x"], ["s"]),
              helper.make_node("ReduceProd", ["s"], ["n"], keepdims=1),

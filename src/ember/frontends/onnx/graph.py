@@ -21,7 +21,7 @@ import onnx
 from onnx import AttributeProto, helper
 
 from ember.device import Device
-from ember.errors import UnsupportedOperatorError
+from ember.errors import EmberError, UnsupportedOperatorError
 from ember.frontends.onnx.host import HostValues
 from ember.frontends.onnx.values import UnsupportedType, ember_dtype, proto_array
 from ember.tensor import Tensor
@@ -128,7 +128,13 @@ class GraphRunner:
         if known is not None:
             outputs = self.host.fold(node, opset, known, self.device)
         elif fn is not None:
-            outputs = fn(NodeContext(node, opset, attributes(node), self, scope), *inputs)
+            try:
+                outputs = fn(NodeContext(node, opset, attributes(node), self, scope), *inputs)
+            except (EmberError, ValueError, TypeError, IndexError) as error:
+                located = _located(error, node, opset)
+                if located is error:
+                    raise
+                raise located from error
         elif (domain, node.op_type) in self.functions:
             outputs = self.run_function(self.functions[domain, node.op_type], node, inputs)
         else:
@@ -184,6 +190,17 @@ class GraphRunner:
         for body_node in function.node:
             runner.run_node(_with_attributes(body_node, references), scope)
         return tuple(scope.get(name) for name in function.output)
+
+
+def _located(error: Exception, node: onnx.NodeProto, opset: int) -> Exception:
+    """The error an op raised, of the same type, its message prefixed with the node that raised it."""
+    if isinstance(error, UnsupportedOperatorError) or str(error).startswith("ONNX node"):
+        return error
+    where = str(unsupported(node, opset, "")).removesuffix(": ")
+    try:
+        return type(error)(f"{where}: {error}")
+    except TypeError:  # an exception type with a constructor of its own
+        return error
 
 
 def _with_attributes(node: onnx.NodeProto, references: dict) -> onnx.NodeProto:

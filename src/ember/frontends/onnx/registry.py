@@ -6,9 +6,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ember.frontends.onnx import control, elementwise, layers, recurrent, reductions, resize, tensors, training
+from ember.frontends.onnx import (
+    control,
+    elementwise,
+    layers,
+    recurrent,
+    reductions,
+    resize,
+    spectral,
+    tensors,
+    training,
+)
 
 OPS: dict[str, Callable] = {
     **elementwise.OPS, **reductions.OPS, **tensors.OPS, **layers.OPS, **recurrent.OPS, **resize.OPS, **control.OPS,
-    **training.OPS,
+    **spectral.OPS, **training.OPS,
 }

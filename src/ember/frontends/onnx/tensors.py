@@ -17,7 +17,7 @@ from ember.frontends.onnx.graph import NodeContext
 from ember.tensor import Tensor
 
 
-def _axis(axis: int, ndim: int) -> int:
+def axis_index(axis: int, ndim: int) -> int:
     return axis + ndim if axis < 0 else axis
 
 
@@ -49,20 +49,20 @@ def _reshape(n: NodeContext, x, shape=None):
 
 
 def _flatten(n: NodeContext, x):
-    axis = _axis(n.attr("axis", 1), x.ndim)
+    axis = axis_index(n.attr("axis", 1), x.ndim)
     return x.reshape(math.prod(x.shape[:axis]), math.prod(x.shape[axis:]))
 
 
 def _squeeze(n: NodeContext, x, axes=None):
     axes = axes_of(n, axes, 13)
-    axes = [i for i, d in enumerate(x.shape) if d == 1] if axes is None else [_axis(a, x.ndim) for a in axes]
+    axes = [i for i, d in enumerate(x.shape) if d == 1] if axes is None else [axis_index(a, x.ndim) for a in axes]
     return x.reshape(tuple(d for i, d in enumerate(x.shape) if i not in axes))
 
 
 def _unsqueeze(n: NodeContext, x, axes=None):
     axes = axes_of(n, axes, 13)
     rank = x.ndim + len(axes)
-    axes = sorted(_axis(a, rank) for a in axes)
+    axes = sorted(axis_index(a, rank) for a in axes)
     shape = list(x.shape)
     for a in axes:
         shape.insert(a, 1)
@@ -75,13 +75,13 @@ def _transpose(n: NodeContext, x):
 
 
 def _concat(n: NodeContext, *xs):
-    axis = _axis(n.attr("axis", 0), xs[0].ndim)
+    axis = axis_index(n.attr("axis", 0), xs[0].ndim)
     kept = [x for x in xs if x.shape[axis] > 0] or list(xs[:1])
     return ember.cat(kept, axis) if len(kept) > 1 else kept[0]
 
 
 def _split(n: NodeContext, x, split=None):
-    axis = _axis(n.attr("axis", 0), x.ndim)
+    axis = axis_index(n.attr("axis", 0), x.ndim)
     sizes = n.attr("split") if n.opset < 13 else n.ints(split)
     count = n.attr("num_outputs") or len(n.node.output)
     if not sizes:
@@ -102,7 +102,7 @@ def _slice(n: NodeContext, x, starts=None, ends=None, axes=None, steps=None):
         starts, ends, axes, steps = n.attr("starts"), n.attr("ends"), n.attr("axes"), None
     else:
         starts, ends, axes, steps = n.ints(starts), n.ints(ends), n.ints(axes), n.ints(steps)
-    axes = list(range(len(starts))) if axes is None else [_axis(a, x.ndim) for a in axes]
+    axes = list(range(len(starts))) if axes is None else [axis_index(a, x.ndim) for a in axes]
     steps = steps or [1] * len(starts)
     for axis, start, end, step in zip(axes, starts, ends, steps):
         x = slice_axis(x, axis, start, end, step)
@@ -131,14 +131,14 @@ def _positive(index: Tensor, size: int) -> Tensor:
 
 
 def _gather(n: NodeContext, x, index):
-    axis = _axis(n.attr("axis", 0), x.ndim)
+    axis = axis_index(n.attr("axis", 0), x.ndim)
     index = _positive(index.to(dtypes.int64), x.shape[axis])
     flat = x.index_select(axis, index.reshape(-1))
     return flat.reshape(x.shape[:axis] + index.shape + x.shape[axis + 1:])
 
 
 def _gather_elements(n: NodeContext, x, index):
-    axis = _axis(n.attr("axis", 0), x.ndim)
+    axis = axis_index(n.attr("axis", 0), x.ndim)
     return ember.gather(x, axis, _positive(index.to(dtypes.int64), x.shape[axis]))
 
 
@@ -203,7 +203,7 @@ def _placed(base, axis: int, index, updates):
 
 
 def _scatter_elements(n: NodeContext, x, index, updates):
-    axis = _axis(n.attr("axis", 0), x.ndim)
+    axis = axis_index(n.attr("axis", 0), x.ndim)
     index = _positive(index.to(dtypes.int64), x.shape[axis])
     return _scattered(x, axis, index, updates, n.attr("reduction", "none"), n)
 
@@ -235,7 +235,7 @@ def _pad(n: NodeContext, x, pads=None, value=None, axes=None):
     else:
         pads, axes = n.ints(pads), n.ints(axes)
         fill = 0 if value is None else np.asarray(n.static(value)).reshape(-1)[0].item()
-    axes = list(range(x.ndim)) if axes is None else [_axis(a, x.ndim) for a in axes]
+    axes = list(range(x.ndim)) if axes is None else [axis_index(a, x.ndim) for a in axes]
     before, after = [0] * x.ndim, [0] * x.ndim
     for i, axis in enumerate(axes):
         before[axis], after[axis] = pads[i], pads[i + len(axes)]
@@ -292,7 +292,7 @@ def _one_hot(n: NodeContext, index, depth, values):
     depth = int(np.asarray(n.static(depth)).reshape(-1)[0])
     index = index if index.dtype.is_integer else index.to(dtypes.int64)
     index = _positive(index.to(dtypes.int64), depth)
-    axis = _axis(n.attr("axis", -1), index.ndim + 1)
+    axis = axis_index(n.attr("axis", -1), index.ndim + 1)
     shape = [1] * (index.ndim + 1)
     shape[axis] = depth
     positions = ember.arange(depth, dtype=dtypes.int64, device=index.device).reshape(tuple(shape))
@@ -352,7 +352,7 @@ def _compress(n: NodeContext, x, condition):
     axis = n.attr("axis")
     if axis is None:
         x, axis = x.reshape(-1), 0
-    axis = _axis(axis, x.ndim)
+    axis = axis_index(axis, x.ndim)
     kept = kept[kept < x.shape[axis]]
     return x.index_select(axis, n.const(kept.astype(np.int64)))
 
@@ -405,7 +405,7 @@ def _gemm(n: NodeContext, a, b, c=None):
 
 def _top_k(n: NodeContext, x, k=None):
     k = n.attr("k") if n.opset < 10 else n.ints(k)[0]
-    axis = _axis(n.attr("axis", -1), x.ndim)
+    axis = axis_index(n.attr("axis", -1), x.ndim)
     order = ember.argsort(x, axis, descending=bool(n.attr("largest", 1)))  # ties: the lower index first
     index = slice_axis(order, axis, 0, k, 1)
     return ember.gather(x, axis, index), index
@@ -413,6 +413,22 @@ def _top_k(n: NodeContext, x, k=None):
 
 def _size(n: NodeContext, x):
     return n.const(np.array(x.numel(), dtype=np.int64))
+
+
+def _tensor_scatter(n: NodeContext, cache, update, write=None):
+    """TensorScatter: the update written into the cache along `axis` from each batch's write index (wrapping
+    around in circular mode)."""
+    axis = axis_index(n.attr("axis", -2), cache.ndim)
+    batch, length = cache.shape[0], update.shape[axis]
+    start = ember.zeros((batch,), dtype=dtypes.int64, device=cache.device) if write is None else write.to(dtypes.int64)
+    shape = [1] * cache.ndim
+    shape[0], shape[axis] = batch, length
+    steps = [1] * cache.ndim
+    steps[axis] = length
+    positions = start.reshape(batch, *([1] * (cache.ndim - 1))) + n.const(np.arange(length).reshape(steps))
+    if n.attr("mode", "linear") == "circular":
+        positions = ember.remainder(positions, cache.shape[axis])
+    return _placed(cache, axis, positions.expand(*update.shape), update)
 
 
 OPS = {
@@ -426,56 +442,5 @@ OPS = {
     "Trilu": _trilu, "DepthToSpace": _depth_to_space, "SpaceToDepth": _space_to_depth,
     "ReverseSequence": _reverse_sequence, "Gemm": _gemm, "TopK": _top_k,
     "MatMul": lambda n, a, b: ember.matmul(a, b),
-    "Einsum": lambda n, *xs: ember.einsum(n.attr("equation"), *xs),
+    "Einsum": lambda n, *xs: ember.einsum(n.attr("equation"), *xs), "TensorScatter": _tensor_scatter,
 }
-
-
-def _dft(n: NodeContext, x, length=None, axis=None):
-    """DFT as matmuls with cosine and sine matrices, in float64 (the last dimension holds real and imaginary parts).
-    An inverse of a one-sided spectrum is a real signal (irfft)."""
-    axis = n.attr("axis", 1) if n.opset < 20 else (-2 if axis is None else n.ints(axis)[0])
-    axis = _axis(axis, x.ndim)
-    wide = x.to(dtypes.float64)
-    real = _last(wide[..., 0], axis)
-    imag = _last(wide[..., 1], axis) if x.shape[-1] == 2 else None
-    size = real.shape[-1]
-    inverse, onesided = bool(n.attr("inverse", 0)), bool(n.attr("onesided", 0))
-    dft_length = n.ints(length)[0] if length is not None else 2 * (size - 1) if inverse and onesided else size
-    if inverse and onesided:
-        bins = dft_length // 2 + 1
-        real, imag = (None if t is None else _fit(t, t.ndim - 1, bins) for t in (real, imag))
-        weight = np.where((np.arange(bins) == 0) | (2 * np.arange(bins) == dft_length), 1.0, 2.0)[:, None]
-        angle = 2 * np.pi * np.outer(np.arange(bins), np.arange(dft_length)) / dft_length
-        out = real @ n.const(weight * np.cos(angle) / dft_length, real)
-        if imag is not None:
-            out = out - imag @ n.const(weight * np.sin(angle) / dft_length, imag)
-        parts = [out]
-    else:
-        if dft_length != size:
-            real, imag = (None if t is None else _fit(t, t.ndim - 1, dft_length) for t in (real, imag))
-        kept = dft_length // 2 + 1 if onesided else dft_length
-        angle = 2 * np.pi * np.outer(np.arange(dft_length), np.arange(kept)) / dft_length * (1 if inverse else -1)
-        scale = 1 / dft_length if inverse else 1
-        cos, sin = (n.const(m * scale, real) for m in (np.cos(angle), np.sin(angle)))
-        parts = [real @ cos - imag @ sin if imag is not None else real @ cos,
-                 real @ sin + imag @ cos if imag is not None else real @ sin]
-    out = ember.stack(parts, -1).to(x.dtype)
-    order = list(range(out.ndim - 2))
-    order.insert(axis, out.ndim - 2)
-    return out.permute(*order, out.ndim - 1)
-
-
-def _last(t, axis: int):
-    order = [d for d in range(t.ndim) if d != axis] + [axis]
-    return t.permute(*order)
-
-
-def _fit(t, axis: int, size: int):
-    """t cut or zero-padded to `size` along `axis`."""
-    if t.shape[axis] >= size:
-        return slice_axis(t, axis, 0, size, 1)
-    pads = [0, 0] * (t.ndim - 1 - axis) + [0, size - t.shape[axis]]
-    return ember.pad(t, pads)
-
-
-OPS["DFT"] = _dft

@@ -79,6 +79,10 @@ class OnnxModule(Module):
                             f"got {len(inputs)}")
         self._runner.host.start()
         values = {name: getattr(self, attribute) for name, attribute in self._initializers.items()}
+        # the graph runs where its inputs are (or its initializers, after a module.to): constants are made there
+        placed = [v for v in (*inputs, *values.values()) if isinstance(v, Tensor)]
+        if placed:
+            self._runner.device = placed[0].device
         for name, value in zip(self.input_names, inputs):
             values[name] = value if isinstance(value, (Tensor, list)) or value is None else \
                 to_tensor(value, self._runner.device)

@@ -47,6 +47,13 @@ NOT_PASSED: dict[str, list[str]] = {
     "rounding of the reference": [r"^test_dft_inverse", r"^test_attention_4d_causal_fp16"],
 }
 
+# The cases ember passes on the cpu but not on cuda (found through Triton's interpreter), by reason.
+NOT_PASSED_ON_CUDA: dict[str, list[str]] = {
+    # x / scale at a tie (-127.5 in exact arithmetic, -127.4999 in the reference's float32): the fused kernel that
+    # computes the scale and divides by it rounds the other way, one quantization step off.
+    "a quantization tie": [r"^test_dynamicquantizelinear(_expanded)?_cuda$"],
+}
+
 # One case of each family for the quick tier (the full tier runs them all).
 QUICK_SAMPLE = [
     "test_abs", "test_add_bcast", "test_conv_with_strides_padding", "test_maxpool_2d_pads", "test_averagepool_2d_pads",
@@ -59,7 +66,7 @@ QUICK_SAMPLE = [
 def _node_cases() -> type[unittest.TestCase]:
     """Every node case on every device (`test_<case>_cpu`, `test_<case>_cuda`), NOT_PASSED as expected failures."""
     suite = backend_test.BackendTest(ember.onnx, __name__)
-    for patterns in NOT_PASSED.values():
+    for patterns in [*NOT_PASSED.values(), *NOT_PASSED_ON_CUDA.values()]:
         for pattern in patterns:
             suite.xfail(pattern)
     return suite.test_cases["OnnxBackendNodeModelTest"]

@@ -15,7 +15,7 @@ from onnx import TensorProto
 import ember
 from ember import dtypes
 from ember.frontends.onnx.graph import NodeContext
-from ember.frontends.onnx.values import NARROW, NarrowFloat, NarrowInt, numpy_type
+from ember.frontends.onnx.values import NARROW, NarrowFloat, NarrowInt, PowerOfTwo, numpy_type
 from ember.nn import functional as F
 from ember.tensor import Tensor
 
@@ -142,6 +142,9 @@ def _cast(n: NodeContext, x, like=None):
     narrow = NARROW.get(numpy_type(target)) if target is not None else None
     if isinstance(narrow, NarrowFloat):
         return _round_to_format(x.to(dtypes.float32), narrow, bool(n.attr("saturate", 1))).to(dtype)
+    if isinstance(narrow, PowerOfTwo):
+        return _round_to_power_of_two(x.to(dtypes.float32), narrow.bias, n.attr("round_mode", "up"),
+                                      bool(n.attr("saturate", 1))).to(dtype)
     if isinstance(narrow, NarrowInt):
         x = (ember.round(x) if x.dtype.is_floating_point else x).to(dtypes.int64)
         span = narrow.high - narrow.low + 1  # ONNX's reference wraps around, as an integer of that width does
@@ -149,6 +152,30 @@ def _cast(n: NodeContext, x, like=None):
     if x.dtype.is_floating_point and not dtype.is_floating_point and dtype is not dtypes.bool_:
         x = ember.trunc(x)  # ONNX (as C) truncates toward zero; ember's cast of NaN/inf is undefined as theirs
     return x.to(dtype)
+
+
+def _round_to_power_of_two(x, bias: int, mode: str, saturate: bool):
+    """|x| rounded to a power of two 2**(e - bias), e in 0..2*bias, as ONNX rounds float32 to float8e8m0: up or
+    down on the float32 exponent, or to nearest (up from 1.5 times the power); NaN and inf give NaN."""
+    a = ember.abs(x)
+    tiny = 2.0 ** (1 - bias)  # the smallest normal float32; below it the float32 exponent is 0
+    exponent = ember.floor(ember.log2(ember.maximum(a, ember.full_like(a, tiny))))
+    exponent = ember.where(ember.exp2(exponent + 1) <= a, exponent + 1, exponent)
+    normal = a >= tiny
+    biased = ember.where(normal, exponent + bias, ember.zeros_like(a))
+    power = ember.where(normal, ember.exp2(exponent), ember.zeros_like(a))
+    if mode == "up":
+        above = a > power
+    elif mode == "nearest":
+        above = ember.where(normal, a >= power * 1.5, a > 2.0 ** -bias)
+    else:
+        above = ember.zeros_like(a).to(dtypes.bool_)
+    top = 2 * bias
+    if saturate:
+        above = above & (biased < top)
+    biased = biased + above.to(a.dtype)
+    special = ember.isnan(x) | ember.isinf(x) | (biased > top)
+    return ember.where(special, ember.full_like(a, math.nan), ember.exp2(biased - bias))
 
 
 def _along(n: NodeContext, param, x):

@@ -37,6 +37,11 @@ class NarrowInt(NamedTuple):
     high: int
 
 
+class PowerOfTwo(NamedTuple):
+    """float8e8m0: an exponent alone, 2**(e - 127) for e in 0..254 (255 is NaN)."""
+    bias: int
+
+
 NARROW = {
     np.dtype(ml_dtypes.float8_e4m3fn): NarrowFloat(3, -6, 448.0, np.nan, 448.0),
     np.dtype(ml_dtypes.float8_e4m3fnuz): NarrowFloat(3, -7, 240.0, np.nan, 240.0),
@@ -45,13 +50,14 @@ NARROW = {
     np.dtype(ml_dtypes.float4_e2m1fn): NarrowFloat(1, 0, 6.0, 6.0, 6.0),
     np.dtype(ml_dtypes.int4): NarrowInt(-8, 7), np.dtype(ml_dtypes.uint4): NarrowInt(0, 15),
     np.dtype(ml_dtypes.int2): NarrowInt(-2, 1), np.dtype(ml_dtypes.uint2): NarrowInt(0, 3),
+    np.dtype(ml_dtypes.float8_e8m0fnu): PowerOfTwo(127),
 }
 
 # How ember holds the NumPy types it lacks.
 _WIDENED = {np.dtype(np.uint16): np.dtype(np.int32), np.dtype(np.uint32): np.dtype(np.int64),
             np.dtype(np.uint64): np.dtype(np.int64),
-            **{npd: np.dtype(np.float32 if isinstance(f, NarrowFloat) else np.int8 if f.low < 0 else np.uint8)
-               for npd, f in NARROW.items()}}
+            **{npd: np.dtype(np.int8 if isinstance(f, NarrowInt) and f.low < 0 else np.uint8
+                             if isinstance(f, NarrowInt) else np.float32) for npd, f in NARROW.items()}}
 
 
 class UnsupportedType(TypeError):

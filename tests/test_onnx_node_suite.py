@@ -33,8 +33,6 @@ NOT_PASSED: dict[str, list[str]] = {
     ],
     # A 3-d transposed convolution and a 3-d Col2Im: ember convolves and folds 1-d and 2-d images.
     "3-d images": [r"^test_convtranspose_3d", r"^test_col2im_5d"],
-    # Scan before opset 9 (a batch axis and sequence_lens): only Scan-9 and later are built.
-    "Scan-8": [r"^test_scan_sum_"],
     # ONNX's runner fails to compare this case's expected output (an optional sequence: `len()` of its normalized
     # array raises TypeError); ember's output is the expected sequence [0, [1], [1, 2], ..., [1, 2, 3, 4, 5]].
     "a case the runner cannot compare": [r"^test_loop16_seq_none"],

@@ -44,13 +44,26 @@ def _loop(n: NodeContext, trips=None, condition=None, *carried):
 
 
 def _scan(n: NodeContext, *inputs):
-    if n.opset < 9:
-        raise n.unsupported("Scan before opset 9 (with a batch axis and sequence_lens)")
     body = n.attr("body")
     count = n.attr("num_scan_inputs")
+    if n.opset < 9:  # Scan-8: a batch axis first, each batch item scanned on its own
+        lengths, inputs = inputs[0], inputs[1:]
+        states, sequences = list(inputs[:len(inputs) - count]), inputs[len(inputs) - count:]
+        if lengths is not None and any(k != sequences[0].shape[1] for k in n.ints(lengths)):
+            raise n.unsupported("sequence_lens shorter than the sequences")
+        items = [_scan_steps(n, body, [s[b] for s in states], [x[b] for x in sequences], [0] * count,
+                             n.attr("directions") or [0] * count, None, None)
+                 for b in range(sequences[0].shape[0])]
+        return tuple(ember.stack([item[k] for item in items], 0) for k in range(len(items[0])))
     states, sequences = list(inputs[:len(inputs) - count]), inputs[len(inputs) - count:]
-    in_axes = n.attr("scan_input_axes") or [0] * count
-    in_dirs = n.attr("scan_input_directions") or [0] * count
+    return _scan_steps(n, body, states, sequences, n.attr("scan_input_axes") or [0] * count,
+                       n.attr("scan_input_directions") or [0] * count, n.attr("scan_output_axes"),
+                       n.attr("scan_output_directions"))
+
+
+def _scan_steps(n: NodeContext, body, states: list, sequences, in_axes, in_dirs, out_axes, out_dirs) -> tuple:
+    """The body run along the scan inputs' axes (reversed where their direction is 1), the states carried through;
+    the final states, then the per-step outputs stacked along their axes."""
     sequences = [s.flip((a % s.ndim,)) if d else s for s, a, d in zip(sequences, in_axes, in_dirs)]
     in_axes = [a % s.ndim for s, a in zip(sequences, in_axes)]
     steps = sequences[0].shape[in_axes[0]]
@@ -61,8 +74,8 @@ def _scan(n: NodeContext, *inputs):
         states = outputs[:len(states)]
         scanned.append(outputs[len(states):])
     out_count = len(body.output) - len(states)
-    out_axes = n.attr("scan_output_axes") or [0] * out_count
-    out_dirs = n.attr("scan_output_directions") or [0] * out_count
+    out_axes = out_axes or [0] * out_count
+    out_dirs = out_dirs or [0] * out_count
     results = []
     for k in range(out_count):
         axis = out_axes[k] % (scanned[0][k].ndim + 1)

@@ -134,8 +134,29 @@ def _cumprod(x, axis: int):
     return ember.cat(steps, axis) if len(steps) > 1 else running
 
 
+def _det(n: NodeContext, x):
+    """Det of (a batch of) square matrices: Gaussian elimination with partial pivoting, unrolled over the columns;
+    the determinant is the pivots' product, its sign flipped per row swap."""
+    size = x.shape[-1]
+    a = x.reshape(-1, size, size)
+    rows = ember.arange(size, dtype=dtypes.int64, device=x.device).reshape(1, size, 1)
+    sign = ember.ones((a.shape[0],), dtype=x.dtype, device=x.device)
+    for k in range(size):
+        below = ember.abs(a[:, k:, k])
+        pivot = (below.argmax(1) + k).reshape(-1, 1, 1)
+        order = ember.where(rows == k, pivot, ember.where(rows == pivot, ember.full_like(pivot, k), rows))
+        a = ember.gather(a, 1, order.expand(*a.shape))
+        sign = ember.where(pivot.reshape(-1) != k, -sign, sign)
+        head = a[:, k:k + 1, k:k + 1]
+        safe = ember.where(head == 0, ember.ones_like(head), head)
+        factors = ember.where((rows > k) & (head != 0), a[:, :, k:k + 1] / safe, ember.zeros_like(a[:, :, k:k + 1]))
+        a = a - factors * a[:, k:k + 1, :]
+    diagonal = ember.stack([a[:, i, i] for i in range(size)], 1)
+    return (sign * diagonal.prod(1)).reshape(x.shape[:-2])
+
+
 OPS = {
     **_REDUCTIONS, "ArgMax": _arg(True), "ArgMin": _arg(False), "Softmax": _softmax("softmax"),
     "LogSoftmax": _softmax("log_softmax"), "Hardmax": _softmax("hardmax"), "CumSum": _cumulative(False),
-    "CumProd": _cumulative(True),
+    "CumProd": _cumulative(True), "Det": _det,
 }

@@ -8,7 +8,8 @@ of the scopes around them.
 
 Values are ember tensors, Python lists of tensors (sequences) and None (an absent optional input). Where ONNX
 computes a shape or an axis list as a tensor, the op that needs it as a number reads it with `NodeContext.static`:
-that realizes the (small) shape computation now, while the data path stays lazy.
+known on the host where the graph computed it from constants and shapes (`host.HostValues`, which folds such
+nodes), or else computed now, while the data path stays lazy.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""ONNX's neural-network operators (convolution, pooling, normalization, dropout) as ember ops.
+"""ONNX's neural-network operators (convolution, pooling, normalization, dropout, the integer and quantized
+convolutions and matmuls) as ember ops.
 
 Convolutions of 1-d and 2-d images run on ember's conv2d (a 1-d image is one row high); ONNX's asymmetric and
-automatic (SAME_UPPER / SAME_LOWER) paddings become an explicit pad first. Pooling of any rank is a reduction over
-the window's strided views of the padded input: one pointwise expression the compiler fuses, with ONNX's
+automatic (SAME_UPPER / SAME_LOWER) paddings become an explicit pad first. Pooling of any rank is a pointwise
+maximum or sum of the window's strided views of the padded input: one expression the compiler fuses, with ONNX's
 ceil_mode, dilations and count_include_pad rules taken literally.
 """
 

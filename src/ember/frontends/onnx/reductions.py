@@ -1,4 +1,4 @@
-"""ONNX's reductions, arg-extrema, softmaxes and scans as ember ops.
+"""ONNX's reductions, arg-extrema, softmaxes, cumulative sums and products, and Det as ember ops.
 
 A reduction's axes are an attribute before opset 18 (ReduceSum: 13) and an input after; an empty axis list
 reduces everything unless `noop_with_empty_axes`. A reduction over no elements gives the operation's identity

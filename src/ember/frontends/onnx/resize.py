@@ -1,4 +1,5 @@
-"""ONNX's Resize and Upsample as ember ops: separable interpolation, one axis at a time.
+"""ONNX's resampling (Resize, Upsample, GridSample) as ember ops. Resize is separable interpolation, one axis at
+a time; GridSample gathers each tap of its interpolation from the flattened image at coordinates the grid gives.
 
 For each resized axis the source coordinates of the output positions (ONNX's coordinate transformation modes)
 give, on the host, a few source indices and weights per output position (1 for nearest, 2 for linear, 4 for

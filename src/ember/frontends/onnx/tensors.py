@@ -1,8 +1,9 @@
 """ONNX's shape, movement, creation and indexing operators as ember ops.
 
 Shapes, axes, sizes and counts that ONNX passes as tensors are read as numbers (`NodeContext.ints`); the data
-stays lazy. The operators whose output shape depends on data (NonZero, Unique, Compress's condition, Range) compute
-that part now, as ONNX graphs that use them compute it on the host too.
+stays lazy. The operators whose output shape depends on data (NonZero, Unique, NonMaxSuppression, Compress's
+condition, Range) compute that part now, as ONNX graphs that use them compute it on the host too; so do the
+reductions of ScatterElements/ScatterND other than none and add, which read their indices to schedule rounds.
 """
 
 from __future__ import annotations

@@ -155,8 +155,43 @@ def _det(n: NodeContext, x):
     return (sign * diagonal.prod(1)).reshape(x.shape[:-2])
 
 
+def _tfidf(n: NodeContext, x):
+    """TfIdfVectorizer over integers: each pool n-gram's count in each row (at every skip distance up to
+    max_skip_count + 1; a unigram once), as matches of shifted slices summed, then weighed by the mode."""
+    if n.attr("pool_strings"):
+        raise n.unsupported("a pool of strings (ember tensors hold numbers)")
+    pool, starts = n.attr("pool_int64s"), list(n.attr("ngram_counts"))
+    indexes, weights = n.attr("ngram_indexes"), n.attr("weights")
+    low, high, skips = n.attr("min_gram_length"), n.attr("max_gram_length"), n.attr("max_skip_count")
+    rows = x.reshape(1, -1) if x.ndim == 1 else x
+    length = rows.shape[1]
+    grams = []
+    for size, (start, end) in enumerate(zip(starts, [*starts[1:], len(pool)]), 1):
+        grams += [pool[i:i + size] for i in range(start, end, size)]
+    counts = [None] * (max(indexes) + 1)
+    for p, gram in enumerate(grams):
+        count = ember.zeros((rows.shape[0],), dtype=dtypes.float32, device=x.device)
+        if low <= len(gram) <= high:
+            for distance in range(1, (skips + 1 if len(gram) > 1 else 1) + 1):
+                span = length - (len(gram) - 1) * distance
+                if span <= 0:
+                    continue
+                match = None
+                for j, token in enumerate(gram):
+                    hit = rows[:, j * distance:j * distance + span] == n.const(token, rows)
+                    match = hit if match is None else match & hit
+                count = count + match.to(dtypes.float32).sum(1)
+        weight = weights[p] if weights else 1.0
+        mode = n.attr("mode")
+        counts[indexes[p]] = count if mode == "TF" else (count > 0).to(dtypes.float32) * weight if mode == "IDF" \
+            else count * weight
+    zero = ember.zeros((rows.shape[0],), dtype=dtypes.float32, device=x.device)
+    out = ember.stack([zero if c is None else c for c in counts], 1)
+    return out.reshape(-1) if x.ndim == 1 else out
+
+
 OPS = {
     **_REDUCTIONS, "ArgMax": _arg(True), "ArgMin": _arg(False), "Softmax": _softmax("softmax"),
     "LogSoftmax": _softmax("log_softmax"), "Hardmax": _softmax("hardmax"), "CumSum": _cumulative(False),
-    "CumProd": _cumulative(True), "Det": _det,
+    "CumProd": _cumulative(True), "Det": _det, "TfIdfVectorizer": _tfidf,
 }

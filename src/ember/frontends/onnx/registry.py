@@ -10,6 +10,7 @@ from ember.frontends.onnx import (
     control,
     elementwise,
     layers,
+    ml,
     recurrent,
     reductions,
     resize,
@@ -20,5 +21,5 @@ from ember.frontends.onnx import (
 
 OPS: dict[str, Callable] = {
     **elementwise.OPS, **reductions.OPS, **tensors.OPS, **layers.OPS, **recurrent.OPS, **resize.OPS, **control.OPS,
-    **spectral.OPS, **training.OPS,
+    **spectral.OPS, **training.OPS, **ml.OPS,
 }

@@ -230,4 +230,64 @@ def _tap_index(index, size: int, padding: str, low: float, high: float):
     return ember.clamp(index, 0.0, size - 1.0).to(dtypes.int64), inside
 
 
-OPS = {"Resize": _resize, "Upsample": _upsample, "GridSample": _grid_sample}
+def _roi_samples(n: NodeContext, rois: np.ndarray, height: int, width: int):
+    """RoiAlign's sampling, on the host (the boxes decide how many samples a bin takes): for each box, output
+    position and sample, the 4 flat positions its bilinear interpolation reads and their weights, and which samples
+    exist ([R, out_h, out_w, S, 4] twice, [R, S])."""
+    out_h, out_w = n.attr("output_height", 1), n.attr("output_width", 1)
+    ratio, scale = n.attr("sampling_ratio", 0), n.attr("spatial_scale", 1.0)
+    half_pixel = n.attr("coordinate_transformation_mode", "half_pixel") == "half_pixel"
+    per_box = []
+    for x1, y1, x2, y2 in rois * scale - (0.5 if half_pixel else 0.0):
+        box_h, box_w = (y2 - y1, x2 - x1) if half_pixel else (max(y2 - y1, 1.0), max(x2 - x1, 1.0))
+        grid_h = ratio if ratio > 0 else int(np.ceil(box_h / out_h))
+        grid_w = ratio if ratio > 0 else int(np.ceil(box_w / out_w))
+        ys = y1 + (np.arange(out_h)[:, None] + (np.arange(grid_h)[None, :] + 0.5) / grid_h) * box_h / out_h
+        xs = x1 + (np.arange(out_w)[:, None] + (np.arange(grid_w)[None, :] + 0.5) / grid_w) * box_w / out_w
+        y = np.broadcast_to(ys[:, None, :, None], (out_h, out_w, grid_h, grid_w)).reshape(out_h, out_w, -1)
+        x = np.broadcast_to(xs[None, :, None, :], (out_h, out_w, grid_h, grid_w)).reshape(out_h, out_w, -1)
+        per_box.append(_bilinear_taps(y, x, height, width))
+    samples = max(p[0].shape[2] for p in per_box)
+    positions = np.zeros((len(per_box), out_h, out_w, samples, 4), np.int64)
+    weights = np.zeros(positions.shape)
+    exists = np.zeros((len(per_box), samples), bool)
+    for r, (pos, w) in enumerate(per_box):
+        positions[r, :, :, :pos.shape[2]], weights[r, :, :, :pos.shape[2]] = pos, w
+        exists[r, :pos.shape[2]] = True
+    return positions, weights, exists
+
+
+def _bilinear_taps(y: np.ndarray, x: np.ndarray, height: int, width: int):
+    """RoiAlign's bilinear interpolation at (y, x): 4 flat positions and weights each, zero outside the map."""
+    outside = (y < -1) | (y > height) | (x < -1) | (x > width)
+    y, x = np.maximum(y, 0), np.maximum(x, 0)
+    y_low, x_low = y.astype(np.int64), x.astype(np.int64)
+    y_low, x_low = np.minimum(y_low, height - 1), np.minimum(x_low, width - 1)
+    y = np.where(y_low >= height - 1, y_low, y)
+    x = np.where(x_low >= width - 1, x_low, x)
+    y_high, x_high = np.minimum(y_low + 1, height - 1), np.minimum(x_low + 1, width - 1)
+    ly, lx = y - y_low, x - x_low
+    weights = np.stack([(1 - ly) * (1 - lx), (1 - ly) * lx, ly * (1 - lx), ly * lx], -1)
+    positions = np.stack([y_low * width + x_low, y_low * width + x_high, y_high * width + x_low,
+                          y_high * width + x_high], -1)
+    return np.where(outside[..., None], 0, positions), np.where(outside[..., None], 0.0, weights)
+
+
+def _roi_align(n: NodeContext, x, rois, batch_indices):
+    """RoiAlign: each box's bins averaged (or maxed) over bilinear samples, gathered from the channels-last map."""
+    batch, channels, height, width = x.shape
+    positions, weights, exists = _roi_samples(n, np.asarray(n.static(rois), np.float64), height, width)
+    boxes = np.asarray(n.static(batch_indices)).reshape(-1, 1, 1, 1, 1) * height * width
+    table = x.permute(0, 2, 3, 1).reshape(batch * height * width, channels)
+    picked = table.index_select(0, n.const((positions + boxes).reshape(-1)))
+    picked = picked.reshape(*positions.shape, channels) * n.const(weights[..., None], x)
+    if n.attr("mode", "avg") == "avg":
+        counts = np.maximum(exists.sum(1), 1).reshape(-1, 1, 1, 1)
+        out = picked.sum((3, 4)) / n.const(counts, x)
+    else:
+        lowest = n.const(np.where(exists, 0.0, -np.inf).reshape(len(exists), 1, 1, -1, 1), x)
+        out = (picked.amax(4) + lowest).amax(3)
+    return out.permute(0, 3, 1, 2)
+
+
+OPS = {"Resize": _resize, "Upsample": _upsample, "GridSample": _grid_sample, "RoiAlign": _roi_align}

@@ -29,16 +29,15 @@ def _ember_device(device: str) -> ember.Device:
 class EmberRep(BackendRep):
     """A model imported for one device: `run(inputs)` computes its outputs as NumPy arrays."""
 
-    def __init__(self, module: OnnxModule) -> None:
-        self.module = module
+    def __init__(self, module: OnnxModule, device: ember.Device) -> None:
+        self.module, self.device = module, device
 
     def run(self, inputs: Any, **kwargs: Any) -> tuple[Any, ...]:
         if isinstance(inputs, dict):
             inputs = [inputs[name] for name in self.module.input_names]
         elif not isinstance(inputs, (list, tuple)):
             inputs = [inputs]
-        device = self.module._runner.device
-        values = [_to_value(x, device) for x in inputs]
+        values = [_to_value(x, self.device) for x in inputs]
         with ember.no_grad():
             outputs = self.module(*values)
         outputs = list(outputs) if isinstance(outputs, tuple) else [outputs]
@@ -71,7 +70,8 @@ class EmberBackend(Backend):
 
     @classmethod
     def prepare(cls, model: onnx.ModelProto | str | bytes, device: str = "CPU", **kwargs: Any) -> EmberRep:
-        return EmberRep(OnnxModule(load_model(model), _ember_device(device)))
+        where = _ember_device(device)
+        return EmberRep(OnnxModule(load_model(model), where), where)
 
     @classmethod
     def run_model(cls, model: onnx.ModelProto, inputs: Any, device: str = "CPU", **kwargs: Any) -> tuple[Any, ...]:

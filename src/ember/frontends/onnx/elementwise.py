@@ -261,7 +261,7 @@ def _celu(n: NodeContext, x):
 
 
 def _leaky_relu(n: NodeContext, x):
-    return ember.where(x >= 0, x, x * n.attr("alpha", 0.01))
+    return ember.leaky_relu(x, n.attr("alpha", 0.01))
 
 
 def _thresholded_relu(n: NodeContext, x):
@@ -270,10 +270,6 @@ def _thresholded_relu(n: NodeContext, x):
 
 def _hard_sigmoid(n: NodeContext, x):
     return ember.clamp(x * n.attr("alpha", 0.2) + n.attr("beta", 0.5), 0.0, 1.0)
-
-
-def _hard_swish(n: NodeContext, x):
-    return x * ember.clamp(x / 6 + 0.5, 0.0, 1.0)
 
 
 def _gelu(n: NodeContext, x):
@@ -330,7 +326,7 @@ _UNARY = {
     "Reciprocal": ember.reciprocal, "Sin": ember.sin, "Cos": ember.cos, "Tanh": ember.tanh, "Sigmoid": ember.sigmoid,
     "Floor": ember.floor, "Ceil": ember.ceil, "Round": ember.round, "Sign": ember.sign, "Erf": ember.erf,
     "Not": ember.logical_not, "IsNaN": ember.isnan,
-    "Relu": lambda x: ember.maximum(x, ember.zeros_like(x)),
+    "Relu": ember.relu,
     "Tan": lambda x: ember.sin(x) / ember.cos(x),
     "Sinh": lambda x: (ember.exp(x) - ember.exp(-x)) / 2, "Cosh": lambda x: (ember.exp(x) + ember.exp(-x)) / 2,
     "Asinh": lambda x: ember.log(x + ember.sqrt(x * x + 1)), "Acosh": lambda x: ember.log(x + ember.sqrt(x * x - 1)),
@@ -353,7 +349,7 @@ OPS = {
     "Div": _div, "Mod": _mod, "Pow": _pow, "BitShift": _bit_shift, "Clip": _clip, "Cast": _cast,
     "CastLike": _cast, "Where": _where, "IsInf": _is_inf, "Elu": _elu, "Selu": _selu, "Celu": _celu,
     "LeakyRelu": _leaky_relu, "ThresholdedRelu": _thresholded_relu, "HardSigmoid": _hard_sigmoid,
-    "HardSwish": _hard_swish, "Gelu": _gelu, "PRelu": _prelu, "Shrink": _shrink, "Softplus": _softplus,
+    "HardSwish": lambda n, x: F.hardswish(x), "Gelu": _gelu, "PRelu": _prelu, "Shrink": _shrink, "Softplus": _softplus,
     "Swish": _swish, "BitwiseAnd": _bitwise(ember.bitwise_and), "BitwiseOr": _bitwise(ember.bitwise_or),
     "BitwiseXor": _bitwise(ember.bitwise_xor), "BitwiseNot": _bitwise_not,
     "QuantizeLinear": _quantize, "DequantizeLinear": _dequantize,

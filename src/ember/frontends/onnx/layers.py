@@ -225,6 +225,46 @@ def _col2im(n: NodeContext, x, image_shape, block_shape):
     return out[..., pads[0]:pads[0] + image[0], pads[1]:pads[1] + image[1]]
 
 
+def _deform_conv(n: NodeContext, x, weight, offset, bias=None, mask=None):
+    """DeformConv (2-d): each kernel tap samples the input bilinearly (zero outside) at its place moved by the
+    offsets, scaled by the mask; the samples are then contracted with the weights, group by group, as columns."""
+    if x.ndim != 4:
+        raise n.unsupported(f"a {x.ndim - 2}-d deformable convolution (ember's is 2-d)")
+    batch, channels, height, width = x.shape
+    kh, kw = n.attr("kernel_shape") or weight.shape[2:]
+    sh, sw = n.attr("strides") or (1, 1)
+    dh, dw = n.attr("dilations") or (1, 1)
+    pads = n.attr("pads") or (0, 0, 0, 0)
+    groups, offset_groups = n.attr("group", 1), n.attr("offset_group", 1)
+    out_h, out_w = offset.shape[2:]
+    taps, points = kh * kw, out_h * out_w
+    moves = offset.reshape(batch, offset_groups, kh, kw, 2, out_h, out_w)
+    rows = (np.arange(kh)[:, None, None, None] * dh + np.arange(out_h)[None, None, :, None] * sh - pads[0])
+    cols = (np.arange(kw)[None, :, None, None] * dw + np.arange(out_w)[None, None, None, :] * sw - pads[1])
+    y = moves[:, :, :, :, 0] + n.const(rows.astype(np.float64), x)
+    xs = moves[:, :, :, :, 1] + n.const(cols.astype(np.float64), x)
+    y0, x0 = ember.floor(y), ember.floor(xs)
+    image = x.reshape(batch, offset_groups, channels // offset_groups, height * width)
+    sampled = None
+    for dy, dx in ((0, 0), (0, 1), (1, 0), (1, 1)):
+        ty, tx = y0 + dy, x0 + dx
+        w = (1 - ember.abs(y - ty)) * (1 - ember.abs(xs - tx))
+        inside = (ty >= 0) & (ty <= height - 1) & (tx >= 0) & (tx <= width - 1)
+        flat = (ember.clamp(ty, 0.0, height - 1.0) * width + ember.clamp(tx, 0.0, width - 1.0)).to(dtypes.int64)
+        index = flat.reshape(batch, offset_groups, 1, taps * points).expand(*image.shape[:3], taps * points)
+        term = ember.gather(image, 3, index) * ember.where(inside, w, ember.zeros_like(w)).reshape(
+            batch, offset_groups, 1, taps * points)
+        sampled = term if sampled is None else sampled + term
+    if mask is not None:
+        sampled = sampled * mask.reshape(batch, offset_groups, 1, taps * points)
+    columns = sampled.reshape(batch, channels, taps, points)
+    per_in, per_out = channels // groups, weight.shape[0] // groups
+    outs = [weight[g * per_out:(g + 1) * per_out].reshape(per_out, per_in * taps) @
+            columns[:, g * per_in:(g + 1) * per_in].reshape(batch, per_in * taps, points) for g in range(groups)]
+    out = (ember.cat(outs, 1) if groups > 1 else outs[0]).reshape(batch, -1, out_h, out_w)
+    return out if bias is None else out + bias.reshape(1, -1, 1, 1)
+
+
 def _global(fn):
     return lambda n, x: fn(x, tuple(range(2, x.ndim)), keepdim=True)
 
@@ -332,7 +372,8 @@ def _qlinear_conv(n: NodeContext, x, x_scale, x_zero, w, w_scale, w_zero, y_scal
 
 OPS = {
     "Conv": _conv, "ConvTranspose": _conv_transpose, "MaxPool": _max_pool, "AveragePool": _average_pool,
-    "LpPool": _lp_pool, "MaxUnpool": _max_unpool, "Col2Im": _col2im, "GlobalAveragePool": _global(ember.mean),
+    "LpPool": _lp_pool, "MaxUnpool": _max_unpool, "Col2Im": _col2im,
+    "DeformConv": _deform_conv, "GlobalAveragePool": _global(ember.mean),
     "GlobalMaxPool": _global(ember.amax),
     "GlobalLpPool": lambda n, x: ember.pow(ember.pow(ember.abs(x), float(n.attr("p", 2))).sum(
         tuple(range(2, x.ndim)), keepdim=True), 1.0 / n.attr("p", 2)),

@@ -27,9 +27,7 @@ NOT_PASSED: dict[str, list[str]] = {
     # The ai.onnx.ml domain's label encoders (their keys are strings) and tree ensembles (not built).
     "ai.onnx.ml operators": [r"^test_ai_onnx_ml_label_encoder", r"^test_ai_onnx_ml_tree_ensemble"],
     # Operators ember has no implementation of, and onnx defines as no function of other operators.
-    "operators not implemented": [
-        r"^test_melweightmatrix", r"^test_bitcast",
-    ],
+    "operators not implemented": [r"^test_melweightmatrix", r"^test_bitcast"],
     # A 3-d transposed convolution and a 3-d Col2Im: ember convolves and folds 1-d and 2-d images.
     "3-d images": [r"^test_convtranspose_3d", r"^test_col2im_5d"],
     # ONNX's runner fails to compare this case's expected output (an optional sequence: `len()` of its normalized

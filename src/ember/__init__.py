@@ -35,9 +35,17 @@ from ember.dtypes import (
     uint8,
 )
 from ember.dtypes import bool_ as bool  # noqa: A001 - the PyTorch name
-from ember.errors import CompileError, DeviceError, DTypeError, EmberError, OutOfMemoryError, ShapeError
+from ember.errors import (
+    CompileError,
+    DeviceError,
+    DTypeError,
+    EmberError,
+    OutOfMemoryError,
+    ShapeError,
+    UnsupportedOperatorError,
+)
 from ember.explain import explain
-from ember.frontends import from_torch
+from ember.frontends import from_onnx, from_torch
 from ember.jit import jit
 from ember.ops import *  # noqa: F403 - the op functions are the public API
 from ember.ops import __all__ as _ops_all
@@ -62,6 +70,7 @@ __all__ = [
     "float16", "float32", "float64", "grad", "half", "inference_mode", "int", "int8", "int16", "int32", "int64",
     "is_grad_enabled", "long", "no_grad", "on_device", "promote_types", "realize", "result_type", "set_grad_enabled",
     "short", "uint8", "data", "nn", "optim", "explain", "load", "save", "jit", "memory_stats", "amp", "autocast",
-    "from_torch", "set_matmul_precision", "get_matmul_precision", "set_conv_memory_format", "get_conv_memory_format",
+    "from_torch", "from_onnx", "UnsupportedOperatorError",
+    "set_matmul_precision", "get_matmul_precision", "set_conv_memory_format", "get_conv_memory_format",
     "channels_last", "contiguous_format", "preserve_format", "vision", "set_device", *_ops_all,
 ]

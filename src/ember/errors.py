@@ -33,6 +33,11 @@ class OutOfMemoryError(EmberError, MemoryError):
     """A device ran out of memory; the message gives the sizes asked and free."""
 
 
+class UnsupportedOperatorError(EmberError, NotImplementedError):
+    """An operator of an imported model (ONNX) that ember cannot translate: the message names the node, its
+    op type and opset, and what about it is unsupported."""
+
+
 def describe(x) -> str:
     """One operand as an error message shows it, whatever it is: an ember Tensor by its shape, dtype and
     device; another library's array (torch, NumPy) by its type, shape, dtype and device; a number as

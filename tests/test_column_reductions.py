@@ -109,3 +109,18 @@ def test_short_column_sum_is_one_kernel():
 @on_each_device
 def test_empty_column_sum_is_zero():
     assert np.array_equal(ember.zeros((0, 3)).sum(0).numpy(), np.zeros(3, np.float32))
+
+
+@pytest.mark.usefixtures("cuda_backend")
+def test_the_column_sums_of_an_mlps_outputs_stay_in_the_mlp_kernels_programs():
+    """A column mean over many rows of a narrow MLP's output is split in two stages, as the MLP kernel sums its
+    first stage as the rows pass (not rows read together as wider ones, which it does not take): one kernel."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16)).half().eval()
+    em = ember.from_torch(model).to("cuda")
+    with ember.no_grad():
+        x = ember.from_dlpack(torch.randn(2**18 + 3, 64, dtype=torch.float16)).to("cuda")
+        out = em(x).float()
+        kernels = plan(out.mean(0), (out ** 2).mean()).kernels
+    assert [k.kind for k in kernels] == [KernelKind.MLP] and len(kernels[0].payload.summed) == 2

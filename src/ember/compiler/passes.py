@@ -226,6 +226,20 @@ def _transposed_products(order: list[Node], keep: set[int]) -> set[int]:
     return found
 
 
+def _computed_by_matmul(node: Node, depth: int = 8) -> bool:
+    """Whether `node` is a matmul's result through pointwise work and reshapes (its epilogue's values)."""
+    for _ in range(depth):
+        if node.op is Op.MATMUL:
+            return True
+        if node.op.kind not in (Kind.UNARY, Kind.BINARY, Kind.TERNARY) and node.op is not Op.RESHAPE:
+            return False
+        shaped = [i for i in node.inputs if math.prod(i.shape) == math.prod(node.shape)]
+        if not shaped:
+            return False
+        node = next((i for i in shaped if i.op is Op.MATMUL), shaped[0])
+    return False
+
+
 def _summed_by_gemms(order: list[Node], multiprocessors: int) -> set[tuple[int, int]]:
     """(id(node), axis) of the operands of 2-d matmuls whose long K a generated GEMM splits over several
     programs per tile (see patterns.gemm.gemm_splits): a sum of such an operand along K is taken in that GEMM's
@@ -544,8 +558,10 @@ class _Builder:
             x = self.make(Op.RESHAPE, (x,), {"shape": merged}, _like(x, merged))
         n, outputs = x.shape[axis], original.numel
         trailing = all(s == 1 for s in x.shape[axis + 1:])
-        # a column reduction into few contiguous positions reads `together` rows at once, as one wider row
-        together = 1 if trailing or any(s != 1 for s in x.shape[:axis]) else column_rows_together(outputs)
+        # a column reduction into few contiguous positions reads `together` rows at once, as one wider row; not
+        # one of values a matmul computes, whose first stage a GEMM or MLP kernel takes in its programs as they are
+        together = 1 if trailing or any(s != 1 for s in x.shape[:axis]) or _computed_by_matmul(x) \
+            else column_rows_together(outputs)
         parts = self._row_parts(n, outputs) if trailing else column_parts(
             n // together, outputs * together, x.dtype.itemsize, self.multiprocessors)
         if parts == 1 or n * outputs < SPLIT_MIN_ELEMENTS:

@@ -242,3 +242,49 @@ def test_index_put_takes_a_slice_before_an_index_and_several_indices_that_accumu
     x, rows, cols = torch.randn(4, 5), torch.tensor([0, 3, 0]), torch.tensor([1, 4, 1])
     got = ember.from_torch(Put(), via="export")(*(ember.tensor(t.numpy()) for t in (x, rows, cols)))
     np.testing.assert_allclose(got.numpy(), Put()(x, rows, cols).numpy(), rtol=1e-6)
+
+
+class SliceAssignments(tnn.Module):
+    """Assignments into slices and a column of a new tensor (torch.export records slice_scatter for the slices)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = tnn.Linear(6, 10)
+
+    def forward(self, x):
+        h = self.proj(x)
+        out = torch.zeros_like(h)
+        out[:, 1:9:3] = h[:, :3].tanh()
+        out[:, 0] = h[:, 5]
+        out[:, -1:] = h[:, -1:] * 2
+        return out
+
+
+def test_assignments_into_slices_import_forward_and_training():
+    torch.manual_seed(0)
+    model = SliceAssignments()
+    x = torch.randn(4, 6)
+    em = ember.from_torch(copy.deepcopy(model), via="export")
+    program = torch.export.export(model, (x,)).run_decompositions()
+    targets = {str(n.target) for n in program.graph.nodes}
+    assert "aten.slice_scatter.default" in targets
+    np.testing.assert_allclose(em(ember.from_dlpack(x)).numpy(), model(x).detach().numpy(), rtol=1e-6, atol=1e-7)
+    target = torch.randint(0, 10, (4,))
+    expected = torch_step(model, (x,), target)
+    assert abs(ember_step(em, (ember.from_dlpack(x),), ember.from_dlpack(target)) - expected) < 1e-5 * abs(expected)
+    close_states(em, model)
+
+
+@pytest.mark.parametrize("dim, start, end, step", [(0, None, None, 1), (1, 1, None, 2), (1, -3, -1, 1), (2, 0, 4, 3)])
+def test_slice_scatter_and_select_scatter_match_torch(dim, start, end, step):
+    from ember.frontends.aten_graph import lookup
+
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    src = torch.randn_like(x[(slice(None),) * dim + (slice(start, end, step),)])
+    expected = torch.ops.aten.slice_scatter(x, src, dim, start, end, step)
+    got = lookup(torch.ops.aten.slice_scatter.default)(ember.from_dlpack(x), ember.from_dlpack(src), dim, start,
+                                                       end, step)
+    np.testing.assert_array_equal(got.numpy(), expected.numpy())
+    row = torch.randn_like(x.select(dim, -1))
+    got = lookup(torch.ops.aten.select_scatter.default)(ember.from_dlpack(x), ember.from_dlpack(row), dim, -1)
+    np.testing.assert_array_equal(got.numpy(), torch.ops.aten.select_scatter(x, row, dim, -1).numpy())

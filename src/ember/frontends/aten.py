@@ -23,6 +23,7 @@ from ember import dtypes
 from ember.autograd import enable_grad
 from ember.device import as_device
 from ember.nn import functional as F
+from ember.ops.movement import dilate_axis, pad_axis
 from ember.tensor import Tensor
 
 
@@ -73,6 +74,27 @@ def _select(x, dim, index):
     where = [slice(None)] * x.ndim
     where[dim] = index
     return x[tuple(where)]
+
+
+def _slice_scatter(x, src, dim=0, start=None, end=None, step=1):
+    """x with the slice `_slice(x, dim, start, end, step)` replaced by src (what functionalization writes for an
+    assignment into a slice): src spread to its positions along dim, chosen where the slice reads."""
+    dim = dim % x.ndim
+    size = x.shape[dim]
+    start = 0 if start is None else start + size if start < 0 else min(start, size)
+    count = src.shape[dim]
+    if count == 0:
+        return x
+    mask = ember.ones(tuple(count if d == dim else 1 for d in range(x.ndim)), dtype=dtypes.bool_, device=x.device)
+    placed, mask = (dilate_axis(t, dim, step) if step > 1 else t for t in (src.to(x.dtype), mask))
+    placed, mask = (pad_axis(t, dim, start, size - start - t.shape[dim]) for t in (placed, mask))
+    return ember.where(mask, placed, x)
+
+
+def _select_scatter(x, src, dim, index):
+    """x with its `index`-th slice along dim replaced by src."""
+    index = index % x.shape[dim % x.ndim] if x.shape[dim % x.ndim] else index
+    return _slice_scatter(x, src.unsqueeze(dim % x.ndim), dim, index, index + 1)
 
 
 def _squeeze(x, dims=None):
@@ -511,6 +533,7 @@ OPS: dict[str, Callable] = {
     "aten.gather": lambda x, dim, index, sparse_grad=False: x.gather(dim, index),
     "aten.scatter_add": lambda x, dim, index, src: ember.scatter_add(x, dim, index, src),
     "aten.scatter.value": _scatter, "aten.scatter.src": _scatter, "aten.index_put": _index_put,
+    "aten.slice_scatter": _slice_scatter, "aten.select_scatter": _select_scatter,
     "aten.tril": lambda x, diagonal=0: x.tril(diagonal), "aten.triu": lambda x, diagonal=0: x.triu(diagonal),
     # creation
     "aten.full": _full, "aten.full_like": _full_like, "aten.arange": _arange, "aten.scalar_tensor": _scalar_tensor,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import ember
-from ember.compiler import emit, fused, fusion, lower, passes, rewrite
+from ember.compiler import emit, fused, fusion, lower, passes, rewrite, signatures
 from ember.compiler.context import CompileContext
 from ember.compiler.kernel import Assign, Bin, Block, Branch, Call, Effect, Expr, KernelIR, Lit, Loop, Prim, Range, Var
 from ember.compiler.patterns import pointwise, rows
@@ -21,7 +21,7 @@ from ember.ops.index import gather_in_range
 def _kernels(build):
     out = build()
     order = toposort([out._node])
-    sig = passes.signature(order, {id(out._node)})
+    sig = signatures.signature(order, {id(out._node)})
     order, results = passes.expand_composites(order, {id(out._node)})  # as the compiler does first
     lowered = passes.lower(order, {id(n) for n in results}, sig, results=results)
     kernels, stored = fusion.plan(lowered.nodes, lowered.outputs, CompileContext(), fused.NOMINAL_GPU)
@@ -311,7 +311,7 @@ def test_only_kernels_too_small_to_fill_the_gpu_hoist_their_loads():
         outs = build()
         order = toposort([o._node for o in outs])
         keep = {id(o._node) for o in outs}
-        lowered = passes.lower(order, keep, passes.signature(order, keep))
+        lowered = passes.lower(order, keep, signatures.signature(order, keep))
         kernels, stored = fusion.plan(lowered.nodes, lowered.outputs, CompileContext(), fused.NOMINAL_GPU)
         (kernel,) = [k for k in kernels if k.kind is fused.KernelKind.POINTWISE]
         body = lower.lower(kernel, stored, CompileContext()).functions[0].body

@@ -7,8 +7,8 @@ import ember
 import ember.nn.functional as F
 from ember import nn, optim
 from ember.ir import Op
-from ember.jit import Recorder, record
 from ember.optim import lr_scheduler
+from ember.recording import Recorder, record
 
 torch = pytest.importorskip("torch")
 

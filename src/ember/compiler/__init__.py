@@ -10,8 +10,8 @@ from pathlib import Path
 from ember.compiler.context import CompileContext
 from ember.compiler.fused import KernelKind
 from ember.compiler.kernel import ParamKind
-from ember.compiler.passes import Signature, signature
 from ember.compiler.pipeline import CompiledKernel, Plan, compile
+from ember.compiler.signatures import Signature, signature
 from ember.compiler.targets.triton import KernelSource, Launch
 
 # the helpers generated Triton kernels import, as a file: the runtime loads one copy per way of running

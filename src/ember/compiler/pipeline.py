@@ -14,7 +14,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from ember.compiler import fusion, passes, schedule
+from ember.compiler import fusion, passes, schedule, signatures
 from ember.compiler.context import CompileContext
 from ember.compiler.fused import VENDOR_KINDS, FusedKernel, KernelKind, pattern_of
 from ember.compiler.patterns import PATTERNS, gemm
@@ -102,16 +102,16 @@ def _elementwise_use(kernel: FusedKernel, source: Node) -> bool:
 
 
 def compile(order: list[Node], keep: set[int], target: str, context: CompileContext,  # noqa: A001
-            signature: passes.Signature | None = None) -> Plan:
+            signature: signatures.Signature | None = None) -> Plan:
     """Compile the pending graph `order` (the nodes whose ids are in `keep` are its results) for
-    `target`; `signature` is `passes.signature(order, keep)` where the caller already has it."""
+    `target`; `signature` is `signatures.signature(order, keep)` where the caller already has it."""
     if target not in TARGETS:
         raise ValueError(f"compile: unknown target {target!r}; expected one of {', '.join(TARGETS)}")
     chosen = TARGETS[target]
     if chosen.costs is None:  # the reference backend evaluates a composite node by its expansion
         return Plan(target, nodes=order, keep=keep)
     start = time.perf_counter()
-    sig = signature or passes.signature(order, keep)  # of the graph as built: the plan's key and arguments
+    sig = signature or signatures.signature(order, keep)  # of the graph as built: the plan's key and arguments
     order, results = passes.expand_composites(order, keep)
     splitting = context.split_k and context.gemm_backend != "cublas"  # generated GEMMs that split a long K
     lowered = passes.lower(order, {id(n) for n in results}, sig,

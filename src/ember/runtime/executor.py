@@ -28,7 +28,7 @@ from ember.runtime import targets
 
 
 class _ThisThread(threading.local):
-    recorder = None  # the step ember.jit is recording in this thread (an ember.jit.Recorder), None when none is
+    recorder = None  # the step ember.jit is recording in this thread (an ember.recording.Recorder), None when none is
 
     def __init__(self) -> None:
         self.companions: list[weakref.ref] = []  # nodes to realize with the next realization (realize_with_next)

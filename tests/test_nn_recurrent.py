@@ -157,6 +157,7 @@ def test_a_deeper_bidirectional_stack_over_a_longer_sequence_matches_torch(kind)
     ("GRUCell", dict(bias=False)),
 ])
 def test_parameters_have_torchs_names_shapes_order_and_initial_distribution(kind, kwargs):
+    ember.manual_seed(0)  # the statistical bounds below hold for any seed but one in millions; fixed, it never varies
     t_layer, e_layer = getattr(tnn, kind)(5, 8, **kwargs), getattr(nn, kind)(5, 8, **kwargs)
     assert [(n, tuple(p.shape)) for n, p in e_layer.named_parameters()] == \
         [(n, tuple(p.shape)) for n, p in t_layer.named_parameters()]
@@ -164,7 +165,8 @@ def test_parameters_have_torchs_names_shapes_order_and_initial_distribution(kind
     bound = 1 / math.sqrt(8)
     assert np.all(np.abs(values) <= bound)
     assert values.min() < -0.8 * bound and values.max() > 0.8 * bound  # uniform over the whole interval
-    assert abs(values.mean()) < 0.1 * bound
+    standard_error = bound / math.sqrt(3 * values.size)  # of the mean of n uniform draws over [-bound, bound]
+    assert abs(values.mean()) < 5 * standard_error
 
 
 def test_repr_names_the_arguments_as_torchs():

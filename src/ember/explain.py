@@ -42,6 +42,9 @@ def _attrs(n: Node) -> str:
         return f", axis={a['axis']}"
     if n.op is Op.CHECK_INDEX:
         return f", {a['op_name']}: dim {a['dim']} of size {a['size']}"
+    if n.op is Op.CONV2D and "folded" in a:  # compiler/conv_folding.py: the ops after it, now its weight and bias
+        into = "its rescaled weight and bias" if len(n.inputs) == 3 else "its rescaled weight"
+        return f"; folded {', '.join(a['folded'])} per channel into {into}"
     return ""
 
 

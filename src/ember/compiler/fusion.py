@@ -64,6 +64,15 @@ def plan(nodes: list[Node], outputs: list[Node], context: CompileContext, costs:
     return kernels, set(planner.stored) - set(given)
 
 
+def stored_values(nodes: list[Node], outputs: list[Node], context: CompileContext, costs: Costs) -> set[int]:
+    """The ids of the values `plan` would store (step 1 and the patterns' STORE steps): each is written by a
+    kernel of its own or as an extra output of one; every other value is computed inside its readers."""
+    planner = Planner(nodes, outputs, context, costs, plan)
+    planner.choose_stored()
+    _run(Stage.STORE, planner, [])
+    return set(planner.stored)
+
+
 def _run(stage: Stage, planner: Planner, kernels: list[FusedKernel]) -> list[FusedKernel]:
     """The patterns' steps of one stage, in order."""
     for pattern in PATTERNS:

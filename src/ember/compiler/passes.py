@@ -332,7 +332,7 @@ class _Builder:
             laid_out = {key: v for key, v in attrs.items() if key != "memory_format"} | {"channels_last": True}
             if op is Op.CONV2D_WEIGHT_GRAD:  # both operands are activations; the result is a weight
                 return self.make(op, tuple(self._permuted(i, TO_NHWC) for i in ins), laid_out, original)
-            out = self.make(op, (self._permuted(ins[0], TO_NHWC), ins[1]), laid_out,
+            out = self.make(op, (self._permuted(ins[0], TO_NHWC), *ins[1:]), laid_out,
                             _like(original, _nhwc(original.shape)))
             return self._permuted(out, TO_NCHW, original)
         if op is Op.PERMUTE and attrs["order"] in (TO_NCHW, TO_NHWC) and _keeps_order(ins[0].shape, attrs["order"]):

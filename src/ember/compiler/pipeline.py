@@ -1,7 +1,8 @@
 """`compile`: the one way from a pending graph to a runnable `Plan`, for the runtime, `ember.explain`
 and the tests, under one compile context.
 
-- target "triton" (device cuda): passes, then the fusion planner, then the schedule (launch order,
+- target "triton" (device cuda): passes (per-channel affines folded into the convolutions before them
+  where that saves a pass, compiler/conv_folding.py), then the fusion planner, then the schedule (launch order,
   streams, arena slots), then one generated Triton source per planned kernel (a GEMM's split form
   included); a vendor call (cuBLAS, cuDNN) has none.
 - target "reference" (device cpu): the graph as written, evaluated node by node with NumPy: the
@@ -14,7 +15,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from ember.compiler import fusion, passes, schedule, signatures
+from ember.compiler import conv_folding, fusion, passes, schedule, signatures
 from ember.compiler.context import CompileContext
 from ember.compiler.fused import VENDOR_KINDS, FusedKernel, KernelKind, pattern_of
 from ember.compiler.patterns import PATTERNS, gemm
@@ -118,6 +119,7 @@ def compile(order: list[Node], keep: set[int], target: str, context: CompileCont
                            channels_last=context.conv_memory_format == "channels_last",
                            multiprocessors=context.multiprocessors if splitting else 0, results=results,
                            gpu_multiprocessors=context.multiprocessors)
+    lowered = conv_folding.fold_affines(lowered, context, chosen.costs)
     kernels, stored = fusion.plan(lowered.nodes, lowered.outputs, context, chosen.costs)
     compiled = [_generate(k, stored, context, chosen) for k in kernels]
     small = [_is_small(ck, context.multiprocessors) for ck in compiled]

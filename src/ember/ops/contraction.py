@@ -492,7 +492,16 @@ def _in_layout(shape: tuple[int, ...], attrs: dict) -> tuple[int, ...]:
 
 
 def _conv2d_rule(inputs, attrs) -> tuple[tuple[int, ...], dtypes.DType]:
+    """A convolution of an input by a weight, and with an optional third input, a bias per output channel
+    added before the result is rounded to its dtype: only the compiler makes one (compiler/conv_folding.py
+    folds a per-channel affine into the convolution), so the bias may be float32 for a half-precision one."""
     out = _conv_output(Op.CONV2D, _nchw(inputs[0].shape, attrs), inputs[1].shape, attrs)
+    if len(inputs) == 3:
+        bias, x = inputs[2], inputs[0]
+        check_shape(bias.shape == (out[1],), Op.CONV2D, f"bias of shape {bias.shape} for {out[1]} output channels")
+        if bias.dtype is not x.dtype and bias.dtype is not dtypes.compute_dtype(x.dtype):
+            raise DTypeError(f"conv2d: bias of dtype {bias.dtype.name} does not go with input of dtype "
+                             f"{x.dtype.name}")
     return _in_layout(out, attrs), inputs[0].dtype
 
 
@@ -516,10 +525,14 @@ def _conv_attrs(a: dict) -> dict:
 def _conv2d_vjp(g, xs, out, a):
     """A convolution's gradients are primitives of their own, so each runs as the vendor's backward kernels
     (cuDNN's backward-data and backward-filter) instead of as forward convolutions of reshaped operands."""
-    x, w = xs
+    x, w = xs[:2]
     gx = apply(Op.CONV2D_INPUT_GRAD, g, w, input_size=_nchw(x.shape, a)[2:], **_conv_attrs(a))
     gw = apply(Op.CONV2D_WEIGHT_GRAD, x, g, kernel_size=w.shape[2:], **_conv_attrs(a))
-    return gx, gw
+    if len(xs) == 2:
+        return gx, gw
+    channel = 3 if a.get("channels_last") else 1  # a bias's gradient: the output gradient summed per channel
+    summed = apply(Op.SUM, cast(g, xs[2].dtype), axes=tuple(d for d in range(4) if d != channel))
+    return gx, gw, reshape(summed, xs[2].shape)
 
 
 def _conv2d_input_grad_rule(inputs, attrs) -> tuple[tuple[int, ...], dtypes.DType]:
@@ -566,15 +579,18 @@ def _windows(x: np.ndarray, kernel: tuple[int, int], stride, padding, dilation) 
         (s[0], s[1], s[2] * sh, s[3] * sw, s[2] * dh, s[3] * dw), writeable=False)
 
 
-def _np_conv2d(x: np.ndarray, w: np.ndarray, stride, padding, dilation, groups: int) -> np.ndarray:
-    """Direct 2-D convolution (cross-correlation, as in PyTorch) through the input's windows."""
+def _np_conv2d(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None, *, stride, padding, dilation,
+               groups: int) -> np.ndarray:
+    """Direct 2-D convolution (cross-correlation, as in PyTorch) through the input's windows, plus the bias
+    per output channel, if any."""
     n = x.shape[0]
     o, cg, kh, kw = w.shape
     windows = _windows(x, (kh, kw), stride, padding, dilation)
     ho, wo = windows.shape[2:4]
     windows = windows.reshape(n, groups, cg, ho, wo, kh, kw)
     out = np.einsum("ngchwpq,gocpq->ngohw", windows, w.reshape(groups, o // groups, cg, kh, kw), optimize=True)
-    return out.reshape(n, o, ho, wo)
+    out = out.reshape(n, o, ho, wo)
+    return out if bias is None else out + bias.reshape(1, o, 1, 1)
 
 
 def _np_conv2d_input_grad(g: np.ndarray, w: np.ndarray, input_size, stride, padding, dilation,
@@ -605,12 +621,13 @@ def _np_conv2d_weight_grad(x: np.ndarray, g: np.ndarray, kernel_size, stride, pa
 
 def _laid_out(fn, activations: tuple[bool, bool], activation_out: bool):
     """A reference that also takes channels-last operands: `activations` says which inputs are activations
-    (transposed to (N, C, H, W) for `fn`), `activation_out` whether the result is one (transposed back)."""
-    def reference(a, b, *, channels_last: bool = False, memory_format=None, **attrs):
+    (transposed to (N, C, H, W) for `fn`), `activation_out` whether the result is one (transposed back). A folded
+    convolution's description (`folded`, for explain) changes nothing of its value."""
+    def reference(a, b, *rest, channels_last: bool = False, memory_format=None, folded=(), **attrs):
         if not channels_last:
-            return fn(a, b, **attrs)
+            return fn(a, b, *rest, **attrs)
         a, b = (x.transpose(0, 3, 1, 2) if is_activation else x for x, is_activation in zip((a, b), activations))
-        out = fn(a, b, **attrs)
+        out = fn(a, b, *rest, **attrs)
         return np.ascontiguousarray(out.transpose(0, 2, 3, 1)) if activation_out else out
     return reference
 

@@ -577,10 +577,15 @@ def _matmul(node: Node, buffers: dict[int, torch.Tensor], sig: Signature) -> Non
 
 def _conv2d(node: Node, buffers: dict[int, torch.Tensor], sig: Signature) -> None:
     """A convolution or one of its gradients, as the vendor computes them (cuDNN's forward, backward-data and
-    backward-filter kernels through torch)."""
-    first, second = (_on_vendor_device(_view(i, buffers)) for i in node.inputs)
+    backward-filter kernels through torch). A convolution's bias (one the compiler folded into it) is added as
+    the result is copied into its buffer: cuDNN's convolution has no bias of its own (torch adds it in a pass
+    after it), so that copy is the one pass over the result either way."""
+    first, second, *bias = (_on_vendor_device(_view(i, buffers)) for i in node.inputs)
     if first.numel() == 0 or second.numel() == 0:  # torch gets shapes wrong without channels; a sum of nothing
-        buffers[id(node)].zero_()
+        if bias:
+            buffers[id(node)].copy_(bias[0].view(-1, 1, 1) if not node.attrs.get("channels_last") else bias[0])
+        else:
+            buffers[id(node)].zero_()
         return
     a = node.attrs
     conv = (a["stride"], a["padding"], a["dilation"], a["groups"])
@@ -598,7 +603,10 @@ def _conv2d(node: Node, buffers: dict[int, torch.Tensor], sig: Signature) -> Non
         out = _convolution_backward(first, out_buffer, weight, conv, 0)
     else:  # from the input and the output gradient
         out = _convolution_backward(second, first, out_buffer, conv, 1)
-    out_buffer.copy_(out)
+    if bias:
+        torch.add(out, bias[0].view(-1, 1, 1), out=out_buffer)
+    else:
+        out_buffer.copy_(out)
 
 
 def _argsort(node: Node, buffers: dict[int, torch.Tensor], sig: Signature) -> None:

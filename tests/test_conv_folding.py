@@ -86,6 +86,19 @@ def test_a_convolutions_bias_with_nothing_after_it_is_added_by_the_convolution(r
     close(out, reference(torch.tensor(x)))
 
 
+def test_convolutions_in_a_row_each_fold_and_each_runs_once(rng):
+    """The second convolution reads the first's folded result (a projection feeding the next block, as in
+    MobileNetV2): two convolutions in the plan, and nothing else over the activations."""
+    first, first_reference = conv_and_norm(rng, 3, 4)
+    second, second_reference = conv_and_norm(rng, 4, 5)
+    x = random_array(rng, (2, 3, 8, 8), "float32")
+    out = second(first(ember.tensor(x, device="cuda")))
+    p = plan(out)
+    assert folded(p) == [("add", "sub", "mul", "mul", "add")] * 2
+    assert activation_passes(p, out.shape) == 0 and activation_passes(p, (2, 4, 8, 8)) == 0
+    close(out, second_reference(first_reference(torch.tensor(x))))
+
+
 @pytest.mark.parametrize("after", ["relu", "residual_add_and_relu"])
 def test_a_following_pointwise_op_still_takes_the_affine_into_its_pass(rng, after):
     """Folding would leave the same pass over the activation and add the rescaling: the plan stays as it was."""

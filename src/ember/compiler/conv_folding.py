@@ -197,18 +197,37 @@ def _folded(affine: _Affine) -> Node:
 
 
 def _rebuilt(lowered: Lowered, replacements: dict[int, Node]) -> Lowered:
-    """`lowered` with the nodes whose ids `replacements` holds replaced, and the nodes after them made again."""
+    """`lowered` with the nodes whose ids `replacements` holds replaced, and the nodes after them made again. A
+    replacement is made of the graph's nodes as they were: where one of those was replaced or made again (a
+    convolution reading another's folded result), it is made again on the new one."""
+    graph = {id(n) for n in lowered.nodes}
     now: dict[int, Node] = {}
-    for n in lowered.nodes:
+    made: dict[int, Node] = {}  # the replacements' own nodes, made again
+
+    def current(node: Node) -> Node:
+        if id(node) in graph:
+            return now.get(id(node), node)
+        if id(node) not in made:
+            made[id(node)] = _with_inputs(node, tuple(current(i) for i in node.inputs))
+        return made[id(node)]
+
+    for n in lowered.nodes:  # inputs first: a replacement reads only nodes placed before the one it replaces
         if id(n) in replacements:
-            now[id(n)] = replacements[id(n)]
-            continue
-        ins = tuple(now.get(id(i), i) for i in n.inputs)
-        if any(a is not b for a, b in zip(ins, n.inputs)):
-            now[id(n)] = Node(n.op, ins, n.attrs, n.shape, n.dtype, n.device)
+            now[id(n)] = current(replacements[id(n)])
+        else:
+            new = _with_inputs(n, tuple(now.get(id(i), i) for i in n.inputs))
+            if new is not n:
+                now[id(n)] = new
     outputs = [now.get(id(o), o) for o in lowered.outputs]
     nodes = toposort(outputs)
     return Lowered(nodes, outputs, lowered.inputs, replaced=lowered.replaced + len(lowered.nodes) - len(nodes))
+
+
+def _with_inputs(node: Node, inputs: tuple[Node, ...]) -> Node:
+    """`node` itself if its inputs are these, else a node like it on them."""
+    if all(a is b for a, b in zip(inputs, node.inputs)):
+        return node
+    return Node(node.op, inputs, node.attrs, node.shape, node.dtype, node.device)
 
 
 # -- nodes of the scale and shift ---------------------------------------------------------------------------

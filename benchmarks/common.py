@@ -235,6 +235,54 @@ def guarded(what: str, fn: Callable[[], object]):
         return None
 
 
+def vision_model(row: str, smoke: bool):
+    """A torchvision model in eval mode and a batch of float32 inputs, on the CPU: row "resnet50" (ResNet-50),
+    "mobilenet_v3" (MobileNetV3-Large) or "vit_b_16" (ViT-B/16), batch 32 at 224x224; under --cpu-smoke (`smoke`)
+    a small stand-in of each (ResNet-18, MobileNetV3-Small, a two-layer ViT) on two small images. The caller has the
+    tests folder on its path (model_libraries)."""
+    from model_libraries import library
+
+    models = library("torchvision").models
+    torch.manual_seed(0)
+    if smoke:
+        model = {"resnet50": lambda: models.resnet18(num_classes=10),
+                 "mobilenet_v3": lambda: models.mobilenet_v3_small(num_classes=10),
+                 "vit_b_16": lambda: models.VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2,
+                                                              hidden_dim=32, mlp_dim=64, num_classes=10)}[row]()
+        size, batch = (32 if row == "vit_b_16" else 64), 2
+    else:
+        model = {"resnet50": models.resnet50, "mobilenet_v3": models.mobilenet_v3_large,
+                 "vit_b_16": models.vit_b_16}[row]()
+        size, batch = 224, 32
+    if row == "vit_b_16":  # torchvision starts the head at zero
+        torch.nn.init.normal_(model.heads.head.weight, std=0.02)
+    return model.eval(), torch.randn(batch, 3, size, size)
+
+
+def check_outputs(lines: list[dict], error: Callable[[Any, Any], float], tolerance: float,
+                  reference: str = "torch eager") -> None:
+    """Turn each line's "output" into its "check" cell: "reference" for the `reference` variant's, else the `error` of
+    the output against the reference's, marked FAIL above `tolerance` ("error" where either is missing). Lines are
+    dicts with "row" and "variant"; the reference is the row's."""
+    outputs = {line["row"]: line.get("output") for line in lines if line["variant"] == reference}
+    for line in lines:
+        out, expected = line.pop("output", None), outputs.get(line["row"])
+        if line["variant"] == reference:
+            line["check"] = "reference"
+        elif out is not None and expected is not None:
+            err = error(out, expected)
+            line["check"] = f"{err:.1e}" + ("" if err <= tolerance else " FAIL")
+        else:
+            line["check"] = "error"
+
+
+def speedup(lines: list[dict], line: dict, variant: str) -> str:
+    """The cell of `line`'s speed-up over the variant of its row whose name starts with `variant` (from "ms")."""
+    base = next((other.get("ms") for other in lines if other["row"] == line["row"] and
+                 other["variant"].startswith(variant)), None)
+    return cell(base / line["ms"] if base and line.get("ms") else None, "{:.2f}x")
+
+
 def cell(value, fmt: str = "{:.4g}") -> str:
     return "error" if value is None else fmt.format(value)
 

@@ -38,27 +38,6 @@ ROWS = ("resnet50", "mobilenet_v3", "vit_b_16")
 TOLERANCE = 1e-3  # relative; TF32 may be on for the GPU variants
 
 
-def make(row: str, smoke: bool):
-    """(model in eval mode, a batch of inputs) of a row, on the CPU (exported from there)."""
-    from model_libraries import library
-
-    models = library("torchvision").models
-    torch.manual_seed(0)
-    if smoke:
-        model = {"resnet50": lambda: models.resnet18(num_classes=10),
-                 "mobilenet_v3": lambda: models.mobilenet_v3_small(num_classes=10),
-                 "vit_b_16": lambda: models.VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2,
-                                                              hidden_dim=32, mlp_dim=64, num_classes=10)}[row]()
-        size, batch = (32 if row == "vit_b_16" else 64), 2
-    else:
-        model = {"resnet50": models.resnet50, "mobilenet_v3": models.mobilenet_v3_large,
-                 "vit_b_16": models.vit_b_16}[row]()
-        size, batch = 224, 32
-    if row == "vit_b_16":  # torchvision starts the head at zero
-        torch.nn.init.normal_(model.heads.head.weight, std=0.02)
-    return model.eval(), torch.randn(batch, 3, size, size)
-
-
 def export(model, x, folder: str, row: str) -> str:
     path = str(Path(folder) / f"{row}.onnx")
     torch.onnx.export(model, (x,), path, dynamo=False, opset_version=18)
@@ -146,9 +125,9 @@ def ember_runner(path: str, x, jitted: bool, smoke: bool):
 
 
 def run_row(row: str, args) -> list[dict]:
-    from common import guarded, release_memory
+    from common import check_outputs, guarded, release_memory, vision_model
 
-    model, x_cpu = make(row, args.cpu_smoke)
+    model, x_cpu = vision_model(row, args.cpu_smoke)
     x = x_cpu.to(args.dev)
     lines = []
     with tempfile.TemporaryDirectory() as folder:
@@ -170,16 +149,8 @@ def run_row(row: str, args) -> list[dict]:
             result = guarded(f"{row} {variant}", lambda r=run: measure(r, args.cpu_smoke, args.reps)) if run else None
             lines.append({"row": row, "variant": label, **(result or {})})
             release_memory(args.cpu_smoke)
-    reference = next((line.get("output") for line in lines if line["variant"] == "torch eager"), None)
-    for line in lines:
-        out = line.pop("output", None)
-        if line["variant"] == "torch eager":
-            line["check"] = "reference"
-        elif out is not None and reference is not None:
-            err = float(np.abs(out - reference).max() / np.abs(reference).max())
-            line["check"] = f"{err:.1e}" + ("" if err <= TOLERANCE else " FAIL")
-        else:
-            line["check"] = "error"
+    check_outputs(lines, lambda out, reference: float(np.abs(out - reference).max() / np.abs(reference).max()),
+                  TOLERANCE)
     return lines
 
 
@@ -192,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
                         "reference backend, onnxruntime's CPU provider, torch.compile with backend='eager')")
     parser.add_argument("--results", type=Path, default=None, help="markdown file to append to")
     args = parser.parse_args(argv)
-    from common import cell, environment, markdown_table, publish, select_backend
+    from common import cell, environment, markdown_table, publish, select_backend, speedup
 
     select_backend(args.cpu_smoke, "onnx.py")
     args.dev = "cpu" if args.cpu_smoke else "cuda"
@@ -202,12 +173,8 @@ def main(argv: list[str] | None = None) -> None:
     for row in args.rows.split(","):
         lines += run_row(row, args)
 
-    def versus(line: dict, variant: str) -> str:
-        base = next((other.get("ms") for other in lines if other["row"] == line["row"] and
-                     other["variant"].startswith(variant)), None)
-        return cell(base / line["ms"] if base and line.get("ms") else None, "{:.2f}x")
-    body = [[line["row"], line["variant"], cell(line.get("ms")), versus(line, "torch eager"),
-             versus(line, "onnxruntime"), cell(line.get("first_s"), "{:.3g}"), line["check"]] for line in lines]
+    body = [[line["row"], line["variant"], cell(line.get("ms")), speedup(lines, line, "torch eager"),
+             speedup(lines, line, "onnxruntime"), cell(line.get("first_s"), "{:.3g}"), line["check"]] for line in lines]
     table = markdown_table(["row", "variant", "ms per batch", "vs torch eager", "vs onnxruntime", "first call s",
                             "output check"], body)
     notes = ["inference in float32; the models exported by torch.onnx.export (TorchScript exporter, opset 18)",

@@ -173,6 +173,34 @@ def test_a_half_precision_convolution_folds_scalars_float16_cannot_hold(rng):
     close(out, expected, rtol=1e-2, atol=2e-3)
 
 
+AFFINES = {  # name: the affine of the convolution's result y, for either library
+    "negation": lambda y: -y,
+    "subtracted_from_a_scalar": lambda y: 1.5 - y,
+    "divided_by_a_scalar": lambda y: y / 3.0 - 0.25,
+}
+
+
+@pytest.mark.parametrize("affine", AFFINES)
+def test_every_form_of_a_per_channel_affine_folds_and_matches_torch(rng, affine):
+    model, reference = conv_and_norm(rng, norm=False)
+    x = random_array(rng, (2, 3, 6, 6), "float32")
+    out = AFFINES[affine](model(ember.tensor(x, device="cuda")))
+    assert len(folded(plan(out))[0]) > 1
+    close(out, AFFINES[affine](reference(torch.tensor(x))))
+
+
+def test_a_per_channel_factor_computed_from_the_convolutions_own_result_is_not_folded(rng):
+    """As with a training-mode batch norm's statistics, the factor is not known before the convolution runs."""
+    model, reference = conv_and_norm(rng, norm=False)
+    x = random_array(rng, (2, 3, 6, 6), "float32")
+
+    def scaled(y):
+        return y * y[:1, :, :1, :1].abs()
+    out = scaled(model(ember.tensor(x, device="cuda")))
+    assert folded(plan(out)) == [()]
+    close(out, scaled(reference(torch.tensor(x))))
+
+
 # name: (convolution: cin, cout, kernel, groups, stride, padding; input's batch and spatial size), each activation
 # large enough that a pass over it moves more bytes than rescaling the weight
 SHAPES = {

@@ -17,7 +17,7 @@ a shared value it stores). When pointwise readers take the affine in (a ReLU, a 
 costs no pass of its own and the fold would only add the rescaling, so it stays as it is. The rescaling must also
 move fewer bytes than the pass it saves (a large weight over a small activation is not folded).
 
-Values that depend on the convolution's result (a training-mode batch norm's batch statistics) are not known
+Values computed from the convolution's result (a training-mode batch norm's batch statistics) are not known
 before it, so nothing is folded through them. Gradients are unchanged: the backward graph is already built, from
 the unfolded ops, and reads none of the values folded away.
 """
@@ -48,8 +48,8 @@ class _Affine:
     shift: Node | None = None
 
     def ones(self) -> Node:
-        channels = self.conv.shape[self.channel]
-        return _one(Node(Op.BUFFER, (), {}, (channels,), dtypes.compute_dtype(self.conv.dtype), self.conv.device))
+        """A scale of 1 per channel, in the computation's dtype."""
+        return _ones(self.conv.shape[self.channel], dtypes.compute_dtype(self.conv.dtype), self.conv.device)
 
 
 def fold_affines(lowered: Lowered, context: CompileContext, costs: Costs) -> Lowered:
@@ -63,8 +63,7 @@ def fold_affines(lowered: Lowered, context: CompileContext, costs: Costs) -> Low
         for i in n.inputs:
             users.setdefault(id(i), []).append(n)
     outputs = {id(o) for o in lowered.outputs}
-    position = {id(n): k for k, n in enumerate(lowered.nodes)}
-    affines = [a for a in (_affine_after(c, position, users, outputs) for c in convolutions) if a is not None]
+    affines = [a for a in (_affine_after(c, users, outputs) for c in convolutions) if a is not None]
     if not affines:
         return lowered
     stored = fusion.stored_values(lowered.nodes, lowered.outputs, context, costs)
@@ -74,10 +73,11 @@ def fold_affines(lowered: Lowered, context: CompileContext, costs: Costs) -> Low
     return _rebuilt(lowered, folded)
 
 
-def _affine_after(conv: Node, position: dict[int, int], users: dict[int, list[Node]],
-                  outputs: set[int]) -> _Affine | None:
+def _affine_after(conv: Node, users: dict[int, list[Node]], outputs: set[int]) -> _Affine | None:
     """The longest chain of per-channel affine ops after `conv` whose values nothing else reads, up to the last
-    value in the convolution's dtype; None if there is none. `position`: the nodes' topological order."""
+    value in the convolution's dtype; None if there is none. Since the convolution and each value of the chain
+    have the chain's next op as their only reader, no factor of the chain is computed from them (a training-mode
+    batch norm's statistics end the chain where they read it)."""
     channel = 3 if conv.attrs.get("channels_last") else 1
     affine, ops, end = _Affine(conv, channel), [], 0
     committed = (None, None)
@@ -91,7 +91,7 @@ def _affine_after(conv: Node, position: dict[int, int], users: dict[int, list[No
             break
         factor = None
         if others:
-            factor = _per_channel(others[0], conv, channel, position)
+            factor = _per_channel(others[0], conv, channel)
             if factor is None:
                 break
         if not _compose(affine, user, factor, value_first=user.inputs[0] is value):
@@ -110,26 +110,10 @@ def _affine_after(conv: Node, position: dict[int, int], users: dict[int, list[No
     return affine
 
 
-def _reads(node: Node, conv: Node, position: dict[int, int]) -> bool:
-    """Whether `node` is computed from `conv`'s result, directly or not. Nodes placed before `conv` in the
-    topological order are not, so the search stops there."""
-    start = position[id(conv)]
-    stack, seen = [node], set()
-    while stack:
-        n = stack.pop()
-        if n is conv:
-            return True
-        if id(n) in seen or position.get(id(n), -1) < start:
-            continue
-        seen.add(id(n))
-        stack.extend(n.inputs)
-    return False
-
-
-def _per_channel(operand: Node, conv: Node, channel: int, position: dict[int, int]) -> Node | None:
+def _per_channel(operand: Node, conv: Node, channel: int) -> Node | None:
     """`operand` of an op on the convolution's result as a vector of one value per output channel, in the
-    computation's dtype, if it is such a value known before the convolution (a broadcast of a (1, C, 1, 1) value,
-    or of a single value; a scalar constant); else None."""
+    computation's dtype, if it is such a value (a broadcast of a (1, C, 1, 1) value, or of a single value; a scalar
+    constant); else None."""
     channels = conv.shape[channel]
     wide = dtypes.compute_dtype(conv.dtype)
     if operand.op is Op.CONST:  # one value at every position, an argument of the plan or not
@@ -137,7 +121,7 @@ def _per_channel(operand: Node, conv: Node, channel: int, position: dict[int, in
                     operand.device)
     source = operand.inputs[0] if operand.op is Op.EXPAND else operand
     if len(source.shape) != 4 or source.shape[channel] not in (1, channels) or \
-            any(s != 1 for d, s in enumerate(source.shape) if d != channel) or _reads(source, conv, position):
+            any(s != 1 for d, s in enumerate(source.shape) if d != channel):
         return None
     if source.shape[channel] == channels:
         vector = _reshaped(source, (channels,))
@@ -165,7 +149,7 @@ def _compose(affine: _Affine, op: Node, factor: Node | None, value_first: bool) 
         scale = factor if scale is None else _made(Op.MUL, scale, factor)
         shift = None if shift is None else _made(Op.MUL, shift, factor)
     elif op.op is Op.DIV and value_first:
-        scale = _made(Op.DIV, _one(factor), factor) if scale is None else _made(Op.DIV, scale, factor)
+        scale = _made(Op.DIV, affine.ones() if scale is None else scale, factor)
         shift = None if shift is None else _made(Op.DIV, shift, factor)
     else:
         return False
@@ -251,7 +235,5 @@ def _neg(node: Node | None) -> Node | None:
     return None if node is None else _made(Op.NEG, node)
 
 
-def _one(like: Node) -> Node:
-    """A vector of ones like the per-channel vector `like`."""
-    return Node(Op.CONST, (), {"shape": like.shape, "dtype": like.dtype, "value": 1.0}, like.shape, like.dtype,
-                like.device)
+def _ones(channels: int, dtype: dtypes.DType, device) -> Node:
+    return Node(Op.CONST, (), {"shape": (channels,), "dtype": dtype, "value": 1.0}, (channels,), dtype, device)

@@ -278,12 +278,13 @@ def _native_dropout(x, p, train=True):
 # -- neural-network operators --------------------------------------------------------------------------------------
 
 def _convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
-    if transposed and x.ndim != 4:
-        raise NotImplementedError(f"aten.convolution, transposed, of a {x.ndim - 2}-d input: ember's transposed "
-                                  f"convolution is 2-d")
     if transposed:
-        return ember.conv_transpose2d(x, weight, bias, tuple(stride), tuple(padding), tuple(output_padding),
-                                      groups, tuple(dilation))
+        convolve = {4: F.conv_transpose2d, 5: F.conv_transpose3d}.get(x.ndim)
+        if convolve is None:
+            raise NotImplementedError(f"aten.convolution, transposed, of a {x.ndim - 2}-d input (shape {x.shape}): "
+                                      f"ember's transposed convolutions are 2- and 3-d")
+        return convolve(x, weight, bias, tuple(stride), tuple(padding), tuple(output_padding), groups,
+                        tuple(dilation))
     convolve = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}.get(x.ndim)
     if convolve is None:
         raise NotImplementedError(f"aten.convolution of a {x.ndim - 2}-d input: ember convolves 1-, 2- and 3-d inputs")

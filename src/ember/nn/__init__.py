@@ -27,6 +27,7 @@ from ember.nn.layers import (
     Conv2d,
     Conv3d,
     ConvTranspose2d,
+    ConvTranspose3d,
     CosineSimilarity,
     Dropout,
     Dropout2d,
@@ -96,7 +97,8 @@ from ember.nn.transformer import (
 __all__ = [
     "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AdaptiveAvgPool3d", "AdaptiveMaxPool1d", "AdaptiveMaxPool2d",
     "AdaptiveMaxPool3d", "AvgPool1d", "AvgPool2d", "AvgPool3d", "BCELoss", "BCEWithLogitsLoss", "BatchNorm1d",
-    "BatchNorm2d", "BatchNorm3d", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose2d", "CosineSimilarity",
+    "BatchNorm2d", "BatchNorm3d", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose2d", "ConvTranspose3d",
+    "CosineSimilarity",
     "CrossEntropyLoss", "Dropout", "Dropout2d", "ELU", "Embedding", "EmbeddingBag", "Flatten", "Fold", "GELU", "GLU",
     "GRU", "GRUCell", "GroupNorm", "Hardsigmoid", "Hardswish", "Hardtanh", "HuberLoss", "Identity", "InstanceNorm1d",
     "InstanceNorm2d", "InstanceNorm3d", "KLDivLoss", "L1Loss", "LSTM", "LSTMCell", "LayerNorm", "LeakyReLU", "Linear",

@@ -46,6 +46,7 @@ from ember.ops import (
     conv2d,
     conv3d,
     conv_transpose2d,
+    conv_transpose3d,
     gelu,
     linear,
     max_pool2d,
@@ -80,7 +81,8 @@ from ember.tensor import Tensor, apply, composite, expect_tensors, realize
 __all__ = [
     "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d",
     "adaptive_max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d", "batch_norm", "binary_cross_entropy",
-    "binary_cross_entropy_with_logits", "conv1d", "conv2d", "conv3d", "conv_transpose2d", "cosine_similarity",
+    "binary_cross_entropy_with_logits", "conv1d", "conv2d", "conv3d", "conv_transpose2d", "conv_transpose3d",
+    "cosine_similarity",
     "cross_entropy", "dropout", "dropout2d", "elu", "embedding", "embedding_bag", "fold", "gelu", "glu", "group_norm",
     "hardsigmoid", "hardswish", "hardtanh", "huber_loss", "instance_norm", "interpolate", "kl_div", "l1_loss",
     "layer_norm", "leaky_relu", "linear", "log_softmax", "logsigmoid", "max_pool1d", "max_pool2d", "max_pool3d",

@@ -18,10 +18,12 @@ module keeps its own training mode.
 Layers: Linear, Conv1d/2d/3d, ConvTranspose2d/3d, BatchNorm1d/2d/3d, LayerNorm, Embedding, EmbeddingBag,
 MaxPool2d/3d (return_indices too), MaxUnpool2d, AvgPool2d/3d, AdaptiveAvgPool2d/3d, AdaptiveMaxPool2d, Unfold, Fold,
 ReLU, LeakyReLU, Sigmoid, Tanh, GELU, SiLU, Softplus, Softmax, LogSoftmax, Identity, Dropout, Flatten, the recurrent
-layers (RNN, LSTM, GRU) and their cells, among others (the `_LAYERS` table). Anything else is an error at import
-that names it and where it sits, once: another layer the forward calls, a function or Tensor method ember does not
-have (named with the module whose forward calls it), or a forward torch.fx cannot trace (one that branches on its
-inputs' values). Where that import fails, `from_torch` runs the program torch.export captures (`via`).
+layers (RNN, LSTM, GRU) and their cells, among others (the `_LAYERS` table); torch.nn.utils.rnn's packing of
+variable-length sequences for them is recorded whole by the trace and runs as ember.nn.utils.rnn's. Anything else is
+an error at import that names it and where it sits, once: another layer the forward calls, a function or Tensor
+method ember does not have (named with the module whose forward calls it), or a forward torch.fx cannot trace (one
+that branches on its inputs' values). Where that import fails, `from_torch` runs the program torch.export captures
+(`via`).
 """
 
 from __future__ import annotations
@@ -270,11 +272,31 @@ def _function(fn):
         return None
     if fn is torch._assert:
         return _assert
+    if name in _SEQUENCE_FUNCTIONS and getattr(torch.nn.utils.rnn, name) is fn:
+        return getattr(nn.utils.rnn, name)
     if getattr(torch_f, name, None) is fn:
         return getattr(F, name, None)
     if getattr(torch, name, None) is fn:
         return getattr(ember, name, None)
     return None
+
+
+# torch.nn.utils.rnn's functions that ember has, recorded whole by the trace (torch's own code reads the lengths on
+# the host, which a trace cannot): packing and unpacking variable-length sequences for the recurrent layers
+_SEQUENCE_FUNCTIONS = ("pack_padded_sequence", "pad_packed_sequence", "pack_sequence", "pad_sequence",
+                       "unpack_sequence", "unpad_sequence")
+
+
+def _tracer():
+    """A torch.fx tracer that records the `_SEQUENCE_FUNCTIONS` as calls, whether the forward names them as
+    globals or as attributes of torch.nn.utils.rnn (or torch.nn.utils)."""
+    import torch.fx
+    import torch.nn.utils.rnn
+
+    tracer = torch.fx.Tracer(autowrap_functions=tuple(getattr(torch.nn.utils.rnn, name)
+                                                      for name in _SEQUENCE_FUNCTIONS))
+    tracer._autowrap_search += [torch.nn.utils.rnn, torch.nn.utils]
+    return tracer
 
 
 def _assert(condition, message: str) -> None:
@@ -352,11 +374,9 @@ class Traced(Module):
 
     def _trace(self, modes: tuple[bool, ...], importer: _Importer, path: str):
         """The torch module's forward traced by torch.fx with its modules in the training `modes`, or None."""
-        import torch.fx
-
         m = self._ember_torch
         kept = [(sub, sub.training) for sub in m.modules()]
-        tracer = torch.fx.Tracer()
+        tracer = _tracer()
         tracer.proxy_buffer_attributes = True  # a buffer is read where it lives (shared), not copied as a constant
         try:
             for (name, _), flag in zip(self.named_modules(), modes):

@@ -202,6 +202,23 @@ def test_an_operator_ember_lacks_is_named_in_the_error():
         compiled(torch.randn(3, 3))
 
 
+def test_as_strided_on_views_trains_through_the_backend_as_torch():
+    """AOTAutograd's backward of as_strided writes the gradient with as_strided_scatter into zeros and reads it
+    back with as_strided: ember runs both by the layouts the graphs record."""
+    def loss(x, w):
+        h = (x * w).t()
+        shifted = torch.as_strided(h, (3, 2), (1, 3), 1)
+        return (shifted * shifted).sum() + torch.as_strided(x[:, ::2], (2, 2), (2, 1)).tanh().sum()
+
+    x, w = torch.randn(4, 3, requires_grad=True), torch.randn(4, 3, requires_grad=True)
+    expected = loss(x, w)
+    want = torch.autograd.grad(expected, (x, w))
+    got = torch.compile(loss, backend="ember")(x, w)
+    assert got.item() == pytest.approx(expected.item(), rel=1e-6)
+    for g, e in zip(torch.autograd.grad(got, (x, w)), want):
+        np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.slow  # a process of its own
 def test_backend_ember_is_found_through_the_entry_point_in_a_fresh_process():
     code = ("import torch\n"

@@ -255,3 +255,64 @@ def test_the_attention_operators_of_torchs_gpu_kernels_run_as_ember_attention(fo
     np.testing.assert_allclose(mine[0].numpy(), out.detach().numpy(), rtol=1e-10, atol=1e-12)
     for got, want in zip(grads[:3], expected):
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-9, atol=1e-12)
+
+
+def _dropped_attention_check(q, k, v, out, grads, grad, p: float) -> None:
+    """With v the identity, an attention's output is its weights after dropout: those kept (about 1 - p of the
+    causal ones) are torch's weights over 1 - p, and the gradients of q, k and v are those of the attention that
+    dropped exactly the others."""
+    length = q.shape[-2]
+    causal = torch.ones(length, length, dtype=torch.bool).tril().to(q.device)
+    keep = out.detach() != 0
+    kept = keep[..., causal].double().mean().item()
+    assert abs(kept - (1 - p)) < 0.1, f"kept {kept:.3f} of the weights, expected about {1 - p}"
+    assert not keep[..., ~causal].any()
+    qq, kk, vv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    weights = torch.softmax((qq @ kk.transpose(-1, -2)) / q.shape[-1] ** 0.5 + torch.zeros_like(
+        causal, dtype=q.dtype).masked_fill(~causal, float("-inf")), -1)
+    expected = (weights * keep / (1 - p)) @ vv
+    tolerance = dict(rtol=1e-5, atol=1e-6) if q.dtype == torch.float32 else dict(rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(out.detach().cpu().numpy(), expected.detach().cpu().numpy(), **tolerance)
+    for got, want, name in zip(grads, torch.autograd.grad(expected, (qq, kk, vv), grad), "qkv"):
+        np.testing.assert_allclose(got.cpu().numpy(), want.cpu().numpy(), **tolerance, err_msg=f"gradient of {name}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_with_dropout_trains_through_the_backend_dropping_the_same_weights_forward_and_back(device):
+    """On the cpu AOTAutograd records the math decomposition (native_dropout); on a GPU the form of the kernel
+    torch picks (memory-efficient attention for float32), whose backward gets ember's mask."""
+    torch.manual_seed(0)
+    p, length = 0.3, 16
+    q, k = (torch.randn(2, 3, length, 8, device=device, requires_grad=True) for _ in range(2))
+    v = torch.eye(length, device=device).expand(2, 3, length, length).clone().requires_grad_(True)
+    attend = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True),
+                           backend="ember")
+    out = attend(q, k, v)
+    grad = torch.randn_like(out)
+    _dropped_attention_check(q, k, v, out, torch.autograd.grad(out, (q, k, v), grad), grad, p)
+    assert (attend(q, k, v) != out).any()  # a new mask each call
+
+
+@pytest.mark.parametrize("form", ["flash", "efficient", "cudnn"])
+def test_the_attention_operators_of_torchs_gpu_kernels_with_dropout_hand_their_backward_the_mask(form):
+    from ember.frontends.aten_graph import lookup
+
+    torch.manual_seed(1)
+    p, length = 0.4, 16
+    q, k = (torch.randn(2, 3, length, 8, dtype=torch.float64) for _ in range(2))
+    v = torch.eye(length, dtype=torch.float64).expand(2, 3, length, length).clone()
+    grad = torch.randn(2, 3, length, length, dtype=torch.float64)
+    eq, ek, ev, eg = (ember.from_dlpack(t) for t in (q, k, v, grad))
+    forward = lookup(getattr(torch.ops.aten, f"_scaled_dot_product_{form}_attention").default)
+    backward = lookup(getattr(torch.ops.aten, f"_scaled_dot_product_{form}_attention_backward").default)
+    if form == "flash":
+        mine = forward(eq, ek, ev, p, True)
+        grads = backward(eg, eq, ek, ev, mine[0], mine[1], None, None, length, length, p, True, mine[6], mine[7])
+    elif form == "efficient":
+        mine = forward(eq, ek, ev, None, True, p, True)
+        grads = backward(eg, eq, ek, ev, None, mine[0], mine[1], mine[2], mine[3], p, [True, True, True, False], True)
+    else:
+        mine = forward(eq, ek, ev, None, True, p, True)
+        grads = backward(eg, eq, ek, ev, mine[0], mine[1], mine[6], mine[7], None, None, None, length, length, p, True)
+    out = torch.from_dlpack(mine[0])
+    _dropped_attention_check(q, k, v, out, [torch.from_dlpack(g) for g in grads[:3]], grad, p)

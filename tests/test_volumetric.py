@@ -206,6 +206,29 @@ def test_conv_transpose3d_module_matches_torch_with_its_parameters_gradients(rng
         nn.ConvTranspose3d(2, 2, 3, padding_mode="reflect")
 
 
+@pytest.mark.parametrize("kind, shape, asked", [
+    ("ConvTranspose3d", (1, 2, 2, 3, 2), (4, 5, 4)),
+    ("ConvTranspose3d", (2, 3, 2, 2), (2, 6, 3, 4)),  # unbatched, the whole shape asked
+    ("ConvTranspose2d", (1, 2, 3, 2), (1, 2, 6, 3)),
+], ids=["3d", "3d-unbatched-whole-shape", "2d-whole-shape"])
+def test_transposed_convolution_modules_give_the_output_size_asked_as_torch(kind, shape, asked):
+    torch.manual_seed(0)
+    channels = shape[-4] if kind == "ConvTranspose3d" else shape[-3]
+    t_conv = getattr(torch.nn, kind)(channels, 2, 3, stride=2, padding=1)
+    e_conv = getattr(nn, kind)(channels, 2, 3, stride=2, padding=1)
+    e_conv.load_state_dict({k: ember.tensor(v.detach().numpy()) for k, v in t_conv.state_dict().items()})
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    expected = t_conv(torch.tensor(x), output_size=asked)
+    got = e_conv(ember.tensor(x), output_size=asked)
+    assert tuple(got.shape) == tuple(expected.shape)
+    np.testing.assert_allclose(got.numpy(), expected.detach().numpy(), rtol=1e-5, atol=1e-6)
+    too_large = tuple(n + 2 for n in asked)
+    with pytest.raises(ValueError, match="requested an output size of"):
+        t_conv(torch.tensor(x), output_size=too_large)
+    with pytest.raises(ValueError, match="requested an output size of"):
+        e_conv(ember.tensor(x), output_size=too_large)
+
+
 # -- pooling --------------------------------------------------------------------------------------
 
 MAX_POOLS_3D = {
@@ -375,7 +398,7 @@ class Volumes(torch.nn.Module):
     def forward(self, x):
         skip = self.down(x)
         low = torch.nn.functional.relu(self.mid(self.pool(skip)))
-        h = self.up(low) + self.unpool(low) + skip
+        h = self.up(low) + self.unpool(low, output_size=skip.shape) + skip
         return self.head(torch.nn.functional.adaptive_avg_pool3d(h, 1).flatten(1))
 
 

@@ -280,10 +280,10 @@ def _native_dropout(x, p, train=True):
 
 def _convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
     if transposed:
-        convolve = {4: F.conv_transpose2d, 5: F.conv_transpose3d}.get(x.ndim)
+        convolve = {3: F.conv_transpose1d, 4: F.conv_transpose2d, 5: F.conv_transpose3d}.get(x.ndim)
         if convolve is None:
             raise NotImplementedError(f"aten.convolution, transposed, of a {x.ndim - 2}-d input (shape {x.shape}): "
-                                      f"ember's transposed convolutions are 2- and 3-d")
+                                      f"ember's transposed convolutions are 1-, 2- and 3-d")
         return convolve(x, weight, bias, tuple(stride), tuple(padding), tuple(output_padding), groups,
                         tuple(dilation))
     convolve = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}.get(x.ndim)

@@ -15,7 +15,7 @@ the torch module holds keeps its torch name and path, used by the forward or not
 order of `parameters()` are the torch model's; a tensor held twice (a tied weight) is one ember Parameter. Each
 module keeps its own training mode.
 
-Layers: Linear, Conv1d/2d/3d, ConvTranspose2d/3d, BatchNorm1d/2d/3d, LayerNorm, Embedding, EmbeddingBag,
+Layers: Linear, Conv1d/2d/3d, ConvTranspose1d/2d/3d, BatchNorm1d/2d/3d, LayerNorm, Embedding, EmbeddingBag,
 MaxPool2d/3d (return_indices too), MaxUnpool2d, AvgPool2d/3d, AdaptiveAvgPool2d/3d, AdaptiveMaxPool2d, Unfold, Fold,
 ReLU, LeakyReLU, Sigmoid, Tanh, GELU, SiLU, Softplus, Softmax, LogSoftmax, Identity, Dropout, Flatten, the recurrent
 layers (RNN, LSTM, GRU) and their cells, among others (the `_LAYERS` table); torch.nn.utils.rnn's packing of
@@ -474,7 +474,7 @@ def _conv(cls):
 
 
 def _conv_transpose(cls):
-    """ConvTranspose2d or ConvTranspose3d: the ember `cls` with the torch layer's geometry, on its parameters."""
+    """ConvTranspose1d, 2d or 3d: the ember `cls` with the torch layer's geometry, on its parameters."""
     def convert(m, importer: _Importer) -> Module:
         return _sharing(cls(m.in_channels, m.out_channels, m.kernel_size, m.stride, m.padding, m.output_padding,
                             m.groups, m.bias is not None, m.dilation, m.padding_mode), m, importer)
@@ -559,6 +559,7 @@ _LAYERS = {
     "Conv1d": _conv(nn.Conv1d),
     "Conv2d": _conv(nn.Conv2d),
     "Conv3d": _conv(nn.Conv3d),
+    "ConvTranspose1d": _conv_transpose(nn.ConvTranspose1d),
     "ConvTranspose2d": _conv_transpose(nn.ConvTranspose2d),
     "ConvTranspose3d": _conv_transpose(nn.ConvTranspose3d),
     "BatchNorm1d": _batch_norm(nn.BatchNorm1d),

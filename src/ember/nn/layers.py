@@ -228,6 +228,17 @@ class _TransposedConv(_Conv):
                 f"bias={self.bias is not None}")
 
 
+class ConvTranspose1d(_TransposedConv):
+    """1-d transposed convolution over (N, C, L) input, as torch.nn.ConvTranspose1d: the gradient of a Conv1d with
+    respect to its input. The weight is (in_channels, out_channels / groups, k)."""
+
+    _spatial = staticmethod(_single)
+
+    def _convolve(self, input: Tensor, output_padding: tuple[int, ...]) -> Tensor:
+        return F.conv_transpose1d(input, self.weight, self.bias, self.stride, self.padding, output_padding,
+                                  self.groups, self.dilation)
+
+
 class ConvTranspose2d(_TransposedConv):
     """2-d transposed convolution over (N, C, H, W) input, as torch.nn.ConvTranspose2d: the gradient of a
     Conv2d with respect to its input. The weight is (in_channels, out_channels / groups, kH, kW)."""

@@ -110,6 +110,8 @@ def test_pack_sequence_and_unpack_sequence_match_torch():
     same_packing(e_packed, t_packed)
     for e, t in zip(rnn.unpack_sequence(e_packed), trnn.unpack_sequence(t_packed)):
         same(e, t, what="unpacked")
+    rebuilt = rnn.PackedSequence(e_packed.data, e_packed.batch_sizes, e_packed.sorted_indices)
+    assert rebuilt.unsorted_indices.tolist() == t_packed.unsorted_indices.tolist()  # computed, as torch does
     moved = e_packed.to(ember.float64)
     assert moved.data.dtype is ember.float64 and moved.batch_sizes is e_packed.batch_sizes
     assert not moved.is_cuda

@@ -9,8 +9,8 @@ are the gather's. RNN, LSTM and GRU run a PackedSequence step by step over only 
 
 from __future__ import annotations
 
+from collections import namedtuple
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import numpy as np
 
@@ -25,15 +25,18 @@ __all__ = ["PackedSequence", "invert_permutation", "pack_padded_sequence", "pack
            "pad_sequence", "unpack_sequence", "unpad_sequence"]
 
 
-class PackedSequence(NamedTuple):
+class PackedSequence(namedtuple("PackedSequence", ["data", "batch_sizes", "sorted_indices", "unsorted_indices"])):
     """torch.nn.utils.rnn.PackedSequence: `data` (sum of the lengths, *), `batch_sizes` (an int64 tensor on the
     cpu, one count per step), and, when the batch was sorted by length, `sorted_indices` (the batch positions in
-    packing order) and `unsorted_indices` (its inverse), else None."""
+    packing order) and `unsorted_indices` (its inverse, computed when not given), else None."""
 
-    data: Tensor
-    batch_sizes: Tensor
-    sorted_indices: Tensor | None = None
-    unsorted_indices: Tensor | None = None
+    __slots__ = ()
+
+    def __new__(cls, data: Tensor, batch_sizes: Tensor, sorted_indices: Tensor | None = None,
+                unsorted_indices: Tensor | None = None) -> PackedSequence:
+        if unsorted_indices is None:
+            unsorted_indices = invert_permutation(sorted_indices)
+        return super().__new__(cls, data, batch_sizes, sorted_indices, unsorted_indices)
 
     def to(self, *args, **kwargs) -> PackedSequence:
         """The data moved or cast as Tensor.to does; the step counts stay on the cpu, as torch keeps them."""
@@ -110,11 +113,10 @@ def pack_padded_sequence(input: Tensor, lengths, batch_first: bool = False,
         if np.any(np.diff(lengths) > 0):
             raise ValueError(f"pack_padded_sequence: lengths {lengths.tolist()} must be sorted in decreasing order "
                              "when enforce_sorted is True; pass enforce_sorted=False to pack unsorted sequences")
-        order, sorted_indices, unsorted_indices = np.arange(batch), None, None
+        order, sorted_indices = np.arange(batch), None
     else:
         order = np.argsort(-lengths, kind="stable")
         sorted_indices = _indices(order, input.device)
-        unsorted_indices = invert_permutation(sorted_indices)
     ordered = lengths[order]
     batch_sizes = np.array([(ordered > t).sum() for t in range(int(ordered.max(initial=0)))], dtype=np.int64)
     if batch_sizes.size == 0:
@@ -124,7 +126,7 @@ def pack_padded_sequence(input: Tensor, lengths, batch_first: bool = False,
                            for t, n in enumerate(batch_sizes)])
     flat = reshape(input, (time * batch, *input.shape[2:]))
     data = select_in_range(flat, 0, _indices(rows, input.device))
-    return PackedSequence(data, tensor(batch_sizes, dtype=dtypes.int64, device="cpu"), sorted_indices, unsorted_indices)
+    return PackedSequence(data, tensor(batch_sizes, dtype=dtypes.int64, device="cpu"), sorted_indices)
 
 
 def pad_packed_sequence(sequence: PackedSequence, batch_first: bool = False, padding_value: float = 0.0,

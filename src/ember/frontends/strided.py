@@ -12,6 +12,7 @@ operator, the shapes and the strides named.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -55,9 +56,13 @@ def _addresses(size, stride, offset: int) -> np.ndarray:
 def _positions(held: Layout, wanted: np.ndarray) -> np.ndarray | None:
     """For each wanted address, the flat position of an element of the tensor of layout `held` stored there, or
     None where some address is none of its elements'."""
-    addresses = _addresses(*held).reshape(-1)
     if not wanted.size:
         return wanted
+    size, stride, offset = held
+    if all(n == 1 or step == math.prod(size[d + 1:]) for d, (n, step) in enumerate(zip(size, stride))):
+        positions = wanted - offset  # a contiguous tensor: its elements are the addresses from its offset on
+        return positions if positions.min() >= 0 and positions.max() < math.prod(size) else None
+    addresses = _addresses(*held).reshape(-1)
     if not addresses.size or wanted.min() < 0:
         return None
     table = np.full(max(int(addresses.max()), int(wanted.max())) + 1, -1, dtype=np.int64)

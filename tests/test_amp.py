@@ -63,7 +63,7 @@ FLOAT32_OPS = {  # (input, another input of its shape, class targets)
 
 # PyTorch's autocast lists (aten/src/ATen/autocast_mode.cpp), for the ops ember has, by device type. The cpu
 # ones are also checked against torch's CPU autocast itself below; the cuda ones need a GPU to run.
-TORCH_LOWER_PRECISION = {"matmul", "mm", "bmm", "linear", "conv2d", "conv3d", "conv_transpose2d"}
+TORCH_LOWER_PRECISION = {"matmul", "mm", "bmm", "linear", "conv2d", "conv3d", "conv_transpose2d", "conv_transpose3d"}
 TORCH_FLOAT32 = {
     "cuda": {"softmax", "log_softmax", "layer_norm", "logsumexp", "cross_entropy", "nll_loss", "mse_loss", "l1_loss",
              "smooth_l1_loss", "binary_cross_entropy_with_logits"},
@@ -132,6 +132,8 @@ SPELLINGS = {
         x.reshape(1, 6, 2, 2), w.reshape(6, 3, 1, 1))),
     "nn.ConvTranspose2d": ("conv_transpose2d", lambda m, x, w, y, t: m.nn.ConvTranspose2d(4, 2, 1)(
         x.reshape(1, 4, 2, 3))),
+    "F.conv_transpose3d": ("conv_transpose3d", lambda m, x, w, y, t: m.nn.functional.conv_transpose3d(
+        x.reshape(1, 6, 1, 2, 2), w.reshape(6, 3, 1, 1, 1))),
 }
 
 

@@ -288,3 +288,53 @@ def test_slice_scatter_and_select_scatter_match_torch(dim, start, end, step):
     row = torch.randn_like(x.select(dim, -1))
     got = lookup(torch.ops.aten.select_scatter.default)(ember.from_dlpack(x), ember.from_dlpack(row), dim, -1)
     np.testing.assert_array_equal(got.numpy(), torch.ops.aten.select_scatter(x, row, dim, -1).numpy())
+
+
+class Restrided(tnn.Module):
+    """torch.as_strided on views: a transposed activation read at an offset, overlapping windows of it, a strided
+    slice restrided over storage only its base holds as elements (torch's gradient reaches the slice's only), and
+    a view at the input's storage offset with a size-1 dim."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = tnn.Linear(6, 8)
+
+    def forward(self, x):
+        h = self.proj(x)  # (4, 8)
+        shifted = torch.as_strided(h.t(), (6, 3), (1, 8), 2)
+        windows = torch.as_strided(h, (4, 3, 3), (8, 2, 1))  # each row's windows of three, overlapping
+        around = torch.as_strided(h[:, ::3], (3, 5), (9, 1), 1)  # a slice, read where it skipped
+        single = torch.as_strided(h[1:], (2, 1), (9, 100))  # a size-1 dim's stride moves nothing
+        return torch.cat([shifted.sum(1), windows.square().sum((1, 2)), around.tanh().sum(1), single.sum(1)])
+
+
+def test_as_strided_on_non_contiguous_views_imports_forward_and_training():
+    torch.manual_seed(0)
+    model = Restrided()
+    x = torch.randn(4, 6)
+    em = ember.from_torch(copy.deepcopy(model), via="export")
+    np.testing.assert_allclose(em(ember.from_dlpack(x)).numpy(), model(x).detach().numpy(), rtol=1e-5, atol=1e-6)
+    target = torch.randint(0, 15, (1,))
+    loss = lambda lib, out, t: lib.nn.functional.cross_entropy(out[None], t)  # noqa: E731
+    expected = loss(torch, model(x), target)
+    expected.backward()
+    got = loss(ember, em(ember.from_dlpack(x)), ember.from_dlpack(target))
+    got.backward()
+    assert got.item() == pytest.approx(expected.item(), rel=1e-5)
+    mine = dict(em.named_parameters())
+    for name, p in model.named_parameters():
+        np.testing.assert_allclose(mine[name].grad.numpy(), p.grad.numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def test_as_strided_reading_storage_no_tensor_of_the_graph_holds_is_an_error_naming_the_layouts():
+    from ember.frontends.aten_graph import AtenGraph
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(4, 3)[:, ::2]  # an input that is itself a view: its base is not in the graph
+    restrided = graph.call_function(torch.ops.aten.as_strided.default, (x, [2, 2], [2, 1]))
+    graph.output(restrided)
+    with pytest.raises(NotImplementedError, match=r"aten.as_strided.default \(it reads size \(2, 2\), strides "
+                                                  r"\(2, 1\), storage offset 0 from an input of shape \(4, 2\), "
+                                                  r"strides \(3, 2\), storage offset 0"):
+        AtenGraph(graph)

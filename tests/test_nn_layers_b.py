@@ -164,6 +164,35 @@ def test_conv1d_rejects_same_padding_with_a_stride_and_mismatched_channels():
         F.conv1d(ember.ones((1, 1, 2, 5)), ember.ones((2, 1, 3)))
 
 
+@pytest.mark.parametrize("shape,weight,kwargs", [
+    ((2, 4, 5), (4, 3, 3), dict(stride=2, padding=1, output_padding=1, dilation=2, groups=2)),
+    ((1, 3, 1), (3, 2, 1), dict()),
+    ((3, 4), (3, 2, 4), dict(stride=3, output_padding=2)),
+])
+def test_conv_transpose1d_and_its_gradients_match_torch(shape, weight, kwargs):
+    x, w, b = arrays(10, shape, weight, (weight[1] * kwargs.get("groups", 1),))
+    check_against_torch(lambda m, x, w, b: m.nn.functional.conv_transpose1d(x, w, b, **kwargs), x, w, b, rtol=1e-5,
+                        atol=1e-5)
+
+
+@pytest.mark.parametrize("via", ["fx", "export"])
+def test_conv_transpose1d_module_imports_from_torch_and_gives_the_output_size_asked(via, device):
+    if device == "cuda":
+        pytest.skip("the import runs on the reference backend; the functional form's kernels are tested above")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv1d(2, 4, 3, stride=2), torch.nn.ConvTranspose1d(4, 3, 3, stride=2))
+    em = ember.from_torch(model, via=via)
+    assert via == "export" or isinstance(em[1], nn.ConvTranspose1d)
+    (x,) = arrays(11, (2, 2, 9))
+    np.testing.assert_allclose(em(ember.tensor(x)).numpy(), model(torch.tensor(x)).detach().numpy(), rtol=1e-5,
+                               atol=1e-5)
+    e_up, t_up = nn.ConvTranspose1d(4, 3, 3, stride=2), model[1]
+    copy_state(t_up, e_up)
+    (h,) = arrays(12, (2, 4, 4))
+    np.testing.assert_allclose(e_up(ember.tensor(h), output_size=[10]).numpy(),
+                               t_up(torch.tensor(h), output_size=[10]).detach().numpy(), rtol=1e-5, atol=1e-5)
+
+
 POOLS_1D = {
     "max_pool1d": lambda m, x: m.nn.functional.max_pool1d(x, 3, 2, 1),
     "max_pool1d_dilated_ceil": lambda m, x: m.nn.functional.max_pool1d(x, 2, 2, dilation=2, ceil_mode=True),

@@ -202,6 +202,23 @@ def test_an_operator_ember_lacks_is_named_in_the_error():
         compiled(torch.randn(3, 3))
 
 
+def test_as_strided_on_views_trains_through_the_backend_as_torch():
+    """AOTAutograd's backward of as_strided writes the gradient with as_strided_scatter into zeros and reads it
+    back with as_strided: ember runs both by the layouts the graphs record."""
+    def loss(x, w):
+        h = (x * w).t()
+        shifted = torch.as_strided(h, (3, 2), (1, 3), 1)
+        return (shifted * shifted).sum() + torch.as_strided(x[:, ::2], (2, 2), (2, 1)).tanh().sum()
+
+    x, w = torch.randn(4, 3, requires_grad=True), torch.randn(4, 3, requires_grad=True)
+    expected = loss(x, w)
+    want = torch.autograd.grad(expected, (x, w))
+    got = torch.compile(loss, backend="ember")(x, w)
+    assert got.item() == pytest.approx(expected.item(), rel=1e-6)
+    for g, e in zip(torch.autograd.grad(got, (x, w)), want):
+        np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.slow  # a process of its own
 def test_backend_ember_is_found_through_the_entry_point_in_a_fresh_process():
     code = ("import torch\n"
@@ -238,3 +255,67 @@ def test_the_attention_operators_of_torchs_gpu_kernels_run_as_ember_attention(fo
     np.testing.assert_allclose(mine[0].numpy(), out.detach().numpy(), rtol=1e-10, atol=1e-12)
     for got, want in zip(grads[:3], expected):
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-9, atol=1e-12)
+
+
+def _dropped_attention_check(q, k, v, out, grads, grad, p: float) -> None:
+    """With v the identity, an attention's output is its weights after dropout: those kept (about 1 - p of the
+    causal ones) are torch's weights over 1 - p, and the gradients of q, k and v are those of the attention that
+    dropped exactly the others."""
+    length = q.shape[-2]
+    causal = torch.ones(length, length, dtype=torch.bool).tril().to(q.device)
+    keep = out.detach() != 0
+    kept = keep[..., causal].double().mean().item()
+    assert abs(kept - (1 - p)) < 0.1, f"kept {kept:.3f} of the weights, expected about {1 - p}"
+    assert not keep[..., ~causal].any()
+    qq, kk, vv = (t.detach().double().requires_grad_(True) for t in (q, k, v))  # the reference in float64
+    weights = torch.softmax((qq @ kk.transpose(-1, -2)) / q.shape[-1] ** 0.5 + torch.zeros_like(
+        causal, dtype=qq.dtype).masked_fill(~causal, float("-inf")), -1)
+    expected = (weights * keep / (1 - p)) @ vv
+    tolerance = {torch.float64: dict(rtol=1e-9, atol=1e-12), torch.float32: dict(rtol=1e-5, atol=1e-6),
+                 torch.float16: dict(rtol=5e-3, atol=5e-3)}[q.dtype]
+    np.testing.assert_allclose(out.detach().double().cpu().numpy(), expected.detach().cpu().numpy(), **tolerance)
+    for got, want, name in zip(grads, torch.autograd.grad(expected, (qq, kk, vv), grad.double()), "qkv"):
+        np.testing.assert_allclose(got.double().cpu().numpy(), want.cpu().numpy(), **tolerance,
+                                   err_msg=f"gradient of {name}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_with_dropout_trains_through_the_backend_dropping_the_same_weights_forward_and_back(device):
+    """On the cpu AOTAutograd records the math decomposition (native_dropout); on a GPU the form of the kernel
+    torch picks (memory-efficient attention for float32), whose backward gets ember's mask."""
+    torch.manual_seed(0)
+    p, length = 0.3, 16
+    q, k = (torch.randn(2, 3, length, 8, device=device, requires_grad=True) for _ in range(2))
+    v = torch.eye(length, device=device).expand(2, 3, length, length).clone().requires_grad_(True)
+    attend = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True),
+                           backend="ember")
+    out = attend(q, k, v)
+    grad = torch.randn_like(out)
+    _dropped_attention_check(q, k, v, out, torch.autograd.grad(out, (q, k, v), grad), grad, p)
+    assert (attend(q, k, v) != out).any()  # a new mask each call
+
+
+@pytest.mark.parametrize("form, dtype", [("flash", torch.float64), ("flash", torch.float16),
+                                         ("efficient", torch.float64), ("cudnn", torch.float64)])
+def test_the_attention_operators_of_torchs_gpu_kernels_with_dropout_hand_their_backward_the_mask(form, dtype):
+    from ember.frontends.aten_graph import lookup
+
+    torch.manual_seed(1)
+    p, length = 0.4, 16
+    q, k = (torch.randn(2, 3, length, 8, dtype=dtype) for _ in range(2))
+    v = torch.eye(length, dtype=dtype).expand(2, 3, length, length).clone()
+    grad = torch.randn(2, 3, length, length, dtype=dtype)
+    eq, ek, ev, eg = (ember.from_dlpack(t) for t in (q, k, v, grad))
+    forward = lookup(getattr(torch.ops.aten, f"_scaled_dot_product_{form}_attention").default)
+    backward = lookup(getattr(torch.ops.aten, f"_scaled_dot_product_{form}_attention_backward").default)
+    if form == "flash":
+        mine = forward(eq, ek, ev, p, True)
+        grads = backward(eg, eq, ek, ev, mine[0], mine[1], None, None, length, length, p, True, mine[6], mine[7])
+    elif form == "efficient":
+        mine = forward(eq, ek, ev, None, True, p, True)
+        grads = backward(eg, eq, ek, ev, None, mine[0], mine[1], mine[2], mine[3], p, [True, True, True, False], True)
+    else:
+        mine = forward(eq, ek, ev, None, True, p, True)
+        grads = backward(eg, eq, ek, ev, mine[0], mine[1], mine[6], mine[7], None, None, None, length, length, p, True)
+    out = torch.from_dlpack(mine[0])
+    _dropped_attention_check(q, k, v, out, [torch.from_dlpack(g) for g in grads[:3]], grad, p)

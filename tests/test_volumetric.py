@@ -1,8 +1,9 @@
 """The 3-d (volumetric) layers against torch: conv3d (stride, padding incl. 'same' and 'valid', dilation, groups,
-bias, the padding modes), max/avg/adaptive pooling over volumes (max pooling's indices too), interpolate on
-(N, C, L) and (N, C, D, H, W) input (nearest, linear, trilinear, area; align_corners), BatchNorm3d; values and
-gradients in float32 and float64, the layers as modules, and a small 3-d network imported with from_torch (torch.fx
-and torch.export) matching torch's forward and one training step."""
+bias, the padding modes), conv_transpose3d (stride, padding, output_padding, dilation, groups, bias), max/avg/adaptive
+pooling over volumes (max pooling's indices too), interpolate on (N, C, L) and (N, C, D, H, W) input (nearest, linear,
+trilinear, area; align_corners), BatchNorm3d; values and gradients in float32 and float64 (float16 for
+conv_transpose3d), the layers as modules, and a small 3-d network imported with from_torch (torch.fx and
+torch.export) and by torch.compile's ember backend, matching torch's forward and one training step."""
 
 from __future__ import annotations
 
@@ -49,28 +50,36 @@ CONV3D_CASES = {  # name: (input shape, weight shape, keyword arguments)
 }
 
 
-def _conv3d(m, x, w, *rest, kwargs):
-    kwargs = dict(kwargs)
-    bias = rest[0] if kwargs.pop("bias", False) else None
-    return m.nn.functional.conv3d(x, w, bias, **kwargs)
+def _convolution(name: str, kwargs: dict):
+    """The functional convolution `name` of a case's keyword arguments, its bias (when "bias" is set) an input."""
+    def convolve(m, x, w, *rest):
+        arguments = dict(kwargs)
+        bias = rest[0] if arguments.pop("bias", False) else None
+        return getattr(m.nn.functional, name)(x, w, bias, **arguments)
+    return convolve
+
+
+def _convolution_inputs(rng, case, dtype, out_channels):
+    """A case's input, weight and (when it has one) bias, the bias of `out_channels(weight shape, kwargs)`."""
+    xs, ws, kwargs = case
+    return arrays(rng, dtype, xs, ws, *([(out_channels(ws, kwargs),)] if kwargs.get("bias") else []))
 
 
 def _conv3d_inputs(rng, case, dtype):
-    xs, ws, kwargs = case
-    return arrays(rng, dtype, xs, ws, *([(ws[0],)] if kwargs.get("bias") else []))
+    return _convolution_inputs(rng, case, dtype, lambda ws, kwargs: ws[0])
 
 
 @pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel lengths:UserWarning")
 @pytest.mark.parametrize("case", CONV3D_CASES.values(), ids=CONV3D_CASES)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_conv3d_and_its_gradients_match_torch(dtype, case, rng):
-    check_against_torch(lambda m, *xs: _conv3d(m, *xs, kwargs=case[2]), *_conv3d_inputs(rng, case, dtype))
+    check_against_torch(_convolution("conv3d", case[2]), *_conv3d_inputs(rng, case, dtype))
 
 
 @pytest.mark.slow
 def test_conv3d_gradient_matches_finite_differences(rng):
     case = CONV3D_CASES["dilation-groups"]
-    check_finite_differences(lambda m, *xs: _conv3d(m, *xs, kwargs=case[2]), *_conv3d_inputs(rng, case, "float64"))
+    check_finite_differences(_convolution("conv3d", case[2]), *_conv3d_inputs(rng, case, "float64"))
 
 
 @pytest.mark.parametrize("x, w, kwargs", [
@@ -96,16 +105,7 @@ def test_conv3d_module_pads_as_torch_in_every_padding_mode(padding_mode, padding
     torch.manual_seed(0)
     t_conv = torch.nn.Conv3d(2, 4, (3, 2, 3), padding=padding, padding_mode=padding_mode, groups=2)
     e_conv = nn.Conv3d(2, 4, (3, 2, 3), padding=padding, padding_mode=padding_mode, groups=2)
-    e_conv.load_state_dict({k: ember.tensor(v.detach().numpy()) for k, v in t_conv.state_dict().items()})
-    (x,) = arrays(rng, "float32", (2, 2, 4, 5, 4))
-    tx, ex = torch.tensor(x, requires_grad=True), ember.tensor(x, requires_grad=True)
-    t_out, e_out = t_conv(tx), e_conv(ex)
-    np.testing.assert_allclose(e_out.numpy(), t_out.detach().numpy(), rtol=1e-5, atol=1e-5)
-    t_out.square().sum().backward()
-    e_out.square().sum().backward()
-    np.testing.assert_allclose(ex.grad.numpy(), tx.grad.numpy(), rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(e_conv.weight.grad.numpy(), t_conv.weight.grad.numpy(), rtol=1e-4, atol=1e-4)
-    assert tuple(e_conv.weight.shape) == tuple(t_conv.weight.shape)
+    check_layer_against_torch(e_conv, t_conv, *arrays(rng, "float32", (2, 2, 4, 5, 4)))
     assert f"padding_mode={padding_mode}" in repr(e_conv) or padding_mode == "zeros"
 
 
@@ -116,6 +116,117 @@ def test_conv3d_module_refuses_what_torch_refuses():
         nn.Conv3d(2, 2, 3, padding_mode="mirror")
     with pytest.raises(ValueError, match="divisible by groups"):
         nn.Conv3d(3, 2, 3, groups=2)
+
+
+def check_layer_against_torch(e_conv, t_conv, x: np.ndarray) -> None:
+    """The ember layer, on the torch layer's parameters, gives its output and the gradients of the input and of
+    every parameter."""
+    assert tuple(e_conv.weight.shape) == tuple(t_conv.weight.shape)
+    e_conv.load_state_dict({k: ember.tensor(v.detach().numpy()) for k, v in t_conv.state_dict().items()})
+    tx, ex = torch.tensor(x, requires_grad=True), ember.tensor(x, requires_grad=True)
+    t_out, e_out = t_conv(tx), e_conv(ex)
+    np.testing.assert_allclose(e_out.numpy(), t_out.detach().numpy(), rtol=1e-5, atol=1e-5)
+    t_out.square().sum().backward()
+    e_out.square().sum().backward()
+    np.testing.assert_allclose(ex.grad.numpy(), tx.grad.numpy(), rtol=1e-4, atol=1e-4)
+    for name, p in t_conv.named_parameters():
+        np.testing.assert_allclose(getattr(e_conv, name).grad.numpy(), p.grad.numpy(), rtol=1e-4, atol=1e-4,
+                                   err_msg=name)
+
+
+# -- conv_transpose3d -----------------------------------------------------------------------------
+
+CONV_TRANSPOSE3D_CASES = {  # name: (input shape, weight shape, keyword arguments)
+    "basic": ((2, 3, 3, 4, 3), (3, 4, 2, 3, 2), {}),
+    "stride-padding-output-padding": ((1, 2, 3, 2, 3), (2, 3, 3, 2, 3), {"bias": True, "stride": (2, 1, 3),
+                                                                          "padding": (1, 0, 1),
+                                                                          "output_padding": (1, 0, 2)}),
+    "dilation-groups": ((2, 4, 3, 3, 2), (4, 3, 2, 2, 3), {"dilation": (2, 1, 2), "groups": 2, "bias": True}),
+    "padding-past-the-taps": ((1, 2, 4, 2, 3), (2, 2, 3, 2, 2), {"stride": 3, "padding": 2,
+                                                                  "output_padding": (2, 1, 0), "dilation": 2}),
+    "size-one-dims": ((1, 1, 1, 1, 1), (1, 2, 1, 2, 1), {"bias": True, "stride": 2, "output_padding": 1}),
+    "unbatched": ((2, 3, 2, 2), (2, 3, 2, 2, 2), {"stride": (1, 2, 1)}),
+    "empty-batch": ((0, 2, 2, 2, 2), (2, 3, 2, 2, 2), {}),
+    "everything": pytest.param(((2, 6, 4, 3, 5), (6, 2, 3, 2, 3), {"stride": (2, 3, 1), "padding": (1, 0, 2),
+                                                                    "output_padding": (1, 2, 0),
+                                                                    "dilation": (1, 2, 2), "groups": 3,
+                                                                    "bias": True}),
+                               marks=pytest.mark.slow),
+}
+
+
+def _conv_transpose3d_inputs(rng, case, dtype):
+    return _convolution_inputs(rng, case, dtype, lambda ws, kwargs: ws[1] * kwargs.get("groups", 1))
+
+
+@pytest.mark.parametrize("case", CONV_TRANSPOSE3D_CASES.values(), ids=CONV_TRANSPOSE3D_CASES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_conv_transpose3d_and_its_gradients_match_torch(dtype, case, rng):
+    check_against_torch(_convolution("conv_transpose3d", case[2]),
+                        *_conv_transpose3d_inputs(rng, case, dtype))
+
+
+def test_float16_conv_transpose3d_matches_torch_within_float16_tolerance(rng):
+    case = CONV_TRANSPOSE3D_CASES["stride-padding-output-padding"]
+    check_against_torch(_convolution("conv_transpose3d", case[2]),
+                        *_conv_transpose3d_inputs(rng, case, "float16"))
+
+
+@pytest.mark.slow
+def test_conv_transpose3d_gradient_matches_finite_differences(rng):
+    case = CONV_TRANSPOSE3D_CASES["dilation-groups"]
+    check_finite_differences(_convolution("conv_transpose3d", case[2]),
+                             *_conv_transpose3d_inputs(rng, case, "float64"))
+
+
+@pytest.mark.parametrize("x, w, kwargs", [
+    ((1, 3, 2, 2, 2), (2, 2, 3, 3, 3), {}),  # channels
+    ((1, 3, 2, 2, 2), (3, 2, 2, 2, 2), {"groups": 2}),  # in channels not divisible by groups
+    ((1, 2, 2, 2, 2), (2, 1, 2, 2, 2), {"stride": 2, "output_padding": 2}),  # output_padding not below the stride
+    ((1, 2, 1, 1, 1), (2, 1, 1, 1, 1), {"padding": 1}),  # nothing left of the output
+    ((1, 2, 5, 5), (2, 1, 3, 3), {}),  # a 2-d weight
+], ids=["channels", "groups", "output-padding", "empty-output", "weight-rank"])
+def test_conv_transpose3d_misuse_raises_like_torch(x, w, kwargs):
+    with pytest.raises((RuntimeError, ValueError)):
+        torch.nn.functional.conv_transpose3d(torch.ones(x), torch.ones(w), **kwargs)
+    with pytest.raises((ember.ShapeError, ValueError)):
+        ember.conv_transpose3d(ember.ones(x), ember.ones(w), **kwargs)
+
+
+def test_conv_transpose3d_module_matches_torch_with_its_parameters_gradients(rng, device):
+    if device == "cuda":
+        pytest.skip("the module calls the functional form, whose kernels are tested above")
+    torch.manual_seed(0)
+    t_conv = torch.nn.ConvTranspose3d(4, 6, (2, 3, 2), stride=(2, 1, 2), padding=(0, 1, 1), output_padding=(1, 0, 1),
+                                      groups=2, dilation=(1, 2, 1))
+    e_conv = nn.ConvTranspose3d(4, 6, (2, 3, 2), stride=(2, 1, 2), padding=(0, 1, 1), output_padding=(1, 0, 1),
+                                groups=2, dilation=(1, 2, 1))
+    check_layer_against_torch(e_conv, t_conv, *arrays(rng, "float32", (2, 4, 3, 4, 3)))
+    with pytest.raises(ValueError, match="padding_mode"):
+        nn.ConvTranspose3d(2, 2, 3, padding_mode="reflect")
+
+
+@pytest.mark.parametrize("kind, shape, asked", [
+    ("ConvTranspose3d", (1, 2, 2, 3, 2), (4, 5, 4)),
+    ("ConvTranspose3d", (2, 3, 2, 2), (2, 6, 3, 4)),  # unbatched, the whole shape asked
+    ("ConvTranspose2d", (1, 2, 3, 2), (1, 2, 6, 3)),
+], ids=["3d", "3d-unbatched-whole-shape", "2d-whole-shape"])
+def test_transposed_convolution_modules_give_the_output_size_asked_as_torch(kind, shape, asked):
+    torch.manual_seed(0)
+    channels = shape[-4] if kind == "ConvTranspose3d" else shape[-3]
+    t_conv = getattr(torch.nn, kind)(channels, 2, 3, stride=2, padding=1)
+    e_conv = getattr(nn, kind)(channels, 2, 3, stride=2, padding=1)
+    e_conv.load_state_dict({k: ember.tensor(v.detach().numpy()) for k, v in t_conv.state_dict().items()})
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    expected = t_conv(torch.tensor(x), output_size=asked)
+    got = e_conv(ember.tensor(x), output_size=asked)
+    assert tuple(got.shape) == tuple(expected.shape)
+    np.testing.assert_allclose(got.numpy(), expected.detach().numpy(), rtol=1e-5, atol=1e-6)
+    too_large = tuple(n + 2 for n in asked)
+    with pytest.raises(ValueError, match="requested an output size of"):
+        t_conv(torch.tensor(x), output_size=too_large)
+    with pytest.raises(ValueError, match="requested an output size of"):
+        e_conv(ember.tensor(x), output_size=too_large)
 
 
 # -- pooling --------------------------------------------------------------------------------------
@@ -272,7 +383,7 @@ def test_3d_normalisation_layers_train_and_evaluate_as_torch(cls, rng):
 
 class Volumes(torch.nn.Module):
     """A small 3-d segmentation-style network: down through Conv3d, BatchNorm3d and MaxPool3d, back up by trilinear
-    upsampling, a skip connection, then pooled features classified."""
+    upsampling and by a ConvTranspose3d, a skip connection, then pooled features classified."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -281,11 +392,13 @@ class Volumes(torch.nn.Module):
         self.pool = torch.nn.MaxPool3d(2)
         self.mid = torch.nn.Conv3d(4, 4, (1, 3, 3), padding="same", padding_mode="replicate", groups=2)
         self.up = torch.nn.Upsample(scale_factor=2, mode="trilinear", align_corners=False)
+        self.unpool = torch.nn.ConvTranspose3d(4, 4, 2, stride=2, groups=2)
         self.head = torch.nn.Linear(4, 3)
 
     def forward(self, x):
         skip = self.down(x)
-        h = self.up(torch.nn.functional.relu(self.mid(self.pool(skip)))) + skip
+        low = torch.nn.functional.relu(self.mid(self.pool(skip)))
+        h = self.up(low) + self.unpool(low, output_size=skip.shape) + skip
         return self.head(torch.nn.functional.adaptive_avg_pool3d(h, 1).flatten(1))
 
 

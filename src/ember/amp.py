@@ -63,7 +63,8 @@ def autocast(device_type: str = "cuda", dtype: DType | None = None, enabled: boo
 # PyTorch's autocast lists, for the ops ember has: by device type, the ops run in the autocast dtype and those
 # run in float32 (binary_cross_entropy is on cpu's float32 list; on cuda PyTorch refuses it under autocast,
 # ember leaves it alone). An op on neither list runs in its inputs' dtypes.
-LOWER_PRECISION = {device_type: frozenset({"matmul", "mm", "bmm", "linear", "conv2d", "conv3d", "conv_transpose2d"})
+LOWER_PRECISION = {device_type: frozenset({"matmul", "mm", "bmm", "linear", "conv2d", "conv3d", "conv_transpose2d",
+                                              "conv_transpose3d"})
                    for device_type in ("cuda", "cpu")}
 _LOSSES = frozenset({"cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss",
                      "binary_cross_entropy_with_logits"})

@@ -17,8 +17,8 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable
 
-import ember
 from ember import nested
+from ember.frontends import strided
 from ember.frontends.aten import OPS, _placement
 from ember.ir.template import Template, recording, template
 from ember.ops.random import take_offsets
@@ -84,11 +84,14 @@ class AtenGraph:
         self.graph = graph
         missing: dict[str, None] = {}
         self.functions: dict = {}  # per call_function node: the ember function it runs
+        self.arguments: dict = {}  # per call_function node run on other arguments than its own: those
         for node in graph.nodes:
             if node.op == "call_function":
-                fn = _as_strided(node) if name_of(node.target).startswith("aten.as_strided") else lookup(node.target)
+                fn, why = lookup(node.target), ""
+                if name_of(node.target).rsplit(".", 1)[0] in strided.OPERATORS:
+                    fn, self.arguments[node], why = strided.translate(node)
                 if fn is None:
-                    missing[name_of(node.target)] = None
+                    missing[name_of(node.target) + (f" ({why})" if why else "")] = None
                 self.functions[node] = fn
                 self._check_auxiliary(node)
             elif node.op not in ("placeholder", "output", "get_attr"):
@@ -181,8 +184,8 @@ class AtenGraph:
                 env[node] = attributes[node.target]
             elif node.op == "call_function":
                 fn = self.functions[node]
-                a = _fetch(node.args, env)
-                kw = _fetch(node.kwargs, env)
+                a = _fetch(self.arguments.get(node, node.args), env)
+                kw = _fetch(node.kwargs, env) if node not in self.arguments else {}
                 try:
                     env[node] = fn(*a, **kw)
                 except Exception as error:
@@ -191,34 +194,6 @@ class AtenGraph:
             elif node.op == "output":
                 result = _fetch(node.args[0], env)
         return result
-
-
-def _as_strided(node) -> Callable | None:
-    """aten.as_strided addresses its input's memory, which only torch's strides describe (ember's values have no
-    layout): from the strides the graph records for the input, a restriding that changes nothing (the same sizes,
-    strides that differ only on dimensions of size 1) is the input itself, and a view of a contiguous input
-    gathers its elements; any other is not supported (None)."""
-    import torch
-
-    value = node.args[0].meta.get("val") if hasattr(node.args[0], "meta") else None
-    if not isinstance(value, torch.Tensor):
-        return None
-    size, stride = list(node.args[1]), list(node.args[2])
-    offset = node.args[3] if len(node.args) > 3 and node.args[3] is not None else value.storage_offset()
-    if offset == value.storage_offset() and size == list(value.shape) and all(
-            n == 1 or a == b for n, a, b in zip(size, stride, value.stride())):
-        return lambda x, *args, **kwargs: x
-    if not value.is_contiguous() or value.storage_offset() != 0:
-        return None
-
-    def gather(x, size, stride, storage_offset=None):
-        import numpy as np
-
-        where = np.full(tuple(size), storage_offset or 0, dtype=np.int64)
-        for d, (n, step) in enumerate(zip(size, stride)):
-            where = where + (np.arange(n) * step).reshape([n if i == d else 1 for i in range(len(size))])
-        return x.reshape(-1)[ember.tensor(where, device=x.device)]
-    return gather
 
 
 def _fetch(value, env):

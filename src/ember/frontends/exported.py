@@ -9,8 +9,9 @@ so `state_dict()`, `parameters()`, training and `load_state_dict` work as for th
 A program is captured at the first call in each training mode (the modes of the ember submodules are copied onto
 the torch ones first), with the first dimension of every tensor argument dynamic where torch.export allows, so
 other batch sizes run the same program; where it does not (a first call of batch 1, a model whose batch size is
-fixed), the program serves those shapes and others are captured again. Buffers the program updates (batch norm's
-running statistics) take their new values, computed with the step that follows.
+fixed, a program ember runs at static shapes only: an as_strided of symbolic layout), the program serves those
+shapes and others are captured again. Buffers the program updates (batch norm's running statistics) take their new
+values, computed with the step that follows.
 """
 
 from __future__ import annotations
@@ -111,13 +112,15 @@ class Exported(Module):
                                                (args, kwargs))
         spec = lambda v: {0: Dim.AUTO} if isinstance(v, torch.Tensor) and v.ndim else None  # noqa: E731
         dynamic = tuple(torch.utils._pytree.tree_map(spec, v) for v in (*example[0], *example[1].values()))
+        what = f"{type(self._torch).__name__} exported"
         try:
             try:
                 program = torch.export.export(self._torch, example[0], example[1],
                                               dynamic_shapes=dynamic).run_decompositions()
-            except Exception:  # a model whose first dimension cannot vary: one program for this shape
+                graph = AtenGraph(program.graph_module.graph, what)
+            except Exception:  # a first dimension that cannot vary, in torch or in ember: one program for this shape
                 program = torch.export.export(self._torch, example[0], example[1]).run_decompositions()
-            graph = AtenGraph(program.graph_module.graph, f"{type(self._torch).__name__} exported")
+                graph = AtenGraph(program.graph_module.graph, what)
         except Exception as error:
             before = f" (imported layer by layer it was refused: {'; '.join(self._problems)})" if self._problems else ""
             raise TypeError(f"from_torch: cannot import {type(self._torch).__name__} through torch.export{before}: "

@@ -15,13 +15,15 @@ the torch module holds keeps its torch name and path, used by the forward or not
 order of `parameters()` are the torch model's; a tensor held twice (a tied weight) is one ember Parameter. Each
 module keeps its own training mode.
 
-Layers: Linear, Conv1d/2d/3d, ConvTranspose2d, BatchNorm1d/2d/3d, LayerNorm, Embedding, EmbeddingBag,
+Layers: Linear, Conv1d/2d/3d, ConvTranspose1d/2d/3d, BatchNorm1d/2d/3d, LayerNorm, Embedding, EmbeddingBag,
 MaxPool2d/3d (return_indices too), MaxUnpool2d, AvgPool2d/3d, AdaptiveAvgPool2d/3d, AdaptiveMaxPool2d, Unfold, Fold,
 ReLU, LeakyReLU, Sigmoid, Tanh, GELU, SiLU, Softplus, Softmax, LogSoftmax, Identity, Dropout, Flatten, the recurrent
-layers (RNN, LSTM, GRU) and their cells, among others (the `_LAYERS` table). Anything else is an error at import
-that names it and where it sits, once: another layer the forward calls, a function or Tensor method ember does not
-have (named with the module whose forward calls it), or a forward torch.fx cannot trace (one that branches on its
-inputs' values). Where that import fails, `from_torch` runs the program torch.export captures (`via`).
+layers (RNN, LSTM, GRU) and their cells, among others (the `_LAYERS` table); torch.nn.utils.rnn's packing of
+variable-length sequences for them is recorded whole by the trace and runs as ember.nn.utils.rnn's. Anything else is
+an error at import that names it and where it sits, once: another layer the forward calls, a function or Tensor
+method ember does not have (named with the module whose forward calls it), or a forward torch.fx cannot trace (one
+that branches on its inputs' values). Where that import fails, `from_torch` runs the program torch.export captures
+(`via`).
 """
 
 from __future__ import annotations
@@ -270,11 +272,31 @@ def _function(fn):
         return None
     if fn is torch._assert:
         return _assert
+    if name in _SEQUENCE_FUNCTIONS and getattr(torch.nn.utils.rnn, name) is fn:
+        return getattr(nn.utils.rnn, name)
     if getattr(torch_f, name, None) is fn:
         return getattr(F, name, None)
     if getattr(torch, name, None) is fn:
         return getattr(ember, name, None)
     return None
+
+
+# torch.nn.utils.rnn's functions that ember has, recorded whole by the trace (torch's own code reads the lengths on
+# the host, which a trace cannot): packing and unpacking variable-length sequences for the recurrent layers
+_SEQUENCE_FUNCTIONS = ("pack_padded_sequence", "pad_packed_sequence", "pack_sequence", "pad_sequence",
+                       "unpack_sequence", "unpad_sequence")
+
+
+def _tracer():
+    """A torch.fx tracer that records the `_SEQUENCE_FUNCTIONS` as calls, whether the forward names them as
+    globals or as attributes of torch.nn.utils.rnn (or torch.nn.utils)."""
+    import torch.fx
+    import torch.nn.utils.rnn
+
+    tracer = torch.fx.Tracer(autowrap_functions=tuple(getattr(torch.nn.utils.rnn, name)
+                                                      for name in _SEQUENCE_FUNCTIONS))
+    tracer._autowrap_search += [torch.nn.utils.rnn, torch.nn.utils]
+    return tracer
 
 
 def _assert(condition, message: str) -> None:
@@ -352,11 +374,9 @@ class Traced(Module):
 
     def _trace(self, modes: tuple[bool, ...], importer: _Importer, path: str):
         """The torch module's forward traced by torch.fx with its modules in the training `modes`, or None."""
-        import torch.fx
-
         m = self._ember_torch
         kept = [(sub, sub.training) for sub in m.modules()]
-        tracer = torch.fx.Tracer()
+        tracer = _tracer()
         tracer.proxy_buffer_attributes = True  # a buffer is read where it lives (shared), not copied as a constant
         try:
             for (name, _), flag in zip(self.named_modules(), modes):
@@ -453,10 +473,12 @@ def _conv(cls):
     return convert
 
 
-def _conv_transpose2d(m, importer: _Importer) -> Module:
-    return _sharing(nn.ConvTranspose2d(m.in_channels, m.out_channels, m.kernel_size, m.stride, m.padding,
-                                       m.output_padding, m.groups, m.bias is not None, m.dilation, m.padding_mode),
-                    m, importer)
+def _conv_transpose(cls):
+    """ConvTranspose1d, 2d or 3d: the ember `cls` with the torch layer's geometry, on its parameters."""
+    def convert(m, importer: _Importer) -> Module:
+        return _sharing(cls(m.in_channels, m.out_channels, m.kernel_size, m.stride, m.padding, m.output_padding,
+                            m.groups, m.bias is not None, m.dilation, m.padding_mode), m, importer)
+    return convert
 
 
 def _batch_norm(cls):
@@ -537,7 +559,9 @@ _LAYERS = {
     "Conv1d": _conv(nn.Conv1d),
     "Conv2d": _conv(nn.Conv2d),
     "Conv3d": _conv(nn.Conv3d),
-    "ConvTranspose2d": _conv_transpose2d,
+    "ConvTranspose1d": _conv_transpose(nn.ConvTranspose1d),
+    "ConvTranspose2d": _conv_transpose(nn.ConvTranspose2d),
+    "ConvTranspose3d": _conv_transpose(nn.ConvTranspose3d),
     "BatchNorm1d": _batch_norm(nn.BatchNorm1d),
     "BatchNorm2d": _batch_norm(nn.BatchNorm2d),
     "BatchNorm3d": _batch_norm(nn.BatchNorm3d),

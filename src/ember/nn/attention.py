@@ -43,6 +43,17 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     mask = attn_mask.expand(batch + (length, keys)) if attn_mask is not None else None
     if fused_attention.fusable(q, k, v, mask):
         return fused_attention.attention(q, k, v, mask, scale, is_causal, safe=True, dropout=dropout_p)
+    weights = attention_weights(query, key, attn_mask, is_causal, scale)
+    if dropout_p > 0:
+        weights = dropout(weights, dropout_p, True)
+    return weights @ value
+
+
+def attention_weights(query: Tensor, key: Tensor, attn_mask: Tensor | None, is_causal: bool,
+                      scale: float) -> Tensor:
+    """The attention weights (..., L, S) of checked operands before dropout: softmax over the keys of the scaled
+    scores, masked; a query row no key is left to gets zeros."""
+    length, keys = query.shape[-2], key.shape[-2]
     scores = (query @ key.transpose(-2, -1)) * scale
     if is_causal:
         allowed = ones(length, keys, dtype=dtypes.bool_, device=query.device).tril()
@@ -54,9 +65,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     weights = softmax(scores, -1)
     if attn_mask is not None:  # a row masked whole: zeros, not the NaN of a softmax over -inf alone
         weights = where((scores == -math.inf).all(-1, keepdim=True), 0.0, weights)
-    if dropout_p > 0:
-        weights = dropout(weights, dropout_p, True)
-    return weights @ value
+    return weights
 
 
 def _check(fn: str, query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None, dropout_p: float,

@@ -46,6 +46,7 @@ from ember.ops import (
     conv2d,
     conv3d,
     conv_transpose2d,
+    conv_transpose3d,
     gelu,
     linear,
     max_pool2d,
@@ -80,7 +81,9 @@ from ember.tensor import Tensor, apply, composite, expect_tensors, realize
 __all__ = [
     "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d",
     "adaptive_max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d", "batch_norm", "binary_cross_entropy",
-    "binary_cross_entropy_with_logits", "conv1d", "conv2d", "conv3d", "conv_transpose2d", "cosine_similarity",
+    "binary_cross_entropy_with_logits", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
+    "conv_transpose3d",
+    "cosine_similarity",
     "cross_entropy", "dropout", "dropout2d", "elu", "embedding", "embedding_bag", "fold", "gelu", "glu", "group_norm",
     "hardsigmoid", "hardswish", "hardtanh", "huber_loss", "instance_norm", "interpolate", "kl_div", "l1_loss",
     "layer_norm", "leaky_relu", "linear", "log_softmax", "logsigmoid", "max_pool1d", "max_pool2d", "max_pool3d",
@@ -527,6 +530,20 @@ def conv1d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, 
         padding_2d = (0, _single("conv1d", "padding", padding))
     return conv2d(_with_height("conv1d", input), weight.unsqueeze(-2), bias, (1, stride), padding_2d,
                   (1, dilation), groups).squeeze(-2)
+
+
+def conv_transpose1d(input: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padding=0,
+                     output_padding=0, groups: int = 1, dilation=1) -> Tensor:
+    """1-d transposed convolution over (N, C, L) or (C, L) input with weight (C, O / groups, K), as
+    torch.nn.functional.conv_transpose1d: conv_transpose2d over a height of 1."""
+    fn = "conv_transpose1d"
+    expect_tensors(fn, weight=weight)
+    if weight.ndim != 3:
+        raise ShapeError(f"{fn}: expects weight (C, O/groups, K), got shape {weight.shape}")
+    stride, padding = _single(fn, "stride", stride), _single(fn, "padding", padding)
+    output_padding, dilation = _single(fn, "output_padding", output_padding), _single(fn, "dilation", dilation)
+    return conv_transpose2d(_with_height(fn, input), weight.unsqueeze(-2), bias, (1, stride), (0, padding),
+                            (0, output_padding), groups, (1, dilation)).squeeze(-2)
 
 
 def max_pool1d(input: Tensor, kernel_size, stride=None, padding=0, dilation=1, ceil_mode: bool = False,

@@ -180,28 +180,83 @@ class Conv3d(_PaddedConv):
         return F.conv3d(input, self.weight, self.bias, self.stride, padding, self.dilation, self.groups)
 
 
-class ConvTranspose2d(_Conv):
-    """2-d transposed convolution over (N, C, H, W) input, as torch.nn.ConvTranspose2d: the gradient of a
-    Conv2d with respect to its input. The weight is (in_channels, out_channels / groups, kH, kW)."""
+class _TransposedConv(_Conv):
+    """A transposed convolution layer with torch.nn.ConvTransposeNd's arguments: the gradient of a convolution with
+    respect to its input; the weight is (in_channels, out_channels / groups, *kernel_size). A subclass names its
+    functional form (`_convolve`) and how its int-or-tuple arguments are read (`_spatial`, by its rank)."""
+
+    _spatial = staticmethod(_pair)
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, output_padding=0,
                  groups: int = 1, bias: bool = True, dilation=1, padding_mode: str = "zeros", device=None,
                  dtype=None) -> None:
+        name = type(self).__name__
         if padding_mode != "zeros":
-            raise ValueError(f"ConvTranspose2d: only padding_mode='zeros' is supported (as torch), "
-                             f"not {padding_mode!r}")
-        super().__init__("ConvTranspose2d", in_channels, out_channels, kernel_size, stride, dilation, groups, bias,
-                         (in_channels, out_channels // groups), device, dtype)
-        self.padding, self.output_padding = _pair(padding), _pair(output_padding)
+            raise ValueError(f"{name}: only padding_mode='zeros' is supported (as torch), not {padding_mode!r}")
+        super().__init__(name, in_channels, out_channels, kernel_size, stride, dilation, groups, bias,
+                         (in_channels, out_channels // groups), device, dtype, spatial=self._spatial)
+        self.padding, self.output_padding = self._spatial(padding), self._spatial(output_padding)
 
-    def forward(self, input: Tensor) -> Tensor:
-        return F.conv_transpose2d(input, self.weight, self.bias, self.stride, self.padding, self.output_padding,
-                                  self.groups, self.dilation, memory_format=self.memory_format)
+    def _convolve(self, input: Tensor, output_padding: tuple[int, ...]) -> Tensor:
+        raise NotImplementedError(f"{type(self).__name__} names no transposed convolution")
+
+    def forward(self, input: Tensor, output_size=None) -> Tensor:
+        """The transposed convolution of `input`; `output_size` (the output's spatial size, or its whole shape)
+        chooses the output padding among the sizes this geometry can give, as torch's."""
+        return self._convolve(input, self._output_padding(input, output_size))
+
+    def _output_padding(self, input: Tensor, output_size) -> tuple[int, ...]:
+        if output_size is None:
+            return self.output_padding
+        name, rank = type(self).__name__, len(self.kernel_size)
+        size = tuple(output_size)
+        if len(size) == input.ndim:  # the whole shape: its spatial dims
+            size = size[-rank:]
+        if len(size) != rank:
+            raise ValueError(f"{name}: output_size must have {rank} or {input.ndim} elements (got {len(size)})")
+        smallest = tuple((i - 1) * s - 2 * p + d * (k - 1) + 1 for i, s, p, d, k in zip(
+            input.shape[-rank:], self.stride, self.padding, self.dilation, self.kernel_size))
+        largest = tuple(m + s - 1 for m, s in zip(smallest, self.stride))
+        if not all(m <= n <= M for m, n, M in zip(smallest, size, largest)):
+            raise ValueError(f"{name}: requested an output size of {size}, but valid sizes range from {smallest} to "
+                             f"{largest} (for an input of {input.shape[-rank:]})")
+        return tuple(n - m for n, m in zip(size, smallest))
 
     def extra_repr(self) -> str:
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
                 f"padding={self.padding}, output_padding={self.output_padding}, groups={self.groups}, "
                 f"bias={self.bias is not None}")
+
+
+class ConvTranspose1d(_TransposedConv):
+    """1-d transposed convolution over (N, C, L) input, as torch.nn.ConvTranspose1d: the gradient of a Conv1d with
+    respect to its input. The weight is (in_channels, out_channels / groups, k)."""
+
+    _spatial = staticmethod(_single)
+
+    def _convolve(self, input: Tensor, output_padding: tuple[int, ...]) -> Tensor:
+        return F.conv_transpose1d(input, self.weight, self.bias, self.stride, self.padding, output_padding,
+                                  self.groups, self.dilation)
+
+
+class ConvTranspose2d(_TransposedConv):
+    """2-d transposed convolution over (N, C, H, W) input, as torch.nn.ConvTranspose2d: the gradient of a
+    Conv2d with respect to its input. The weight is (in_channels, out_channels / groups, kH, kW)."""
+
+    def _convolve(self, input: Tensor, output_padding: tuple[int, ...]) -> Tensor:
+        return F.conv_transpose2d(input, self.weight, self.bias, self.stride, self.padding, output_padding,
+                                  self.groups, self.dilation, memory_format=self.memory_format)
+
+
+class ConvTranspose3d(_TransposedConv):
+    """3-d transposed convolution over (N, C, D, H, W) input, as torch.nn.ConvTranspose3d: the gradient of a
+    Conv3d with respect to its input. The weight is (in_channels, out_channels / groups, kD, kH, kW)."""
+
+    _spatial = staticmethod(_triple)
+
+    def _convolve(self, input: Tensor, output_padding: tuple[int, ...]) -> Tensor:
+        return F.conv_transpose3d(input, self.weight, self.bias, self.stride, self.padding, output_padding,
+                                  self.groups, self.dilation)
 
 
 class _EmbeddingTable(Module):

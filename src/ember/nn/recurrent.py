@@ -3,7 +3,9 @@ their one-step cells.
 
 A layer is written as the graph a user would write: per layer and direction, the input projections of all time
 steps are one matmul, then a Python loop over time applies the recurrence (one small matmul and the gates per
-step) and stacks the outputs. Autograd differentiates that graph like any other. Parameter names, shapes, order
+step) and joins the outputs. A padded batch and a PackedSequence (ember.nn.utils.rnn) run the same loop over the
+packed layout: at each step only the sequences still running (a prefix of the batch, longest first) are
+stepped, the others keep their state. Autograd differentiates that graph like any other. Parameter names, shapes, order
 and initialisation (uniform in ±1/sqrt(hidden_size)) are PyTorch's, so `load_state_dict(torch_model.state_dict())`
 fits and `from_torch` shares them.
 """
@@ -14,12 +16,15 @@ import math
 import warnings
 from collections.abc import Callable
 
+import numpy as np
+
 from ember import dtypes
 from ember.errors import DTypeError, ShapeError, operands
 from ember.nn import functional as F
 from ember.nn import init
 from ember.nn.module import Module, Parameter
-from ember.ops import linear, sigmoid, tanh
+from ember.nn.utils.rnn import PackedSequence, batch_sizes_of, step_starts
+from ember.ops import index_select, linear, sigmoid, tanh
 from ember.ops.activations import relu
 from ember.ops.creation import empty, zeros
 from ember.ops.movement import cat, stack
@@ -166,41 +171,76 @@ class RNNBase(Module):
         h = (stacked, *batch, self.proj_size or self.hidden_size)
         return (h, (stacked, *batch, self.hidden_size)) if self.mode == "LSTM" else (h,)
 
-    def _initial_state(self, layer: str, input: Tensor, hx, batched: bool) -> State:
-        batch = (input.shape[0] if self.batch_first else input.shape[1],) if batched else ()
+    def _initial_state(self, layer: str, hx, batch: tuple[int, ...], input: Tensor, input_kind: str) -> State:
+        """h_0 (and c_0 for LSTM) as (layers * directions, N, size): `hx` checked against a batch of `batch`
+        (empty when unbatched: given without N, returned with N = 1) and the `input` (named as `input_kind`), or
+        zeros of its dtype."""
         shapes = self._state_shapes(batch)
         if hx is None:
             state = tuple(zeros(shape, dtype=input.dtype, device=input.device) for shape in shapes)
-            return state if batched else tuple(t.unsqueeze(1) for t in state)
+            return state if batch else tuple(t.unsqueeze(1) for t in state)
         if self.mode == "LSTM" and (not isinstance(hx, (tuple, list)) or len(hx) != 2):
             raise TypeError(f"{layer}: hx must be a tuple (h_0, c_0), got {type(hx).__name__}")
         given = tuple(hx) if self.mode == "LSTM" else (hx,)
         expect_tensors(layer, **{name: t for name, t in zip(("h_0", "c_0"), given)})
         expected = " and ".join(str(shape) for shape in shapes)
-        if any(t.ndim != input.ndim for t in given):
-            raise ShapeError(f"{layer}: for {'batched 3-d' if batched else 'unbatched 2-d'} input, the hidden state "
-                             f"must have {input.ndim} dims too: expected {expected}, got {operands(*given)}")
+        if any(t.ndim != len(shapes[0]) for t in given):
+            raise ShapeError(f"{layer}: for {input_kind}, the hidden state must have {len(shapes[0])} dims "
+                             f"too: expected {expected}, got {operands(*given)}")
         if any(t.shape != shape for t, shape in zip(given, shapes)):
-            raise ShapeError(f"{layer}: expected hidden state of shape {expected} for input of shape {input.shape}, "
-                             f"got {operands(*given)}")
+            raise ShapeError(f"{layer}: expected hidden state of shape {expected} for {input_kind} of shape "
+                             f"{input.shape}, got {operands(*given)}")
         _check_dtype(layer, input, self.weight_ih_l0, *given)
-        return given if batched else tuple(t.unsqueeze(1) for t in given)
+        return given if batch else tuple(t.unsqueeze(1) for t in given)
 
-    def forward(self, input: Tensor, hx=None):
+    def forward(self, input: Tensor | PackedSequence, hx=None):
         """(output, h_n), or (output, (h_n, c_n)) for LSTM: the last layer's outputs at every step, both directions
-        side by side, and each layer's and direction's final state."""
+        side by side, and each layer's and direction's final state. For a PackedSequence the output is packed as
+        the input, and each sequence's final state is the one at its own last step (at step 0 in reverse)."""
         layer = type(self).__name__
+        if isinstance(input, PackedSequence):
+            return self._forward_packed(layer, input, hx)
         _check_input(layer, input, self.input_size, self.weight_ih_l0, (2, 3),
                      f"2 dims (L, input_size) or 3 dims ({'N, L' if self.batch_first else 'L, N'}, input_size)")
         batched = input.ndim == 3
-        state = self._initial_state(layer, input, hx, batched)
         if not batched:
             x = input.unsqueeze(1)  # (L, N, features) throughout, N = 1 here
         else:
             x = input.transpose(0, 1) if self.batch_first else input
-        if x.shape[0] == 0:
+        steps, batch = x.shape[:2]
+        if steps == 0:
             raise ShapeError(f"{layer}: expected a sequence of at least one step, got {operands(input)}")
+        state = self._initial_state(layer, hx, (batch,) if batched else (), input,
+                                    f"{'batched 3-d' if batched else 'unbatched 2-d'} input")
+        data, last = self._run(x.reshape(steps * batch, x.shape[2]), state, [batch] * steps)
+        x = data.reshape(steps, batch, data.shape[-1])
+        if not batched:
+            output, last = x.squeeze(1), tuple(t.squeeze(1) for t in last)
+        else:
+            output = x.transpose(0, 1) if self.batch_first else x
+        return output, (last if self.mode == "LSTM" else last[0])
+
+    def _forward_packed(self, layer: str, packed: PackedSequence, hx):
+        """forward over a PackedSequence: h_0 given in the batch's own order, as torch takes it, and h_n so too."""
+        counts = batch_sizes_of(packed)
+        data = packed.data
+        _check_input(layer, data, self.input_size, self.weight_ih_l0, (2,),
+                     "a PackedSequence whose data has 2 dims (sum of the lengths, input_size)")
+        state = self._initial_state(layer, hx, (int(counts[0]),), data, "PackedSequence data")
+        if packed.sorted_indices is not None:
+            state = tuple(index_select(t, 1, packed.sorted_indices.to(t.device)) for t in state)
+        out, last = self._run(data, state, counts.tolist())
+        if packed.unsorted_indices is not None:
+            last = tuple(index_select(t, 1, packed.unsorted_indices.to(t.device)) for t in last)
+        output = PackedSequence(out, packed.batch_sizes, packed.sorted_indices, packed.unsorted_indices)
+        return output, (last if self.mode == "LSTM" else last[0])
+
+    def _run(self, x: Tensor, state: State, batch_sizes: list[int]) -> tuple[Tensor, State]:
+        """Every layer and direction over a sequence laid out as a PackedSequence's data: x holds each step's rows
+        in turn, `batch_sizes[t]` of them, the first that many of the batch (a padded batch: all of them at every
+        step). Returns the last layer's outputs in x's layout and the final states stacked as `state`."""
         step = STEPS[self.mode]
+        starts = step_starts(np.array(batch_sizes)).tolist()
         finals: list[State] = []
         for k in range(self.num_layers):
             outputs = []
@@ -209,21 +249,21 @@ class RNNBase(Module):
                 index = k * self._directions + direction
                 s = tuple(t[index] for t in state)
                 gi = linear(x, w_ih, b_ih)  # every step's input projection in one matmul
-                ys: list[Tensor] = [None] * x.shape[0]
-                for t in (reversed(range(x.shape[0])) if direction else range(x.shape[0])):
-                    s = step(gi[t], s, w_hh, b_hh, w_hr)
-                    ys[t] = s[0]
-                outputs.append(stack(ys))
+                ys: list[Tensor] = [None] * len(batch_sizes)
+                for t in (reversed(range(len(batch_sizes))) if direction else range(len(batch_sizes))):
+                    n = batch_sizes[t]
+                    if n == s[0].shape[0]:
+                        s = step(gi[starts[t]:starts[t] + n], s, w_hh, b_hh, w_hr)
+                    else:  # the sequences past their end keep their state
+                        running = step(gi[starts[t]:starts[t] + n], tuple(h[:n] for h in s), w_hh, b_hh, w_hr)
+                        s = tuple(cat([new, h[n:]]) for new, h in zip(running, s))
+                    ys[t] = s[0][:n]
+                outputs.append(cat(ys) if len(ys) > 1 else ys[0])
                 finals.append(s)
             x = cat(outputs, -1) if len(outputs) > 1 else outputs[0]
             if self.dropout and self.training and k < self.num_layers - 1:
                 x = F.dropout(x, self.dropout, True)
-        last = tuple(stack([s[i] for s in finals]) for i in range(len(state)))
-        if not batched:
-            output, last = x.squeeze(1), tuple(t.squeeze(1) for t in last)
-        else:
-            output = x.transpose(0, 1) if self.batch_first else x
-        return output, (last if self.mode == "LSTM" else last[0])
+        return x, tuple(stack([s[i] for s in finals]) for i in range(len(state)))
 
     def extra_repr(self) -> str:
         text = f"{self.input_size}, {self.hidden_size}"

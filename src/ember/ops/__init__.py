@@ -17,7 +17,7 @@ from ember.ops.activations import (
     softplus,
 )
 from ember.ops.contraction import bmm, conv2d, conv_transpose2d, dot, einsum, linear, matmul, mm, outer
-from ember.ops.conv3d import conv3d
+from ember.ops.conv3d import conv3d, conv_transpose3d
 from ember.ops.creation import (
     arange,
     empty,
@@ -265,7 +265,7 @@ __all__ = [
     "addcdiv", "addcmul", "all", "amax", "amin", "any", "arange", "argmax", "argmin", "argsort", "avg_pool2d",
     "avg_pool3d", "bernoulli", "bitwise_and", "bitwise_not", "bitwise_or",
     "bitwise_xor", "bmm", "broadcast_shapes", "broadcast_to", "cat", "ceil", "chunk", "clamp", "clip", "clone",
-    "concat", "concatenate", "contiguous", "conv2d", "conv3d", "conv_transpose2d",
+    "concat", "concatenate", "contiguous", "conv2d", "conv3d", "conv_transpose2d", "conv_transpose3d",
     "cos", "count_nonzero", "cumsum", "div", "divide", "dot", "dropout", "einsum",
     "elu", "embedding", "empty", "empty_like", "eq", "erf", "exp", "exp2", "expand", "expm1", "eye",
     "flatten", "flip", "fliplr", "flipud", "floor", "floor_divide", "fmod", "from_dlpack", "from_numpy", "full",

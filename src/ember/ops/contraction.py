@@ -427,23 +427,8 @@ def conv_transpose2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stri
     stride, dilation = _pair("conv_transpose2d", "stride", stride), _pair("conv_transpose2d", "dilation", dilation)
     padding = _pair("conv_transpose2d", "padding", padding)
     output_padding = _pair("conv_transpose2d", "output_padding", output_padding)
-    if min(stride) < 1 or min(dilation) < 1 or min(padding) < 0 or min(output_padding) < 0 or groups < 1:
-        raise ValueError(f"conv_transpose2d: invalid stride {stride}, padding {padding}, output_padding "
-                         f"{output_padding}, dilation {dilation} or groups {groups}")
-    if any(op >= s for op, s in zip(output_padding, stride)):
-        raise ValueError(f"conv_transpose2d: output_padding {output_padding} must be smaller than the stride "
-                         f"{stride} (ember does not take the larger output_padding torch allows below the dilation)")
-    n, c, h, w = x.shape
-    cin, og, kh, kw = weight.shape
-    if c != cin or cin % groups:
-        raise ShapeError(f"conv_transpose2d: input of shape {x.shape} ({c} channels) does not fit weight of shape "
-                         f"{weight.shape} with groups={groups} (expected {cin} input channels, divisible by "
-                         f"{groups})")
-    size = tuple((i - 1) * s - 2 * p + d * (k - 1) + op + 1
-                 for i, s, p, d, k, op in zip((h, w), stride, padding, dilation, (kh, kw), output_padding))
-    if min(size) <= 0:
-        raise ShapeError(f"conv_transpose2d: input of shape {x.shape} with padding {padding} gives an output of "
-                         f"size {size}")
+    size = transposed_output_size("conv_transpose2d", x, weight, stride, padding, output_padding, dilation, groups)
+    og = weight.shape[1]
     out = apply(Op.CONV2D_INPUT_GRAD, x, weight, input_size=size, stride=stride, padding=padding,
                 dilation=dilation, groups=groups, **_layout_request("conv_transpose2d", memory_format))
     if bias is not None:
@@ -452,6 +437,27 @@ def conv_transpose2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stri
             raise ShapeError(f"conv_transpose2d: bias must have shape ({og * groups},), got {bias.shape}")
         out = out + reshape(bias, (1, og * groups, 1, 1))
     return squeeze(out, 0) if unbatched else out
+
+
+def transposed_output_size(op: str, x: Tensor, weight: Tensor, stride: tuple[int, ...], padding: tuple[int, ...],
+                           output_padding: tuple[int, ...], dilation: tuple[int, ...], groups: int) -> tuple[int, ...]:
+    """The spatial size of a transposed convolution's output, its arguments (one int per spatial axis) checked
+    against the batched input x (N, C, *spatial) and the weight (C, O/groups, *kernel)."""
+    if min(stride) < 1 or min(dilation) < 1 or min(padding) < 0 or min(output_padding) < 0 or groups < 1:
+        raise ValueError(f"{op}: invalid stride {stride}, padding {padding}, output_padding {output_padding}, "
+                         f"dilation {dilation} or groups {groups}")
+    if any(extra >= s for extra, s in zip(output_padding, stride)):
+        raise ValueError(f"{op}: output_padding {output_padding} must be smaller than the stride {stride} (ember "
+                         f"does not take the larger output_padding torch allows below the dilation)")
+    c, cin = x.shape[1], weight.shape[0]
+    if c != cin or cin % groups:
+        raise ShapeError(f"{op}: input of shape {x.shape} ({c} channels) does not fit weight of shape {weight.shape} "
+                         f"with groups={groups} (expected {cin} input channels, divisible by {groups})")
+    size = tuple((i - 1) * s - 2 * p + d * (k - 1) + extra + 1 for i, s, p, d, k, extra
+                 in zip(x.shape[2:], stride, padding, dilation, weight.shape[2:], output_padding))
+    if min(size) <= 0:
+        raise ShapeError(f"{op}: input of shape {x.shape} with padding {padding} gives an output of size {size}")
+    return size
 
 
 # -- the contraction primitives -----------------------------------------------------------------------

@@ -1,19 +1,26 @@
-"""conv3d, as torch.nn.functional.conv3d, built on the CONV2D primitive: no primitive of its own.
+"""conv3d and conv_transpose3d, as torch.nn.functional's, built on the CONV2D primitives: no primitive of their own.
 
 A 3-d convolution's depth taps are gathered into channels: for each output depth, the kD input slices its kernel
 reads are stacked beside each input channel, so one conv2d over (N * D_out, C * kD, H, W) with the weight
 (O, C/groups * kD, kH, kW) — a free reshape of (O, C/groups, kD, kH, kW) — computes it. That is one vendor
 convolution per conv3d (cuDNN's on a GPU) and one for each of its gradients; the price is the gathered input,
 kD * D_out / D times the input's size. Its gradients are conv2d's and the movement ops' (the taps' gradients add
-back into the input by the slices' adjoints)."""
+back into the input by the slices' adjoints).
+
+conv_transpose3d is the mirror image: its depth taps are spread out of channels. One transposed conv2d over the
+input's depth slices (N * D, C, H, W) with the weight (C, O/groups * kD, kH, kW) gives, for every input slice, the
+kD output slices it feeds; tap t of input slice i lands at output depth i * stride + t * dilation, so each tap's
+slices are spread by the stride, shifted by its offset and the taps summed, then the padding cropped. That is one
+vendor transposed convolution (cuDNN's backward-data) per conv_transpose3d, and its gradients are that primitive's
+and the movement ops'."""
 
 from __future__ import annotations
 
 from ember import amp
 from ember.errors import ShapeError
-from ember.ops.contraction import batched, conv2d, conv_out_size
-from ember.ops.movement import pad, pad_axis, permute, reshape, slice_axis, squeeze, stack
-from ember.tensor import Tensor
+from ember.ops.contraction import batched, conv2d, conv_out_size, conv_transpose2d, transposed_output_size
+from ember.ops.movement import dilate_axis, pad, pad_axis, permute, reshape, slice_axis, squeeze, stack
+from ember.tensor import Tensor, expect_tensors
 
 
 def triple(op: str, name: str, v) -> tuple[int, int, int]:
@@ -73,4 +80,36 @@ def conv3d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padd
     planes = reshape(gathered, (n * do, c * kd) + x.shape[3:])
     out = conv2d(planes, reshape(weight, (o, cg * kd, kh, kw)), bias, stride[1:], padding[1:], dilation[1:], groups)
     out = permute(reshape(out, (n, do, o, ho, wo)), (0, 2, 1, 3, 4))
+    return squeeze(out, 0) if unbatched else out
+
+
+@amp.autocast_op("conv_transpose3d")
+def conv_transpose3d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padding=0, output_padding=0,
+                     groups: int = 1, dilation=1) -> Tensor:
+    """3-d transposed convolution over (N, C, D, H, W) input (or (C, D, H, W), unbatched), as
+    torch.nn.functional.conv_transpose3d: the gradient of a conv3d with respect to its input. The weight is
+    (in_channels, out_channels / groups, kD, kH, kW)."""
+    op = "conv_transpose3d"
+    x, unbatched = batched(op, x, weight, "(C, O/groups, kD, kH, kW)", "D, H, W")
+    stride, padding = triple(op, "stride", stride), triple(op, "padding", padding)
+    output_padding, dilation = triple(op, "output_padding", output_padding), triple(op, "dilation", dilation)
+    size = transposed_output_size(op, x, weight, stride, padding, output_padding, dilation, groups)
+    n, c, d, h, w = x.shape
+    cin, og, kd, kh, kw = weight.shape
+    o = og * groups
+    planes = reshape(permute(x, (0, 2, 1, 3, 4)), (n * d, c, h, w))
+    spread = conv_transpose2d(planes, reshape(weight, (cin, og * kd, kh, kw)), None, stride[1:], padding[1:],
+                              output_padding[1:], groups, dilation[1:])  # (N * D, O * kD, H_out, W_out)
+    spread = reshape(spread, (n, d, o, kd) + size[1:])
+    placed = (d - 1) * stride[0] + 1  # the depth one tap's slices span, spread by the stride
+    full = placed + dilation[0] * (kd - 1)  # the output's depth before the padding is cropped
+    taps = [pad_axis(dilate_axis(spread[:, :, :, t], 1, stride[0]), 1, t * dilation[0],
+                     full - placed - t * dilation[0]) for t in range(kd)]
+    out = pad_axis(sum(taps[1:], taps[0]), 1, -padding[0], output_padding[0] - padding[0])
+    out = permute(out, (0, 2, 1, 3, 4))  # (N, O, D_out, H_out, W_out)
+    if bias is not None:
+        expect_tensors(op, bias=bias)
+        if bias.shape != (o,):
+            raise ShapeError(f"{op}: bias must have shape ({o},), got {bias.shape}")
+        out = out + reshape(bias, (1, o, 1, 1, 1))
     return squeeze(out, 0) if unbatched else out

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 onnx = pytest.importorskip("onnx")
-from onnx import TensorProto, helper  # noqa: E402
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 import ember  # noqa: E402
 
@@ -117,6 +117,30 @@ def test_importing_and_running_on_the_cpu_loads_neither_torch_nor_triton():
             "m = ember.from_onnx(helper.make_model(g)); print(m(ember.tensor(np.ones(2, np.float32))).numpy());"
             "assert 'torch' not in sys.modules and 'triton' not in sys.modules, 'loaded'")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+@pytest.mark.parametrize("pads", [[1, 0, 2, 1, 0, 2], [1, 1, 1, 1, 1, 1]], ids=["asymmetric", "symmetric"])
+def test_volumetric_convolutions_import_as_torchs_conv3d_and_conv_transpose3d(pads):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 4, 5, 6, 3)).astype(np.float32)
+    w = rng.standard_normal((6, 2, 3, 2, 3)).astype(np.float32)  # two groups
+    wt = rng.standard_normal((6, 3, 2, 3, 2)).astype(np.float32)
+    b = rng.standard_normal(6).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["y"], group=2, pads=pads, strides=[2, 1, 1],
+                              dilations=[1, 2, 1]),
+             helper.make_node("ConvTranspose", ["y", "wt"], ["z"], group=2, strides=[2, 1, 2], pads=[0, 1, 0, 0, 0, 1],
+                              output_padding=[1, 0, 1])]
+    graph = helper.make_graph(nodes, "volumetric", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape)],
+                              [helper.make_tensor_value_info("z", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(w, "w"), numpy_helper.from_array(wt, "wt"),
+                               numpy_helper.from_array(b, "b")])
+    got = ember.from_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))(ember.tensor(x))
+    padded = torch.nn.functional.pad(torch.tensor(x), [p for i in (2, 1, 0) for p in (pads[i], pads[i + 3])])
+    y = torch.nn.functional.conv3d(padded, torch.tensor(w), torch.tensor(b), (2, 1, 1), 0, (1, 2, 1), 2)
+    z = torch.nn.functional.conv_transpose3d(y, torch.tensor(wt), None, (2, 1, 2), 0, (1, 0, 1), 2)
+    z = z[:, :, :, 1:, :-1]  # ONNX's pads crop the full output: one row of H before, one column of W after
+    np.testing.assert_allclose(got.numpy(), z.numpy(), rtol=1e-4, atol=1e-4)
 
 
 def _torchvision_models():

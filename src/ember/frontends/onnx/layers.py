@@ -60,12 +60,15 @@ def _as_2d(x, rank: int):
 def _conv(n: NodeContext, x, weight, bias=None):
     kernel = list(weight.shape[2:])
     rank = len(kernel)
-    if rank not in (1, 2):
-        raise n.unsupported(f"a {rank}-d convolution (ember convolves 1-d and 2-d images)")
+    if rank not in (1, 2, 3):
+        raise n.unsupported(f"a {rank}-d convolution (ember convolves 1-d, 2-d and 3-d images)")
     strides, dilations, before, after = _spatial(n, x, kernel)
     symmetric = before == after
     if not symmetric:
         x = _pad_spatial(x, before, after)
+    if rank == 3:
+        return ember.conv3d(x, weight, bias, tuple(strides), tuple(before) if symmetric else 0, tuple(dilations),
+                            n.attr("group", 1))
     pair = (lambda v, one=1: (one, *v)) if rank == 1 else (lambda v, one=1: tuple(v))
     out = ember.conv2d(_as_2d(x, rank), _as_2d(weight, rank), bias, pair(strides),
                        pair(before if symmetric else [0] * rank, 0), pair(dilations), n.attr("group", 1))
@@ -75,8 +78,8 @@ def _conv(n: NodeContext, x, weight, bias=None):
 def _conv_transpose(n: NodeContext, x, weight, bias=None):
     kernel = list(weight.shape[2:])
     rank = len(kernel)
-    if rank not in (1, 2):
-        raise n.unsupported(f"a {rank}-d transposed convolution (ember convolves 1-d and 2-d images)")
+    if rank not in (1, 2, 3):
+        raise n.unsupported(f"a {rank}-d transposed convolution (ember convolves 1-d, 2-d and 3-d images)")
     strides = n.attr("strides") or [1] * rank
     dilations = n.attr("dilations") or [1] * rank
     extra = list(n.attr("output_padding") or [0] * rank)
@@ -94,10 +97,13 @@ def _conv_transpose(n: NodeContext, x, weight, bias=None):
                 extra[i], full[i], total = extra[i] - total, wanted[i], 0
             small, large = total // 2, total - total // 2
             before[i], after[i] = (small, large) if auto != "SAME_LOWER" else (large, small)
-    pair = (lambda v: (1, *v)) if rank == 1 else tuple
-    out = ember.conv_transpose2d(_as_2d(x, rank), _as_2d(weight, rank), None, pair(strides), 0,
-                                 (0, 0), n.attr("group", 1), pair(dilations))
-    out = out.squeeze(2) if rank == 1 else out
+    if rank == 3:
+        out = ember.conv_transpose3d(x, weight, None, tuple(strides), 0, 0, n.attr("group", 1), tuple(dilations))
+    else:
+        pair = (lambda v: (1, *v)) if rank == 1 else tuple
+        out = ember.conv_transpose2d(_as_2d(x, rank), _as_2d(weight, rank), None, pair(strides), 0,
+                                     (0, 0), n.attr("group", 1), pair(dilations))
+        out = out.squeeze(2) if rank == 1 else out
     for i in range(rank):  # output_padding's rows get no contribution: zeros (and the bias)
         if extra[i]:
             pad = [0, 0] * (rank - 1 - i) + [0, extra[i]]

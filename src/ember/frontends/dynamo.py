@@ -57,7 +57,8 @@ def replay_report() -> list[str]:
     lines = []
     for number, step in sorted(_replayed.items()):
         stats = step.stats
-        why = "; ".join(step.why_not_replayed) or "replayed as CUDA graphs"
+        why = "; ".join(step.why_not_replayed) or ("replayed as CUDA graphs" if stats["replays"] else
+                                                   "not replayed yet (recorded from its second call)")
         lines.append(f"graph {number}: {stats['calls']} calls, {stats['replays']} replayed: {why}")
     return lines
 

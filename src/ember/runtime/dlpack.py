@@ -91,7 +91,8 @@ def nodes_on_torch(tensors: list, device: Device) -> list[Node]:
     hundreds of inputs every call): their buffers as they are, where `device`'s memory is theirs (a GPU's, or the
     CPU's where the cuda device runs through the interpreter); a tensor that is not contiguous is copied."""
     by_dtype = _torch_dtypes()
-    return [Node.from_buffer(t if t.is_contiguous() else t.contiguous(), by_dtype[t.dtype], device) for t in tensors]
+    return [Node.from_buffer(t if t.is_contiguous() else t.contiguous(), by_dtype.get(t.dtype) or _dtype_of(t.dtype),
+                             device) for t in tensors]
 
 
 def torch_buffers(nodes: list[Node]) -> list:

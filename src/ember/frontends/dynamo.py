@@ -47,8 +47,11 @@ def backend(gm, example_inputs, options: dict | None = None):
     if unknown or options.get("device", "cuda") != "cuda":
         raise ValueError(f'torch.compile(backend="ember"): options {options} not understood; known: "device": "cuda"')
     compile_graph = functools.partial(_compile, on_cuda=options.get("device") == "cuda")
+    # inputs a graph updates (parameters and momenta in an optimizer step, a batch norm's running statistics) stay
+    # writes in the graph, made by ember at its end in one batched copy, not one torch copy_ per tensor after it
     return aot_autograd(fw_compiler=compile_graph, bw_compiler=compile_graph, inference_compiler=compile_graph,
-                        decompositions=core_aten_decompositions())(gm, example_inputs)
+                        decompositions=core_aten_decompositions(), keep_inference_input_mutations=True)(
+        gm, example_inputs)
 
 
 def replay_report() -> list[str]:
@@ -67,6 +70,7 @@ def _compile(gm, example_inputs, on_cuda: bool = False):
     """A boxed callable running the ATen graph `gm` on ember (AOTAutograd passes the inputs as one list)."""
     import torch
 
+    writes = _written_inputs(gm.graph)
     graph = AtenGraph(gm.graph, "graph torch.compile captured")
     torch_device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
     device = _ember_device(torch_device, on_cuda)
@@ -84,12 +88,31 @@ def _compile(gm, example_inputs, on_cuda: bool = False):
         _replayed[next(_numbers)] = step
 
     def run(args: list) -> list:
+        written = [args[p].detach() for p in writes]
         inputs = to_ember(args)
         args.clear()  # AOTAutograd's boxed convention: the inputs can be freed as soon as they are read
-        return _to_torch(step(*inputs), torch_device)
+        outputs = list(step(*inputs))
+        kept = len(outputs) - len(writes)
+        return _to_torch(outputs[:kept], torch_device, list(zip(written, outputs[kept:])))
 
     run._boxed_call = True
     return run
+
+
+def _written_inputs(graph) -> list[int]:
+    """The positions of the inputs `graph` writes (`aten.copy_` into a placeholder, where AOTAutograd keeps an
+    input's update in the graph); each one's last value is made an output of the graph, after its own."""
+    import torch
+
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    last = {}
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target is torch.ops.aten.copy_.default and n.args[0].op == "placeholder":
+            last[n.args[0]] = n
+    if last:
+        output = next(n for n in graph.nodes if n.op == "output")
+        output.args = ((*output.args[0], *last.values()),)
+    return [placeholders.index(p) for p in last]
 
 
 def _ember_device(torch_device, on_cuda: bool) -> Device | None:
@@ -123,17 +146,21 @@ def _to_ember(values: list, device: Device | None) -> list:
     return [Tensor(next(nodes)) if isinstance(v, torch.Tensor) else v for v in values]
 
 
-def _to_torch(outputs, device) -> list:
+def _to_torch(outputs: list, device, writes: list[tuple]) -> list:
+    """The graph's outputs as torch tensors, once `writes` (torch tensor, its new value) are made."""
     import torch
 
-    outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
     tensors = [o for o in outputs if isinstance(o, Tensor)]
-    realize(*tensors)
-    if tensors and tensors[0].device.type == "cuda":
+    realize(*tensors, *[value for _, value in writes])
+    if any(t.device.type == "cuda" for t in tensors + [value for _, value in writes]):
         from ember.runtime import dlpack  # torch: only for the cuda device
 
+        if writes:
+            torch._foreach_copy_([t for t, _ in writes], [value._node.buffer for _, value in writes])
         shared = iter(dlpack.torch_buffers([t._node for t in tensors]))
     else:
+        for target, value in writes:
+            target.copy_(torch.from_dlpack(value))
         shared = iter([torch.from_dlpack(t) for t in tensors])
     result = []
     for o in outputs:

@@ -3,8 +3,8 @@
 Registered under torch's backend entry point (`torch_dynamo_backends`), so `backend="ember"` works once ember is
 installed. TorchDynamo captures the Python; AOTAutograd splits each captured graph into a forward and a backward
 graph of core ATen operators (torch's decompositions applied to the rest) and functionalizes them; each graph is
-run by `ember.frontends.aten_graph.AtenGraph` on ember tensors that share the memory of torch's (DLPack, no
-copies), built from its template after the first call and realized as one ember plan per call: its operators fused
+run by `ember.frontends.aten_graph.AtenGraph` on ember tensors that share the memory of torch's (no copies),
+built from its template after the first call and realized as one ember plan per call: its operators fused
 by ember's compiler, its plans cached, and on a GPU each graph's calls replayed as CUDA graphs (ember.jit; the
 results torch keeps get buffers of their own). What dynamo cannot capture runs in torch between the graphs (graph
 breaks), as with any backend; an optimizer step dynamo captures is one more graph.
@@ -16,7 +16,8 @@ Options (`torch.compile(..., backend="ember", options={...})`):
 
 What a call costs besides its plans is the boundary: a ResNet-50 step passes some 1,100 torch tensors into its
 graphs and takes some 1,000 back. Each is wrapped as an ember node on its memory (no DLPack capsule, no
-per-tensor checks), and results that live in buffers a later replay writes are copied out in one batched copy.
+per-tensor checks), results that live in buffers a later replay writes are copied out in one batched copy, and the
+inputs a graph updates (parameters, momenta, running statistics) are written in one batched copy at its end.
 `replay_report()` says, per compiled graph, whether its calls replay and whether as CUDA graphs.
 """
 

@@ -216,6 +216,45 @@ def device_ms(step: Callable[[], object], warmup: int, reps: int) -> float:
     return sum(durations) / 1e3 / max(reps, 1) if durations else math.nan
 
 
+# GPU kernels by who wrote them, from their names: ember's generated kernels are named ember_<kind>_<digest>
+_KERNEL_KINDS = (("cuDNN convolution", ("conv", "cudnn", "implicit_gemm", "dgrad", "wgrad", "fprop", "nhwc", "nchw")),
+                 ("cuBLAS matmul", ("gemm", "cutlass", "cublas")),
+                 ("copies, fills and foreach (torch)", ("copy", "memcpy", "memset", "fill", "multi_tensor_apply")))
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a GPU kernel, from its name: "ember <kind>" for ember's generated ones."""
+    if name.startswith("ember_"):
+        return f"ember {name.split('_')[1]}"
+    lowered = name.lower()
+    return next((kind for kind, words in _KERNEL_KINDS if any(w in lowered for w in words)), "other (torch)")
+
+
+def step_breakdown(step: Callable[[], object], reps: int) -> dict:
+    """Where a warm step's time goes, on a GPU: "wall" ms per step (back to back, until the GPU is done),
+    "host" ms per step (until the calls return, the GPU left to finish), "gpu" ms of device work per step, and
+    "kinds": that device time by kernel kind (kernel_kind), with launch counts. Device time well below the wall
+    time means the host issues the work slower than the GPU runs it."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        step()
+    host = (time.perf_counter() - start) * 1e3 / reps
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) * 1e3 / reps
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            step()
+        torch.cuda.synchronize()
+    kinds: dict[str, list] = {}
+    for event in prof.events():
+        if event.device_type == DeviceType.CUDA and not event.is_user_annotation:
+            entry = kinds.setdefault(kernel_kind(event.name), [0.0, 0])
+            entry[0] += event.self_device_time_total / 1e3 / reps
+            entry[1] += 1 / reps
+    return {"wall": wall, "host": host, "gpu": sum(ms for ms, _ in kinds.values()), "kinds": kinds}
+
+
 def graph_gpu_ms(step: Callable[[], object], reps: int) -> float:
     """GPU time of one step alone: its launches captured in a CUDA graph, replays timed."""
     graph = torch.cuda.CUDAGraph()

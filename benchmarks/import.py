@@ -13,6 +13,12 @@ directories for a cold start). Every variant's first losses are checked against 
     python benchmarks/import.py                      # on a CUDA GPU, appended to RESULTS.md
     python benchmarks/import.py --rows gpt2 --skip "ember.jit from_torch"
     python benchmarks/import.py --cpu-smoke          # no GPU: tiny models, every code path, times mean nothing
+    python benchmarks/import.py --rows resnet50 --skip "ember.jit from_torch" --breakdown
+                                                     # and where each variant's step time goes (GPU only)
+
+--breakdown adds, per variant, its host time per step (until the calls return) against its wall time, its GPU time
+by kernel kind (ember's generated kernels by kind, cuDNN convolutions, cuBLAS matmuls, copies and fills, other
+torch kernels) from torch.profiler, and for the ember backend whether each of its graphs replays as CUDA graphs.
 """
 
 from __future__ import annotations
@@ -142,7 +148,32 @@ def variant_line(row: str, variant: str, base, x, y, optimizer, args) -> dict:
     else:
         step = guarded(f"{row} {variant} (setup)", lambda: torch_step(model, optimizer, backend))
     result = guarded(f"{row} {variant}", lambda: measure(step, x, y, args.cpu_smoke, args.reps)) if step else None
-    return {"row": row, "variant": variant, **(result or {})}
+    line = {"row": row, "variant": variant, **(result or {})}
+    if result and args.breakdown and not args.cpu_smoke:
+        from common import step_breakdown
+
+        line["breakdown"] = guarded(f"{row} {variant} (breakdown)", lambda: step_breakdown(lambda: step(x, y),
+                                                                                            args.reps))
+        if backend == "ember":
+            from ember.frontends import dynamo
+
+            line["replays"] = dynamo.replay_report()
+    return line
+
+
+def breakdown_notes(lines: list[dict]) -> list[str]:
+    """A note per variant measured with --breakdown: where its step time goes."""
+    notes = []
+    for line in lines:
+        b = line.get("breakdown")
+        if not b:
+            continue
+        kinds = ", ".join(f"{kind} {ms:.2f} ms ({count:.0f} launches)" for kind, (ms, count) in
+                          sorted(b["kinds"].items(), key=lambda item: -item[1][0]))
+        notes.append(f"{line['row']} {line['variant']}: wall {b['wall']:.2f} ms per step, host {b['host']:.2f} ms "
+                     f"until the calls return, GPU busy {b['gpu']:.2f} ms: {kinds}")
+        notes += [f"{line['row']} {line['variant']} {report}" for report in line.get("replays", [])]
+    return notes
 
 
 def run_row(row: str, args) -> list[dict]:
@@ -177,6 +208,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cpu-smoke", action="store_true", help="no GPU: tiny models, ember through Triton's "
                         "interpreter, torch.compile with backend='eager'")
     parser.add_argument("--results", type=Path, default=None, help="markdown file to append to")
+    parser.add_argument("--breakdown", action="store_true", help="also where each variant's step time goes: host "
+                        "against GPU time, GPU time by kernel kind, the ember backend's CUDA graph replays")
     args = parser.parse_args(argv)
     from common import cell, environment, markdown_table, publish, select_backend
 
@@ -196,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
                             "loss check"], body)
     notes = ["a training step: forward, cross entropy, backward, optimizer step; torch.compile variants compile the "
              "whole step", f"loss check: the first {CHECK_STEPS} losses against torch eager's, relative tolerance "
-             f"{LOSS_TOL}"]
+             f"{LOSS_TOL}", *breakdown_notes(lines)]
     results = args.results or (None if args.cpu_smoke else HERE / "RESULTS.md")
     publish(f"Import benchmark: {environment(args.cpu_smoke)}", table, notes, results)
 

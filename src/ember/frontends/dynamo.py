@@ -3,75 +3,170 @@
 Registered under torch's backend entry point (`torch_dynamo_backends`), so `backend="ember"` works once ember is
 installed. TorchDynamo captures the Python; AOTAutograd splits each captured graph into a forward and a backward
 graph of core ATen operators (torch's decompositions applied to the rest) and functionalizes them; each graph is
-run by `ember.frontends.aten_graph.AtenGraph` on ember tensors that share the memory of torch's (DLPack, no
-copies), built from its template after the first call and realized as one ember plan per call: its operators fused
+run by `ember.frontends.aten_graph.AtenGraph` on ember tensors that share the memory of torch's (no copies),
+built from its template after the first call and realized as one ember plan per call: its operators fused
 by ember's compiler, its plans cached, and on a GPU each graph's calls replayed as CUDA graphs (ember.jit; the
 results torch keeps get buffers of their own). What dynamo cannot capture runs in torch between the graphs (graph
 breaks), as with any backend; an optimizer step dynamo captures is one more graph.
 
-Options (`torch.compile(..., backend="ember", options={...})`): none yet.
+Options (`torch.compile(..., backend="ember", options={...})`):
+- "device": "cuda" runs the graphs on ember's cuda device whatever torch's device is: under the interpreter
+  (EMBER_INTERPRET=1), torch's cpu tensors are the interpreted cuda device's memory, so the path a GPU runs
+  (generated kernels, ember.jit replays) is tested without one.
+
+What a call costs besides its plans is the boundary: a ResNet-50 step passes some 1,100 torch tensors into its
+graphs and takes some 1,000 back. Each is wrapped as an ember node on its memory (no DLPack capsule, no
+per-tensor checks), results that live in buffers a later replay writes are copied out in one batched copy, and the
+inputs a graph updates (parameters, momenta, running statistics) are written in one batched copy at its end.
+`replay_report()` says, per compiled graph, whether its calls replay and whether as CUDA graphs.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
+import weakref
+
+from ember.device import Device, as_device
 from ember.frontends.aten import _NotComputed
 from ember.frontends.aten_graph import AtenGraph
 from ember.jit import jit
 from ember.tensor import Tensor, realize
 
+_OPTIONS = ("device",)
+_replayed: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # graph number -> its ember.jit function
+_numbers = itertools.count()
 
-def backend(gm, example_inputs, **options):
+
+def backend(gm, example_inputs, options: dict | None = None):
     """The TorchDynamo backend: AOTAutograd with ember running the forward, backward and inference graphs."""
     from torch._decomp import core_aten_decompositions
     from torch._dynamo.backends.common import aot_autograd
 
-    return aot_autograd(fw_compiler=_compile, bw_compiler=_compile, inference_compiler=_compile,
-                        decompositions=core_aten_decompositions())(gm, example_inputs)
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown or options.get("device", "cuda") != "cuda":
+        raise ValueError(f'torch.compile(backend="ember"): options {options} not understood; known: "device": "cuda"')
+    compile_graph = functools.partial(_compile, on_cuda=options.get("device") == "cuda")
+    # inputs a graph updates (parameters and momenta in an optimizer step, a batch norm's running statistics) stay
+    # writes in the graph, made by ember at its end in one batched copy, not one torch copy_ per tensor after it
+    return aot_autograd(fw_compiler=compile_graph, bw_compiler=compile_graph, inference_compiler=compile_graph,
+                        decompositions=core_aten_decompositions(), keep_inference_input_mutations=True)(
+        gm, example_inputs)
 
 
-def _compile(gm, example_inputs):
+def replay_report() -> list[str]:
+    """Per graph compiled for a cuda device in this process: its calls, how many replayed, and why it does not
+    replay, or replays launch by launch (no CUDA graph)."""
+    lines = []
+    for number, step in sorted(_replayed.items()):
+        stats = step.stats
+        why = "; ".join(step.why_not_replayed) or ("replayed as CUDA graphs" if stats["replays"] else
+                                                   "not replayed yet (recorded from its second call)")
+        lines.append(f"graph {number}: {stats['calls']} calls, {stats['replays']} replayed: {why}")
+    return lines
+
+
+def _compile(gm, example_inputs, on_cuda: bool = False):
     """A boxed callable running the ATen graph `gm` on ember (AOTAutograd passes the inputs as one list)."""
     import torch
 
+    writes = _written_inputs(gm.graph)
     graph = AtenGraph(gm.graph, "graph torch.compile captured")
-    device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
-    constants = {name: _to_ember(getattr(gm, name)) for name in graph.attribute_names}  # the graph's own tensors
+    torch_device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    device = _ember_device(torch_device, on_cuda)
+    to_ember = functools.partial(_to_ember, device=device)
+    constants = dict(zip(graph.attribute_names, to_ember([getattr(gm, name) for name in graph.attribute_names])))
+    placed = device if torch_device.type != "cuda" else None  # the graph's cpu tensors, where torch's are on cpu
 
     def step(*inputs):
-        return graph(*inputs, attributes=constants.__getitem__)
+        return graph(*inputs, attributes=constants.__getitem__, device=placed)
 
-    # on a GPU, recorded and replayed as CUDA graphs, one per binding of its inputs' buffers (ember.jit): a plan
+    # on cuda, recorded and replayed as CUDA graphs, one per binding of its inputs' buffers (ember.jit): a plan
     # whose inputs are torch's tensors is no steady chain of the lazy path, which would run it launch by launch
-    step = jit(step) if device.type == "cuda" else step
+    if device is not None:
+        step = jit(step)
+        _replayed[next(_numbers)] = step
 
     def run(args: list) -> list:
-        inputs = [_to_ember(a) for a in args]
+        written = [args[p].detach() for p in writes]
+        inputs = to_ember(args)
         args.clear()  # AOTAutograd's boxed convention: the inputs can be freed as soon as they are read
-        return _to_torch(step(*inputs), device)
+        outputs = list(step(*inputs))
+        kept = len(outputs) - len(writes)
+        return _to_torch(outputs[:kept], torch_device, list(zip(written, outputs[kept:])))
 
     run._boxed_call = True
     return run
 
 
-def _to_ember(value):
+def _written_inputs(graph) -> list[int]:
+    """The positions of the inputs `graph` writes (`aten.copy_` into a placeholder, where AOTAutograd keeps an
+    input's update in the graph); each one's last value is made an output of the graph, after its own."""
     import torch
 
-    if isinstance(value, torch.Tensor):
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    last = {}
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target is torch.ops.aten.copy_.default and n.args[0].op == "placeholder":
+            last[n.args[0]] = n
+    if last:
+        output = next(n for n in graph.nodes if n.op == "output")
+        output.args = ((*output.args[0], *last.values()),)
+    return [placeholders.index(p) for p in last]
+
+
+def _ember_device(torch_device, on_cuda: bool) -> Device | None:
+    """ember's cuda device the graphs run on, or None for the cpu (the reference backend)."""
+    if torch_device.type == "cuda":
+        return as_device(f"cuda:{torch_device.index or 0}")
+    if not on_cuda:
+        return None
+    from ember.runtime import cuda  # torch: only for the cuda device
+
+    device = as_device("cuda")
+    if cuda.torch_device(device).type != torch_device.type:
+        raise ValueError(f'torch.compile(backend="ember", options={{"device": "cuda"}}): the inputs are on '
+                         f"{torch_device}, and ember's cuda device runs on a GPU: move the model and inputs to "
+                         "cuda (cpu tensors serve only where the cuda device runs through the interpreter)")
+    return device
+
+
+def _to_ember(values: list, device: Device | None) -> list:
+    """torch's tensors among `values` as ember Tensors on their memory; other values as they are."""
+    import torch
+
+    if device is None:
         from ember.ops.creation import from_dlpack
 
-        return from_dlpack(value.detach())
-    return value
+        return [from_dlpack(v.detach()) if isinstance(v, torch.Tensor) else v for v in values]
+    from ember.runtime import dlpack  # torch: only for the cuda device
+
+    tensors = [v.detach() for v in values if isinstance(v, torch.Tensor)]
+    nodes = iter(dlpack.nodes_on_torch(tensors, device))
+    return [Tensor(next(nodes)) if isinstance(v, torch.Tensor) else v for v in values]
 
 
-def _to_torch(outputs, device) -> list:
+def _to_torch(outputs: list, device, writes: list[tuple]) -> list:
+    """The graph's outputs as torch tensors, once `writes` (torch tensor, its new value) are made."""
     import torch
 
-    outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
-    realize(*[o for o in outputs if isinstance(o, Tensor)])
+    tensors = [o for o in outputs if isinstance(o, Tensor)]
+    realize(*tensors, *[value for _, value in writes])
+    if any(t.device.type == "cuda" for t in tensors + [value for _, value in writes]):
+        from ember.runtime import dlpack  # torch: only for the cuda device
+
+        if writes:
+            torch._foreach_copy_([t for t, _ in writes], [value._node.buffer for _, value in writes])
+        shared = iter(dlpack.torch_buffers([t._node for t in tensors]))
+    else:
+        for target, value in writes:
+            target.copy_(torch.from_dlpack(value))
+        shared = iter([torch.from_dlpack(t) for t in tensors])
     result = []
     for o in outputs:
         if isinstance(o, Tensor):
-            result.append(torch.from_dlpack(o))
+            result.append(next(shared))
         elif isinstance(o, _NotComputed):  # read by no one but the backward ember derives for itself
             result.append(torch.empty(o.shape, device=device))
         else:

@@ -14,6 +14,7 @@ producer, or a bfloat16 one, needs torch.
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import ml_dtypes
@@ -83,6 +84,43 @@ def node_from_torch(t) -> Node:
         raise DeviceError(f"from_dlpack: a tensor on {t.device} cannot be used while the cuda device runs "
                           "through the interpreter (EMBER_INTERPRET=1)")
     return Node.from_buffer(t, dtype, device)
+
+
+def nodes_on_torch(tensors: list, device: Device) -> list[Node]:
+    """Realized nodes of ember's cuda `device` on the torch tensors' memory, many at once (a torch.compile graph's
+    hundreds of inputs every call): their buffers as they are, where `device`'s memory is theirs (a GPU's, or the
+    CPU's where the cuda device runs through the interpreter); a tensor that is not contiguous is copied."""
+    by_dtype = _torch_dtypes()
+    return [Node.from_buffer(t if t.is_contiguous() else t.contiguous(), by_dtype.get(t.dtype) or _dtype_of(t.dtype),
+                             device) for t in tensors]
+
+
+def torch_buffers(nodes: list[Node]) -> list:
+    """The torch buffers of realized cuda nodes, to hand to torch as its own tensors (what `torch.from_dlpack` of
+    each gives, without a capsule per node): buffers a later run writes (ember.jit's results, a steady plan's) are
+    copied first, as `export` copies them, all in one batched copy."""
+    torch = _torch()
+    moved: dict[int, Node] = {}
+    for node in nodes:
+        buffer = node.buffer
+        if node in executor.transient or executor.recycled.get(id(buffer)) is buffer:
+            moved[id(node)] = node
+        elif not buffer.is_contiguous():
+            node.buffer = buffer.contiguous()
+    if moved:
+        sources = [node.buffer for node in moved.values()]
+        copies = [torch.empty_like(b) for b in sources]
+        torch._foreach_copy_(copies, sources)
+        for node, copy in zip(moved.values(), copies):
+            node.buffer = copy
+            executor.transient.discard(node)
+    return [node.buffer for node in nodes]
+
+
+@functools.cache
+def _torch_dtypes() -> dict:
+    """torch's dtypes to ember's."""
+    return {dtypes.to_torch(d): d for d in dtypes.ALL}
 
 
 def _dtype_of(torch_dtype) -> DType:

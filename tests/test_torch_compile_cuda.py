@@ -1,0 +1,169 @@
+"""torch.compile(..., backend="ember") on ember's cuda device: the path a GPU runs (generated kernels, ember.jit
+replays, the boundary between torch's tensors and ember's), here through Triton's interpreter, where torch's cpu
+tensors are the cuda device's memory (`options={"device": "cuda"}`). On a GPU the same tests run on torch's cuda
+tensors."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import numpy as np
+import pytest
+from conftest import ON_GPU
+
+torch = pytest.importorskip("torch")
+nn, F = torch.nn, torch.nn.functional
+
+import ember  # noqa: E402
+import ember.frontends.dynamo  # noqa: E402  (registers the backend where the entry point is not installed)
+
+pytestmark = [pytest.mark.usefixtures("cuda_backend"), *([pytest.mark.gpu] if ON_GPU else [])]
+DEVICE = "cuda" if ON_GPU else "cpu"  # torch's device; ember's is cuda either way
+OPTIONS = {"device": "cuda"}
+
+
+def block():
+    """A ResNet stem's shape in miniature: convolution, batch norm, ReLU, twice, pooled and classified."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10)).to(DEVICE)
+
+
+def batch(seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(4, 3, 8, 8, generator=generator).to(DEVICE),
+            torch.randint(0, 10, (4,), generator=generator).to(DEVICE))
+
+
+def train(model, compiled: bool, steps: int = 4, during_last=None) -> tuple[list[float], dict]:
+    """Losses and final state of SGD steps with momentum, the whole step compiled by ember (`compiled`); the last
+    step runs inside the context `during_last` gives, if any."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    def step(x, y):
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss
+    run = torch.compile(step, backend="ember", options=OPTIONS) if compiled else step
+    losses = [run(*batch(i)).item() for i in range(steps - 1)]
+    with during_last() if during_last else contextlib.nullcontext():
+        losses.append(run(*batch(steps - 1)).item())
+    return losses, {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+
+
+@contextlib.contextmanager
+def counting_copies_into(tensors: list, counted: list):
+    """Per-tensor copies (`Tensor.copy_`) into `tensors` made inside the block, appended to `counted`."""
+    addresses = {t.data_ptr() for t in tensors}
+    copy_ = torch.Tensor.copy_
+
+    def counting(self, *args, **kwargs):
+        if self.data_ptr() in addresses:
+            counted.append(self)
+        return copy_(self, *args, **kwargs)
+    torch.Tensor.copy_ = counting
+    try:
+        yield
+    finally:
+        torch.Tensor.copy_ = copy_
+
+
+def test_a_training_step_on_embers_cuda_device_replays_and_matches_torch_eager():
+    """The forward and backward graphs replay (from their second call), and the tensors the step updates
+    (parameters, running statistics) are written by ember at the end of its graphs, not by a copy per tensor in
+    torch after them."""
+    net = block()
+    expected_losses, expected_state = train(copy.deepcopy(net), compiled=False)
+    before = len(ember.frontends.dynamo.replay_report())
+    copies = []
+    held = [*net.parameters(), *net.buffers()]
+    losses, state = train(net, compiled=True, during_last=lambda: counting_copies_into(held, copies))
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-4)
+    for name, value in expected_state.items():
+        np.testing.assert_allclose(state[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
+    report = ember.frontends.dynamo.replay_report()[before:]
+    assert len(report) >= 2 and all(" 0 replayed" not in line for line in report[:2]), report
+    assert not copies
+
+
+def test_results_handed_to_torch_are_its_own_and_cross_no_dlpack_capsule(monkeypatch):
+    """Each call's outputs are torch tensors no later replay writes (those of ember.jit's buffers copied out
+    together), and no tensor crosses the boundary through a DLPack capsule of its own: a graph's hundreds of
+    inputs and outputs cost no per-tensor protocol every call."""
+    net = block().eval()
+    compiled = torch.compile(net, backend="ember", options=OPTIONS)
+    images = [batch(i)[0] for i in range(4)]
+    with torch.no_grad():
+        compiled(images[0]), compiled(images[1])  # recorded: the next calls replay
+        capsules = []
+        monkeypatch.setattr(ember.Tensor, "__dlpack__", lambda self, **kw: capsules.append(self))
+        outputs = [compiled(x) for x in images]
+        expected = [net(x) for x in images]
+    assert not capsules
+    for got, want in zip(outputs, expected):
+        np.testing.assert_allclose(got.cpu().numpy(), want.cpu().numpy(), rtol=1e-4, atol=1e-5)
+
+
+def aten_graphs(model, x, y) -> dict:
+    """The forward and backward ATen graphs AOTAutograd hands the ember backend for a training step's loss."""
+    from torch._decomp import core_aten_decompositions
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = {}
+
+    def keep(kind):
+        def compiler(gm, example_inputs):
+            graphs[kind] = gm
+            return gm
+        return compiler
+
+    def capture(gm, example_inputs):
+        return aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"),
+                            decompositions=core_aten_decompositions())(gm, example_inputs)
+
+    torch.compile(lambda x, y: F.cross_entropy(model(x), y), backend=capture)(x, y).backward()
+    return graphs
+
+
+def planned(gm) -> ember.explain.Plan:
+    """The plan ember would run for an ATen graph on the cuda device, on inputs of its recorded shapes."""
+    from ember.device import as_device
+    from ember.frontends.aten_graph import AtenGraph
+
+    rng = np.random.default_rng(0)
+    inputs = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            value = node.meta["val"]
+            data = rng.standard_normal(tuple(value.shape)) if value.is_floating_point() else np.zeros(
+                tuple(value.shape))
+            inputs.append(ember.tensor(data, dtype=str(value.dtype).removeprefix("torch."), device="cuda"))
+    outputs = AtenGraph(gm.graph)(*inputs, attributes=lambda name: None, device=as_device("cuda"))
+    return ember.explain.plan(*[o for o in outputs if isinstance(o, ember.Tensor)])
+
+
+def test_the_backends_forward_and_backward_plans_run_the_convolutions_and_kernels_of_embers_own_training_step():
+    """A conv-bn-relu block's forward and backward, as AOTAutograd's two ATen graphs, against the same step of
+    ember.from_torch's module: every convolution and matmul (and each gradient) is one vendor call in both, and
+    torch's decomposed batch norm fuses about as ember's own does. What the backend runs besides: the running
+    statistics' update as a kernel of its own, the values saved for the backward stored where the forward ends,
+    and cross entropy's gradient through a scatter (measured at 32 kernels against 27)."""
+    net = block().cpu()
+    x, y = (t.cpu() for t in batch(0))
+    graphs = aten_graphs(copy.deepcopy(net), x, y)
+    backend = [planned(graphs[kind]) for kind in ("forward", "backward")]
+
+    imported = ember.from_torch(net).to("cuda")
+    loss = ember.nn.functional.cross_entropy(imported(ember.from_dlpack(x).to("cuda")),
+                                             ember.from_dlpack(y).to("cuda"))
+    loss.backward()
+    own = ember.explain.plan(loss, *[p.grad for p in imported.parameters()])
+
+    def vendor(plans):
+        return sorted(str(k.kind) for p in plans for k in p.kernels if str(k.kind) in ("conv2d", "matmul"))
+    assert vendor(backend) == vendor([own]) == ["conv2d"] * 5 + ["matmul"] * 3
+    assert sum(len(p.kernels) for p in backend) <= len(own.kernels) + 5

@@ -43,10 +43,12 @@ LOSS_TOL = 5e-2  # relative, bfloat16
 
 
 def make(row: str, smoke: bool, dev: str, attention: str = "sdpa"):
-    """(model, batch inputs, targets, optimizer class and settings) of a row, on `dev` in bfloat16 (float32 smoke)."""
+    """(model, batch inputs, targets, optimizer class and settings) of a row, on `dev` in bfloat16 (float64 smoke:
+    the smoke's ResNet-50 batch-normalizes 2 values at 1x1 in its last stage, where float32 rounding alone moves the
+    second step's loss by more than 10x between any two implementations)."""
     from model_libraries import library
 
-    dtype = torch.float32 if smoke else torch.bfloat16
+    dtype = torch.float64 if smoke else torch.bfloat16
     torch.manual_seed(0)
     if row == "resnet50":
         model = library("torchvision").models.resnet50(num_classes=1000)
@@ -205,8 +207,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", default="resnet50,gpt2", help="rows: resnet50, gpt2")
     parser.add_argument("--skip", default="", help=f"variants to leave out, comma-separated, of {VARIANTS}")
     parser.add_argument("--reps", type=int, default=10, help="steps per timed burst (default 10)")
-    parser.add_argument("--cpu-smoke", action="store_true", help="no GPU: tiny models, ember through Triton's "
-                        "interpreter, torch.compile with backend='eager'")
+    parser.add_argument("--cpu-smoke", action="store_true", help="no GPU: tiny models in float64, ember on its "
+                        "cpu device (the reference backend), torch.compile with backend='eager'")
     parser.add_argument("--results", type=Path, default=None, help="markdown file to append to")
     parser.add_argument("--breakdown", action="store_true", help="also where each variant's step time goes: host "
                         "against GPU time, GPU time by kernel kind, the ember backend's CUDA graph replays")

@@ -4,6 +4,8 @@ training mode, gradients and an optimizer step against torch, and errors that na
 
 from __future__ import annotations
 
+from collections import namedtuple
+
 import numpy as np
 import pytest
 
@@ -464,6 +466,59 @@ def test_an_import_error_names_each_unsupported_layer_and_function_once():
         assert text.count(f"unsupported layer {block}.act: Softsign") == 1
         assert text.count(f"{block} (Inverted): torch.nn.functional.celu has no ember equivalent") == 1
     assert text.count("SELU") == 3 and text.count("Softsign") == 2 and text.count("celu") == 2
+
+
+Outputs = namedtuple("Outputs", ["logits", "aux_logits"])
+
+
+class WithAuxiliary(tnn.Module):
+    """GoogLeNet's way: in training, the logits and an auxiliary classifier's as a named tuple; in eval, the logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head, self.aux = tnn.Linear(5, 8), tnn.Linear(8, 3), tnn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.body(x))
+        return Outputs(self.head(h), self.aux(h)) if self.training else self.head(h)
+
+
+def test_a_named_tuple_of_outputs_is_the_same_named_tuple_of_ember_tensors():
+    torch.manual_seed(3)
+    model = WithAuxiliary()
+    em = ember.from_torch(model)
+    x = np.random.default_rng(4).standard_normal((2, 5)).astype(np.float32)
+    out, expected = em(ember.tensor(x)), model(torch.from_numpy(x))
+    assert type(out) is Outputs and isinstance(out.aux_logits, ember.Tensor)
+    for mine, theirs in zip(out, expected):
+        np.testing.assert_allclose(mine.numpy(), theirs.detach().numpy(), rtol=1e-6)
+    em.eval()
+    model.eval()
+    np.testing.assert_allclose(em(ember.tensor(x)).numpy(), model(torch.from_numpy(x)).detach().numpy(), rtol=1e-6)
+
+
+def test_torchvision_stochastic_depth_imports_layer_by_layer():
+    from model_libraries import library
+
+    ops = library("torchvision").ops
+
+    class Residual(tnn.Module):  # EfficientNet's and ConvNeXt's blocks: a branch dropped per sample in training
+        def __init__(self) -> None:
+            super().__init__()
+            self.branch, self.drop = tnn.Linear(4, 4), ops.StochasticDepth(0.5, "row")
+
+        def forward(self, x):
+            return x + self.drop(self.branch(x))
+
+    model = Residual()
+    em = ember.from_torch(model, via="fx")
+    x = np.random.default_rng(5).standard_normal((32, 4)).astype(np.float32)
+    branch = em.branch(ember.tensor(x)).numpy()
+    kept = em(ember.tensor(x)).numpy() - x  # each sample's branch dropped or doubled, as torch draws it
+    assert np.all(np.isclose(kept, 0, atol=1e-6).all(1) | np.isclose(kept, 2 * branch, atol=1e-6).all(1))
+    em.eval()
+    model.eval()
+    np.testing.assert_allclose(em(ember.tensor(x)).numpy(), model(torch.from_numpy(x)).detach().numpy(), rtol=1e-6)
 
 
 # -- attention and transformer layers, and torch._assert ------------------------------------------------------

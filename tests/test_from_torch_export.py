@@ -5,6 +5,7 @@ forward and training, against torch on the same weights."""
 from __future__ import annotations
 
 import copy
+import math
 
 import numpy as np
 import pytest
@@ -288,6 +289,20 @@ def test_slice_scatter_and_select_scatter_match_torch(dim, start, end, step):
     row = torch.randn_like(x.select(dim, -1))
     got = lookup(torch.ops.aten.select_scatter.default)(ember.from_dlpack(x), ember.from_dlpack(row), dim, -1)
     np.testing.assert_array_equal(got.numpy(), torch.ops.aten.select_scatter(x, row, dim, -1).numpy())
+
+
+@pytest.mark.parametrize("ord, dim, keepdim", [(2, None, False), (2, [-1], True), (1, [0, 2], False),
+                                               (math.inf, [1], False), (-math.inf, [1], True), (3, None, True)])
+def test_linalg_vector_norm_matches_torch(ord, dim, keepdim):  # (F.normalize in Swin V2's cosine attention)
+    from ember.frontends.aten_graph import lookup
+
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    expected = torch.ops.aten.linalg_vector_norm(x, ord, dim, keepdim)
+    got = lookup(torch.ops.aten.linalg_vector_norm.default)(ember.from_dlpack(x), ord, dim, keepdim)
+    np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-12)
+    wide = lookup(torch.ops.aten.linalg_vector_norm.default)(ember.from_dlpack(x.float()), ord, dim, keepdim,
+                                                             dtype=torch.float64)
+    assert wide.dtype == ember.float64
 
 
 class Restrided(tnn.Module):

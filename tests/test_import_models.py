@@ -5,6 +5,7 @@ float32) and one SGD step in training mode in float64 (the loss, the updated par
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import numpy as np
 import pytest
@@ -17,23 +18,63 @@ pytestmark = pytest.mark.slow  # each model is exported and run on the reference
 
 
 def torchvision_model(name: str):
+    """A tiny member of a torchvision family (its class with a small configuration where it takes one), for 10
+    classes, with no dropout or stochastic depth (random masks torch and ember draw differently)."""
     models = library("torchvision").models
-    if name == "vit":
-        return models.VisionTransformer(image_size=64, patch_size=16, num_layers=2, num_heads=2, hidden_dim=16,
-                                        mlp_dim=32, num_classes=10)
-    if name == "swin":
-        return models.SwinTransformer(patch_size=[4, 4], embed_dim=16, depths=[1, 1], num_heads=[2, 2],
-                                      window_size=[4, 4], stochastic_depth_prob=0.0, num_classes=10)
-    if name == "convnext":
-        from torchvision.models.convnext import CNBlockConfig
+    from torchvision.models import efficientnet, regnet, resnet, swin_transformer, vgg
+    from torchvision.models.convnext import CNBlockConfig
 
-        return models.ConvNeXt([CNBlockConfig(16, 32, 1), CNBlockConfig(32, None, 1)], stochastic_depth_prob=0.0,
-                               num_classes=10)
-    if name == "efficientnet_b0":
-        return models.efficientnet_b0(num_classes=10, stochastic_depth_prob=0.0, dropout=0.0)
+    swin = {"patch_size": [4, 4], "embed_dim": 16, "depths": [1, 1], "num_heads": [2, 2], "window_size": [4, 4],
+            "stochastic_depth_prob": 0.0, "num_classes": 10}
+    tiny = {
+        "vit": lambda: models.VisionTransformer(image_size=64, patch_size=16, num_layers=2, num_heads=2,
+                                                hidden_dim=16, mlp_dim=32, num_classes=10),
+        "swin": lambda: models.SwinTransformer(**swin),
+        "swin_v2": lambda: models.SwinTransformer(**swin, block=swin_transformer.SwinTransformerBlockV2,
+                                                  downsample_layer=swin_transformer.PatchMergingV2),
+        "maxvit": lambda: models.MaxVit(input_size=(64, 64), stem_channels=16, partition_size=2,
+                                        block_channels=[16, 32], block_layers=[1, 1], head_dim=8,
+                                        stochastic_depth_prob=0.0, num_classes=10),
+        "convnext": lambda: models.ConvNeXt([CNBlockConfig(16, 32, 1), CNBlockConfig(32, None, 1)],
+                                            stochastic_depth_prob=0.0, num_classes=10),
+        "efficientnet_b0": lambda: models.efficientnet_b0(num_classes=10, stochastic_depth_prob=0.0, dropout=0.0),
+        "efficientnet_v2": lambda: models.EfficientNet(
+            [efficientnet.FusedMBConvConfig(1, 3, 1, 16, 16, 1), efficientnet.FusedMBConvConfig(4, 3, 2, 16, 24, 1),
+             efficientnet.MBConvConfig(4, 3, 2, 24, 32, 1)], dropout=0.0, stochastic_depth_prob=0.0,
+            num_classes=10, norm_layer=partial(torch.nn.BatchNorm2d, eps=1e-3), last_channel=64),
+        "mobilenet_v2": lambda: models.MobileNetV2(num_classes=10, width_mult=0.25, dropout=0.0),
+        "mnasnet": lambda: models.MNASNet(0.5, num_classes=10, dropout=0.0),
+        "densenet": lambda: models.DenseNet(growth_rate=8, block_config=(2, 2), num_init_features=16, bn_size=2,
+                                            num_classes=10),
+        "resnext": lambda: models.ResNet(resnet.Bottleneck, [1, 1, 1, 1], num_classes=10, groups=4,
+                                         width_per_group=4),
+        "regnet_y": lambda: models.RegNet(regnet.BlockParams.from_init_params(
+            depth=4, w_0=8, w_a=8.0, w_m=2.0, group_width=8, se_ratio=0.25), num_classes=10),
+        "alexnet": lambda: narrowed(models.alexnet(num_classes=10, dropout=0.0)),
+        "vgg": lambda: narrowed(models.VGG(vgg.make_layers([8, "M", 16, "M", 32, "M"], batch_norm=True),
+                                           num_classes=10, dropout=0.0), features=32),
+        # in training mode these return their auxiliary classifiers' logits too (a named tuple, as torch's)
+        "googlenet": lambda: models.GoogLeNet(num_classes=10, aux_logits=True, dropout=0.0, dropout_aux=0.0),
+        "inception_v3": lambda: models.Inception3(num_classes=10, aux_logits=True, dropout=0.0),
+    }
+    if name in tiny:
+        return tiny[name]()
     if name in ("mobilenet_v3_small", "squeezenet1_1"):
         return getattr(models, name)(num_classes=10, dropout=0.0)
     return getattr(models, name)(num_classes=10)
+
+
+def narrowed(model, features: int | None = None):
+    """AlexNet or VGG with its classifier's 4096-wide layers 32 wide (the same layers; a test of millions of
+    parameters fewer), reading `features` channels of 7x7 (by default, as many as before)."""
+    layers = list(model.classifier)
+    linear = [i for i, layer in enumerate(layers) if isinstance(layer, torch.nn.Linear)]
+    first = layers[linear[0]].in_features if features is None else features * 49
+    widths = [first] + [32] * (len(linear) - 1) + [layers[linear[-1]].out_features]
+    for k, i in enumerate(linear):
+        layers[i] = torch.nn.Linear(widths[k], widths[k + 1])
+    model.classifier = torch.nn.Sequential(*layers)
+    return model
 
 
 def timm_model(name: str):
@@ -58,8 +99,10 @@ def transformers_model(name: str):
     return transformers.BertForSequenceClassification(config)
 
 
-IMAGE_MODELS = [("torchvision", n) for n in ("resnet18", "mobilenet_v3_small", "efficientnet_b0", "vit", "swin",
-                                              "convnext", "regnet_x_400mf", "squeezenet1_1", "shufflenet_v2_x0_5")]
+IMAGE_MODELS = [("torchvision", n) for n in (
+    "resnet18", "mobilenet_v3_small", "efficientnet_b0", "vit", "swin", "convnext", "regnet_x_400mf", "squeezenet1_1",
+    "shufflenet_v2_x0_5", "alexnet", "vgg", "googlenet", "inception_v3", "densenet", "mnasnet", "mobilenet_v2",
+    "resnext", "efficientnet_v2", "maxvit", "swin_v2", "regnet_y")]
 IMAGE_MODELS += [("timm", n) for n in ("efficientnet_b0", "regnetx_002", "vit_tiny_patch16_224", "resnet18")]
 
 
@@ -71,11 +114,36 @@ def relative(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12))
 
 
+def calibrate(model, torch_args) -> None:
+    """Batch norms' running statistics those of the batch, as a trained model's would be: with fresh statistics
+    (0 and 1) a deep network's eval activations vanish and its logits are its last bias, which any import
+    matches."""
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    momenta = [m.momentum for m in norms]
+    for m in norms:
+        m.momentum = 1.0
+    with torch.no_grad():
+        model.train()(*torch_args)
+    for m, momentum in zip(norms, momenta):
+        m.momentum = momentum
+
+
+def enliven(model) -> None:
+    """Weights initialized to zero (ViT's head) drawn small and random instead: a zero head gives zero logits
+    and no gradient below it, which any import matches."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim >= 2 and not p.any():
+                p.normal_(0, 0.02)
+
+
 def check(model, args, torch_args, target, torch_target):
     """The eval forward in float32, then one training step of both in float64 (in float32 the step of a deep
     batch-normalized network differs by rounding alone by up to 2% between any two implementations: RegNet's
     stem, for one), compared."""
     torch.manual_seed(0)
+    enliven(model)
+    calibrate(model, torch_args)
     em = ember.from_torch(copy.deepcopy(model))
     model.eval()
     em.eval()
@@ -108,8 +176,11 @@ def check(model, args, torch_args, target, torch_target):
 def test_image_models_import_and_train_as_in_torch(source, name):
     torch.manual_seed(1)
     model = torchvision_model(name) if source == "torchvision" else timm_model(name)
-    x = torch.randn(4, 3, 64, 64)  # (batch norms over 2 values at 1x1 would amplify rounding to percents)
-    y = torch.randint(0, 10, (4,))
+    # (batch norms over 2 values at 1x1 would amplify rounding to percents); Inception's auxiliary classifier
+    # needs its full 299x299 input
+    batch, size = {"inception_v3": (2, 299), "vgg": (4, 32)}.get(name, (4, 64))
+    x = torch.randn(batch, 3, size, size)
+    y = torch.randint(0, 10, (batch,))
     check(model, (ember.tensor(x.numpy()),), (x,), ember.tensor(y.numpy()), y)
 
 

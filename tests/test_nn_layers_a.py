@@ -2,6 +2,7 @@
 (kl_div, huber_loss, cosine_similarity, normalize) and small layers (padding, unflatten, channel dropout, pixel
 shuffles, parameter containers) against torch: values, gradients, state_dict keys and argument errors."""
 
+import math
 import warnings
 
 import numpy as np
@@ -284,6 +285,10 @@ def test_norm_of_a_zero_vector_has_a_zero_gradient_as_torchs():
     check_against_torch(lambda m, x: m.norm(x, 2, 1), np.array([[0.0, 0.0], [3.0, -4.0]]))
 
 
+def test_norm_of_order_minus_infinity_is_the_smallest_magnitude_as_torchs():
+    check_against_torch(lambda m, x: m.norm(x, -math.inf, 1, keepdim=True), np.array([[1.5, -0.5], [3.0, -4.0]]))
+
+
 # -- small layers ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("padding", [2, (1, 0, 2, 3), (1, -1, 0, -2)])
@@ -379,6 +384,22 @@ def test_dropout2d_refuses_bad_p_and_inputs_of_fewer_than_2_dims():
     with pytest.raises(ember.ShapeError):
         F.dropout2d(ember.ones((3,)), 0.5)
     np.testing.assert_array_equal(F.dropout2d(ember.ones((2, 3, 2, 2)), 1.0).numpy(), np.zeros((2, 3, 2, 2)))
+
+
+def test_stochastic_depth_drops_whole_samples_or_the_whole_batch_and_scales_the_rest():
+    x = ember.ones((64, 3, 2))
+    rows = F.stochastic_depth(x, 0.25, "row").numpy().reshape(64, -1)
+    assert np.all(rows.min(-1) == rows.max(-1)) and np.all(np.isclose(rows, 0) | np.isclose(rows, 1 / 0.75))
+    assert 0.05 < (rows[:, 0] == 0).mean() < 0.5
+    batch = F.stochastic_depth(x, 0.5, "batch").numpy()
+    assert np.all(batch == batch.flat[0]) and batch.flat[0] in (0.0, 2.0)
+    for p, training in [(0.0, True), (0.5, False)]:
+        np.testing.assert_array_equal(F.stochastic_depth(x, p, "row", training).numpy(), x.numpy())
+    np.testing.assert_array_equal(F.stochastic_depth(x, 1.0, "row").numpy(), np.zeros((64, 3, 2)))
+    with pytest.raises(ValueError, match="p must be"):
+        F.stochastic_depth(x, 1.5, "row")
+    with pytest.raises(ValueError, match="mode"):
+        F.stochastic_depth(x, 0.5, "channel")
 
 
 # -- parameter containers ----------------------------------------------------------------------------

@@ -180,6 +180,12 @@ def _var(x, dims=None, correction=None, keepdim=False):
     return ((x - mean).square().sum(dims, keepdim=keepdim)) / max(count - correction, 0)
 
 
+def _vector_norm(x, ord=2, dims=None, keepdim=False, dtype=None):
+    x = x.to(_dtype(dtype)) if dtype is not None else x
+    dims = tuple(range(x.ndim)) if dims is None or dims == [] else dims if isinstance(dims, int) else tuple(dims)
+    return ember.norm(x, ord, dims, keepdim)
+
+
 def _reduce(fn):
     def reduce(x, dims=None, keepdim=False):
         if dims is None or (isinstance(dims, (list, tuple)) and not dims):
@@ -609,7 +615,8 @@ OPS: dict[str, Callable] = {
     "aten.max.default": lambda x: x.max(), "aten.min.default": lambda x: x.min(),
     "aten.argmax": lambda x, dim=None, keepdim=False: x.argmax(dim, keepdim),
     "aten.argmin": lambda x, dim=None, keepdim=False: x.argmin(dim, keepdim),
-    "aten.var.correction": _var, "aten.prod.dim_int": lambda x, dim, keepdim=False, dtype=None: x.prod(dim, keepdim),
+    "aten.var.correction": _var, "aten.linalg_vector_norm": _vector_norm,
+    "aten.prod.dim_int": lambda x, dim, keepdim=False, dtype=None: x.prod(dim, keepdim),
     "aten.cumsum": lambda x, dim, dtype=None: x.cumsum(dim), "aten.logsumexp": lambda x, dims, keepdim=False:
         x.logsumexp(tuple(dims), keepdim),
     # contractions

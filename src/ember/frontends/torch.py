@@ -19,7 +19,9 @@ Layers: Linear, Conv1d/2d/3d, ConvTranspose1d/2d/3d, BatchNorm1d/2d/3d, LayerNor
 MaxPool2d/3d (return_indices too), MaxUnpool2d, AvgPool2d/3d, AdaptiveAvgPool2d/3d, AdaptiveMaxPool2d, Unfold, Fold,
 ReLU, LeakyReLU, Sigmoid, Tanh, GELU, SiLU, Softplus, Softmax, LogSoftmax, Identity, Dropout, Flatten, the recurrent
 layers (RNN, LSTM, GRU) and their cells, among others (the `_LAYERS` table); torch.nn.utils.rnn's packing of
-variable-length sequences for them is recorded whole by the trace and runs as ember.nn.utils.rnn's. Anything else is
+variable-length sequences for them is recorded whole by the trace and runs as ember.nn.utils.rnn's. So is
+torchvision's stochastic depth (EfficientNet's, ConvNeXt's, MaxViT's), as ember's `F.stochastic_depth`; a named
+tuple of outputs (GoogLeNet's and Inception's auxiliary logits in training) holds ember Tensors. Anything else is
 an error at import that names it and where it sits, once: another layer the forward calls, a function or Tensor
 method ember does not have (named with the module whose forward calls it), or a forward torch.fx cannot trace (one
 that branches on its inputs' values). Where that import fails, `from_torch` runs the program torch.export captures
@@ -272,13 +274,20 @@ def _function(fn):
         return None
     if fn is torch._assert:
         return _assert
+    if isinstance(fn, type) and issubclass(fn, tuple) and hasattr(fn, "_fields"):
+        return fn  # a named tuple of outputs (GoogLeNet's logits and auxiliary logits) holds ember's as torch's
     if name in _SEQUENCE_FUNCTIONS and getattr(torch.nn.utils.rnn, name) is fn:
         return getattr(nn.utils.rnn, name)
     if getattr(torch_f, name, None) is fn:
         return getattr(F, name, None)
     if getattr(torch, name, None) is fn:
         return getattr(ember, name, None)
-    return None
+    return _TORCHVISION_FUNCTIONS.get(_name(fn))
+
+
+# torchvision's operators that its models' traces keep whole (torch.fx.wrap), by their qualified names: ember's
+# functions of the same meaning
+_TORCHVISION_FUNCTIONS = {"torchvision.ops.stochastic_depth.stochastic_depth": F.stochastic_depth}
 
 
 # torch.nn.utils.rnn's functions that ember has, recorded whole by the trace (torch's own code reads the lengths on

@@ -89,7 +89,7 @@ __all__ = [
     "layer_norm", "leaky_relu", "linear", "log_softmax", "logsigmoid", "max_pool1d", "max_pool2d", "max_pool3d",
     "max_unpool1d", "max_unpool2d", "mish", "mse_loss", "nll_loss", "normalize", "one_hot", "pad", "pixel_shuffle",
     "pixel_unshuffle", "prelu", "relu", "relu6", "rms_norm", "scaled_dot_product_attention", "sigmoid", "silu",
-    "smooth_l1_loss", "softmax", "softplus", "tanh", "unfold",
+    "smooth_l1_loss", "softmax", "softplus", "stochastic_depth", "tanh", "unfold",
 ]
 
 
@@ -640,3 +640,20 @@ def normalize(input: Tensor, p: float = 2.0, dim: int = 1, eps: float = 1e-12) -
     check_float("normalize", input)
     length = norm(input, p, normalize_dim("normalize", dim, input.ndim), keepdim=True)
     return input / where(length < eps, eps, length)
+
+
+def stochastic_depth(input: Tensor, p: float, mode: str, training: bool = True) -> Tensor:
+    """torchvision.ops.stochastic_depth: drop a residual branch's whole output with probability p, each
+    sample's alone (mode "row") or the batch's at once ("batch"), scaling what is kept by 1 / (1 - p)."""
+    expect_tensors("stochastic_depth", input=input)
+    if not 0 <= p <= 1:
+        raise ValueError(f"stochastic_depth: p must be in [0, 1], got {p}")
+    if mode not in ("batch", "row"):
+        raise ValueError(f"stochastic_depth: mode must be 'batch' or 'row', got {mode!r}")
+    if not training or p == 0:
+        return input
+    if p == 1:
+        return input * 0
+    shape = (input.shape[0],) + (1,) * (input.ndim - 1) if mode == "row" else (1,) * input.ndim
+    keep = rand(shape, device=input.device) >= p
+    return where(keep, input * (1 / (1 - p)), 0)

@@ -277,13 +277,16 @@ def _log_softmax(x: Tensor, axis: int, dtype) -> Tensor:
 
 
 def norm(x: Tensor, p=2, dim=None, keepdim: bool = False) -> Tensor:
-    """The p-norm over `dim` (all dims by default); p = 0 counts the non-zeros. As in torch, the gradient of the
-    norm of an all-zero vector is 0, not the 0/0 of the root's derivative."""
+    """The p-norm over `dim` (all dims by default); p = 0 counts the non-zeros, p = inf and -inf are the largest
+    and the smallest magnitude. As in torch, the gradient of the norm of an all-zero vector is 0, not the 0/0 of
+    the root's derivative."""
     expect_tensors("norm", input=x)
     if p == 1:
         return sum(x.abs(), dim, keepdim)
     if p == math.inf:
         return amax(x.abs(), dim, keepdim)
+    if p == -math.inf:
+        return amin(x.abs(), dim, keepdim)
     if p == 0:
         return cast(sum(x != 0, dim, keepdim), x.dtype)
     powered = sum(x * x, dim, keepdim) if p == 2 or p == "fro" else sum(x.abs() ** p, dim, keepdim)

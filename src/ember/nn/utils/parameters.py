@@ -18,7 +18,7 @@ from ember.autograd import no_grad
 from ember.ops.creation import tensor
 from ember.ops.movement import cat, stack
 from ember.ops.pointwise import clamp
-from ember.ops.reduce import amin, norm
+from ember.ops.reduce import norm
 from ember.tensor import Tensor
 
 __all__ = ["clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_", "get_total_norm", "parameters_to_vector",
@@ -27,14 +27,6 @@ __all__ = ["clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_", "get_
 
 def _tensors(tensors: Tensor | Iterable[Tensor]) -> list[Tensor]:
     return [tensors] if isinstance(tensors, Tensor) else list(tensors)
-
-
-def _vector_norm(x: Tensor, p: float) -> Tensor:
-    """torch.linalg.vector_norm of x flattened: ember's `norm`, and the order it leaves out (-inf, the smallest
-    magnitude)."""
-    if p == -math.inf:
-        return amin(x.abs())
-    return norm(x, p)
 
 
 def get_total_norm(tensors: Tensor | Iterable[Tensor], norm_type: float = 2.0, error_if_nonfinite: bool = False,
@@ -48,7 +40,7 @@ def get_total_norm(tensors: Tensor | Iterable[Tensor], norm_type: float = 2.0, e
         return tensor(0.0)
     with no_grad():
         device = tensors[0].device
-        total = _vector_norm(stack([_vector_norm(t, norm_type).to(device) for t in tensors]), norm_type)
+        total = norm(stack([norm(t, norm_type).to(device) for t in tensors]), norm_type)
     if error_if_nonfinite and not math.isfinite(total.item()):
         raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it "
                            "cannot be clipped. To disable this error and scale the gradients by the non-finite norm "

@@ -610,8 +610,8 @@ OPS: dict[str, Callable] = {
     "aten.argmax": lambda x, dim=None, keepdim=False: x.argmax(dim, keepdim),
     "aten.argmin": lambda x, dim=None, keepdim=False: x.argmin(dim, keepdim),
     "aten.var.correction": _var, "aten.prod.dim_int": lambda x, dim, keepdim=False, dtype=None: x.prod(dim, keepdim),
-    "aten.cumsum": lambda x, dim, dtype=None: x.cumsum(dim), "aten.logsumexp": lambda x, dims, keepdim=False:
-        x.logsumexp(tuple(dims), keepdim),
+    "aten.cumsum": lambda x, dim, dtype=None: x.cumsum(dim, _dtype(dtype)),
+    "aten.logsumexp": lambda x, dims, keepdim=False: x.logsumexp(tuple(dims), keepdim),
     # contractions
     "aten.mm": ember.mm, "aten.bmm": ember.bmm, "aten.matmul": ember.matmul,
     "aten.addmm": lambda bias, a, b, beta=1, alpha=1: bias * beta + (a @ b) * alpha if (beta, alpha) != (1, 1)

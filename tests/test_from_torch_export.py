@@ -338,3 +338,26 @@ def test_as_strided_reading_storage_no_tensor_of_the_graph_holds_is_an_error_nam
                                                   r"\(2, 1\), storage offset 0 from an input of shape \(4, 2\), "
                                                   r"strides \(3, 2\), storage offset 0"):
         AtenGraph(graph)
+
+
+def test_an_embedding_with_a_padding_index_gives_its_row_no_gradient_through_export():
+    """(BART's token embedding, tied to its output layer: the padding row learns from the output layer alone.)"""
+
+    class Tied(tnn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = tnn.Embedding(10, 4, padding_idx=1)
+            self.out = tnn.Linear(4, 10, bias=False)
+            self.out.weight = self.embed.weight
+
+        def forward(self, ids):
+            return self.out(self.embed(ids).tanh()).mean(1)
+
+    torch.manual_seed(0)
+    model = Tied()
+    em = ember.from_torch(copy.deepcopy(model), via="export")
+    ids = torch.tensor([[1, 2, 1, 3], [4, 1, 5, 1]])
+    target = torch.tensor([1, 7])
+    expected = torch_step(model, (ids,), target)
+    assert ember_step(em, (ember.from_dlpack(ids),), ember.from_dlpack(target)) == pytest.approx(expected, rel=1e-5)
+    close_states(em, model)

@@ -421,7 +421,7 @@ def _log_softmax_backward(grad, out, dim, input_dtype):
 
 
 def _embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
-    return ember.embedding(indices, weight)
+    return ember.embedding(indices, weight, None if padding_idx < 0 else padding_idx)
 
 
 def _embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq):

@@ -130,7 +130,8 @@ def test_transformers_models_import_and_train_as_in_torch(name):
 # One representative of each kind of layer the libraries' popular models add: distillation tokens, Swin's shifted
 # windows, ConvNeXt's blocks, XCiT's cross-covariance attention (F.normalize), EdgeNeXt's positional encoding (a
 # cumsum of a mask); Llama's RoPE, RMSNorm, gated MLP and grouped-query attention, T5's encoder-decoder with
-# relative attention buckets, DistilBERT, and the transformers ViT.
+# relative attention buckets, BART (a padding row in an embedding tied to the output layer), DistilBERT, and the
+# transformers ViT.
 
 ZOO_TIMM = {
     "deit_tiny_distilled_patch16_224": {"img_size": 64, "depth": 2},
@@ -155,6 +156,13 @@ def zoo_transformers_model(name: str):
         config = t.T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, vocab_size=100, dropout_rate=0.0,
                             use_cache=False, decoder_start_token_id=0, attn_implementation="eager")
         return t.T5ForConditionalGeneration(config), (ids, torch.ones_like(ids), torch.randint(0, 100, (2, 5)))
+    if name == "bart":
+        config = t.BartConfig(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                              decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=100,
+                              max_position_embeddings=64, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                              use_cache=False, attn_implementation="sdpa")
+        ids[0, -2:] = config.pad_token_id  # a padded sequence
+        return t.BartForConditionalGeneration(config), (ids,)
     if name == "distilbert":
         config = t.DistilBertConfig(dim=32, hidden_dim=64, n_layers=2, n_heads=2, vocab_size=100, dropout=0.0,
                                     attention_dropout=0.0, seq_classif_dropout=0.0, max_position_embeddings=64,
@@ -176,14 +184,14 @@ def test_zoo_timm_models_import_and_train_as_in_torch(name):
     check(model, (ember.tensor(x.numpy()),), (x,), ember.tensor(y.numpy()), y)
 
 
-@pytest.mark.parametrize("name", ["llama", "t5", "distilbert", "vit"])
+@pytest.mark.parametrize("name", ["llama", "t5", "bart", "distilbert", "vit"])
 def test_zoo_transformers_models_import_and_train_as_in_torch(name):
     torch.manual_seed(4)
     model, args = zoo_transformers_model(name)
     with torch.no_grad():
         out = logits(model(*args))
     target = torch.randint(0, out.shape[-1], out.shape[:-1]).reshape(-1)
-    # (Llama's RMSNorm and rotary embedding compute in float32 whatever the model's dtype: its step agrees to
-    # float32's rounding)
+    # (Llama's and T5's RMS norms, and Llama's rotary embedding, compute in float32 whatever the model's dtype:
+    # their steps agree to float32's rounding)
     check(model, tuple(ember.tensor(a.numpy()) for a in args), args, ember.tensor(target.numpy()), target,
-          atol=1e-7 if name == "llama" else 1e-9)
+          atol=1e-7 if name in ("llama", "t5") else 1e-9)

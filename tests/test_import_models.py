@@ -129,9 +129,9 @@ def test_transformers_models_import_and_train_as_in_torch(name):
 # -- the model zoo: more timm and transformers architectures (issue 37) -----------------------------------------
 # One representative of each kind of layer the libraries' popular models add: distillation tokens, Swin's shifted
 # windows, ConvNeXt's blocks, XCiT's cross-covariance attention (F.normalize), EdgeNeXt's positional encoding (a
-# cumsum of a mask); Llama's RoPE, RMSNorm, gated MLP and grouped-query attention, T5's encoder-decoder with
-# relative attention buckets, BART (a padding row in an embedding tied to the output layer), DistilBERT, and the
-# transformers ViT.
+# cumsum of a mask), LeViT's attention biases (cached on the module in eval mode: imported through torch.export);
+# Llama's RoPE, RMSNorm, gated MLP and grouped-query attention, T5's encoder-decoder with relative attention
+# buckets, BART (a padding row in an embedding tied to the output layer), DistilBERT, and the transformers ViT.
 
 ZOO_TIMM = {
     "deit_tiny_distilled_patch16_224": {"img_size": 64, "depth": 2},
@@ -140,6 +140,7 @@ ZOO_TIMM = {
     "convnext_atto": {},
     "xcit_nano_12_p16_224": {"img_size": 64, "depth": 2},
     "edgenext_xx_small": {},
+    "levit_128s": {"img_size": 64},
 }
 
 

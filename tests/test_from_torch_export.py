@@ -361,3 +361,28 @@ def test_an_embedding_with_a_padding_index_gives_its_row_no_gradient_through_exp
     expected = torch_step(model, (ids,), target)
     assert ember_step(em, (ember.from_dlpack(ids),), ember.from_dlpack(target)) == pytest.approx(expected, rel=1e-5)
     close_states(em, model)
+
+
+def test_topk_and_sort_import_forward_and_training():
+    """(A mixture of experts' router: the k best experts' weights, and their indices.)"""
+
+    class Router(tnn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = tnn.Linear(6, 5)
+
+        def forward(self, x):
+            scores = self.gate(x).softmax(-1)
+            best, chosen = torch.topk(scores, 2, dim=-1)
+            ranked, order = torch.sort(scores, dim=-1, descending=True, stable=True)
+            return best.sum(-1, keepdim=True) * ranked + chosen.sum(-1, keepdim=True) + order[:, :1]
+
+    torch.manual_seed(0)
+    model = Router()
+    em = ember.from_torch(copy.deepcopy(model), via="export")
+    x = torch.randn(4, 6)
+    np.testing.assert_allclose(em(ember.from_dlpack(x)).numpy(), model(x).detach().numpy(), rtol=1e-6, atol=1e-6)
+    target = torch.randint(0, 5, (4,))
+    expected = torch_step(model, (x,), target)
+    assert ember_step(em, (ember.from_dlpack(x),), ember.from_dlpack(target)) == pytest.approx(expected, rel=1e-5)
+    close_states(em, model)

@@ -611,6 +611,10 @@ OPS: dict[str, Callable] = {
     "aten.argmin": lambda x, dim=None, keepdim=False: x.argmin(dim, keepdim),
     "aten.var.correction": _var, "aten.prod.dim_int": lambda x, dim, keepdim=False, dtype=None: x.prod(dim, keepdim),
     "aten.cumsum": lambda x, dim, dtype=None: x.cumsum(dim, _dtype(dtype)),
+    "aten.topk": lambda x, k, dim=-1, largest=True, sorted=True: tuple(ember.topk(x, k, dim, largest, sorted)),
+    "aten.sort.default": lambda x, dim=-1, descending=False: tuple(ember.sort(x, dim, descending)),
+    "aten.sort.stable": lambda x, *, stable=None, dim=-1, descending=False: tuple(
+        ember.sort(x, dim, descending, stable=bool(stable))),
     "aten.logsumexp": lambda x, dims, keepdim=False: x.logsumexp(tuple(dims), keepdim),
     # contractions
     "aten.mm": ember.mm, "aten.bmm": ember.bmm, "aten.matmul": ember.matmul,

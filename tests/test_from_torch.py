@@ -611,3 +611,66 @@ def test_a_mobilenet_style_block_of_the_new_activations_imports():
     assert list(em.state_dict()) == list(model.state_dict())
     x = np.random.default_rng(7).standard_normal((2, 3, 5, 5)).astype(np.float32) * 3
     assert_forward_and_gradients_match(model, em, x)
+
+
+# -- forwards written for torch's own runs: a cache kept between calls, out=None passed on -------------------------
+
+class CachedBias(tnn.Module):
+    """LeViT's attention: in eval mode, a bias gathered from a table once and kept on the module by device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = tnn.Parameter(torch.randn(4))
+        self.register_buffer("index", torch.tensor([3, 0, 2, 1]))
+        self.cache: dict[str, object] = {}
+
+    def bias(self, device):
+        if self.training:
+            return self.table[self.index]
+        key = str(device)
+        if key not in self.cache:
+            self.cache[key] = self.table[self.index]
+        return self.cache[key]
+
+    def forward(self, x):
+        return x + self.bias(x.device)
+
+
+class CachedBiasTwice(tnn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = tnn.Sequential(tnn.Linear(4, 4), CachedBias())
+
+    def forward(self, x):
+        return self.inner(x).relu()
+
+
+def test_a_forward_that_caches_a_value_on_its_module_is_imported_through_export():
+    """Traced on its own and again inside its parent's forward, the module's second trace would read a value of the
+    first from the cache: the layer-by-layer import refuses it, and the export (which runs the cache's branch once)
+    takes the model."""
+    torch.manual_seed(4)
+    model = CachedBiasTwice().eval()
+    em = ember.from_torch(model)
+    assert type(em).__name__ == "Exported"
+    x = np.random.default_rng(8).standard_normal((3, 4)).astype(np.float32)
+    with torch.no_grad():
+        expected = model(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(em(ember.tensor(x)).numpy(), expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(TypeError, match=r"inner.1 \(CachedBias\): the trace reads a value an earlier trace left"):
+        ember.from_torch(CachedBiasTwice().eval(), via="fx")
+
+
+def test_torch_functions_that_record_their_out_argument_import():
+    """F.normalize records itself with `out=None` (torch's output-buffer argument) in a torch.fx trace."""
+
+    class Cosine(tnn.Module):
+        def forward(self, q, k):
+            return TF.normalize(q, dim=-1) @ TF.normalize(k, dim=-1).transpose(-2, -1)
+
+    rng = np.random.default_rng(9)
+    q, k = (rng.standard_normal((2, 3, 5)).astype(np.float32) for _ in range(2))
+    em = ember.from_torch(Cosine())
+    assert type(em).__name__ == "Traced"
+    expected = Cosine()(torch.from_numpy(q), torch.from_numpy(k)).numpy()
+    np.testing.assert_allclose(em(ember.tensor(q), ember.tensor(k)).numpy(), expected, rtol=1e-5, atol=1e-6)

@@ -353,3 +353,51 @@ def test_as_strided_reading_storage_no_tensor_of_the_graph_holds_is_an_error_nam
                                                   r"\(2, 1\), storage offset 0 from an input of shape \(4, 2\), "
                                                   r"strides \(3, 2\), storage offset 0"):
         AtenGraph(graph)
+
+
+def test_an_embedding_with_a_padding_index_gives_its_row_no_gradient_through_export():
+    """(BART's token embedding, tied to its output layer: the padding row learns from the output layer alone.)"""
+
+    class Tied(tnn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = tnn.Embedding(10, 4, padding_idx=1)
+            self.out = tnn.Linear(4, 10, bias=False)
+            self.out.weight = self.embed.weight
+
+        def forward(self, ids):
+            return self.out(self.embed(ids).tanh()).mean(1)
+
+    torch.manual_seed(0)
+    model = Tied()
+    em = ember.from_torch(copy.deepcopy(model), via="export")
+    ids = torch.tensor([[1, 2, 1, 3], [4, 1, 5, 1]])
+    target = torch.tensor([1, 7])
+    expected = torch_step(model, (ids,), target)
+    assert ember_step(em, (ember.from_dlpack(ids),), ember.from_dlpack(target)) == pytest.approx(expected, rel=1e-5)
+    close_states(em, model)
+
+
+def test_topk_and_sort_import_forward_and_training():
+    """(A mixture of experts' router: the k best experts' weights, and their indices.)"""
+
+    class Router(tnn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = tnn.Linear(6, 5)
+
+        def forward(self, x):
+            scores = self.gate(x).softmax(-1)
+            best, chosen = torch.topk(scores, 2, dim=-1)
+            ranked, order = torch.sort(scores, dim=-1, descending=True, stable=True)
+            return best.sum(-1, keepdim=True) * ranked + chosen.sum(-1, keepdim=True) + order[:, :1]
+
+    torch.manual_seed(0)
+    model = Router()
+    em = ember.from_torch(copy.deepcopy(model), via="export")
+    x = torch.randn(4, 6)
+    np.testing.assert_allclose(em(ember.from_dlpack(x)).numpy(), model(x).detach().numpy(), rtol=1e-6, atol=1e-6)
+    target = torch.randint(0, 5, (4,))
+    expected = torch_step(model, (x,), target)
+    assert ember_step(em, (ember.from_dlpack(x),), ember.from_dlpack(target)) == pytest.approx(expected, rel=1e-5)
+    close_states(em, model)

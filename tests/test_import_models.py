@@ -137,10 +137,11 @@ def enliven(model) -> None:
                 p.normal_(0, 0.02)
 
 
-def check(model, args, torch_args, target, torch_target):
+def check(model, args, torch_args, target, torch_target, atol: float = 1e-9):
     """The eval forward in float32, then one training step of both in float64 (in float32 the step of a deep
     batch-normalized network differs by rounding alone by up to 2% between any two implementations: RegNet's
-    stem, for one), compared."""
+    stem, for one), compared; `atol`: the updated parameters' absolute tolerance (larger for a model that
+    computes parts in float32 whatever its dtype)."""
     torch.manual_seed(0)
     enliven(model)
     calibrate(model, torch_args)
@@ -169,7 +170,7 @@ def check(model, args, torch_args, target, torch_target):
     state = em.state_dict()
     for k, v in model.state_dict().items():
         if v.dtype.is_floating_point:
-            np.testing.assert_allclose(state[k].numpy(), v.numpy(), rtol=1e-6, atol=1e-9, err_msg=k)
+            np.testing.assert_allclose(state[k].numpy(), v.numpy(), rtol=1e-6, atol=atol, err_msg=k)
 
 
 @pytest.mark.parametrize("source,name", IMAGE_MODELS, ids=[f"{s}-{n}" for s, n in IMAGE_MODELS])
@@ -194,3 +195,75 @@ def test_transformers_models_import_and_train_as_in_torch(name):
     else:
         target = torch.randint(0, 3, (2,))
     check(model, (ember.tensor(ids.numpy()),), (ids,), ember.tensor(target.numpy()), target)
+
+
+# -- the model zoo: more timm and transformers architectures (issue 37) -----------------------------------------
+# One representative of each kind of layer the libraries' popular models add: distillation tokens, Swin's shifted
+# windows, ConvNeXt's blocks, XCiT's cross-covariance attention (F.normalize), EdgeNeXt's positional encoding (a
+# cumsum of a mask), LeViT's attention biases (cached on the module in eval mode: imported through torch.export);
+# Llama's RoPE, RMSNorm, gated MLP and grouped-query attention, T5's encoder-decoder with relative attention
+# buckets, BART (a padding row in an embedding tied to the output layer), DistilBERT, and the transformers ViT.
+
+ZOO_TIMM = {
+    "deit_tiny_distilled_patch16_224": {"img_size": 64, "depth": 2},
+    "swin_tiny_patch4_window7_224": {"img_size": 64, "embed_dim": 16, "depths": (1, 1), "num_heads": (2, 2),
+                                     "window_size": 4},
+    "convnext_atto": {},
+    "xcit_nano_12_p16_224": {"img_size": 64, "depth": 2},
+    "edgenext_xx_small": {},
+    "levit_128s": {"img_size": 64},
+}
+
+
+def zoo_transformers_model(name: str):
+    """A tiny configuration of the transformers model `name` (no dropout) and its example arguments."""
+    t = library("transformers")
+    ids = torch.randint(0, 100, (2, 8))
+    if name == "llama":
+        config = t.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, vocab_size=100, max_position_embeddings=64, use_cache=False,
+                               attn_implementation="sdpa")
+        return t.LlamaForCausalLM(config), (ids,)
+    if name == "t5":
+        config = t.T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, vocab_size=100, dropout_rate=0.0,
+                            use_cache=False, decoder_start_token_id=0, attn_implementation="eager")
+        return t.T5ForConditionalGeneration(config), (ids, torch.ones_like(ids), torch.randint(0, 100, (2, 5)))
+    if name == "bart":
+        config = t.BartConfig(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                              decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=100,
+                              max_position_embeddings=64, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                              use_cache=False, attn_implementation="sdpa")
+        ids[0, -2:] = config.pad_token_id  # a padded sequence
+        return t.BartForConditionalGeneration(config), (ids,)
+    if name == "distilbert":
+        config = t.DistilBertConfig(dim=32, hidden_dim=64, n_layers=2, n_heads=2, vocab_size=100, dropout=0.0,
+                                    attention_dropout=0.0, seq_classif_dropout=0.0, max_position_embeddings=64,
+                                    num_labels=3, attn_implementation="sdpa")
+        return t.DistilBertForSequenceClassification(config), (ids,)
+    config = t.ViTConfig(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         intermediate_size=64, num_labels=10, hidden_dropout_prob=0.0,
+                         attention_probs_dropout_prob=0.0, attn_implementation="sdpa")
+    return t.ViTForImageClassification(config), (torch.randn(2, 3, 32, 32),)
+
+
+@pytest.mark.parametrize("name", list(ZOO_TIMM))
+def test_zoo_timm_models_import_and_train_as_in_torch(name):
+    torch.manual_seed(3)
+    model = library("timm").create_model(name, pretrained=False, num_classes=10, drop_rate=0.0, drop_path_rate=0.0,
+                                         **ZOO_TIMM[name])
+    x = torch.randn(4, 3, 64, 64)
+    y = torch.randint(0, 10, (4,))
+    check(model, (ember.tensor(x.numpy()),), (x,), ember.tensor(y.numpy()), y)
+
+
+@pytest.mark.parametrize("name", ["llama", "t5", "bart", "distilbert", "vit"])
+def test_zoo_transformers_models_import_and_train_as_in_torch(name):
+    torch.manual_seed(4)
+    model, args = zoo_transformers_model(name)
+    with torch.no_grad():
+        out = logits(model(*args))
+    target = torch.randint(0, out.shape[-1], out.shape[:-1]).reshape(-1)
+    # (Llama's and T5's RMS norms, and Llama's rotary embedding, compute in float32 whatever the model's dtype:
+    # their steps agree to float32's rounding)
+    check(model, tuple(ember.tensor(a.numpy()) for a in args), args, ember.tensor(target.numpy()), target,
+          atol=1e-7 if name in ("llama", "t5") else 1e-9)

@@ -179,3 +179,13 @@ def test_softmax_rows_sum_to_one(dtype, rng):
     x = random_array(rng, (4, 6), dtype, -10, 10)
     total = ember.softmax(ember.tensor(x), -1).float().sum(-1).numpy()
     np.testing.assert_allclose(total, 1.0, rtol=1e-2 if dtype in ("float16", "bfloat16") else 1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int32"])
+def test_cumsum_casts_to_the_dtype_asked_for_first_as_torch_does(dtype):
+    """(EdgeNeXt's positional encoding sums a boolean mask with dtype=float32.)"""
+    mask = np.array([[True, False, True, True], [False, True, True, False]])
+    got = ember.tensor(mask).cumsum(1, dtype=dtype)
+    expected = TORCH.tensor(mask).cumsum(1, dtype=getattr(TORCH, dtype))
+    assert got.dtype == ember.dtypes.as_dtype(dtype)
+    np.testing.assert_array_equal(got.numpy(), expected.numpy())

@@ -427,7 +427,7 @@ def _log_softmax_backward(grad, out, dim, input_dtype):
 
 
 def _embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
-    return ember.embedding(indices, weight)
+    return ember.embedding(indices, weight, None if padding_idx < 0 else padding_idx)
 
 
 def _embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq):
@@ -617,8 +617,12 @@ OPS: dict[str, Callable] = {
     "aten.argmin": lambda x, dim=None, keepdim=False: x.argmin(dim, keepdim),
     "aten.var.correction": _var, "aten.linalg_vector_norm": _vector_norm,
     "aten.prod.dim_int": lambda x, dim, keepdim=False, dtype=None: x.prod(dim, keepdim),
-    "aten.cumsum": lambda x, dim, dtype=None: x.cumsum(dim), "aten.logsumexp": lambda x, dims, keepdim=False:
-        x.logsumexp(tuple(dims), keepdim),
+    "aten.cumsum": lambda x, dim, dtype=None: x.cumsum(dim, _dtype(dtype)),
+    "aten.topk": lambda x, k, dim=-1, largest=True, sorted=True: tuple(ember.topk(x, k, dim, largest, sorted)),
+    "aten.sort.default": lambda x, dim=-1, descending=False: tuple(ember.sort(x, dim, descending)),
+    "aten.sort.stable": lambda x, *, stable=None, dim=-1, descending=False: tuple(
+        ember.sort(x, dim, descending, stable=bool(stable))),
+    "aten.logsumexp": lambda x, dims, keepdim=False: x.logsumexp(tuple(dims), keepdim),
     # contractions
     "aten.mm": ember.mm, "aten.bmm": ember.bmm, "aten.matmul": ember.matmul,
     "aten.addmm": lambda bias, a, b, beta=1, alpha=1: bias * beta + (a @ b) * alpha if (beta, alpha) != (1, 1)

@@ -374,8 +374,15 @@ class Traced(Module):
                     importer.problem(f"{_origin(node, m, path)}: {_name(node.target)} has no ember equivalent")
             elif node.op == "call_method" and not hasattr(Tensor, node.target):
                 importer.problem(f"{_origin(node, m, path)}: Tensor.{node.target} has no ember equivalent")
+            if any(arg not in index for arg in node.all_input_nodes):
+                # a value another trace made, kept by the forward between calls (a cache on the module): the
+                # trace does not compute it, so it is not this forward's
+                importer.problem(f"{_origin(node, m, path)}: the trace reads a value an earlier trace left on the "
+                                 "module (a cache)")
+                return None
             index[node] = len(steps)
-            kwargs = {k: v for k, v in node.kwargs.items() if not k.startswith("_")}  # torch's own (_stacklevel)
+            # torch's own (_stacklevel), and an `out=None` a torch function passes on when it records itself
+            kwargs = {k: v for k, v in node.kwargs.items() if not k.startswith("_") and (k, v) != ("out", None)}
             steps.append(_Step(node.op, node.name, node.target, fn, _arguments(node.args, index),
                                _arguments(kwargs, index)))
         self._ember_graphs[modes] = steps

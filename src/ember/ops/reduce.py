@@ -318,12 +318,15 @@ def cosine_similarity(x1: Tensor, x2: Tensor, dim: int = 1, eps: float = 1e-8) -
     return sum(unit[0] * unit[1], axis)
 
 
-def cumsum(x: Tensor, dim: int) -> Tensor:
-    """Cumulative sum as a product with a triangular matrix of ones (fine for modest lengths)."""
+def cumsum(x: Tensor, dim: int, dtype: dtypes.DType | str | None = None) -> Tensor:
+    """Cumulative sum as a product with a triangular matrix of ones (fine for modest lengths); `dtype`: what x is
+    cast to first (as torch's; without it, integers and booleans sum in int64)."""
     expect_tensors("cumsum", input=x)
     axis = normalize_dim("cumsum", dim, x.ndim)
     n = x.shape[axis] if x.ndim else 1
-    if not x.dtype.is_floating_point:
+    if dtype is not None:
+        x = cast(x, dtypes.as_dtype(dtype))
+    elif not x.dtype.is_floating_point:
         x = cast(x, dtypes.int64)
     lower = tril(ones((n, n), dtype=x.dtype, device=x.device))
     moved = transpose(x, axis, -1) if x.ndim else reshape(x, (1,))

@@ -125,7 +125,8 @@ class Exported(Module):
             before = f" (imported layer by layer it was refused: {'; '.join(self._problems)})" if self._problems else ""
             raise TypeError(f"from_torch: cannot import {type(self._torch).__name__} through torch.export{before}: "
                             f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") from error
-        object.__setattr__(self, "_constants", {name: _to_ember(value) for name, value in program.constants.items()})
+        constants = program.constants
+        object.__setattr__(self, "_constants", dict(zip(constants, _to_ember(list(constants.values()), None))))
         return graph, program.graph_signature, program.call_spec.out_spec, _batch_is_dynamic(program)
 
     @staticmethod

@@ -494,7 +494,8 @@ def test_a_named_tuple_of_outputs_is_the_same_named_tuple_of_ember_tensors():
         np.testing.assert_allclose(mine.numpy(), theirs.detach().numpy(), rtol=1e-6)
     em.eval()
     model.eval()
-    np.testing.assert_allclose(em(ember.tensor(x)).numpy(), model(torch.from_numpy(x)).detach().numpy(), rtol=1e-6)
+    np.testing.assert_allclose(em(ember.tensor(x)).numpy(), model(torch.from_numpy(x)).detach().numpy(),
+                               rtol=1e-5, atol=1e-6)  # float32: the linear layer's sums in another order
 
 
 def test_torchvision_stochastic_depth_imports_layer_by_layer():
@@ -518,7 +519,8 @@ def test_torchvision_stochastic_depth_imports_layer_by_layer():
     assert np.all(np.isclose(kept, 0, atol=1e-6).all(1) | np.isclose(kept, 2 * branch, atol=1e-6).all(1))
     em.eval()
     model.eval()
-    np.testing.assert_allclose(em(ember.tensor(x)).numpy(), model(torch.from_numpy(x)).detach().numpy(), rtol=1e-6)
+    np.testing.assert_allclose(em(ember.tensor(x)).numpy(), model(torch.from_numpy(x)).detach().numpy(),
+                               rtol=1e-5, atol=1e-6)  # float32: the linear layer's sums in another order
 
 
 # -- attention and transformer layers, and torch._assert ------------------------------------------------------

@@ -671,9 +671,9 @@ def test_from_torch_shares_parameters_and_computes_the_same(device):
 
 
 def test_from_torch_names_unsupported_layers():
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ConvTranspose3d(1, 1, 1),
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.RReLU(),
                                 torch.nn.Sequential(torch.nn.Bilinear(4, 4, 4)))
-    with pytest.raises(TypeError, match=r"unsupported layer 1: ConvTranspose3d; unsupported layer 2\.0: Bilinear"):
+    with pytest.raises(TypeError, match=r"unsupported layer 1: RReLU; unsupported layer 2\.0: Bilinear"):
         ember.from_torch(model, via="fx")
     with pytest.raises(TypeError, match="expected a torch.nn.Module"):
         ember.from_torch(np.zeros(3))

@@ -95,6 +95,30 @@ def parse_options(argv: list[str] | None, script: str, doc: str,
     return Options(args, which, dev, results_file, made, selected)
 
 
+def parse_named_rows(argv: list[str] | None, script: str, doc: str, rows: str, variants: Iterable[str],
+                     reps: int, smoke_help: str, smoke_reps: int | None = None,
+                     add_options: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+    """Parse the options of a script whose rows are named models and whose columns are variants (--rows, --skip,
+    --reps, --cpu-smoke, --results and any `add_options` adds) and pick the backend (select_backend): `args.dev`
+    is the torch device, `args.skip` the set of variants left out; under --cpu-smoke `smoke_reps` (where given)
+    replaces --reps. `rows` is the default, comma-separated; `smoke_help` says what --cpu-smoke runs."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--rows", default=rows, help=f"rows, comma-separated (default {rows})")
+    parser.add_argument("--skip", default="", help=f"variants to leave out, comma-separated, of {tuple(variants)}")
+    parser.add_argument("--reps", type=int, default=reps, help=f"timed repetitions per burst (default {reps})")
+    parser.add_argument("--cpu-smoke", action="store_true", help=f"no GPU: {smoke_help}")
+    parser.add_argument("--results", type=Path, default=None, help="markdown file to append to")
+    if add_options is not None:
+        add_options(parser)
+    args = parser.parse_args(argv)
+    select_backend(args.cpu_smoke, script)
+    args.dev = "cpu" if args.cpu_smoke else "cuda"
+    if args.cpu_smoke and smoke_reps is not None:
+        args.reps = smoke_reps
+    args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    return args
+
+
 def for_each_case(opts: Options, run: Callable[[Any], object]) -> None:
     """Make each selected row (opts.cases: (row, a maker of its case)) and `run` it, one at a time to bound
     memory: a setup that fails is reported and skipped; what a case held is freed before the next is made."""

@@ -136,22 +136,10 @@ def run_row(row: str, args) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import argparse
+    from common import cell, environment, markdown_table, parse_named_rows, publish, speedup
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rows", default="mobilenet_v3,resnet50", help="rows: mobilenet_v3, resnet50")
-    parser.add_argument("--skip", default="", help=f"variants to leave out, comma-separated, of {VARIANTS}")
-    parser.add_argument("--reps", type=int, default=20, help="batches per timed burst (default 20)")
-    parser.add_argument("--cpu-smoke", action="store_true", help="no GPU: tiny models, torch on the CPU, ember "
-                        "through Triton's interpreter")
-    parser.add_argument("--results", type=Path, default=None, help="markdown file to append to")
-    args = parser.parse_args(argv)
-    from common import cell, environment, markdown_table, publish, select_backend, speedup
-
-    select_backend(args.cpu_smoke, "conv_folding.py")
-    args.dev = "cpu" if args.cpu_smoke else "cuda"
-    args.reps = 2 if args.cpu_smoke else args.reps
-    args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    args = parse_named_rows(argv, "conv_folding.py", __doc__, "mobilenet_v3,resnet50", VARIANTS, 20,
+                            "tiny models, torch on the CPU, ember through Triton's interpreter", smoke_reps=2)
     lines = [line for row in args.rows.split(",") for line in run_row(row, args)]
 
     body = [[line["row"], line["variant"], cell(line.get("ms")), speedup(lines, line, "torch eager"),

@@ -23,7 +23,6 @@ torch kernels) from torch.profiler, and for the ember backend whether each of it
 
 from __future__ import annotations
 
-import argparse
 import copy
 import statistics
 import sys
@@ -203,21 +202,15 @@ def run_row(row: str, args) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rows", default="resnet50,gpt2", help="rows: resnet50, gpt2")
-    parser.add_argument("--skip", default="", help=f"variants to leave out, comma-separated, of {VARIANTS}")
-    parser.add_argument("--reps", type=int, default=10, help="steps per timed burst (default 10)")
-    parser.add_argument("--cpu-smoke", action="store_true", help="no GPU: tiny models in float64, ember on its "
-                        "cpu device (the reference backend), torch.compile with backend='eager'")
-    parser.add_argument("--results", type=Path, default=None, help="markdown file to append to")
-    parser.add_argument("--breakdown", action="store_true", help="also where each variant's step time goes: host "
-                        "against GPU time, GPU time by kernel kind, the ember backend's CUDA graph replays")
-    args = parser.parse_args(argv)
-    from common import cell, environment, markdown_table, publish, select_backend
+    from common import cell, environment, markdown_table, parse_named_rows, publish
 
-    select_backend(args.cpu_smoke, "import.py")
-    args.dev = "cpu" if args.cpu_smoke else "cuda"
-    args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    def breakdown_option(parser) -> None:
+        parser.add_argument("--breakdown", action="store_true", help="also where each variant's step time goes: "
+                            "host against GPU time, GPU time by kernel kind, the ember backend's CUDA graph replays")
+
+    args = parse_named_rows(argv, "import.py", __doc__, "resnet50,gpt2", VARIANTS, 10,
+                            "tiny models in float64, ember on its cpu device (the reference backend), torch.compile "
+                            "with backend='eager'", add_options=breakdown_option)
     lines = []
     for row in args.rows.split(","):
         lines += run_row(row, args)

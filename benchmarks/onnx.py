@@ -19,7 +19,6 @@ variant's output is checked against torch eager's (relative error, max norm).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -155,20 +154,11 @@ def run_row(row: str, args) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rows", default=",".join(ROWS), help=f"rows: {', '.join(ROWS)}")
-    parser.add_argument("--skip", default="", help=f"variants to leave out, comma-separated, of {VARIANTS}")
-    parser.add_argument("--reps", type=int, default=20, help="batches per timed burst (default 20)")
-    parser.add_argument("--cpu-smoke", action="store_true", help="no GPU: tiny models on the cpu (ember's "
-                        "reference backend, onnxruntime's CPU provider, torch.compile with backend='eager')")
-    parser.add_argument("--results", type=Path, default=None, help="markdown file to append to")
-    args = parser.parse_args(argv)
-    from common import cell, environment, markdown_table, publish, select_backend, speedup
+    from common import cell, environment, markdown_table, parse_named_rows, publish, speedup
 
-    select_backend(args.cpu_smoke, "onnx.py")
-    args.dev = "cpu" if args.cpu_smoke else "cuda"
-    args.reps = 2 if args.cpu_smoke else args.reps
-    args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    args = parse_named_rows(argv, "onnx.py", __doc__, ",".join(ROWS), VARIANTS, 20,
+                            "tiny models on the cpu (ember's reference backend, onnxruntime's CPU provider, "
+                            "torch.compile with backend='eager')", smoke_reps=2)
     lines = []
     for row in args.rows.split(","):
         lines += run_row(row, args)

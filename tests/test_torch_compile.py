@@ -60,9 +60,17 @@ def case(name: str, device: str):
             torch.randint(0, 50, (32,), device=device))
 
 
-def train(model, x, y, compiled: bool, steps: int = 3, optimizer=torch.optim.SGD, whole_step: bool = False):
+def mlp(device: str):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 10)).to(device)
+    return net, torch.randn(6, 8, device=device), torch.randint(0, 10, (6,), device=device)
+
+
+def train(model, x, y, compiled: bool, steps: int = 3, optimizer=torch.optim.SGD, whole_step: bool = False,
+          set_to_none: bool = True):
     """Losses and the final state of `steps` training steps; the forward and backward compiled by ember
-    (`compiled`), and the optimizer's update with them (`whole_step`)."""
+    (`compiled`), and the optimizer's update with them (`whole_step`); gradients zeroed in place where not
+    `set_to_none`."""
     opt = optimizer(model.parameters(), lr=0.05) if optimizer is not torch.optim.SGD else optimizer(
         model.parameters(), lr=0.05, momentum=0.9)
 
@@ -72,7 +80,7 @@ def train(model, x, y, compiled: bool, steps: int = 3, optimizer=torch.optim.SGD
         return loss
 
     def step(x, y):
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
         loss = forward_backward(x, y)
         opt.step()
         return loss
@@ -83,7 +91,7 @@ def train(model, x, y, compiled: bool, steps: int = 3, optimizer=torch.optim.SGD
         inner = torch.compile(forward_backward, backend="ember") if compiled else forward_backward
 
         def run(x, y):
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=set_to_none)
             loss = inner(x, y)
             opt.step()
             return loss
@@ -112,15 +120,26 @@ def test_training_through_the_ember_backend_matches_torch_eager(model, device):
 def test_a_whole_step_with_its_optimizer_update_compiles_to_ember(device, optimizer):
     # AdamW on an MLP: in the cnn and the GPT some parameters (a bias before a batch norm, the keys' bias) have
     # gradients of rounding noise only, which Adam scales to full steps of either sign in any two implementations
-    if optimizer == "SGD":
-        net, x, y = case("cnn", device)
-    else:
-        torch.manual_seed(0)
-        net = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 10)).to(device)
-        x, y = torch.randn(6, 8, device=device), torch.randint(0, 10, (6,), device=device)
+    net, x, y = case("cnn", device) if optimizer == "SGD" else mlp(device)
     kind = getattr(torch.optim, optimizer)
     expected = train(copy.deepcopy(net), x, y, False, optimizer=kind, whole_step=True)
     assert_same_training(expected, train(net, x, y, True, optimizer=kind, whole_step=True))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("optimizer", ["SGD", "AdamW"])
+def test_gradients_zeroed_in_place_and_first_momenta_are_tensors_of_their_own(device, optimizer):
+    """`zero_grad(set_to_none=False)` keeps each parameter's `.grad` and zeroes it in place; SGD's first momentum
+    is `clone(grad)`, which ember computes as the gradient's own value: handed to torch as the gradient's memory,
+    zeroing the gradient would zero the momentum. Each new tensor a graph returns is torch's own."""
+    net, x, y = case("cnn", device) if optimizer == "SGD" else mlp(device)  # AdamW: see the test above
+    kind = getattr(torch.optim, optimizer)
+    for whole_step in (False, True):
+        expected = train(copy.deepcopy(net), x, y, False, steps=4, optimizer=kind, whole_step=whole_step,
+                         set_to_none=False)
+        got = train(copy.deepcopy(net), x, y, True, steps=4, optimizer=kind, whole_step=whole_step,
+                    set_to_none=False)
+        assert_same_training(expected, got)
 
 
 def test_each_graph_is_interpreted_once_and_built_from_its_template_on_new_batches(monkeypatch):

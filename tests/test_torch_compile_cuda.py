@@ -108,6 +108,67 @@ def test_results_handed_to_torch_are_its_own_and_cross_no_dlpack_capsule(monkeyp
         np.testing.assert_allclose(got.cpu().numpy(), want.cpu().numpy(), rtol=1e-4, atol=1e-5)
 
 
+def test_results_torch_lets_go_of_within_the_step_are_handed_over_without_a_copy(monkeypatch):
+    """A training step's saved activations and gradients are results of ember.jit replays that torch drops within
+    the step: they are handed to torch on the replay's own memory, no copy, so the backward and the optimizer step
+    read them where the previous graph wrote them (the same buffers every step: one CUDA graph each, no inputs
+    copied), and the values stay torch eager's."""
+    from ember.runtime import dlpack, executor
+
+    handed = {"shared": 0, "copied": 0}
+    torch_buffers = dlpack.torch_buffers
+
+    def counting(nodes):
+        replayed = [(n, n.buffer.data_ptr()) for n in nodes if n in executor.transient]
+        out = torch_buffers(nodes)
+        by_node = dict(zip(map(id, nodes), out))
+        for n, address in replayed:
+            handed["shared" if by_node[id(n)].data_ptr() == address else "copied"] += 1
+        return out
+    monkeypatch.setattr(dlpack, "torch_buffers", counting)
+    net = block()
+    reference = copy.deepcopy(net)
+    x, y = batch(0)
+    losses = []
+    for model in (reference, net):
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+        def step(x, y, model=model, opt=opt):
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            return loss
+        run = step if model is reference else torch.compile(step, backend="ember", options=OPTIONS)
+        losses.append([run(x, y).item() for _ in range(6)])
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-4)
+    assert handed["shared"] > 0 and handed["copied"] == 0, handed
+
+
+def test_gradients_torch_keeps_across_steps_stay_right(monkeypatch):
+    """`zero_grad(set_to_none=False)`: torch keeps each step's gradients in `.grad` and zeroes and accumulates into
+    them in place, holding results of the backward's replays past the step; later replays write other buffers, and
+    the training stays torch eager's."""
+    net = block()
+    reference = copy.deepcopy(net)
+    losses, states = [], []
+    for model in (reference, net):
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+        def step(x, y, model=model, opt=opt):
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad(set_to_none=False)
+            loss.backward()
+            opt.step()
+            return loss
+        run = step if model is reference else torch.compile(step, backend="ember", options=OPTIONS)
+        losses.append([run(*batch(i)).item() for i in range(6)])
+        states.append({k: v.detach().cpu().numpy() for k, v in model.state_dict().items()})
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-4)
+    for name, value in states[0].items():
+        np.testing.assert_allclose(states[1][name], value, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
 def aten_graphs(model, x, y) -> dict:
     """The forward and backward ATen graphs AOTAutograd hands the ember backend for a training step's loss."""
     from torch._decomp import core_aten_decompositions

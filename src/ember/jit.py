@@ -273,6 +273,7 @@ class _Program:
         self.constant_buffers = [buffer for _, _, buffer in self.constants]
         self.plans = graphs.Replay(steps)
         self.handed_at = [0]  # per set of result buffers: the replay that last returned them
+        self.lends = True  # results handed to torch share the set's memory (runtime.dlpack.torch_buffers)
         self.calls = 0
         self.graphs: dict[tuple, object] = {}  # (argument buffers' addresses, result set) -> CUDA graph
         self.own_arguments: list | None = None  # where arguments are copied once GRAPHS_KEPT graphs exist
@@ -549,13 +550,17 @@ class _Program:
 
     def _free_results(self) -> int:
         """A set of result buffers nothing outside the program refers to (no returned Tensor, nothing derived
-        from one without a copy, no argument of this call): the first such; else a second set; else the oldest
-        set is left to what shows it and replaced by new buffers (its graphs go with it)."""
-        for s, buffers in enumerate(self.results):
-            if max(map(sys.getrefcount, buffers), default=0) <= _RESULT_REFERENCES:
-                return s
+        from one without a copy, no argument of this call, no tensor torch was handed on their memory): the first
+        such; else a second set; else the oldest set is left to what shows it and replaced by new buffers (its
+        graphs go with it), and from then on results handed to torch are copies (`lends`: torch keeps them longer
+        than a call)."""
         from ember.runtime import graphs  # torch is imported only once a step is replayed
 
+        for s, buffers in enumerate(self.results):
+            if max(map(sys.getrefcount, buffers), default=0) <= _RESULT_REFERENCES and \
+                    not graphs.shared_elsewhere(buffers):
+                return s
+        self.lends = False
         fresh = [graphs.torch.empty_like(b) for b in self.results[0]]
         if len(self.results) < 2:
             self.results.append(fresh)
@@ -573,7 +578,7 @@ class _Program:
         if kind == "result":
             node = Node.from_buffer(self.results[s][what], *placed)
             self.handed_at[s] = self.calls
-            transient.add(node)
+            transient[node] = self
             return Tensor(node)
         if kind == "computed":
             from ember.runtime import index_checks  # torch is imported only once a step is replayed

@@ -71,6 +71,7 @@ def _compile(gm, example_inputs, on_cuda: bool = False):
     """A boxed callable running the ATen graph `gm` on ember (AOTAutograd passes the inputs as one list)."""
     import torch
 
+    fresh = _fresh_outputs(gm.graph)
     writes = _written_inputs(gm.graph)
     graph = AtenGraph(gm.graph, "graph torch.compile captured")
     torch_device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
@@ -90,14 +91,46 @@ def _compile(gm, example_inputs, on_cuda: bool = False):
 
     def run(args: list) -> list:
         written = [args[p].detach() for p in writes]
+        addresses = {a.data_ptr() for a in args if isinstance(a, torch.Tensor)}
         inputs = to_ember(args)
         args.clear()  # AOTAutograd's boxed convention: the inputs can be freed as soon as they are read
         outputs = list(step(*inputs))
         kept = len(outputs) - len(writes)
-        return _to_torch(outputs[:kept], torch_device, list(zip(written, outputs[kept:])))
+        return _own_memory(_to_torch(outputs[:kept], torch_device, list(zip(written, outputs[kept:]))), fresh,
+                           addresses)
 
     run._boxed_call = True
     return run
+
+
+def _fresh_outputs(graph) -> list[int]:
+    """The positions of the outputs of `graph` that are new tensors in torch's semantics: not an input, nor a view
+    of one (those AOTAutograd rebuilds as views of the input itself)."""
+    def aliases_an_input(node) -> bool:
+        while node.op == "call_function" and getattr(node.target, "is_view", False) and node.args:
+            node = node.args[0]
+        return node.op == "placeholder"
+
+    output = next(n for n in graph.nodes if n.op == "output")
+    return [i for i, o in enumerate(output.args[0]) if not (hasattr(o, "op") and aliases_an_input(o))]
+
+
+def _own_memory(results: list, fresh: list[int], addresses: set[int]) -> list:
+    """`results` with each fresh output on memory of its own: ember computes values, not tensors, so a graph's
+    `clone` of an input (an optimizer's first momentum, `clone(grad)`) is the input's own value, and two outputs of
+    one value are one buffer; torch may write either in place (`zero_grad(set_to_none=False)`, `add_`), so such an
+    output is copied."""
+    seen = set()
+    for i in fresh:
+        t = results[i]
+        if not hasattr(t, "data_ptr") or t.numel() == 0:
+            continue
+        address, base = t.data_ptr(), t._base
+        if address in addresses or address in seen or (base is not None and base.data_ptr() in addresses):
+            results[i] = t.clone()
+        else:
+            seen.add(address)
+    return results
 
 
 def _written_inputs(graph) -> list[int]:

@@ -97,13 +97,20 @@ def nodes_on_torch(tensors: list, device: Device) -> list[Node]:
 
 def torch_buffers(nodes: list[Node]) -> list:
     """The torch buffers of realized cuda nodes, to hand to torch as its own tensors (what `torch.from_dlpack` of
-    each gives, without a capsule per node): buffers a later run writes (ember.jit's results, a steady plan's) are
-    copied first, as `export` copies them, all in one batched copy."""
+    each gives, without a capsule per node). A result of an ember.jit replay is handed over as a tensor of its own on
+    the same memory, no copy: the step's next replay sees the memory shared and writes another set of buffers
+    until torch lets go (a torch.compile graph's saved activations and gradients are dropped within the step; a
+    step whose results torch keeps longer has its results copied from then on). A steady plan's results, which a
+    later run writes whenever no ember node shows them, are copied first, as `export` copies them, all in one
+    batched copy."""
     torch = _torch()
     moved: dict[int, Node] = {}
+    shared: dict[int, torch.Tensor] = {}
     for node in nodes:
         buffer = node.buffer
-        if node in executor.transient or executor.recycled.get(id(buffer)) is buffer:
+        if getattr(executor.transient.get(node), "lends", False):
+            shared[id(node)] = buffer.detach() if buffer.is_contiguous() else buffer.contiguous()
+        elif node in executor.transient or executor.recycled.get(id(buffer)) is buffer:
             moved[id(node)] = node
         elif not buffer.is_contiguous():
             node.buffer = buffer.contiguous()
@@ -113,8 +120,8 @@ def torch_buffers(nodes: list[Node]) -> list:
         torch._foreach_copy_(copies, sources)
         for node, copy in zip(moved.values(), copies):
             node.buffer = copy
-            executor.transient.discard(node)
-    return [node.buffer for node in nodes]
+            executor.transient.pop(node, None)
+    return [shared[id(node)] if id(node) in shared else node.buffer for node in nodes]
 
 
 @functools.cache
@@ -163,7 +170,7 @@ def _shareable(node: Node):
     its own (a result of an ember.jit replay or of a steady plan shows a buffer a later run may write)."""
     if node in executor.transient or executor.recycled.get(id(node.buffer)) is node.buffer:
         node.buffer = node.buffer.clone()
-        executor.transient.discard(node)
+        executor.transient.pop(node, None)
     buffer = node.buffer
     if isinstance(buffer, np.ndarray):
         if not (buffer.flags.c_contiguous and buffer.flags.writeable):

@@ -36,9 +36,10 @@ class _ThisThread(threading.local):
 
 
 this_thread = _ThisThread()
-# nodes showing a buffer that a later replay of an ember.jit step overwrites (once no returned Tensor shows it):
-# one whose memory is shared outside ember gets a buffer of its own first
-transient: weakref.WeakSet = weakref.WeakSet()
+# nodes showing a buffer that a later replay of an ember.jit step overwrites (once no returned Tensor shows it),
+# each with the step's program: one whose memory is shared outside ember gets a buffer of its own first, unless
+# the program lends it (runtime.dlpack.torch_buffers)
+transient: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # buffers, by id, that a later run of a steady plan (runtime.steady) overwrites once nothing shows them: the same
 recycled: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 

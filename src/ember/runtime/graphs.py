@@ -47,6 +47,14 @@ _capturing = threading.Lock()
 _with_collectives: weakref.WeakSet = weakref.WeakSet()
 
 
+def shared_elsewhere(buffers: list[torch.Tensor]) -> bool:
+    """Whether another tensor shares the memory of any of `buffers`: a view or alias of one, such as a result
+    handed to torch as its own tensor (`runtime.dlpack.torch_buffers`). A storage's use count is one per tensor on
+    it plus the count of the Python storage object asked here."""
+    use_count = torch._C._storage_Use_Count
+    return any(use_count(b.untyped_storage()._cdata) > 2 for b in buffers)
+
+
 class Replay:
     """Plans re-run on their buffers, launch by launch or captured as a CUDA graph."""
 

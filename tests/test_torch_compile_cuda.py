@@ -6,6 +6,7 @@ tensors."""
 from __future__ import annotations
 
 import contextlib
+import importlib
 import copy
 
 import numpy as np
@@ -113,19 +114,29 @@ def test_results_torch_lets_go_of_within_the_step_are_handed_over_without_a_copy
     the step: they are handed to torch on the replay's own memory, no copy, so the backward and the optimizer step
     read them where the previous graph wrote them (the same buffers every step: one CUDA graph each, no inputs
     copied), and the values stay torch eager's."""
+    jit_module = importlib.import_module("ember.jit")  # the module (ember.jit is also the function)
     from ember.runtime import dlpack, executor
 
     handed = {"shared": 0, "copied": 0}
-    torch_buffers = dlpack.torch_buffers
+    torch_buffers, replay_buffers = dlpack.torch_buffers, jit_module._Program.replay_buffers
 
-    def counting(nodes):
+    def counting(nodes):  # a replay of ember Tensors (a call that records, or the first after)
         replayed = [(n, n.buffer.data_ptr()) for n in nodes if n in executor.transient]
         out = torch_buffers(nodes)
         by_node = dict(zip(map(id, nodes), out))
         for n, address in replayed:
             handed["shared" if by_node[id(n)].data_ptr() == address else "copied"] += 1
         return out
+
+    def counting_replays(program, buffers):  # a replay on torch's tensors as they are
+        leaves = replay_buffers(program, buffers)
+        own = {b.data_ptr() for results in program.results for b in results}
+        for (kind, _, _), leaf in zip(program.out_slots, leaves):
+            if kind == "result" and leaf.numel():
+                handed["shared" if leaf.data_ptr() in own else "copied"] += 1
+        return leaves
     monkeypatch.setattr(dlpack, "torch_buffers", counting)
+    monkeypatch.setattr(jit_module._Program, "replay_buffers", counting_replays)
     net = block()
     reference = copy.deepcopy(net)
     x, y = batch(0)

@@ -91,6 +91,7 @@ class JitFunction:
         functools.update_wrapper(self, fn)
         self.fn, self.cuda_graph, self.warmup = fn, cuda_graph, warmup
         self._entries: dict[tuple, _Entry] = {}
+        self.last_entry: _Entry | None = None  # the entry of the latest call (frontends.dynamo replays it directly)
         self.stats = {"calls": 0, "captures": 0, "replays": 0, "eager": 0}
 
     def __call__(self, *args, **kwargs):
@@ -114,6 +115,7 @@ class JitFunction:
                 entry.failure = (f"{self.__name__} is not replayed: an argument is neither a Tensor nor hashable "
                                  "(a NumPy array?); pass such values as ember Tensors")
                 warnings.warn(f"ember.jit: {entry.failure}", stacklevel=2)
+        self.last_entry = entry
         if entry.program is not None:
             if entry.program.still_valid():
                 self.stats["replays"] += 1
@@ -517,6 +519,34 @@ class _Program:
             self._rebind_gradients()
         leaves = iter([self._returned(value, args, s) for value in self.out_slots])
         return nested.rebuild(self.result_structure, leaves)
+
+    def replay_buffers(self, buffers: list) -> list | None:
+        """A replay on its arguments' buffers as they are (a torch.compile graph's inputs: frontends.dynamo), with
+        the returned leaves as buffers too: a result as a tensor of its own on the result set's memory (a copy
+        where the program no longer lends), an argument as its buffer, a value the step keeps as a copy, anything
+        else as recorded (a Python value, a constant Tensor). None where it takes host data (a cpu argument)."""
+        if self.uploads:
+            return None
+        self.calls += 1
+        s = self._free_results()
+        draws = [take_offsets(n) for n in self.draw_counts] if self.draw_counts else None
+        with deferred_interrupt():
+            self._run([buffers[i] for i in self.arguments], s, draws)
+            self._rebind_gradients()
+        results = self.results[s]
+        self.handed_at[s] = self.calls
+        leaves = []
+        for kind, what, _ in self.out_slots:
+            if kind == "result":
+                leaves.append(results[what].detach() if self.lends else results[what].clone())
+            elif kind == "computed":
+                from ember.runtime import index_checks  # torch is imported only once a step is replayed
+
+                leaves.append(what.clone())
+                index_checks.depend_on(getattr(what, index_checks.CARRIED, frozenset()), leaves[-1:])
+            else:
+                leaves.append(buffers[what] if kind == "argument" else what)
+        return leaves
 
     def _run(self, arguments: list, s: int, draws: list | None) -> None:
         """Run the plans on `arguments`, writing the returned values into result set `s`: a CUDA graph

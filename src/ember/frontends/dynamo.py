@@ -85,22 +85,74 @@ def _compile(gm, example_inputs, on_cuda: bool = False):
 
     # on cuda, recorded and replayed as CUDA graphs, one per binding of its inputs' buffers (ember.jit): a plan
     # whose inputs are torch's tensors is no steady chain of the lazy path, which would run it launch by launch
+    replays: dict = {}  # the shapes of a call's arguments (None: the graph's are static) -> its ember.jit entry
     if device is not None:
         step = jit(step)
         _replayed[next(_numbers)] = step
+    static = _static(gm.graph)
 
     def run(args: list) -> list:
         written = [args[p].detach() for p in writes]
         addresses = {a.data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        key = None if static else tuple([a.shape if isinstance(a, torch.Tensor) else a for a in args])
+        entry = replays.get(key)
+        if entry is not None and entry.program is not None and entry.program.still_valid():
+            outputs = _replay(step, entry.program, args)
+            if outputs is not None:
+                kept = len(outputs) - len(writes)
+                if writes:
+                    torch._foreach_copy_(written, outputs[kept:])
+                return _own_memory(outputs[:kept], fresh, addresses)
         inputs = to_ember(args)
         args.clear()  # AOTAutograd's boxed convention: the inputs can be freed as soon as they are read
         outputs = list(step(*inputs))
+        if device is not None:
+            replays[key] = step.last_entry
         kept = len(outputs) - len(writes)
         return _own_memory(_to_torch(outputs[:kept], torch_device, list(zip(written, outputs[kept:]))), fresh,
                            addresses)
 
     run._boxed_call = True
     return run
+
+
+def _static(graph) -> bool:
+    """Whether every input of `graph` is a tensor of fixed shape (dynamo guards its shapes, dtypes and devices, so
+    each call of a static graph is the same ember.jit entry)."""
+    import torch
+
+    for n in graph.nodes:
+        value = n.meta.get("val") if n.op == "placeholder" else 0
+        if n.op == "placeholder" and not (isinstance(value, torch.Tensor) and
+                                          all(isinstance(d, int) for d in value.shape)):
+            return False
+    return True
+
+
+def _replay(step, program, args: list) -> list | None:
+    """A replay of `program` (`step`'s, valid for these arguments) on torch's tensors as they are: no ember
+    Tensor is made for a graph's hundreds of inputs and outputs. The outputs as torch tensors (the graph's own
+    outputs, then the new values of the inputs it writes); None where the program cannot replay so."""
+    import torch
+
+    buffers = [(a if a.is_contiguous() else a.contiguous()).detach() if isinstance(a, torch.Tensor) else a
+               for a in args]
+    leaves = program.replay_buffers(buffers)
+    if leaves is None:
+        return None
+    args.clear()
+    step.stats["calls"] += 1
+    step.stats["replays"] += 1
+    device = next((b.device for b in buffers if isinstance(b, torch.Tensor)), None)
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, Tensor):  # a constant the graph returns
+            from ember.runtime import dlpack  # torch: only for the cuda device
+
+            realize(leaf)
+            leaves[i] = dlpack.torch_buffers([leaf._node])[0]
+        elif isinstance(leaf, _NotComputed):
+            leaves[i] = torch.empty(leaf.shape, device=device)
+    return leaves
 
 
 def _fresh_outputs(graph) -> list[int]:

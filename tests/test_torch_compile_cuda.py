@@ -6,8 +6,8 @@ tensors."""
 from __future__ import annotations
 
 import contextlib
-import importlib
 import copy
+import importlib
 
 import numpy as np
 import pytest
@@ -178,6 +178,18 @@ def test_gradients_torch_keeps_across_steps_stay_right(monkeypatch):
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-4)
     for name, value in states[0].items():
         np.testing.assert_allclose(states[1][name], value, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_a_graph_of_dynamic_shapes_replays_at_each_batch_size():
+    """Once dynamo makes the batch size dynamic, a graph's inputs include its sizes (Python ints among the tensors):
+    each batch size replays its own recording, on torch's tensors as they are, and matches torch."""
+    net = block().eval()
+    compiled = torch.compile(net, backend="ember", options=OPTIONS)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n in (2, 3, 5, 5, 5, 3, 3, 3, 5):
+            x = torch.randn(n, 3, 8, 8, generator=generator).to(DEVICE)
+            np.testing.assert_allclose(compiled(x).cpu().numpy(), net(x).cpu().numpy(), rtol=1e-4, atol=1e-5)
 
 
 def aten_graphs(model, x, y) -> dict:

@@ -521,7 +521,8 @@ class _Program:
         return nested.rebuild(self.result_structure, leaves)
 
     def replay_buffers(self, buffers: list) -> list | None:
-        """A replay on its arguments' buffers as they are (a torch.compile graph's inputs: frontends.dynamo), with
+        """A replay on its Tensor arguments' buffers as they are, in order (a torch.compile graph's inputs that are
+        tensors: frontends.dynamo), with
         the returned leaves as buffers too: a result as a tensor of its own on the result set's memory (a copy
         where the program no longer lends), an argument as its buffer, a value the step keeps as a copy, anything
         else as recorded (a Python value, a constant Tensor). None where it takes host data (a cpu argument)."""

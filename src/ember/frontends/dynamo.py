@@ -137,7 +137,7 @@ def _replay(step, program, args: list) -> list | None:
 
     buffers = [(a if a.is_contiguous() else a.contiguous()).detach() if isinstance(a, torch.Tensor) else a
                for a in args]
-    leaves = program.replay_buffers(buffers)
+    leaves = program.replay_buffers([b for b in buffers if isinstance(b, torch.Tensor)])  # as ember.jit's
     if leaves is None:
         return None
     args.clear()

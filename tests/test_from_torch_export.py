@@ -401,3 +401,54 @@ def test_topk_and_sort_import_forward_and_training():
     expected = torch_step(model, (x,), target)
     assert ember_step(em, (ember.from_dlpack(x),), ember.from_dlpack(target)) == pytest.approx(expected, rel=1e-5)
     close_states(em, model)
+
+
+@pytest.mark.parametrize("low, high", [(0, 0), (-1.0, 1.5), (2.0, 2.0)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.int64])
+def test_histc_matches_torch(low, high, dtype):
+    """Counts over [min, max] (the data's own range where they are equal), the maximum in the last bin, values
+    outside and NaN not counted; an empty input and one of a single value too."""
+    from ember.frontends.aten_graph import lookup
+
+    generator = torch.Generator().manual_seed(0)
+    data = [torch.randn(50, generator=generator) * 2, torch.full((7,), 2.0), torch.zeros(0)]
+    if dtype.is_floating_point and low != high:  # (torch refuses a range a NaN makes)
+        data.append(torch.tensor([float("nan"), 0.5, 1.5, -1.0]))
+    for x in data:
+        x = x.to(dtype) if dtype.is_floating_point else (x * 3).round().to(dtype)
+        want = torch.histc(x.double() if not dtype.is_floating_point else x, bins=6, min=low, max=high)
+        got = lookup(torch.ops.aten.histc.default)(ember.from_dlpack(x), 6, low, high)
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+
+
+def test_grouped_matmuls_match_torch_forward_and_backward():
+    """A grouped matmul (mixture-of-experts layers): rows in consecutive groups by cumulative counts, an empty
+    group among them and rows past the last group (zeros), against torch's `_grouped_mm` and transformers' loop;
+    the backward operator's gradients against torch's autograd."""
+    from ember.frontends.aten_graph import lookup, lookup_name
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 8, generator=generator)  # (torch's kernel takes rows of 16-byte multiples)
+    w = torch.randn(4, 8, 4, generator=generator)
+    offs = torch.tensor([2, 2, 6, 8], dtype=torch.int32)  # group 1 is empty; row 8 belongs to none
+    expected = torch.zeros(9, 4)
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        expected[start:end] = x[start:end] @ w[g]
+        start = end
+    np.testing.assert_allclose(torch._grouped_mm(x, w, offs=offs).numpy(), expected.numpy(), rtol=1e-5, atol=1e-6)
+    got = lookup(torch.ops.aten._grouped_mm.default)(ember.from_dlpack(x), ember.from_dlpack(w),
+                                                     ember.from_dlpack(offs))
+    np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5, atol=1e-6)
+    xg, wg = x.double().requires_grad_(), w.double().requires_grad_()
+    grad = torch.randn(9, 4, generator=generator, dtype=torch.float64)
+    out = torch.zeros(9, 4, dtype=torch.float64)
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        out = out.index_add(0, torch.arange(start, end), xg[start:end] @ wg[g])
+        start = end
+    out.backward(grad)
+    backward = lookup_name("transformers.grouped_mm_fallback_backward.default")
+    grad_x, grad_w = backward(*[ember.from_dlpack(t.detach()) for t in (xg, wg, offs.long(), grad)])
+    np.testing.assert_allclose(grad_x.numpy(), xg.grad.numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(grad_w.numpy(), wg.grad.numpy(), rtol=1e-12, atol=1e-12)

@@ -534,6 +534,64 @@ def _upsample(mode):
     return upsample
 
 
+def _histc(x, bins=100, min=0, max=0):  # noqa: A002 (torch's argument names)
+    """torch.histc: counts of `x` in `bins` equal bins over [min, max] (the data's own range where min == max, widened
+    by 1 each way where that is one value); values outside the range, and NaN, are not counted; one equal to max is
+    in the last bin. The counts in x's dtype (float32 for integers). A range that is not finite (the data's, with a
+    NaN or an infinity) counts nothing, where torch raises: the data are not read on the host."""
+    dtype = x.dtype if x.dtype.is_floating_point else dtypes.float32
+    if x.numel() == 0:
+        return ember.zeros((bins,), dtype=dtype, device=x.device)
+    v = x.reshape(-1).to(dtype)
+    lo, hi = (v.min(), v.max()) if min == max else (ember.full((), min, dtype=dtype, device=x.device),
+                                                   ember.full((), max, dtype=dtype, device=x.device))
+    same = lo == hi
+    lo, hi = ember.where(same, lo - 1, lo), ember.where(same, hi + 1, hi)
+    inside = (v >= lo) & (v <= hi)
+    position = ember.floor((v - lo) * bins / (hi - lo)).to(dtypes.int64)
+    position = ember.where(inside, ember.clamp(position, 0, bins - 1), ember.full((), bins, dtype=dtypes.int64,
+                                                                                  device=x.device))
+    counts = ember.scatter_add(ember.zeros((bins + 1,), dtype=dtype, device=x.device), 0, position,
+                               ember.ones(position.shape, dtype=dtype, device=x.device))
+    return counts[:bins]
+
+
+def _groups(x, offs):
+    """The group of each row of `x`, as a grouped matmul's cumulative row counts `offs` place it (the number of
+    groups for rows past the last)."""
+    rows = ember.arange(x.shape[0], device=x.device)
+    return (offs.reshape(1, -1) <= rows.reshape(-1, 1)).to(dtypes.int64).sum(1)
+
+
+def _grouped_mm(x, weight, offs=None, bias=None, out_dtype=None):
+    """A grouped matmul (a mixture of experts' layer): the rows of `x` in consecutive groups, the cumulative counts
+    `offs` say where each ends, group g multiplied by weight[g]; rows past the last group give zeros. Each group's
+    product is taken over every row with the rows of other groups zeroed (masks fused into the matmul's loads):
+    the arithmetic of as many full matmuls as there are groups, no host read of the counts."""
+    if offs is None or x.ndim != 2 or weight.ndim != 3 or bias is not None:
+        extra = (" with a bias" if bias is not None else "") + (" without offs" if offs is None else "")
+        raise NotImplementedError(f"a grouped matmul of {x.ndim}-d by {weight.ndim}-d operands{extra} is not "
+                                  "supported: ember takes 2-d rows in groups by 3-d weights")
+    group = _groups(x, offs).reshape(-1, 1)
+    out = None
+    for g in range(weight.shape[0]):
+        part = (x * (group == g).to(x.dtype)) @ weight[g]
+        out = part if out is None else out + part
+    return out.to(_dtype(out_dtype)) if out_dtype is not None else out
+
+
+def _grouped_mm_backward(x, weight, offs, grad):
+    """The gradients of `_grouped_mm` with respect to its rows and its weights."""
+    group = _groups(x, offs).reshape(-1, 1)
+    grad_x, grad_w = None, []
+    for g in range(weight.shape[0]):
+        mask = (group == g).to(x.dtype)
+        part = (grad * mask) @ weight[g].t()
+        grad_x = part if grad_x is None else grad_x + part
+        grad_w.append((x * mask).t() @ grad)
+    return grad_x, ember.stack(grad_w, 0)
+
+
 class _NotComputed:
     """An output torch's operator returns that ember computes nothing for: only its backward operator reads it
     (checked by AtenGraph), which ember derives from the forward instead."""
@@ -564,6 +622,9 @@ OPS: dict[str, Callable] = {
     "aten.index_select": lambda x, dim, index: x.index_select(dim, index), "aten.index.Tensor": _index,
     "aten.gather": lambda x, dim, index, sparse_grad=False: x.gather(dim, index),
     "aten.scatter_add": lambda x, dim, index, src: ember.scatter_add(x, dim, index, src),
+    "aten.histc": _histc, "aten._grouped_mm": _grouped_mm,
+    "transformers.grouped_mm_fallback.default": _grouped_mm,  # transformers' mixture-of-experts layers
+    "transformers.grouped_mm_fallback_backward.default": _grouped_mm_backward,
     "aten.scatter.value": _scatter, "aten.scatter.src": _scatter, "aten.index_put": _index_put,
     "aten.slice_scatter": _slice_scatter, "aten.select_scatter": _select_scatter,
     "aten.tril": lambda x, diagonal=0: x.tril(diagonal), "aten.triu": lambda x, diagonal=0: x.triu(diagonal),
@@ -577,7 +638,7 @@ OPS: dict[str, Callable] = {
     "aten.new_full": lambda x, size, v, **kw: _full(size, v, **{"dtype": x.dtype, "device": str(x.device), **kw}),
     "aten.new_empty": lambda x, size, **kw: _full(size, 0, **{"dtype": x.dtype, "device": str(x.device), **kw}),
     "aten.fill.Scalar": lambda x, value: _full_like(x, value),
-    "aten.empty_permuted": lambda size, layout, **kw: _full(size, 0, **kw),
+    "aten.empty_permuted": lambda size, physical_layout, **kw: _full(size, 0, **kw),
     "aten.bernoulli.p": lambda x, p=0.5, generator=None: (ember.rand(x.shape, device=x.device) < p).to(x.dtype),
     "aten.bernoulli.default": lambda x, generator=None: (ember.rand(x.shape, device=x.device) < x).to(x.dtype),
     "aten.rand": lambda size, **kw: ember.rand(

@@ -452,3 +452,20 @@ def test_grouped_matmuls_match_torch_forward_and_backward():
     grad_x, grad_w = backward(*[ember.from_dlpack(t.detach()) for t in (xg, wg, offs.long(), grad)])
     np.testing.assert_allclose(grad_x.numpy(), xg.grad.numpy(), rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(grad_w.numpy(), wg.grad.numpy(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_attention_operator_takes_torchs_argument_order(masked):
+    """aten.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, *, scale, enable_gqa), as an
+    export that keeps attention whole records it: a mask in the fourth place, grouped keys and values."""
+    from ember.frontends.aten_graph import lookup
+
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 5, 8, generator=generator, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 6, 8, generator=generator, dtype=torch.float64) for _ in range(2))
+    mask = torch.randn(2, 1, 5, 6, generator=generator, dtype=torch.float64) if masked else None
+    op = torch.ops.aten.scaled_dot_product_attention.default
+    expected = op(q, k, v, mask, 0.0, not masked, scale=0.3, enable_gqa=True)
+    got = lookup(op)(*[ember.from_dlpack(t) for t in (q, k, v)], None if mask is None else ember.from_dlpack(mask),
+                     0.0, not masked, scale=0.3, enable_gqa=True)
+    np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-10, atol=1e-12)

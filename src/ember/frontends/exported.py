@@ -116,10 +116,11 @@ class Exported(Module):
         try:
             try:
                 program = torch.export.export(self._torch, example[0], example[1],
-                                              dynamic_shapes=dynamic).run_decompositions()
+                                              dynamic_shapes=dynamic).run_decompositions(_decompositions())
                 graph = AtenGraph(program.graph_module.graph, what)
             except Exception:  # a first dimension that cannot vary, in torch or in ember: one program for this shape
-                program = torch.export.export(self._torch, example[0], example[1]).run_decompositions()
+                program = torch.export.export(self._torch, example[0], example[1]).run_decompositions(
+                    _decompositions())
                 graph = AtenGraph(program.graph_module.graph, what)
         except Exception as error:
             before = f" (imported layer by layer it was refused: {'; '.join(self._problems)})" if self._problems else ""
@@ -149,3 +150,14 @@ def _batch_is_dynamic(program) -> bool:
     values = [n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder" and n.name in names]
     tensors = [v for v in values if isinstance(v, torch.Tensor) and v.ndim]
     return bool(tensors) and all(not isinstance(v.shape[0], int) for v in tensors)
+
+
+def _decompositions() -> dict:
+    """torch.export's core ATen decompositions, less those ember runs as one operator of its own: attention
+    (`scaled_dot_product_attention` is ember's fused attention; torch's decomposition of it re-traced on the cpu
+    gives an output of other strides than the export recorded, and a `view` of it that the model makes fails)."""
+    import torch
+
+    table = torch.export.default_decompositions()
+    table.pop(torch.ops.aten.scaled_dot_product_attention.default, None)
+    return table

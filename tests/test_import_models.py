@@ -198,7 +198,8 @@ def test_transformers_models_import_and_train_as_in_torch(name):
 # -- the model zoo: more timm and transformers architectures (issue 37) -----------------------------------------
 # One representative of each kind of layer the libraries' popular models add: distillation tokens, Swin's shifted
 # windows, ConvNeXt's blocks, XCiT's cross-covariance attention (F.normalize), EdgeNeXt's positional encoding (a
-# cumsum of a mask), LeViT's attention biases (cached on the module in eval mode: imported through torch.export);
+# cumsum of a mask), LeViT's attention biases (cached on the module in eval mode: imported through torch.export),
+# CrossViT's two branches of patch sizes and the cross-attention between their class tokens;
 # Llama's RoPE, RMSNorm, gated MLP and grouped-query attention, T5's encoder-decoder with relative attention
 # buckets, BART (a padding row in an embedding tied to the output layer), DistilBERT, and the transformers ViT.
 
@@ -210,6 +211,8 @@ ZOO_TIMM = {
     "xcit_nano_12_p16_224": {"img_size": 64, "depth": 2},
     "edgenext_xx_small": {},
     "levit_128s": {"img_size": 64},
+    "crossvit_tiny_240": {"img_size": 64, "img_scale": (1.0, 1.0), "patch_size": (8, 16), "embed_dim": (16, 32),
+                          "depth": ((1, 1, 0),), "num_heads": (2, 2), "mlp_ratio": (2.0, 2.0, 1.0)},
 }
 
 

@@ -436,7 +436,8 @@ def test_grouped_matmuls_match_torch_forward_and_backward():
     for g, end in enumerate(offs.tolist()):
         expected[start:end] = x[start:end] @ w[g]
         start = end
-    np.testing.assert_allclose(torch._grouped_mm(x, w, offs=offs).numpy(), expected.numpy(), rtol=1e-5, atol=1e-6)
+    grouped = torch._grouped_mm(x, w, offs=offs)[:8]  # (torch's kernel leaves rows past the last group unwritten)
+    np.testing.assert_allclose(grouped.numpy(), expected[:8].numpy(), rtol=1e-5, atol=1e-6)
     got = lookup(torch.ops.aten._grouped_mm.default)(ember.from_dlpack(x), ember.from_dlpack(w),
                                                      ember.from_dlpack(offs))
     np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5, atol=1e-6)

@@ -34,6 +34,7 @@ from ember.jit import jit
 from ember.tensor import Tensor, realize
 
 _OPTIONS = ("device",)
+_UNKEYED = object()  # a call whose inputs make no key for replaying on torch's tensors directly
 _replayed: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # graph number -> its ember.jit function
 _numbers = itertools.count()
 
@@ -95,8 +96,11 @@ def _compile(gm, example_inputs, on_cuda: bool = False):
         written = [args[p].detach() for p in writes]
         addresses = {a.data_ptr() for a in args if isinstance(a, torch.Tensor)}
         key = None if static else tuple([a.shape if isinstance(a, torch.Tensor) else a for a in args])
-        entry = replays.get(key)
-        if entry is not None and entry.program is not None and entry.program.still_valid():
+        try:
+            entry = replays.get(key)
+        except TypeError:  # an input that is no hashable value: this call goes through ember.jit's own checks
+            key = entry = _UNKEYED
+        if entry is not _UNKEYED and entry is not None and entry.program is not None and entry.program.still_valid():
             outputs = _replay(step, entry.program, args)
             if outputs is not None:
                 kept = len(outputs) - len(writes)
@@ -106,7 +110,7 @@ def _compile(gm, example_inputs, on_cuda: bool = False):
         inputs = to_ember(args)
         args.clear()  # AOTAutograd's boxed convention: the inputs can be freed as soon as they are read
         outputs = list(step(*inputs))
-        if device is not None:
+        if device is not None and key is not _UNKEYED:
             replays[key] = step.last_entry
         kept = len(outputs) - len(writes)
         return _own_memory(_to_torch(outputs[:kept], torch_device, list(zip(written, outputs[kept:]))), fresh,

@@ -192,6 +192,71 @@ def test_a_graph_of_dynamic_shapes_replays_at_each_batch_size():
             np.testing.assert_allclose(compiled(x).cpu().numpy(), net(x).cpu().numpy(), rtol=1e-4, atol=1e-5)
 
 
+def _views(x):
+    y = x * 2
+    z = torch.sin(x)
+    return y, y.view(-1), z.t(), z[1:]  # an output and its view; two views of a value the graph does not return
+
+
+def _clone_then_write(x):
+    y = x.clone()
+    x.add_(1)
+    return y
+
+
+def _swap(a, b):
+    t = a.clone()
+    a.copy_(b)
+    b.copy_(t)
+
+
+@pytest.mark.parametrize("options", [None, OPTIONS], ids=["cpu", "cuda"])
+def test_outputs_share_memory_exactly_as_torchs_do(options):
+    """What a graph returns shares memory where torch's outputs do and nowhere else: a view of an output, or two
+    views of one value, see each other's in-place writes; a clone of an input keeps the input's old value when the
+    graph then writes the input; inputs swapped through a clone are both right."""
+    run = {f: torch.compile(f, backend="ember", options=options) for f in (_views, _clone_then_write, _swap)}
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(4):  # recorded, then replayed
+        x = torch.randn(3, 4, generator=generator).to(DEVICE)
+        with torch.no_grad():
+            got, want = run[_views](x), _views(x)
+            for outputs in (got, want):
+                outputs[0][0, 0] = 100.0
+                outputs[2][0, 0] = -100.0
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g.cpu().numpy(), w.cpu().numpy(), rtol=1e-5, atol=1e-6)
+        mine, theirs = x.clone(), x.clone()
+        np.testing.assert_allclose(run[_clone_then_write](mine).cpu().numpy(), x.cpu().numpy(), rtol=1e-6)
+        _clone_then_write(theirs)
+        np.testing.assert_allclose(mine.cpu().numpy(), theirs.cpu().numpy(), rtol=1e-6)
+        a, b = x.clone(), torch.randn(3, 4, generator=generator).to(DEVICE)
+        a0, b0 = a.clone(), b.clone()
+        run[_swap](a, b)
+        np.testing.assert_array_equal(a.cpu().numpy(), b0.cpu().numpy())
+        np.testing.assert_array_equal(b.cpu().numpy(), a0.cpu().numpy())
+
+
+def test_a_loss_kept_until_the_next_step_still_lends_results():
+    """`loss = step(...)` in a loop keeps the last step's loss alive during the next call: the forward's replay then
+    writes its second set of result buffers, and keeps lending both sets (no copies) from then on."""
+    net = block()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    forward = torch.compile(lambda x, y: F.cross_entropy(net(x), y), backend="ember", options=OPTIONS)
+    before = set(ember.frontends.dynamo._replayed)
+    x, y = batch(0)
+    loss = None
+    for _ in range(6):
+        loss = forward(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    jitted = [f for n, f in ember.frontends.dynamo._replayed.items() if n not in before]
+    programs = [e.program for f in jitted for e in f._entries.values() if e.program is not None]
+    assert programs and all(p.lends for p in programs)
+    assert max(len(p.results) for p in programs) == 2  # the forward's two sets alternate
+
+
 def aten_graphs(model, x, y) -> dict:
     """The forward and backward ATen graphs AOTAutograd hands the ember backend for a training step's loss."""
     from torch._decomp import core_aten_decompositions

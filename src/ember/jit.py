@@ -591,12 +591,12 @@ class _Program:
             if max(map(sys.getrefcount, buffers), default=0) <= _RESULT_REFERENCES and \
                     not graphs.shared_elsewhere(buffers):
                 return s
-        self.lends = False
         fresh = [graphs.torch.empty_like(b) for b in self.results[0]]
         if len(self.results) < 2:
             self.results.append(fresh)
             self.handed_at.append(0)
             return 1
+        self.lends = False
         s = min(range(len(self.results)), key=self.handed_at.__getitem__)
         self.results[s] = fresh
         self.graphs = {key: g for key, g in self.graphs.items() if key[1] != s}

@@ -103,18 +103,13 @@ def _compile(gm, example_inputs, on_cuda: bool = False):
         if entry is not _UNKEYED and entry is not None and entry.program is not None and entry.program.still_valid():
             outputs = _replay(step, entry.program, args)
             if outputs is not None:
-                kept = len(outputs) - len(writes)
-                if writes:
-                    torch._foreach_copy_(written, outputs[kept:])
-                return _own_memory(outputs[:kept], fresh, addresses)
+                return _finish(outputs, fresh, addresses, written)
         inputs = to_ember(args)
         args.clear()  # AOTAutograd's boxed convention: the inputs can be freed as soon as they are read
         outputs = list(step(*inputs))
         if device is not None and key is not _UNKEYED:
             replays[key] = step.last_entry
-        kept = len(outputs) - len(writes)
-        return _own_memory(_to_torch(outputs[:kept], torch_device, list(zip(written, outputs[kept:]))), fresh,
-                           addresses)
+        return _finish(_to_torch(outputs, torch_device), fresh, addresses, written)
 
     run._boxed_call = True
     return run
@@ -159,33 +154,93 @@ def _replay(step, program, args: list) -> list | None:
     return leaves
 
 
-def _fresh_outputs(graph) -> list[int]:
-    """The positions of the outputs of `graph` that are new tensors in torch's semantics: not an input, nor a view
-    of one (those AOTAutograd rebuilds as views of the input itself)."""
-    def aliases_an_input(node) -> bool:
+def _fresh_outputs(graph) -> tuple[list[tuple[int, int]], list[tuple[int, int, list]], int]:
+    """The outputs of `graph` that are new tensors in torch's semantics, not an input nor a view of one (those
+    AOTAutograd rebuilds as views of the input itself): (position, the node whose view it is, or itself), so that
+    outputs that view one value are known to share memory; the views of a value the graph computes, (position,
+    the value's position among the outputs, the view operators from it), which torch makes again on the value's
+    tensor, so that views of one value share its memory as the graph says (a value no output is is made one more
+    output of the graph, after its own); and how many outputs the graph had."""
+    def chain(node) -> tuple[object, list]:
+        ops = []
         while node.op == "call_function" and getattr(node.target, "is_view", False) and node.args:
+            ops.append(node)
             node = node.args[0]
-        return node.op == "placeholder"
+        return node, ops[::-1]
 
     output = next(n for n in graph.nodes if n.op == "output")
-    return [i for i, o in enumerate(output.args[0]) if not (hasattr(o, "op") and aliases_an_input(o))]
+    nodes = list(output.args[0])
+    count = len(nodes)
+    position = {id(o): i for i, o in reversed(list(enumerate(nodes))) if hasattr(o, "op")}
+    fresh, views = [], []
+    for i, o in enumerate(nodes[:count]):
+        if not hasattr(o, "op"):
+            continue
+        root, ops = chain(o)
+        if root.op == "placeholder":
+            continue
+        fresh.append((i, id(root)))
+        if ops and not any(_has_node(op.args[1:]) or _has_node(op.kwargs) for op in ops):
+            if id(root) not in position:
+                position[id(root)] = len(nodes)
+                nodes.append(root)
+            views.append((i, position[id(root)], [(op.target, op.args[1:], op.kwargs) for op in ops]))
+    if len(nodes) > count:
+        output.args = (type(output.args[0])(nodes),)
+    return fresh, views, count
 
 
-def _own_memory(results: list, fresh: list[int], addresses: set[int]) -> list:
-    """`results` with each fresh output on memory of its own: ember computes values, not tensors, so a graph's
+def _has_node(value) -> bool:
+    """Whether an fx argument holds a graph value (a size computed in the graph)."""
+    if isinstance(value, (list, tuple)):
+        return any(map(_has_node, value))
+    if isinstance(value, dict):
+        return any(map(_has_node, value.values()))
+    return hasattr(value, "op")
+
+
+def _finish(outputs: list, fresh: tuple[list, list, int], addresses: set[int], written: list) -> list:
+    """The graph's outputs for torch (its own, then the new values of the inputs it writes, `written`): each new
+    output on memory of its own (a view of another output, that output's view), then the inputs written."""
+    kept = len(outputs) - len(written)
+    results = _own_memory(outputs[:kept], fresh[0], addresses)
+    for i, base, ops in fresh[1]:
+        view = results[base]
+        for target, args, kwargs in ops:
+            view = target(view, *args, **kwargs)
+        results[i] = view
+    del results[fresh[2]:]  # the values viewed that the graph does not return
+    if written:
+        import torch
+
+        # a new value on an input's memory (an input swapped with another, or kept while another is written) is
+        # read before any input is written
+        values = [v.clone() if _on_inputs(v, addresses) else v for v in outputs[kept:]]
+        torch._foreach_copy_(written, values)
+    return results
+
+
+def _on_inputs(t, addresses: set[int]) -> bool:
+    """Whether torch tensor `t` lies on the memory of an input (`addresses`: the inputs' data pointers)."""
+    base = t._base
+    return t.data_ptr() in addresses or (base is not None and base.data_ptr() in addresses)
+
+
+def _own_memory(results: list, fresh: list[tuple[int, int]], addresses: set[int]) -> list:
+    """`results` with each new output on memory of its own: ember computes values, not tensors, so a graph's
     `clone` of an input (an optimizer's first momentum, `clone(grad)`) is the input's own value, and two outputs of
     one value are one buffer; torch may write either in place (`zero_grad(set_to_none=False)`, `add_`), so such an
-    output is copied."""
-    seen = set()
-    for i in fresh:
+    output is copied, unless the graph itself makes the two views of one value."""
+    seen: dict[int, int] = {}  # address -> the value whose view the output there is
+    for i, root in fresh:
         t = results[i]
         if not hasattr(t, "data_ptr") or t.numel() == 0:
             continue
-        address, base = t.data_ptr(), t._base
-        if address in addresses or address in seen or (base is not None and base.data_ptr() in addresses):
+        address = t.data_ptr()
+        if _on_inputs(t, addresses) or seen.get(address, root) != root:
             results[i] = t.clone()
         else:
-            seen.add(address)
+            seen[address] = root
     return results
 
 
@@ -236,21 +291,17 @@ def _to_ember(values: list, device: Device | None) -> list:
     return [Tensor(next(nodes)) if isinstance(v, torch.Tensor) else v for v in values]
 
 
-def _to_torch(outputs: list, device, writes: list[tuple]) -> list:
-    """The graph's outputs as torch tensors, once `writes` (torch tensor, its new value) are made."""
+def _to_torch(outputs: list, device) -> list:
+    """The graph's outputs as torch tensors."""
     import torch
 
     tensors = [o for o in outputs if isinstance(o, Tensor)]
-    realize(*tensors, *[value for _, value in writes])
-    if any(t.device.type == "cuda" for t in tensors + [value for _, value in writes]):
+    realize(*tensors)
+    if any(t.device.type == "cuda" for t in tensors):
         from ember.runtime import dlpack  # torch: only for the cuda device
 
-        if writes:
-            torch._foreach_copy_([t for t, _ in writes], [value._node.buffer for _, value in writes])
         shared = iter(dlpack.torch_buffers([t._node for t in tensors]))
     else:
-        for target, value in writes:
-            target.copy_(torch.from_dlpack(value))
         shared = iter([torch.from_dlpack(t) for t in tensors])
     result = []
     for o in outputs:

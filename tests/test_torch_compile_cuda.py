@@ -237,6 +237,24 @@ def test_outputs_share_memory_exactly_as_torchs_do(options):
         np.testing.assert_array_equal(b.cpu().numpy(), a0.cpu().numpy())
 
 
+def _literal(x):
+    return x * 2, torch.tensor([1.0, 2.0, 3.0]), x + torch.tensor([0.5, 0.25, 0.125])
+
+
+@pytest.mark.parametrize("options", [None, OPTIONS], ids=["cpu", "cuda"])
+def test_a_tensor_made_in_the_function_is_a_constant_of_the_graph_and_new_at_each_call(options):
+    """`torch.tensor(...)` inside a compiled function is a constant of its graph (real, where AOTAutograd compiles
+    under fake tensors), and each call returns a tensor of its own, as eager torch makes a new one each call."""
+    run = torch.compile(_literal, backend="ember", options=options)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        x = torch.randn(3, generator=generator).to(DEVICE)
+        got, want = run(x), _literal(x)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g.cpu().numpy(), w.cpu().numpy(), rtol=1e-6)
+        got[1].add_(10)  # must not reach the next call's result
+
+
 def test_a_loss_kept_until_the_next_step_still_lends_results():
     """`loss = step(...)` in a loop keeps the last step's loss alive during the next call: the forward's replay then
     writes its second set of result buffers, and keeps lending both sets (no copies) from then on."""

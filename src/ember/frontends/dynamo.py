@@ -78,7 +78,13 @@ def _compile(gm, example_inputs, on_cuda: bool = False):
     torch_device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
     device = _ember_device(torch_device, on_cuda)
     to_ember = functools.partial(_to_ember, device=device)
-    constants = dict(zip(graph.attribute_names, to_ember([getattr(gm, name) for name in graph.attribute_names])))
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():  # AOTAutograd compiles under fake tensors; the graph's constants are real ones
+        attributes = [getattr(gm, n) for n in graph.attribute_names]
+        constants = dict(zip(graph.attribute_names, to_ember(attributes)))
+        # memory no output may be handed on: the constants' (a tensor made in the function is new at each call)
+        fixed = {a.data_ptr() for a in attributes if isinstance(a, torch.Tensor)}
     placed = device if torch_device.type != "cuda" else None  # the graph's cpu tensors, where torch's are on cpu
 
     def step(*inputs):
@@ -94,7 +100,7 @@ def _compile(gm, example_inputs, on_cuda: bool = False):
 
     def run(args: list) -> list:
         written = [args[p].detach() for p in writes]
-        addresses = {a.data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        addresses = fixed | {a.data_ptr() for a in args if isinstance(a, torch.Tensor)}
         key = None if static else tuple([a.shape if isinstance(a, torch.Tensor) else a for a in args])
         try:
             entry = replays.get(key)
@@ -221,7 +227,8 @@ def _finish(outputs: list, fresh: tuple[list, list, int], addresses: set[int], w
 
 
 def _on_inputs(t, addresses: set[int]) -> bool:
-    """Whether torch tensor `t` lies on the memory of an input (`addresses`: the inputs' data pointers)."""
+    """Whether torch tensor `t` lies on the memory of an input or a constant of the graph (`addresses`: their data
+    pointers)."""
     base = t._base
     return t.data_ptr() in addresses or (base is not None and base.data_ptr() in addresses)
 

@@ -508,32 +508,21 @@ class _Program:
 
     def replay(self, args: list[Tensor]):
         realize(*args)
-        self.calls += 1
         for i, buffer, device in self.uploads:
             buffer.copy_(from_host(args[i]._node.buffer, device))
-        arguments = [args[i]._node.buffer for i in self.arguments]
-        s = self._free_results()
-        draws = [take_offsets(n) for n in self.draw_counts] if self.draw_counts else None
-        with deferred_interrupt():
-            self._run(arguments, s, draws)
-            self._rebind_gradients()
+        s = self._replay_on([args[i]._node.buffer for i in self.arguments])
         leaves = iter([self._returned(value, args, s) for value in self.out_slots])
         return nested.rebuild(self.result_structure, leaves)
 
     def replay_buffers(self, buffers: list) -> list | None:
         """A replay on its Tensor arguments' buffers as they are, in order (a torch.compile graph's inputs that are
-        tensors: frontends.dynamo), with
-        the returned leaves as buffers too: a result as a tensor of its own on the result set's memory (a copy
-        where the program no longer lends), an argument as its buffer, a value the step keeps as a copy, anything
-        else as recorded (a Python value, a constant Tensor). None where it takes host data (a cpu argument)."""
+        tensors: frontends.dynamo), with the returned leaves as buffers too: a result as a tensor of its own on the
+        result set's memory (a copy where the program no longer lends), an argument as its buffer, a value the
+        step keeps as a copy, anything else as recorded (a Python value, a constant Tensor). None where it takes
+        host data (a cpu argument)."""
         if self.uploads:
             return None
-        self.calls += 1
-        s = self._free_results()
-        draws = [take_offsets(n) for n in self.draw_counts] if self.draw_counts else None
-        with deferred_interrupt():
-            self._run([buffers[i] for i in self.arguments], s, draws)
-            self._rebind_gradients()
+        s = self._replay_on([buffers[i] for i in self.arguments])
         results = self.results[s]
         self.handed_at[s] = self.calls
         leaves = []
@@ -541,13 +530,20 @@ class _Program:
             if kind == "result":
                 leaves.append(results[what].detach() if self.lends else results[what].clone())
             elif kind == "computed":
-                from ember.runtime import index_checks  # torch is imported only once a step is replayed
-
-                leaves.append(what.clone())
-                index_checks.depend_on(getattr(what, index_checks.CARRIED, frozenset()), leaves[-1:])
+                leaves.append(_kept_copy(what))
             else:
                 leaves.append(buffers[what] if kind == "argument" else what)
         return leaves
+
+    def _replay_on(self, arguments: list) -> int:
+        """Run the plans on the arguments' buffers into a free set of result buffers; that set."""
+        self.calls += 1
+        s = self._free_results()
+        draws = [take_offsets(n) for n in self.draw_counts] if self.draw_counts else None
+        with deferred_interrupt():
+            self._run(arguments, s, draws)
+            self._rebind_gradients()
+        return s
 
     def _run(self, arguments: list, s: int, draws: list | None) -> None:
         """Run the plans on `arguments`, writing the returned values into result set `s`: a CUDA graph
@@ -612,12 +608,17 @@ class _Program:
             transient[node] = self
             return Tensor(node)
         if kind == "computed":
-            from ember.runtime import index_checks  # torch is imported only once a step is replayed
-
-            copy = what.clone()
-            index_checks.depend_on(getattr(what, index_checks.CARRIED, frozenset()), [copy])
-            return Tensor(Node.from_buffer(copy, *placed))
+            return Tensor(Node.from_buffer(_kept_copy(what), *placed))
         return args[what] if kind == "argument" else what
+
+
+def _kept_copy(buffer):
+    """A copy of a buffer the step keeps (a state, a gradient), carrying its index checks."""
+    from ember.runtime import index_checks  # torch is imported only once a step is replayed
+
+    copy = buffer.clone()
+    index_checks.depend_on(getattr(buffer, index_checks.CARRIED, frozenset()), [copy])
+    return copy
 
 
 def _addresses(buffers: list) -> tuple[int, ...]:

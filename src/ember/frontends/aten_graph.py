@@ -18,7 +18,7 @@ import operator
 from collections.abc import Callable
 
 from ember import nested
-from ember.frontends import strided
+from ember.frontends import aten_attention, strided  # noqa: F401  (aten_attention: its entries join OPS)
 from ember.frontends.aten import OPS, _placement
 from ember.ir.template import Template, recording, template
 from ember.ops.random import take_offsets

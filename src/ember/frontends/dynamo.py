@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import itertools
 import weakref
+from typing import NamedTuple
 
 from ember.device import Device, as_device
 from ember.frontends.aten import _NotComputed
@@ -72,7 +73,7 @@ def _compile(gm, example_inputs, on_cuda: bool = False):
     """A boxed callable running the ATen graph `gm` on ember (AOTAutograd passes the inputs as one list)."""
     import torch
 
-    fresh = _fresh_outputs(gm.graph)
+    handed = _fresh_outputs(gm.graph)
     writes = _written_inputs(gm.graph)
     graph = AtenGraph(gm.graph, "graph torch.compile captured")
     torch_device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
@@ -109,13 +110,13 @@ def _compile(gm, example_inputs, on_cuda: bool = False):
         if entry is not _UNKEYED and entry is not None and entry.program is not None and entry.program.still_valid():
             outputs = _replay(step, entry.program, args)
             if outputs is not None:
-                return _finish(outputs, fresh, addresses, written)
+                return _finish(outputs, handed, addresses, written)
         inputs = to_ember(args)
         args.clear()  # AOTAutograd's boxed convention: the inputs can be freed as soon as they are read
         outputs = list(step(*inputs))
         if device is not None and key is not _UNKEYED:
             replays[key] = step.last_entry
-        return _finish(_to_torch(outputs, torch_device), fresh, addresses, written)
+        return _finish(_to_torch(outputs, torch_device), handed, addresses, written)
 
     run._boxed_call = True
     return run
@@ -126,12 +127,8 @@ def _static(graph) -> bool:
     each call of a static graph is the same ember.jit entry)."""
     import torch
 
-    for n in graph.nodes:
-        value = n.meta.get("val") if n.op == "placeholder" else 0
-        if n.op == "placeholder" and not (isinstance(value, torch.Tensor) and
-                                          all(isinstance(d, int) for d in value.shape)):
-            return False
-    return True
+    values = [n.meta.get("val") for n in graph.nodes if n.op == "placeholder"]
+    return all(isinstance(v, torch.Tensor) and all(isinstance(d, int) for d in v.shape) for v in values)
 
 
 def _replay(step, program, args: list) -> list | None:
@@ -140,8 +137,7 @@ def _replay(step, program, args: list) -> list | None:
     outputs, then the new values of the inputs it writes); None where the program cannot replay so."""
     import torch
 
-    buffers = [(a if a.is_contiguous() else a.contiguous()).detach() if isinstance(a, torch.Tensor) else a
-               for a in args]
+    buffers = [_as_buffer(a) if isinstance(a, torch.Tensor) else a for a in args]
     leaves = program.replay_buffers([b for b in buffers if isinstance(b, torch.Tensor)])  # as ember.jit's
     if leaves is None:
         return None
@@ -160,13 +156,26 @@ def _replay(step, program, args: list) -> list | None:
     return leaves
 
 
-def _fresh_outputs(graph) -> tuple[list[tuple[int, int]], list[tuple[int, int, list]], int]:
+def _as_buffer(t):
+    """A graph input's tensor as a buffer plans read: contiguous, and out of autograd's sight."""
+    t = t if t.is_contiguous() else t.contiguous()
+    return t.detach() if t.requires_grad else t
+
+
+class _Outputs(NamedTuple):
+    """How a graph's outputs are handed to torch (`_fresh_outputs`)."""
+
+    fresh: list[tuple[int, int]]  # (position, the node whose view it is, or itself) of each new tensor
+    views: list[tuple[int, int, list]]  # (position, the viewed value's position, the view operators from it)
+    count: int  # the graph's own outputs (values viewed that it does not return follow them)
+
+
+def _fresh_outputs(graph) -> _Outputs:
     """The outputs of `graph` that are new tensors in torch's semantics, not an input nor a view of one (those
-    AOTAutograd rebuilds as views of the input itself): (position, the node whose view it is, or itself), so that
-    outputs that view one value are known to share memory; the views of a value the graph computes, (position,
-    the value's position among the outputs, the view operators from it), which torch makes again on the value's
-    tensor, so that views of one value share its memory as the graph says (a value no output is is made one more
-    output of the graph, after its own); and how many outputs the graph had."""
+    AOTAutograd rebuilds as views of the input itself), with the node each views, so that outputs that view one
+    value are known to share memory; and the views of a value the graph computes, which torch makes again on the
+    value's tensor, so that views of one value share its memory as the graph says (a value no output is is made
+    one more output of the graph, after its own)."""
     def chain(node) -> tuple[object, list]:
         ops = []
         while node.op == "call_function" and getattr(node.target, "is_view", False) and node.args:
@@ -193,7 +202,7 @@ def _fresh_outputs(graph) -> tuple[list[tuple[int, int]], list[tuple[int, int, l
             views.append((i, position[id(root)], [(op.target, op.args[1:], op.kwargs) for op in ops]))
     if len(nodes) > count:
         output.args = (type(output.args[0])(nodes),)
-    return fresh, views, count
+    return _Outputs(fresh, views, count)
 
 
 def _has_node(value) -> bool:
@@ -205,17 +214,17 @@ def _has_node(value) -> bool:
     return hasattr(value, "op")
 
 
-def _finish(outputs: list, fresh: tuple[list, list, int], addresses: set[int], written: list) -> list:
+def _finish(outputs: list, plan: _Outputs, addresses: set[int], written: list) -> list:
     """The graph's outputs for torch (its own, then the new values of the inputs it writes, `written`): each new
     output on memory of its own (a view of another output, that output's view), then the inputs written."""
     kept = len(outputs) - len(written)
-    results = _own_memory(outputs[:kept], fresh[0], addresses)
-    for i, base, ops in fresh[1]:
+    results = _own_memory(outputs[:kept], plan.fresh, addresses)
+    for i, base, ops in plan.views:
         view = results[base]
         for target, args, kwargs in ops:
             view = target(view, *args, **kwargs)
         results[i] = view
-    del results[fresh[2]:]  # the values viewed that the graph does not return
+    del results[plan.count:]  # the values viewed that the graph does not return
     if written:
         import torch
 

@@ -382,6 +382,49 @@ def test_optimizer_update_over_fifty_parameters_is_at_most_three_launches(rng):
         np.testing.assert_allclose(t.numpy(), e, rtol=1e-5, atol=1e-7)
 
 
+def test_the_kernel_graph_kept_while_merging_is_the_graph_made_afresh(rng, monkeypatch):
+    """Merging keeps each kernel's dependencies and a height above them current instead of recomputing them for
+    every pair it tries: after each merge they equal the graph recomputed from the kernels left, and the pruned
+    cycle test answers as the full search does, on a training step with many kernels over equal spaces."""
+    from ember.compiler.planner import KernelGraph, closes_cycle
+
+    checked = []
+    absorb, acyclic = KernelGraph.absorb, KernelGraph.acyclic
+
+    def checked_absorb(graph, target, k):
+        absorb(graph, target, k)
+        kernels = [k2 for k2 in graph.kernels if k2 is not k]
+        graph.kernels = kernels
+        fresh = KernelGraph(graph.planner, kernels)
+        assert graph.deps == fresh.deps and graph.refs.keys() == fresh.refs.keys()
+        assert all(graph.height[k2] > graph.height[d] for k2, waited in graph.deps.items() for d in waited)
+        checked.append(1)
+
+    def checked_acyclic(graph, a, b):
+        answer = acyclic(graph, a, b)
+        assert answer == (not closes_cycle(graph.deps, a, b))
+        return answer
+
+    def tracking_init(graph, planner, kernels):
+        init(graph, planner, kernels)
+        graph.kernels = list(kernels)
+
+    init = KernelGraph.__init__
+    monkeypatch.setattr(KernelGraph, "__init__", tracking_init)
+    monkeypatch.setattr(KernelGraph, "absorb", checked_absorb)
+    monkeypatch.setattr(KernelGraph, "acyclic", checked_acyclic)
+    nn = ember.nn
+    model = nn.Sequential(*[layer for _ in range(3) for layer in (nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4),
+                                                                    nn.ReLU())]).to("cuda")
+    optimizer = ember.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, _ = pair(rng, 2, 4, 6, 6)
+    loss = model(x).square().mean()
+    loss.backward()
+    with ember.explain.capture():
+        optimizer.step()
+    assert checked
+
+
 def test_a_repeated_step_hits_the_plan_cache(rng, fresh_caches):
     from ember.runtime import cuda
 

@@ -352,50 +352,38 @@ class Planner:
 
     # -- step 5: merge kernels over one space, then segment pointwise launches -----------
     def merge(self, kernels: list[FusedKernel]) -> list[FusedKernel]:
-        refs = {id(k): self.references(k) for k in kernels}
+        graph = KernelGraph(self, kernels)
         groups: dict[tuple, list[FusedKernel]] = defaultdict(list)
-        for k in self.kernel_order(kernels, refs):
+        for k in self.kernel_order(kernels, graph.refs):
             if k.kind in (KernelKind.POINTWISE, KernelKind.REDUCE):
                 groups[(k.kind, k.space, k.axes)].append(k)
         for group in groups.values():
             merged: list[FusedKernel] = []
             for k in group:
                 for target in merged:
-                    if self.mergeable(target, k, kernels, refs):
-                        self.absorb(target, k)
+                    if self.mergeable(target, k, graph):
+                        graph.absorb(target, k)
                         kernels.remove(k)
-                        del refs[id(k)]
-                        refs[id(target)] = self.references(target)
                         break
                 else:
                     merged.append(k)
-        return self.kernel_order(kernels, refs)
+        return self.kernel_order(kernels, graph.refs)
 
     def dependencies(self, kernels: list[FusedKernel], refs: dict) -> dict[int, set[int]]:
         produced = {id(o): k for k in kernels for o in k.outputs}
         return {id(k): {id(produced[r]) for r in refs[id(k)] if r in produced} - {id(k)} for k in kernels}
 
-    def mergeable(self, a: FusedKernel, b: FusedKernel, kernels: list[FusedKernel], refs: dict) -> bool:
+    def mergeable(self, a: FusedKernel, b: FusedKernel, graph: KernelGraph) -> bool:
         """Merging must not need a value at another index, nor close a cycle through a third kernel."""
+        refs = graph.refs
         for x, y in ((a, b), (b, a)):
             for o in x.outputs:
                 if id(o) in refs[id(y)] and not refs[id(y)][id(o)] <= {x.levels[id(o)]}:
                     return False
-        return self.acyclic(a, b, kernels, refs)
+        return graph.acyclic(a, b)
 
     def acyclic(self, a: FusedKernel, b: FusedKernel, kernels: list[FusedKernel], refs: dict) -> bool:
-        deps = self.dependencies(kernels, refs)
-        for src, dst in ((a, b), (b, a)):
-            frontier = [d for d in deps[id(dst)] if d != id(src)]
-            seen = set(frontier)
-            while frontier:
-                k = frontier.pop()
-                if k == id(src):
-                    return False
-                for d in deps[k] - seen:
-                    seen.add(d)
-                    frontier.append(d)
-        return True
+        return not closes_cycle(self.dependencies(kernels, refs), a, b)
 
     def absorb(self, a: FusedKernel, b: FusedKernel) -> None:
         for o in b.outputs:
@@ -540,3 +528,87 @@ class Planner:
             kernel.prologues.append(sorted(cone, key=lambda n: self.position[id(n)]))
         kernel.epilogue = [n for n in kernel.covers if id(n) not in taken]
 
+
+def closes_cycle(deps: dict[int, set[int]], a: FusedKernel, b: FusedKernel,
+                 height: dict[int, int] | None = None) -> bool:
+    """Whether `a` and `b`, made one kernel, would wait on themselves: one needs the other through a third kernel.
+    `deps`: id(kernel) -> the ids of the kernels it reads from; `height`, where given, is higher for a kernel
+    than for any it waits for, so the search skips what cannot lead back."""
+    for src, dst in ((a, b), (b, a)):
+        floor = height[id(src)] if height is not None else -1
+        frontier = [d for d in deps[id(dst)] if d != id(src) and (height is None or height[d] >= floor)]
+        seen = set(frontier)
+        while frontier:
+            k = frontier.pop()
+            if k == id(src):
+                return True
+            for d in deps[k] - seen:
+                seen.add(d)
+                if height is None or height[d] >= floor:
+                    frontier.append(d)
+    return False
+
+
+class KernelGraph:
+    """A plan's kernels with the stored values each reads (`refs`, as `Planner.references`) and the kernels each
+    waits for, kept current as kernels are absorbed into others: a merge changes only the absorbing kernel's reads
+    and the dependencies on the absorbed one, so nothing is recomputed for the rest of the plan."""
+
+    def __init__(self, planner: Planner, kernels: list[FusedKernel]):
+        self.planner = planner
+        self.refs = {id(k): planner.references(k) for k in kernels}
+        self.produced = {id(o): k for k in kernels for o in k.outputs}
+        self.deps = {id(k): self._waits_for(k) for k in kernels}
+        self.readers: dict[int, set[int]] = defaultdict(set)
+        for k, waited in self.deps.items():
+            for d in waited:
+                self.readers[d].add(k)
+        self.height: dict[int, int] = {}  # above everything a kernel waits for
+        for k in kernels:
+            stack = [id(k)]
+            while stack:
+                top = stack[-1]
+                if top in self.height:
+                    stack.pop()
+                    continue
+                below = [d for d in self.deps[top] if d not in self.height]
+                if below:
+                    stack.extend(below)
+                else:
+                    self.height[stack.pop()] = 1 + max((self.height[d] for d in self.deps[top]), default=-1)
+
+    def _waits_for(self, k: FusedKernel) -> set[int]:
+        return {id(self.produced[r]) for r in self.refs[id(k)] if r in self.produced} - {id(k)}
+
+    def acyclic(self, a: FusedKernel, b: FusedKernel) -> bool:
+        return not closes_cycle(self.deps, a, b, self.height)
+
+    def absorb(self, target: FusedKernel, k: FusedKernel) -> None:
+        """`k` made part of `target` (Planner.absorb); the caller drops `k` from its kernel list."""
+        self.planner.absorb(target, k)
+        t, gone = id(target), id(k)
+        for o in k.outputs:
+            if self.produced.get(id(o)) is k:
+                self.produced[id(o)] = target
+        del self.refs[gone]
+        self.refs[t] = self.planner.references(target)
+        for d in self.deps.pop(gone):
+            self.readers[d].discard(gone)
+        for r in self.readers.pop(gone, set()) - {t}:  # who read k reads target now
+            self.deps[r].discard(gone)
+            self.deps[r].add(t)
+            self.readers[t].add(r)
+        self.readers[t].discard(gone)
+        for d in self.deps[t]:
+            self.readers[d].discard(t)
+        self.deps[t] = self._waits_for(target)
+        for d in self.deps[t]:
+            self.readers[d].add(t)
+        del self.height[gone]
+        raised = [t]  # heights only rise, so each stays above what its kernel waits for
+        while raised:
+            k = raised.pop()
+            least = 1 + max((self.height[d] for d in self.deps[k]), default=-1)
+            if least > self.height[k] or k == t:
+                self.height[k] = max(self.height[k], least)
+                raised.extend(self.readers[k])

@@ -62,7 +62,7 @@ from ember.compiler.kernel import (
     Var,
     call,
 )
-from ember.compiler.planner import Planner
+from ember.compiler.planner import KernelGraph, Planner
 from ember.ir import Kind, Node, Op
 
 
@@ -80,7 +80,8 @@ def store_operands(planner: Planner, kernels: list[FusedKernel]) -> list[FusedKe
 def fuse_gemms(planner: Planner, kernels: list[FusedKernel]) -> list[FusedKernel]:
     """GEMM kernels take the pointwise kernels over their output space that read them (epilogues), the
     reductions of their epilogues' rows or columns, and the reductions of their operands along K (mainloop)."""
-    refs = {id(k): planner.references(k) for k in kernels}
+    graph = KernelGraph(planner, kernels)
+    refs = graph.refs
     # a reduction that sums some GEMM's operand along K goes to that GEMM's mainloop (where the bias gradient
     # of a training step belongs: beside its weight gradient), not to the epilogue of the GEMM producing it
     cores = [k.core for k in kernels if k.core is not None]
@@ -94,14 +95,13 @@ def fuse_gemms(planner: Planner, kernels: list[FusedKernel]) -> list[FusedKernel
                 if other is gemm or not _joins(planner, gemm, other, refs, summing):
                     continue
                 same_space = other.space == gemm.space
-                if not (planner.mergeable if same_space else planner.acyclic)(gemm, other, kernels, refs):
+                if not (planner.mergeable(gemm, other, graph) if same_space else graph.acyclic(gemm, other)):
                     continue
-                planner.absorb(gemm, other)
+                graph.absorb(gemm, other)
                 if other.kind is KernelKind.REDUCE:
                     gemm.levels.update({id(o): MAINLOOP for o in other.outputs})
+                    refs[id(gemm)] = planner.references(gemm)
                 kernels.remove(other)
-                del refs[id(other)]
-                refs[id(gemm)] = planner.references(gemm)
                 taken = True
         core = gemm.core
         read_elsewhere = any(id(core) in r for key, r in refs.items() if key != id(gemm))

@@ -49,9 +49,9 @@ class Lowered:
     replaced: int = 0  # nodes removed by the passes
 
     @functools.cached_property
-    def sources(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-        """Per output: the positions of the inputs, and of the index checks (its CHECK_INDEX nodes, in order),
-        that its value is computed from."""
+    def sources(self) -> list[tuple[int, int]]:
+        """Per output: the inputs, and the index checks (its CHECK_INDEX nodes, in order), that its value is
+        computed from, as bit masks (bit k: input k; check k)."""
         position = {id(n): k for k, n in enumerate(self.inputs)}
         masks: dict[int, tuple[int, int]] = {}  # node id -> (inputs' bits, checks' bits)
         checks = 0
@@ -64,8 +64,7 @@ class Lowered:
                 checked |= 1 << checks
                 checks += 1
             masks[id(n)] = (read, checked)
-        return [tuple(tuple(k for k in range(m.bit_length()) if m >> k & 1) for m in masks[id(o)])
-                for o in self.outputs]
+        return [masks[id(o)] for o in self.outputs]
 
 
 def expand_composites(order: list[Node], keep: set[int]) -> tuple[list[Node], list[Node]]:

@@ -68,20 +68,29 @@ def flags_for(nodes: list[Node], device: Device) -> IndexFlags | None:
     return IndexFlags(checks, device) if checks else None
 
 
-def carry(sources: list[tuple[tuple[int, ...], tuple[int, ...]]], flags: IndexFlags | None,
-          inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
+def carry(sources: list[tuple[int, int]], flags: IndexFlags | None, inputs: list[torch.Tensor],
+          outputs: list[torch.Tensor]) -> None:
     """After a plan's run: each output carries the checks of `flags` it is computed from and those its inputs
-    carry (`sources`: the plan's lowered graph's)."""
-    carried = [getattr(b, CARRIED, None) for b in inputs]
-    if flags is None and not any(carried):
+    carry (`sources`: the plan's lowered graph's, bit masks of inputs and checks). The inputs' carried sets are
+    few and shared (every parameter of a step carries its loss's targets' check), so each is tested once per
+    output against the mask of the inputs carrying it, and each distinct result is made once."""
+    by_set: dict[frozenset, int] = {}  # a carried set -> the mask of the inputs carrying it
+    for i, b in enumerate(inputs):
+        checks = getattr(b, CARRIED, None)
+        if checks:
+            by_set[checks] = by_set.get(checks, 0) | 1 << i
+    if flags is None and not by_set:
         return
+    carried = list(by_set.items())
+    made: dict[tuple, frozenset] = {}
     for out, (read, checked) in zip(outputs, sources):
-        found = {(flags, k) for k in checked} if flags is not None else set()
-        for i in read:
-            if carried[i]:
-                found |= carried[i]
+        key = (checked if flags is not None else 0, *(j for j, (_, mask) in enumerate(carried) if read & mask))
+        found = made.get(key)
+        if found is None:
+            own = frozenset((flags, k) for k in range(key[0].bit_length()) if key[0] >> k & 1)
+            found = made[key] = own.union(*(carried[j][0] for j in key[1:]))
         if found:
-            setattr(out, CARRIED, frozenset(found) | (getattr(out, CARRIED, None) or frozenset()))
+            setattr(out, CARRIED, found | (getattr(out, CARRIED, None) or frozenset()))
 
 
 def depend_on(checks: frozenset, buffers: Iterable[torch.Tensor]) -> None:

@@ -240,6 +240,8 @@ def device_ms(step: Callable[[], object], warmup: int, reps: int) -> float:
     return sum(durations) / 1e3 / max(reps, 1) if durations else math.nan
 
 
+TOP_KERNELS = 8  # kernels named in a step's breakdown, the costliest first
+
 # GPU kernels by who wrote them, from their names: ember's generated kernels are named ember_<kind>_<digest>
 _KERNEL_KINDS = (("cuDNN convolution", ("conv", "cudnn", "implicit_gemm", "dgrad", "wgrad", "fprop", "nhwc", "nchw")),
                  ("cuBLAS matmul", ("gemm", "cutlass", "cublas")),
@@ -257,8 +259,9 @@ def kernel_kind(name: str) -> str:
 def step_breakdown(step: Callable[[], object], reps: int) -> dict:
     """Where a warm step's time goes, on a GPU: "wall" ms per step (back to back, until the GPU is done),
     "host" ms per step (until the calls return, the GPU left to finish), "gpu" ms of device work per step, and
-    "kinds": that device time by kernel kind (kernel_kind), with launch counts. Device time well below the wall
-    time means the host issues the work slower than the GPU runs it."""
+    "kinds": that device time by kernel kind (kernel_kind), with launch counts, and "top": the kernels taking the
+    most of it, by name, as (name, ms, launches). Device time well below the wall time means the host issues the
+    work slower than the GPU runs it."""
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(reps):
@@ -271,12 +274,15 @@ def step_breakdown(step: Callable[[], object], reps: int) -> dict:
             step()
         torch.cuda.synchronize()
     kinds: dict[str, list] = {}
+    names: dict[str, list] = {}
     for event in prof.events():
         if event.device_type == DeviceType.CUDA and not event.is_user_annotation:
-            entry = kinds.setdefault(kernel_kind(event.name), [0.0, 0])
-            entry[0] += event.self_device_time_total / 1e3 / reps
-            entry[1] += 1 / reps
-    return {"wall": wall, "host": host, "gpu": sum(ms for ms, _ in kinds.values()), "kinds": kinds}
+            for table, key in ((kinds, kernel_kind(event.name)), (names, event.name)):
+                entry = table.setdefault(key, [0.0, 0])
+                entry[0] += event.self_device_time_total / 1e3 / reps
+                entry[1] += 1 / reps
+    top = sorted(((name, ms, count) for name, (ms, count) in names.items()), key=lambda item: -item[1])[:TOP_KERNELS]
+    return {"wall": wall, "host": host, "gpu": sum(ms for ms, _ in kinds.values()), "kinds": kinds, "top": top}
 
 
 def graph_gpu_ms(step: Callable[[], object], reps: int) -> float:

@@ -170,6 +170,8 @@ def breakdown_notes(lines: list[dict]) -> list[str]:
                           sorted(b["kinds"].items(), key=lambda item: -item[1][0]))
         notes.append(f"{line['row']} {line['variant']}: wall {b['wall']:.2f} ms per step, host {b['host']:.2f} ms "
                      f"until the calls return, GPU busy {b['gpu']:.2f} ms: {kinds}")
+        top = "; ".join(f"{name[:90]} {ms:.2f} ms ({count:.0f})" for name, ms, count in b.get("top", []))
+        notes.append(f"{line['row']} {line['variant']}: the costliest kernels: {top}")
         notes += [f"{line['row']} {line['variant']} {report}" for report in line.get("replays", [])]
     return notes
 

@@ -425,6 +425,33 @@ def test_the_kernel_graph_kept_while_merging_is_the_graph_made_afresh(rng, monke
     assert checked
 
 
+@pytest.mark.parametrize("cap", [40, 100])
+def test_independent_kernels_join_only_up_to_the_kernel_size_cap(rng, monkeypatch, cap):
+    """Updates of many parameters of one shape merge into one kernel, and independent kernels share a segmented
+    launch, only while the joined kernel computes at most MAX_KERNEL_OPS nodes (a bigger one compiles for
+    minutes); the values are the reference's either way."""
+    from ember.compiler import planner
+
+    monkeypatch.setattr(planner, "MAX_KERNEL_OPS", cap)
+    params = [pair(rng, 7, 5) for _ in range(12)] + [pair(rng, 3 + k) for k in range(6)]
+    grads = [pair(rng, *p.shape) for p, _ in params]
+    new, expected = [], []
+    for (p, pc), (g, gc) in zip(params, grads):
+        update = lambda a, b: a - 0.1 * (b * 0.9 + a.tanh() * 0.01).clamp(-1, 1)  # noqa: E731
+        new.append(update(p, g))
+        expected.append(update(pc, gc))
+    fused = plan(*new)
+    for k in fused.kernels:
+        parts = k.segments or [k]
+        assert sum(len(part.covers) for part in parts) <= cap or len(parts) == 1
+        assert all(len(part.covers) <= cap or len(part.outputs) == 1 for part in parts)
+    merged = max(len(part.outputs) for k in fused.kernels for part in (k.segments or [k]))
+    assert merged > 1  # merging still happens below the cap
+    ember.realize(*new)
+    for t, e in zip(new, expected):
+        assert_close(t, e)
+
+
 def test_a_repeated_step_hits_the_plan_cache(rng, fresh_caches):
     from ember.runtime import cuda
 

@@ -36,6 +36,10 @@ from ember.ir import Kind, Node, Op
 from ember.ir.ops import STRIDED_VIEWS
 
 MAX_SEGMENTS = 64  # pointwise kernels fused into one launch at most
+# Nodes one kernel computes at most where independent kernels join it (merging over one space, segmented launches):
+# one launch more costs microseconds, while a kernel of several thousand ops (an optimizer's update of every
+# parameter of one shape, 15,000 lines) takes Triton's compiler and ptxas minutes
+MAX_KERNEL_OPS = 512
 MAX_RECOMPUTE_OPS = 48  # a shared producer with a larger cone is stored, not recomputed
 # A shared producer whose recomputation reads at most this many bytes, and whose readers' elements times its ops
 # come to at most TINY_RECOMPUTE_WORK, is recomputed: storing it would save a few bytes but could take a launch
@@ -361,7 +365,7 @@ class Planner:
             merged: list[FusedKernel] = []
             for k in group:
                 for target in merged:
-                    if self.mergeable(target, k, graph):
+                    if graph.ops(target) + graph.ops(k) <= MAX_KERNEL_OPS and self.mergeable(target, k, graph):
                         graph.absorb(target, k)
                         kernels.remove(k)
                         break
@@ -422,7 +426,8 @@ class Planner:
         return ordered
 
     def segment(self, kernels: list[FusedKernel]) -> list[FusedKernel]:
-        """Group independent pointwise kernels (same depth in the kernel graph) into one launch each. A pointwise
+        """Group independent pointwise kernels (same depth in the kernel graph) into one launch each, of at most
+        MAX_SEGMENTS kernels and MAX_KERNEL_OPS nodes. A pointwise
         kernel that no other kernel reads (an optimizer's update of a parameter) waits for the deepest level, so
         all such kernels share the last launches."""
         refs = {id(k): self.references(k) for k in kernels}
@@ -436,18 +441,20 @@ class Planner:
             if k.kind is KernelKind.POINTWISE and id(k) not in read:
                 depth[id(k)] = deepest
         out: list[tuple[int, FusedKernel]] = []
-        open_groups: dict[int, FusedKernel] = {}
+        open_groups: dict[int, tuple[FusedKernel, list[int]]] = {}  # level -> (group, [its ops])
         for k in kernels:
             level = depth[id(k)]
             if k.kind is not KernelKind.POINTWISE:
                 out.append((level, k))
                 continue
-            group = open_groups.get(level)
-            if group is None or len(group.segments) >= MAX_SEGMENTS:
-                group = FusedKernel(KernelKind.SEGMENTED, (), ())
-                open_groups[level] = group
+            group, ops = open_groups.get(level, (None, [0]))
+            size = len(self.covers_of(k)[0])
+            if group is None or len(group.segments) >= MAX_SEGMENTS or ops[0] + size > MAX_KERNEL_OPS:
+                group, ops = FusedKernel(KernelKind.SEGMENTED, (), ()), [0]
+                open_groups[level] = group, ops
                 out.append((level, group))
             group.segments.append(k)
+            ops[0] += size
         # a group runs after everything its members need: launch by depth (stable within a depth)
         out.sort(key=lambda pair: pair[0])
         return [g.segments[0] if g.kind is KernelKind.SEGMENTED and len(g.segments) == 1 else g for _, g in out]
@@ -478,13 +485,14 @@ class Planner:
     def covers_of(self, kernel: FusedKernel) -> tuple[list[Node], list[Node]]:
         """What a kernel computes, and the stored values and inputs it loads, each in graph order."""
         covers, reads, seen = [], [], set()
+        inside_ids = {id(n) for n in (*kernel.outputs, *kernel.reductions, *kernel.recomputed)}
         stack = list(kernel.outputs)
         while stack:
             n = stack.pop()
             if id(n) in seen:
                 continue
             seen.add(id(n))
-            inside = n in kernel.outputs or n in kernel.reductions or n in kernel.recomputed
+            inside = id(n) in inside_ids
             if not inside and (id(n) in self.stored or n.op is Op.BUFFER):
                 reads.append(n)
                 continue
@@ -559,6 +567,7 @@ class KernelGraph:
         self.refs = {id(k): planner.references(k) for k in kernels}
         self.produced = {id(o): k for k in kernels for o in k.outputs}
         self.deps = {id(k): self._waits_for(k) for k in kernels}
+        self.sizes: dict[int, int] = {}  # id(kernel) -> nodes it computes, where asked
         self.readers: dict[int, set[int]] = defaultdict(set)
         for k, waited in self.deps.items():
             for d in waited:
@@ -577,6 +586,12 @@ class KernelGraph:
                 else:
                     self.height[stack.pop()] = 1 + max((self.height[d] for d in self.deps[top]), default=-1)
 
+    def ops(self, k: FusedKernel) -> int:
+        """How many nodes `k` computes (after merges, the sum of its parts': an upper bound)."""
+        if id(k) not in self.sizes:
+            self.sizes[id(k)] = len(self.planner.covers_of(k)[0])
+        return self.sizes[id(k)]
+
     def _waits_for(self, k: FusedKernel) -> set[int]:
         return {id(self.produced[r]) for r in self.refs[id(k)] if r in self.produced} - {id(k)}
 
@@ -585,8 +600,11 @@ class KernelGraph:
 
     def absorb(self, target: FusedKernel, k: FusedKernel) -> None:
         """`k` made part of `target` (Planner.absorb); the caller drops `k` from its kernel list."""
-        self.planner.absorb(target, k)
         t, gone = id(target), id(k)
+        if t in self.sizes or gone in self.sizes:
+            self.sizes[t] = self.ops(target) + self.ops(k)
+            self.sizes.pop(gone, None)
+        self.planner.absorb(target, k)
         for o in k.outputs:
             if self.produced.get(id(o)) is k:
                 self.produced[id(o)] = target

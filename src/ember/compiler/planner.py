@@ -427,9 +427,9 @@ class Planner:
 
     def segment(self, kernels: list[FusedKernel]) -> list[FusedKernel]:
         """Group independent pointwise kernels (same depth in the kernel graph) into one launch each, of at most
-        MAX_SEGMENTS kernels and MAX_KERNEL_OPS nodes. A pointwise
-        kernel that no other kernel reads (an optimizer's update of a parameter) waits for the deepest level, so
-        all such kernels share the last launches."""
+        MAX_SEGMENTS kernels and MAX_KERNEL_OPS nodes. A pointwise kernel that no other kernel reads (an
+        optimizer's update of a parameter) waits for the deepest level, so all such kernels share the last
+        launches."""
         refs = {id(k): self.references(k) for k in kernels}
         deps = self.dependencies(kernels, refs)
         depth: dict[int, int] = {}

@@ -37,9 +37,10 @@ from ember.ir.ops import STRIDED_VIEWS
 
 MAX_SEGMENTS = 64  # pointwise kernels fused into one launch at most
 # Nodes one kernel computes at most where independent kernels join it (merging over one space, segmented launches):
-# one launch more costs microseconds, while a kernel of several thousand ops (an optimizer's update of every
-# parameter of one shape, 15,000 lines) takes Triton's compiler and ptxas minutes
-MAX_KERNEL_OPS = 512
+# an Adam step over fifty parameters (about 1,000 nodes) stays one launch, while GPT-2's AdamW through the
+# torch.compile backend (7,300 nodes: one kernel of 15,000 lines, the likely cause of a cold compile that ran for
+# minutes, killed inside ptxas) becomes four of at most about 4,000 lines
+MAX_KERNEL_OPS = 2048
 MAX_RECOMPUTE_OPS = 48  # a shared producer with a larger cone is stored, not recomputed
 # A shared producer whose recomputation reads at most this many bytes, and whose readers' elements times its ops
 # come to at most TINY_RECOMPUTE_WORK, is recomputed: storing it would save a few bytes but could take a launch

@@ -402,7 +402,7 @@ def test_the_kernel_graph_kept_while_merging_is_the_graph_made_afresh(rng, monke
 
     def checked_acyclic(graph, a, b):
         answer = acyclic(graph, a, b)
-        assert answer == (not closes_cycle(graph.deps, a, b))
+        assert answer == (not closes_cycle(graph.deps, [a, b]))
         return answer
 
     def tracking_init(graph, planner, kernels):
@@ -428,8 +428,8 @@ def test_the_kernel_graph_kept_while_merging_is_the_graph_made_afresh(rng, monke
 @pytest.mark.parametrize("cap", [40, 100])
 def test_independent_kernels_join_only_up_to_the_kernel_size_cap(rng, monkeypatch, cap):
     """Updates of many parameters of one shape merge into one kernel, and independent kernels share a segmented
-    launch, only while the joined kernel computes at most MAX_KERNEL_OPS nodes (a bigger one compiles for
-    minutes); the values are the reference's either way."""
+    launch, only while the joined kernel computes at most MAX_KERNEL_OPS nodes (a far bigger one takes long to
+    compile); the values are the reference's either way."""
     from ember.compiler import planner
 
     monkeypatch.setattr(planner, "MAX_KERNEL_OPS", cap)

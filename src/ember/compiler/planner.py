@@ -388,7 +388,7 @@ class Planner:
         return graph.acyclic(a, b)
 
     def acyclic(self, a: FusedKernel, b: FusedKernel, kernels: list[FusedKernel], refs: dict) -> bool:
-        return not closes_cycle(self.dependencies(kernels, refs), a, b)
+        return not closes_cycle(self.dependencies(kernels, refs), [a, b])
 
     def absorb(self, a: FusedKernel, b: FusedKernel) -> None:
         for o in b.outputs:
@@ -538,23 +538,22 @@ class Planner:
         kernel.epilogue = [n for n in kernel.covers if id(n) not in taken]
 
 
-def closes_cycle(deps: dict[int, set[int]], a: FusedKernel, b: FusedKernel,
-                 height: dict[int, int] | None = None) -> bool:
-    """Whether `a` and `b`, made one kernel, would wait on themselves: one needs the other through a third kernel.
-    `deps`: id(kernel) -> the ids of the kernels it reads from; `height`, where given, is higher for a kernel
-    than for any it waits for, so the search skips what cannot lead back."""
-    for src, dst in ((a, b), (b, a)):
-        floor = height[id(src)] if height is not None else -1
-        frontier = [d for d in deps[id(dst)] if d != id(src) and (height is None or height[d] >= floor)]
-        seen = set(frontier)
-        while frontier:
-            k = frontier.pop()
-            if k == id(src):
-                return True
-            for d in deps[k] - seen:
-                seen.add(d)
-                if height is None or height[d] >= floor:
-                    frontier.append(d)
+def closes_cycle(deps: dict[int, set[int]], group: list[FusedKernel], height: dict[int, int] | None = None) -> bool:
+    """Whether the kernels of `group`, made one kernel, would wait on themselves: one needs another through a
+    kernel outside the group. `deps`: id(kernel) -> the ids of the kernels it reads from; `height`, where given, is
+    higher for a kernel than for any it waits for, so the search skips what cannot lead back to the group."""
+    members = {id(k) for k in group}
+    floor = min(height[m] for m in members) if height is not None else -1
+    frontier = [d for k in group for d in deps[id(k)] if d not in members and (height is None or height[d] >= floor)]
+    seen = set(frontier)
+    while frontier:
+        d = frontier.pop()
+        if d in members:
+            return True
+        for e in deps[d] - seen:
+            seen.add(e)
+            if height is None or height[e] >= floor:
+                frontier.append(e)
     return False
 
 
@@ -597,7 +596,7 @@ class KernelGraph:
         return {id(self.produced[r]) for r in self.refs[id(k)] if r in self.produced} - {id(k)}
 
     def acyclic(self, a: FusedKernel, b: FusedKernel) -> bool:
-        return not closes_cycle(self.deps, a, b, self.height)
+        return not closes_cycle(self.deps, [a, b], self.height)
 
     def absorb(self, target: FusedKernel, k: FusedKernel) -> None:
         """`k` made part of `target` (Planner.absorb); the caller drops `k` from its kernel list."""

@@ -24,7 +24,7 @@ from ember.compiler.patterns.mlp.chain import (
     mlp_widths,
     written_intermediates,
 )
-from ember.compiler.planner import Planner
+from ember.compiler.planner import Planner, closes_cycle
 from ember.ir import Kind, Node, Op
 
 
@@ -496,18 +496,7 @@ def _sums_inside(planner: Planner, mlp: FusedKernel, f: FusedKernel, value: Node
 def _group_acyclic(planner: Planner, group: list[FusedKernel], kernels: list[FusedKernel], refs: dict) -> bool:
     """Whether the kernels of `group`, made one, leave the kernel graph acyclic: nothing they need waits on
     a kernel that needs one of them."""
-    deps = planner.dependencies(kernels, refs)
-    members = {id(k) for k in group}
-    frontier = [d for k in group for d in deps[id(k)] if d not in members]
-    seen = set(frontier)
-    while frontier:
-        d = frontier.pop()
-        if d in members:
-            return False
-        for e in deps[d] - seen:
-            seen.add(e)
-            frontier.append(e)
-    return True
+    return not closes_cycle(planner.dependencies(kernels, refs), group)
 
 
 def _narrow_runs(widths: list[int]) -> list[tuple[int, int]]:

@@ -238,7 +238,7 @@ def test_outputs_share_memory_exactly_as_torchs_do(options):
 
 
 def _literal(x):
-    return x * 2, torch.tensor([1.0, 2.0, 3.0]), x + torch.tensor([0.5, 0.25, 0.125])
+    return x * 2, torch.tensor([1.0, 2.0, 3.0]), x + torch.tensor([0.5, 0.25, 0.125], device=x.device)
 
 
 @pytest.mark.parametrize("options", [None, OPTIONS], ids=["cpu", "cuda"])

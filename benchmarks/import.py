@@ -176,6 +176,15 @@ def breakdown_notes(lines: list[dict]) -> list[str]:
     return notes
 
 
+def progress(line: dict) -> str:
+    """A variant's result as soon as it is measured, so that a run cut short still reports what it finished."""
+    if "ms" not in line:
+        return "error"
+    losses = ", ".join(f"{loss:.4g}" for loss in line["losses"])
+    text = f"{line['ms']:.2f} ms per step, first step {line['first_s']:.3g} s, losses {losses}"
+    return "\n".join([text, *(f"    {note}" for note in breakdown_notes([line]))])
+
+
 def run_row(row: str, args) -> list[dict]:
     from common import release_memory
 
@@ -187,6 +196,7 @@ def run_row(row: str, args) -> list[dict]:
         print(f"  {row}: {variant}", flush=True)
         lines.append(variant_line(row, variant, base, x, y, optimizer, args))
         release_memory(args.cpu_smoke)
+        print(f"  {row}: {variant}: {progress(lines[-1])}", flush=True)
     reference = next((line.get("losses") for line in lines if line["variant"] == "torch eager"), None)
     for line in lines:
         mine = line.get("losses")

@@ -237,6 +237,45 @@ def test_outputs_share_memory_exactly_as_torchs_do(options):
         np.testing.assert_array_equal(b.cpu().numpy(), a0.cpu().numpy())
 
 
+def _transposed_views(x):
+    y = x.permute(0, 2, 1, 3) * 2  # torch keeps y's memory in x's order: y.transpose(1, 2) is contiguous
+    return y.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1), y
+
+
+def _transposed_view_alone(x):
+    y = x.permute(0, 2, 1, 3) * 2
+    return y.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1) + 0, y.transpose(1, 2).reshape(-1)
+
+
+@pytest.mark.parametrize("options", [None, OPTIONS], ids=["cpu", "cuda"])
+@pytest.mark.parametrize("shape", [(2, 5, 3, 4), (1, 5, 1, 4), (2, 1, 3, 1)])
+def test_a_view_only_torchs_layout_of_its_value_allows_shares_memory_as_torchs(options, shape):
+    """A reshape of a transposed value that torch keeps transposed in memory (as it keeps an attention's output)
+    is a view in torch only: the graph's outputs still share memory exactly where torch's do, the value comes back
+    in torch's layout, and a view no other output shares is the graph's own value. Forward and backward."""
+    run = {f: torch.compile(f, backend="ember", options=options) for f in (_transposed_views, _transposed_view_alone)}
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):  # recorded, then replayed
+        x = torch.randn(*shape, generator=generator).to(DEVICE)
+        with torch.no_grad():
+            got, want = run[_transposed_views](x), _transposed_views(x)
+            strides = [[s for s, n in zip(t.stride(), t.shape) if n > 1] for t in (got[1], want[1])]
+            assert strides[0] == strides[1]  # (a dimension of size 1 has any stride)
+            for outputs in (got, want):
+                outputs[1].mul_(-3.0)  # the view sees it in both
+            for g, w in zip(got, want):
+                np.testing.assert_allclose(g.cpu().numpy(), w.cpu().numpy(), rtol=1e-6)
+            got, want = run[_transposed_view_alone](x), _transposed_view_alone(x)
+            for g, w in zip(got, want):
+                np.testing.assert_allclose(g.cpu().numpy(), w.cpu().numpy(), rtol=1e-6)
+        mine, theirs = (x.clone().requires_grad_() for _ in range(2))
+        weight = torch.randn(shape[0], shape[1], shape[2] * shape[3], generator=generator).to(DEVICE)
+        for f, leaf in ((run[_transposed_views], mine), (_transposed_views, theirs)):
+            a, b = f(leaf)
+            ((a * weight).sum() + b.sin().sum()).backward()
+        np.testing.assert_allclose(mine.grad.cpu().numpy(), theirs.grad.cpu().numpy(), rtol=1e-5, atol=1e-6)
+
+
 def _literal(x):
     return x * 2, torch.tensor([1.0, 2.0, 3.0]), x + torch.tensor([0.5, 0.25, 0.125], device=x.device)
 

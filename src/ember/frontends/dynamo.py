@@ -23,6 +23,7 @@ inputs a graph updates (parameters, momenta, running statistics) are written in 
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import weakref
@@ -168,6 +169,10 @@ class _Outputs(NamedTuple):
     fresh: list[tuple[int, int]]  # (position, the node whose view it is, or itself) of each new tensor
     views: list[tuple[int, int, list]]  # (position, the viewed value's position, the view operators from it)
     count: int  # the graph's own outputs (values viewed that it does not return follow them)
+    # the viewed values whose views need torch's layout of them (position -> (shape, strides)): ember computes
+    # values on contiguous memory, where a view such as `transpose(1, 2).view(...)` of a value torch lays out
+    # transposed is no view
+    layouts: dict[int, tuple[tuple, tuple]]
 
 
 def _fresh_outputs(graph) -> _Outputs:
@@ -175,7 +180,11 @@ def _fresh_outputs(graph) -> _Outputs:
     AOTAutograd rebuilds as views of the input itself), with the node each views, so that outputs that view one
     value are known to share memory; and the views of a value the graph computes, which torch makes again on the
     value's tensor, so that views of one value share its memory as the graph says (a value no output is is made
-    one more output of the graph, after its own)."""
+    one more output of the graph, after its own).
+
+    A view that only torch's layout of its value allows (a reshape of a transposed value torch keeps transposed)
+    is made on a copy of the value in that layout where its sharing memory can be seen (the value is an output
+    too, or has other views); else the output is ember's own value, which no other output shares."""
     def chain(node) -> tuple[object, list]:
         ops = []
         while node.op == "call_function" and getattr(node.target, "is_view", False) and node.args:
@@ -187,7 +196,7 @@ def _fresh_outputs(graph) -> _Outputs:
     nodes = list(output.args[0])
     count = len(nodes)
     position = {id(o): i for i, o in reversed(list(enumerate(nodes))) if hasattr(o, "op")}
-    fresh, views = [], []
+    fresh, chains = [], []
     for i, o in enumerate(nodes[:count]):
         if not hasattr(o, "op"):
             continue
@@ -196,13 +205,42 @@ def _fresh_outputs(graph) -> _Outputs:
             continue
         fresh.append((i, id(root)))
         if ops and not any(_has_node(op.args[1:]) or _has_node(op.kwargs) for op in ops):
-            if id(root) not in position:
-                position[id(root)] = len(nodes)
-                nodes.append(root)
-            views.append((i, position[id(root)], [(op.target, op.args[1:], op.kwargs) for op in ops]))
+            chains.append((i, root, [(op.target, op.args[1:], op.kwargs) for op in ops]))
+    viewers = collections.Counter(id(root) for _, root, _ in chains)
+    views, layouts = [], {}
+    for i, root, ops in chains:
+        layout = _layout_needed(root, ops)
+        if layout is not None and id(root) not in position and viewers[id(root)] == 1:
+            continue  # no other output shares the value: ember's own value of this output serves
+        if id(root) not in position:
+            position[id(root)] = len(nodes)
+            nodes.append(root)
+        if layout is not None:
+            layouts[position[id(root)]] = layout
+        views.append((i, position[id(root)], ops))
     if len(nodes) > count:
         output.args = (type(output.args[0])(nodes),)
-    return _Outputs(fresh, views, count)
+    return _Outputs(fresh, views, count, layouts)
+
+
+def _layout_needed(root, ops: list) -> tuple[tuple, tuple] | None:
+    """torch's (shape, strides) of the value `root` where the view operators `ops` do not apply to it on contiguous
+    memory; None where they do (or its layout is not known in numbers)."""
+    import torch
+
+    value = root.meta.get("val")
+    if not isinstance(value, torch.Tensor) or not all(isinstance(d, int) for d in (*value.shape, *value.stride())):
+        return None
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():  # (AOTAutograd compiles under fake tensors)
+        view = torch.empty(value.shape, dtype=value.dtype, device="meta")
+        try:
+            for target, args, kwargs in ops:
+                view = target(view, *args, **kwargs)
+        except (RuntimeError, ValueError):
+            return tuple(value.shape), tuple(value.stride())
+    return None
 
 
 def _has_node(value) -> bool:
@@ -219,6 +257,9 @@ def _finish(outputs: list, plan: _Outputs, addresses: set[int], written: list) -
     output on memory of its own (a view of another output, that output's view), then the inputs written."""
     kept = len(outputs) - len(written)
     results = _own_memory(outputs[:kept], plan.fresh, addresses)
+    for base, (shape, strides) in plan.layouts.items():
+        value = results[base]
+        results[base] = value.new_empty_strided(shape, strides).copy_(value)
     for i, base, ops in plan.views:
         view = results[base]
         for target, args, kwargs in ops:

@@ -248,12 +248,15 @@ def _transposed_view_alone(x):
 
 
 @pytest.mark.parametrize("options", [None, OPTIONS], ids=["cpu", "cuda"])
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("shape", [(2, 5, 3, 4), (1, 5, 1, 4), (2, 1, 3, 1)])
-def test_a_view_only_torchs_layout_of_its_value_allows_shares_memory_as_torchs(options, shape):
+def test_a_view_only_torchs_layout_of_its_value_allows_shares_memory_as_torchs(options, dynamic, shape):
     """A reshape of a transposed value that torch keeps transposed in memory (as it keeps an attention's output)
     is a view in torch only: the graph's outputs still share memory exactly where torch's do, the value comes back
-    in torch's layout, and a view no other output shares is the graph's own value. Forward and backward."""
-    run = {f: torch.compile(f, backend="ember", options=options) for f in (_transposed_views, _transposed_view_alone)}
+    in torch's layout, and a view no other output shares is the graph's own value. Forward and backward, with
+    static and symbolic sizes (the view's sizes are then inputs of the graph)."""
+    run = {f: torch.compile(f, backend="ember", options=options, dynamic=dynamic)
+           for f in (_transposed_views, _transposed_view_alone)}
     generator = torch.Generator().manual_seed(0)
     for _ in range(3):  # recorded, then replayed
         x = torch.randn(*shape, generator=generator).to(DEVICE)
@@ -274,6 +277,34 @@ def test_a_view_only_torchs_layout_of_its_value_allows_shares_memory_as_torchs(o
             a, b = f(leaf)
             ((a * weight).sum() + b.sin().sum()).backward()
         np.testing.assert_allclose(mine.grad.cpu().numpy(), theirs.grad.cpu().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def _channels_last_block(x, w):
+    return torch.relu(torch.nn.functional.conv2d(x, w, padding=1) * 1.5 + x)
+
+
+@pytest.mark.parametrize("options", [None, OPTIONS], ids=["cpu", "cuda"])
+def test_values_torch_keeps_channels_last_cross_the_boundary_in_that_layout_and_are_read_as_they_lie(options,
+                                                                                                   monkeypatch):
+    """Activations torch lays out channels-last come back channels-last (ember computes them in that memory order)
+    and, saved for the backward, are read there as they lie: no input of a replayed graph needs a copy."""
+    run = torch.compile(_channels_last_block, backend="ember", options=options)
+    copied = []
+    as_buffer = ember.frontends.dynamo._as_buffer
+    monkeypatch.setattr(ember.frontends.dynamo, "_as_buffer", lambda t: copied.append(not t.is_contiguous())
+                        or as_buffer(t))
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        x = torch.randn(2, 4, 5, 3, generator=generator).to(DEVICE).to(memory_format=torch.channels_last)
+        w = torch.randn(4, 4, 3, 3, generator=generator).to(DEVICE)
+        mine, theirs = (x.clone().requires_grad_() for _ in range(2))
+        got, want = run(mine, w), _channels_last_block(theirs, w)
+        assert got.stride() == want.stride() and want.is_contiguous(memory_format=torch.channels_last)
+        np.testing.assert_allclose(got.detach().cpu().numpy(), want.detach().cpu().numpy(), rtol=1e-4, atol=1e-5)
+        (got * got).sum().backward()
+        (want * want).sum().backward()
+        np.testing.assert_allclose(mine.grad.cpu().numpy(), theirs.grad.cpu().numpy(), rtol=1e-4, atol=1e-4)
+    assert not any(copied)
 
 
 def _literal(x):

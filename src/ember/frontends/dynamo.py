@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
+import math
 import weakref
 from typing import NamedTuple
 
@@ -76,6 +77,7 @@ def _compile(gm, example_inputs, on_cuda: bool = False):
 
     handed = _fresh_outputs(gm.graph)
     writes = _written_inputs(gm.graph)
+    ordered = _in_memory_order(gm.graph, handed)
     graph = AtenGraph(gm.graph, "graph torch.compile captured")
     torch_device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
     device = _ember_device(torch_device, on_cuda)
@@ -102,22 +104,25 @@ def _compile(gm, example_inputs, on_cuda: bool = False):
 
     def run(args: list) -> list:
         written = [args[p].detach() for p in writes]
+        numbers = {p: args[p] for p in handed.arguments}
         addresses = fixed | {a.data_ptr() for a in args if isinstance(a, torch.Tensor)}
         key = None if static else tuple([a.shape if isinstance(a, torch.Tensor) else a for a in args])
         try:
             entry = replays.get(key)
         except TypeError:  # an input that is no hashable value: this call goes through ember.jit's own checks
             key = entry = _UNKEYED
+        for p, order in ordered.items():  # torch's memory of these inputs, read as it lies
+            args[p] = args[p].permute(order)
         if entry is not _UNKEYED and entry is not None and entry.program is not None and entry.program.still_valid():
             outputs = _replay(step, entry.program, args)
             if outputs is not None:
-                return _finish(outputs, handed, addresses, written)
+                return _finish(outputs, handed, addresses, written, numbers)
         inputs = to_ember(args)
         args.clear()  # AOTAutograd's boxed convention: the inputs can be freed as soon as they are read
         outputs = list(step(*inputs))
         if device is not None and key is not _UNKEYED:
             replays[key] = step.last_entry
-        return _finish(_to_torch(outputs, torch_device), handed, addresses, written)
+        return _finish(_to_torch(outputs, torch_device), handed, addresses, written, numbers)
 
     run._boxed_call = True
     return run
@@ -173,6 +178,10 @@ class _Outputs(NamedTuple):
     # values on contiguous memory, where a view such as `transpose(1, 2).view(...)` of a value torch lays out
     # transposed is no view
     layouts: dict[int, tuple[tuple, tuple]]
+    # the outputs ember computes in torch's memory order of them (`_in_memory_order`): position -> the permutation
+    # of the computed value's dimensions back to the output's
+    permuted: dict[int, list[int]]
+    arguments: tuple[int, ...]  # the inputs the views take sizes from (dynamic shapes)
 
 
 def _fresh_outputs(graph) -> _Outputs:
@@ -180,11 +189,12 @@ def _fresh_outputs(graph) -> _Outputs:
     AOTAutograd rebuilds as views of the input itself), with the node each views, so that outputs that view one
     value are known to share memory; and the views of a value the graph computes, which torch makes again on the
     value's tensor, so that views of one value share its memory as the graph says (a value no output is is made
-    one more output of the graph, after its own).
+    one more output of the graph, after its own). A view's sizes may be the graph's inputs (dynamic shapes).
 
     A view that only torch's layout of its value allows (a reshape of a transposed value torch keeps transposed)
-    is made on a copy of the value in that layout where its sharing memory can be seen (the value is an output
-    too, or has other views); else the output is ember's own value, which no other output shares."""
+    is made on the value in that layout (`_in_memory_order`, else a copy) where its sharing memory can be seen (the
+    value is an output too, or has other views); else the output is ember's own value, which no other output
+    shares."""
     def chain(node) -> tuple[object, list]:
         ops = []
         while node.op == "call_function" and getattr(node.target, "is_view", False) and node.args:
@@ -193,6 +203,7 @@ def _fresh_outputs(graph) -> _Outputs:
         return node, ops[::-1]
 
     output = next(n for n in graph.nodes if n.op == "output")
+    inputs = {n: i for i, n in enumerate(n for n in graph.nodes if n.op == "placeholder")}
     nodes = list(output.args[0])
     count = len(nodes)
     position = {id(o): i for i, o in reversed(list(enumerate(nodes))) if hasattr(o, "op")}
@@ -204,65 +215,201 @@ def _fresh_outputs(graph) -> _Outputs:
         if root.op == "placeholder":
             continue
         fresh.append((i, id(root)))
-        if ops and not any(_has_node(op.args[1:]) or _has_node(op.kwargs) for op in ops):
-            chains.append((i, root, [(op.target, op.args[1:], op.kwargs) for op in ops]))
+        bound = [(op.target, _bound(op.args[1:], inputs), _bound(op.kwargs, inputs)) for op in ops]
+        if ops and not any(args is _UNBOUND or kwargs is _UNBOUND for _, args, kwargs in bound):
+            chains.append((i, root, bound))
     viewers = collections.Counter(id(root) for _, root, _ in chains)
-    views, layouts = [], {}
+    views, layouts, arguments = [], {}, set()
     for i, root, ops in chains:
         layout = _layout_needed(root, ops)
-        if layout is not None and id(root) not in position and viewers[id(root)] == 1:
-            continue  # no other output shares the value: ember's own value of this output serves
+        if layout is not None:
+            shared = id(root) in position or viewers[id(root)] > 1
+            if not shared or (layout is _UNBOUND and _memory_order(root.meta.get("val")) is None):
+                continue  # ember's own value of this output serves (it shares no memory torch's would)
         if id(root) not in position:
             position[id(root)] = len(nodes)
             nodes.append(root)
-        if layout is not None:
+        if layout is not None and layout is not _UNBOUND:
             layouts[position[id(root)]] = layout
         views.append((i, position[id(root)], ops))
+        arguments.update(argument.position for argument in _inputs(ops))
     if len(nodes) > count:
         output.args = (type(output.args[0])(nodes),)
-    return _Outputs(fresh, views, count, layouts)
+    return _Outputs(fresh, views, count, layouts, {}, tuple(sorted(arguments)))
 
 
-def _layout_needed(root, ops: list) -> tuple[tuple, tuple] | None:
+class _Input(NamedTuple):
+    """A view operator's argument that is an input of the graph (a symbolic size, under dynamic shapes)."""
+
+    position: int
+    example: object  # the value it was traced with (None where not known)
+
+
+_UNBOUND = object()  # an argument computed in the graph; a layout only known symbolically
+
+
+def _bound(value, inputs: dict):
+    """A view operator's fx argument with the graph's inputs in it as `_Input`s; _UNBOUND where it holds a value
+    the graph computes."""
+    if isinstance(value, (list, tuple)):
+        items = [_bound(v, inputs) for v in value]
+        return _UNBOUND if any(item is _UNBOUND for item in items) else type(value)(items)
+    if isinstance(value, dict):
+        items = {k: _bound(v, inputs) for k, v in value.items()}
+        return _UNBOUND if any(item is _UNBOUND for item in items.values()) else items
+    if hasattr(value, "op"):
+        if value not in inputs:
+            return _UNBOUND
+        example = value.meta.get("val")
+        return _Input(inputs[value], _example([example]) and _example([example])[0])
+    return value
+
+
+def _resolved(value, numbers):
+    """`value` with each `_Input` replaced by `numbers[position]` (a callable: by what it returns for it)."""
+    if isinstance(value, _Input):
+        return numbers(value) if callable(numbers) else numbers[value.position]
+    if isinstance(value, (list, tuple)):
+        return type(value)(_resolved(v, numbers) for v in value)
+    if isinstance(value, dict):
+        return {k: _resolved(v, numbers) for k, v in value.items()}
+    return value
+
+
+def _inputs(value) -> list[_Input]:
+    """The `_Input`s in a view operator's arguments."""
+    if isinstance(value, _Input):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [x for v in value for x in _inputs(v)]
+    if isinstance(value, dict):
+        return _inputs(list(value.values()))
+    return []
+
+
+def _layout_needed(root, ops: list):
     """torch's (shape, strides) of the value `root` where the view operators `ops` do not apply to it on contiguous
-    memory; None where they do (or its layout is not known in numbers)."""
+    memory (_UNBOUND where that layout is symbolic); None where they do apply, or where that is not known."""
     import torch
 
     value = root.meta.get("val")
-    if not isinstance(value, torch.Tensor) or not all(isinstance(d, int) for d in (*value.shape, *value.stride())):
+    shape, strides = (_example(value.shape), _example(value.stride())) if isinstance(value, torch.Tensor) else (None,
+                                                                                                                None)
+    if shape is None or strides is None:
         return None
+    if any(argument.example is None for argument in _inputs(ops)):
+        return _UNBOUND
+    examples = _resolved(ops, lambda argument: argument.example)
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():  # (AOTAutograd compiles under fake tensors)
-        view = torch.empty(value.shape, dtype=value.dtype, device="meta")
+        view = torch.empty(shape, dtype=value.dtype, device="meta")
         try:
-            for target, args, kwargs in ops:
+            for target, args, kwargs in examples:
                 view = target(view, *args, **kwargs)
         except (RuntimeError, ValueError):
-            return tuple(value.shape), tuple(value.stride())
+            concrete = all(isinstance(d, int) for d in (*value.shape, *value.stride()))
+            return (shape, strides) if concrete else _UNBOUND
     return None
 
 
-def _has_node(value) -> bool:
-    """Whether an fx argument holds a graph value (a size computed in the graph)."""
-    if isinstance(value, (list, tuple)):
-        return any(map(_has_node, value))
-    if isinstance(value, dict):
-        return any(map(_has_node, value.values()))
-    return hasattr(value, "op")
+def _in_memory_order(graph, plan: _Outputs) -> dict[int, list[int]]:
+    """Rewrites `graph` so that its values torch lays out densely in another order than ember's (an attention's
+    output torch keeps transposed, channels-last activations) cross the boundary without a copy: ember computes
+    such an output permuted to torch's memory order (its kernels write through the permutation), which torch sees
+    back in its own dimensions (`plan.permuted`), and reads such an input as the contiguous permutation of it that
+    torch's memory is. Returns the inputs' permutations by position (the inputs the graph writes are left as they
+    are)."""
+    import torch
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    permute = torch.ops.aten.permute.default
+    output = next(n for n in graph.nodes if n.op == "output")
+    nodes = list(output.args[0])
+    viewed = {i for i, _, _ in plan.views}  # made again from their value's tensor
+    own = plan.count + len({base for _, base, _ in plan.views if base >= plan.count})
+    with unset_fake_temporarily():
+        for p in range(own):
+            node = nodes[p]
+            order = _memory_order(node.meta.get("val")) if hasattr(node, "op") and p not in viewed else None
+            if order is None or node.op == "placeholder":
+                continue
+            with graph.inserting_before(output):
+                nodes[p] = graph.call_function(permute, (node, order))
+            nodes[p].meta["val"] = node.meta["val"].permute(order)
+            plan.permuted[p] = _inverse(order)
+            plan.layouts.pop(p, None)  # the value comes back in torch's layout
+        output.args = (type(output.args[0])(nodes),)
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        first = next(n for n in graph.nodes if n.op != "placeholder")
+        written = {n.args[0] for n in graph.nodes if n.target is torch.ops.aten.copy_.default}
+        inputs = {}
+        for p, node in enumerate(placeholders):
+            value = node.meta.get("val")
+            order = _memory_order(value) if node.users and node not in written else None
+            if order is None:
+                continue
+            with graph.inserting_before(first):
+                back = graph.call_function(permute, (node, _inverse(order)))
+            node.replace_all_uses_with(back, delete_user_cb=lambda user, back=back: user is not back)
+            back.meta["val"] = value
+            node.meta["val"] = value.permute(order)
+            inputs[p] = order
+    return inputs
 
 
-def _finish(outputs: list, plan: _Outputs, addresses: set[int], written: list) -> list:
+def _memory_order(value) -> list[int] | None:
+    """The order of a tensor's dimensions in memory, outermost first, where torch lays it out densely in another
+    order than its own dimensions' (what ember's values are); None where it is contiguous, not dense, or its layout
+    is not known in numbers."""
+    import torch
+
+    if not isinstance(value, torch.Tensor) or value.is_sparse:
+        return None
+    shape, strides = _example(value.shape), _example(value.stride())
+    if shape is None or strides is None or math.prod(shape) == 0 or _dense(shape, strides):
+        return None
+    order = sorted(range(len(shape)), key=lambda d: (-strides[d], d))
+    return order if _dense([shape[d] for d in order], [strides[d] for d in order]) else None
+
+
+def _example(sizes) -> tuple[int, ...] | None:
+    """Sizes or strides as numbers: a symbolic one (dynamic shapes) by the value it was traced with, which orders
+    a dense layout's dimensions as every other value does; None where one has no such value."""
+    numbers = [d if isinstance(d, int) else getattr(getattr(d, "node", None), "hint", None) for d in sizes]
+    return tuple(numbers) if all(isinstance(d, int) for d in numbers) else None
+
+
+def _dense(shape, strides) -> bool:
+    """Whether (shape, strides) is contiguous (a dimension of size 1 has any stride)."""
+    expected = 1
+    for size, stride in zip(reversed(shape), reversed(strides)):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _inverse(order: list[int]) -> list[int]:
+    back = [0] * len(order)
+    for i, d in enumerate(order):
+        back[d] = i
+    return back
+
+
+def _finish(outputs: list, plan: _Outputs, addresses: set[int], written: list, numbers: dict) -> list:
     """The graph's outputs for torch (its own, then the new values of the inputs it writes, `written`): each new
     output on memory of its own (a view of another output, that output's view), then the inputs written."""
     kept = len(outputs) - len(written)
+    for p, back in plan.permuted.items():
+        outputs[p] = outputs[p].permute(back)
     results = _own_memory(outputs[:kept], plan.fresh, addresses)
     for base, (shape, strides) in plan.layouts.items():
         value = results[base]
         results[base] = value.new_empty_strided(shape, strides).copy_(value)
     for i, base, ops in plan.views:
         view = results[base]
-        for target, args, kwargs in ops:
+        for target, args, kwargs in _resolved(ops, numbers):
             view = target(view, *args, **kwargs)
         results[i] = view
     del results[plan.count:]  # the values viewed that the graph does not return

@@ -128,6 +128,37 @@ def test_a_whole_step_with_its_optimizer_update_compiles_to_ember(device, optimi
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("optimizer", ["SGD", "AdamW"])
+def test_the_inputs_a_graph_writes_get_their_values_in_multi_tensor_copies_of_one_kind_each(device, optimizer,
+                                                                                           monkeypatch):
+    """The inputs a graph writes (batch norms' running statistics and int64 counters, parameters, momenta, Adam's
+    step counts) are copied back in lists torch copies in one multi-tensor pass each (one device and dtype, sizes
+    and strides alike pair by pair): a mixed list is copied tensor by tensor. The training still matches eager."""
+    calls = []
+    copy_lists = torch._foreach_copy_
+
+    def spy(targets, values, *args, **kwargs):
+        calls.append(({(t.device, t.dtype) for t in targets}, {(v.device, v.dtype) for v in values},
+                      all(t.shape == v.shape and t.stride() == v.stride() for t, v in zip(targets, values))))
+        return copy_lists(targets, values, *args, **kwargs)
+
+    net, x, y = case("cnn", device)
+    kind = getattr(torch.optim, optimizer)
+    expected = train(copy.deepcopy(net), x, y, False, optimizer=kind, whole_step=True)
+    monkeypatch.setattr(torch, "_foreach_copy_", spy)
+    got = train(net, x, y, True, optimizer=kind, whole_step=True)
+    monkeypatch.undo()
+    if optimizer == "SGD":
+        assert_same_training(expected, got)
+    else:  # (see the test above: rounding noise as full steps, which the later steps' statistics see)
+        np.testing.assert_allclose(got[0][0], expected[0][0], rtol=1e-4)
+        np.testing.assert_array_equal(got[1]["1.num_batches_tracked"], expected[1]["1.num_batches_tracked"])
+    kinds = set().union(*(targets for targets, _, _ in calls))
+    assert {dtype for _, dtype in kinds} >= {torch.int64, torch.float32}  # counters and statistics both written
+    assert calls and all(len(targets) == 1 and len(values) == 1 and alike for targets, values, alike in calls)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("optimizer", ["SGD", "AdamW"])
 def test_gradients_zeroed_in_place_and_first_momenta_are_tensors_of_their_own(device, optimizer):
     """`zero_grad(set_to_none=False)` keeps each parameter's `.grad` and zeroes it in place; SGD's first momentum
     is `clone(grad)`, which ember computes as the gradient's own value: handed to torch as the gradient's memory,

@@ -556,8 +556,9 @@ class _Program:
                 if self.own_arguments is None:
                     self.own_arguments = [b.clone() for b in arguments]
                 else:
-                    for own, b in zip(self.own_arguments, arguments):
-                        own.copy_(b)
+                    from ember.runtime.dlpack import copy_tensors  # torch: only for the cuda device
+
+                    copy_tensors(self.own_arguments, arguments)
                 arguments = self.own_arguments
                 key = (_addresses(arguments), s)
             graph = self.graphs.get(key)

@@ -34,6 +34,7 @@ from ember.device import Device, as_device
 from ember.frontends.aten import _NotComputed
 from ember.frontends.aten_graph import AtenGraph
 from ember.jit import jit
+from ember.runtime.dlpack import copy_tensors
 from ember.tensor import Tensor, realize
 
 _OPTIONS = ("device",)
@@ -417,26 +418,8 @@ def _finish(outputs: list, plan: _Outputs, addresses: set[int], written: list, n
         # a new value on an input's memory (an input swapped with another, or kept while another is written) is
         # read before any input is written
         values = [v.clone() if _on_inputs(v, addresses) else v for v in outputs[kept:]]
-        _copy_into(written, values)
+        copy_tensors(written, values)
     return results
-
-
-def _copy_into(targets: list, values: list) -> None:
-    """targets[i].copy_(values[i]) for each i, as few multi-tensor copies as torch can make of it: one per group
-    of targets and values alike in device and dtype, and in sizes and strides pair by pair (torch copies a list
-    that mixes them one tensor after another: a batch norm's running statistics with its int64 counter)."""
-    import torch
-
-    groups: dict[tuple, tuple[list, list]] = {}
-    for target, value in zip(targets, values):
-        if target.shape != value.shape or target.stride() != value.stride():
-            target.copy_(value)
-            continue
-        group = groups.setdefault((target.device, target.dtype, value.device, value.dtype), ([], []))
-        group[0].append(target)
-        group[1].append(value)
-    for group_targets, group_values in groups.values():
-        torch._foreach_copy_(group_targets, group_values)
 
 
 def _on_inputs(t, addresses: set[int]) -> bool:

@@ -180,3 +180,21 @@ def _shareable(node: Node):
         buffer = buffer.contiguous()
         node.buffer = buffer
     return buffer
+
+
+def copy_tensors(targets: list, values: list) -> None:
+    """targets[i].copy_(values[i]) for each i, as few multi-tensor copies as torch can make of it: one per group
+    of targets and values alike in device and dtype, and in sizes and strides pair by pair (torch copies a list
+    that mixes them one tensor after another: a batch norm's running statistics with its int64 counter)."""
+    import torch
+
+    groups: dict[tuple, tuple[list, list]] = {}
+    for target, value in zip(targets, values):
+        if target.shape != value.shape or target.stride() != value.stride():
+            target.copy_(value)
+            continue
+        group = groups.setdefault((target.device, target.dtype, value.device, value.dtype), ([], []))
+        group[0].append(target)
+        group[1].append(value)
+    for group_targets, group_values in groups.values():
+        torch._foreach_copy_(group_targets, group_values)

@@ -307,6 +307,28 @@ def test_values_torch_keeps_channels_last_cross_the_boundary_in_that_layout_and_
     assert not any(copied)
 
 
+@pytest.mark.parametrize("options", [None, OPTIONS], ids=["cpu", "cuda"])
+def test_views_torch_makes_again_cost_ember_no_buffer_of_their_own(options, monkeypatch):
+    """Outputs torch makes again as views of another output (`_views`) are not computed into buffers of their own:
+    what ember returns at their positions is the viewed value's buffer."""
+    seen = []
+    finish = ember.frontends.dynamo._finish
+
+    def spy(outputs, plan, *rest):
+        seen.extend(outputs[i].data_ptr() == outputs[base].data_ptr() for i, base, _ in plan.views)
+        return finish(outputs, plan, *rest)
+
+    monkeypatch.setattr(ember.frontends.dynamo, "_finish", spy)
+    run = torch.compile(_views, backend="ember", options=options)
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x = torch.randn(3, 4, generator=generator).to(DEVICE)
+        with torch.no_grad():
+            for g, w in zip(run(x), _views(x)):
+                np.testing.assert_allclose(g.cpu().numpy(), w.cpu().numpy(), rtol=1e-6)
+    assert len(seen) == 9 and all(seen)
+
+
 def _literal(x):
     return x * 2, torch.tensor([1.0, 2.0, 3.0]), x + torch.tensor([0.5, 0.25, 0.125], device=x.device)
 

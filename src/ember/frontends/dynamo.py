@@ -320,7 +320,7 @@ def _in_memory_order(graph, plan: _Outputs) -> dict[int, list[int]]:
     such an output permuted to torch's memory order (its kernels write through the permutation), which torch sees
     back in its own dimensions (`plan.permuted`), and reads such an input as the contiguous permutation of it that
     torch's memory is. Returns the inputs' permutations by position (the inputs the graph writes are left as they
-    are)."""
+    are). The outputs `_finish` makes again as views of another output return that output instead."""
     import torch
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -340,6 +340,8 @@ def _in_memory_order(graph, plan: _Outputs) -> dict[int, list[int]]:
             nodes[p].meta["val"] = node.meta["val"].permute(order)
             plan.permuted[p] = _inverse(order)
             plan.layouts.pop(p, None)  # the value comes back in torch's layout
+        for i, base, _ in plan.views:  # made again on the value's tensor: ember computes no buffer of their own
+            nodes[i] = nodes[base]
         output.args = (type(output.args[0])(nodes),)
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         first = next(n for n in graph.nodes if n.op != "placeholder")

@@ -275,3 +275,50 @@ def test_zoo_transformers_models_import_and_train_as_in_torch(name, monkeypatch)
     # their steps agree to float32's rounding)
     check(model, tuple(ember.tensor(a.numpy()) for a in args), args, ember.tensor(target.numpy()), target,
           atol=1e-7 if name in ("llama", "mixtral", "t5") else 1e-9)
+
+
+# -- the same models under torch.compile(backend="ember") (issue 37) ----------------------------------------------
+BACKEND_MODELS = [("torchvision", "resnet18"), ("torchvision", "resnet18-channels-last"),
+                  ("torchvision", "mobilenet_v3_small"), ("torchvision", "vit"), ("transformers", "gpt2-sdpa"),
+                  ("transformers", "bert")]
+
+
+@pytest.mark.parametrize("source,name", BACKEND_MODELS, ids=[f"{s}-{n}" for s, n in BACKEND_MODELS])
+def test_real_models_train_through_the_compile_backend_as_in_torch(source, name):
+    """Real model definitions trained by `torch.compile(step, backend="ember")` (forward, loss, backward and SGD
+    momentum in one compiled step, float64) take the steps torch eager takes: losses, parameters, running
+    statistics; channels-last memory (the layout crosses the graphs' edges as it lies) as well."""
+    import ember.frontends.dynamo  # noqa: F401  (registers the backend where the entry point is not installed)
+
+    torch.manual_seed(4)
+    if source == "torchvision":
+        model = torchvision_model(name.removesuffix("-channels-last"))
+        x = torch.randn(4, 3, 64, 64, dtype=torch.float64)
+        y = torch.randint(0, 10, (4,))
+        if name.endswith("channels-last"):
+            model, x = model.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
+    else:
+        model = transformers_model(name)
+        x = torch.randint(0, 100, (2, 8))
+        y = x.reshape(-1) if name.startswith("gpt2") else torch.randint(0, 3, (2,))
+    enliven(model)
+    model = model.double().train()
+    mine = copy.deepcopy(model)
+
+    def stepper(net):
+        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+
+        def step(x, y):
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(logits(net(x)).flatten(0, -2), y)
+            loss.backward()
+            opt.step()
+            return loss
+        return step
+
+    theirs, compiled = stepper(model), torch.compile(stepper(mine), backend="ember")
+    for _ in range(3):
+        assert compiled(x, y).item() == pytest.approx(theirs(x, y).item(), rel=1e-9)
+    state = mine.state_dict()
+    for k, v in model.state_dict().items():
+        np.testing.assert_allclose(state[k].numpy(), v.numpy(), rtol=1e-7, atol=1e-10, err_msg=k)

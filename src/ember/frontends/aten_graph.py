@@ -39,6 +39,16 @@ _READERS_OF_AUXILIARY = {
 }
 
 
+def auxiliary(node) -> bool:
+    """Whether an fx node is an auxiliary output ember does not compute (`_READERS_OF_AUXILIARY`: max-pooling's
+    indices, an attention's log-sum-exp), which only the backward of its operator reads."""
+    if getattr(node, "target", None) is not operator.getitem or node.args[1] == 0:
+        return False
+    source = node.args[0]
+    name = name_of(getattr(source, "target", None))
+    return name in _READERS_OF_AUXILIARY or name.rsplit(".", 1)[0] in _READERS_OF_AUXILIARY
+
+
 def _foreach(op: Callable) -> Callable:
     """An `aten._foreach_*` operator: `op` applied to each position of its list arguments."""
     def each(*args, **kwargs):

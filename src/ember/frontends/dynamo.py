@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 from ember.device import Device, as_device
 from ember.frontends.aten import _NotComputed
-from ember.frontends.aten_graph import AtenGraph
+from ember.frontends.aten_graph import AtenGraph, auxiliary
 from ember.jit import jit
 from ember.runtime.dlpack import copy_tensors
 from ember.tensor import Tensor, realize
@@ -333,7 +333,7 @@ def _in_memory_order(graph, plan: _Outputs) -> dict[int, list[int]]:
         for p in range(own):
             node = nodes[p]
             order = _memory_order(node.meta.get("val")) if hasattr(node, "op") and p not in viewed else None
-            if order is None or node.op == "placeholder":
+            if order is None or node.op == "placeholder" or auxiliary(node):
                 continue
             with graph.inserting_before(output):
                 nodes[p] = graph.call_function(permute, (node, order))
@@ -349,7 +349,9 @@ def _in_memory_order(graph, plan: _Outputs) -> dict[int, list[int]]:
         inputs = {}
         for p, node in enumerate(placeholders):
             value = node.meta.get("val")
-            order = _memory_order(value) if node.users and node not in written else None
+            # (integers: the indices of a max-pooling, which ember hands on uncomputed as contiguous memory)
+            kept = node.users and node not in written and getattr(value, "is_floating_point", lambda: False)()
+            order = _memory_order(value) if kept else None
             if order is None:
                 continue
             with graph.inserting_before(first):

@@ -17,7 +17,11 @@ Options (`torch.compile(..., backend="ember", options={...})`):
 What a call costs besides its plans is the boundary: a ResNet-50 step passes some 1,100 torch tensors into its
 graphs and takes some 1,000 back. Each is wrapped as an ember node on its memory (no DLPack capsule, no
 per-tensor checks), results that live in buffers a later replay writes are copied out in one batched copy, and the
-inputs a graph updates (parameters, momenta, running statistics) are written in one batched copy at its end.
+inputs a graph updates (parameters, momenta, running statistics) are written at its end in one multi-tensor copy
+per device and dtype. Tensors torch lays out densely in another order than their dimensions' (an attention's
+output kept transposed, channels-last activations) cross without copies: ember computes such an output in torch's
+memory order and reads such an input as it lies. Outputs that are views of another output are made again on
+that output's tensor, so they share memory exactly as torch's would, and ember computes no buffer for them.
 `replay_report()` says, per compiled graph, whether its calls replay and whether as CUDA graphs.
 """
 

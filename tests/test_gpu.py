@@ -259,3 +259,41 @@ def test_the_narrow_layers_between_wide_ones_are_one_kernel_at_scale(monkeypatch
     assert ((got - ref).norm() / ref.norm()).item() < 2e-2
     # the forward's layers 2-3 (64-64-64), and the input gradient's walk back through them
     assert _checked_training_step(model, x, y) == [2, 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("memory_format", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("stride, padding, dilation, groups", [(1, 1, 1, 1), (2, 3, 1, 1), (1, 2, 2, 1),
+                                                               (2, 1, 1, 4)])
+def test_convolutions_write_into_their_buffers_and_match_torch(dtype, memory_format, stride, padding, dilation,
+                                                              groups, monkeypatch):
+    """A convolution's forward runs on cuDNN straight into ember's buffer (grouped ones as torch runs them, through
+    a copy), its gradients as before: values and gradients match torch's on the same GPU, both memory formats."""
+    from ember.runtime import launcher
+
+    written = []
+    into = launcher._into_buffer
+    monkeypatch.setattr(launcher, "_into_buffer", lambda *args: written.append(into(*args)) or written[-1])
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # float32 as IEEE float32 on both sides
+    generator = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(4, 8, 19, 17, device="cuda", dtype=dtype, generator=generator)
+    w = torch.randn(16, 8 // groups, 3, 3, device="cuda", dtype=dtype, generator=generator) * 0.2
+    g = torch.randn(4, 16, (19 + 2 * padding - 2 * dilation - 1) // stride + 1,
+                    (17 + 2 * padding - 2 * dilation - 1) // stride + 1, device="cuda", dtype=dtype,
+                    generator=generator)
+    tx, tw = x.clone().requires_grad_(), w.clone().requires_grad_()
+    want = torch.nn.functional.conv2d(tx, tw, None, stride, padding, dilation, groups)
+    want.backward(g)
+    ex, ew = from_torch(x).requires_grad_(), from_torch(w).requires_grad_()
+    ember.set_conv_memory_format(memory_format)
+    try:
+        got = F.conv2d(ex, ew, None, stride, padding, dilation, groups)
+        (got * from_torch(g)).sum().backward()
+        tolerance = BF16 if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
+        close(got, want, **tolerance)
+        close(ex.grad, tx.grad, **tolerance)
+        close(ew.grad, tw.grad, **tolerance)
+    finally:
+        ember.set_conv_memory_format("contiguous")
+    if groups == 1 and (memory_format == "contiguous" or dtype == torch.bfloat16):
+        assert written and all(written)

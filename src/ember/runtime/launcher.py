@@ -597,6 +597,8 @@ def _conv2d(node: Node, buffers: dict[int, torch.Tensor], sig: Signature) -> Non
         else:
             out_buffer = out_buffer.permute(0, 3, 1, 2)
     if node.op is Op.CONV2D:
+        if not bias and _into_buffer(first, second, conv, out_buffer):
+            return
         out = torch.nn.functional.conv2d(first, second, None, *conv)
     elif node.op is Op.CONV2D_INPUT_GRAD:  # from the output gradient and the weight
         weight = second.contiguous(memory_format=torch.channels_last) if a.get("channels_last") else second
@@ -607,6 +609,31 @@ def _conv2d(node: Node, buffers: dict[int, torch.Tensor], sig: Signature) -> Non
         torch.add(out, bias[0].view(-1, 1, 1), out=out_buffer)
     else:
         out_buffer.copy_(out)
+
+
+_CUDNN_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_cudnn_refused: set[tuple] = set()  # the convolutions cuDNN refused to write into a given buffer (keyed by shapes)
+
+
+def _into_buffer(x: torch.Tensor, weight: torch.Tensor, conv: tuple, out: torch.Tensor) -> bool:
+    """A convolution computed by cuDNN straight into its buffer (no copy of the result), where cuDNN is what torch
+    would run it on (cuda, a float dtype, no groups, 32-bit indices); False where it is not, or cuDNN refuses."""
+    stride, padding, dilation, groups = conv
+    if (x.device.type != "cuda" or groups != 1 or x.dtype not in _CUDNN_DTYPES or weight.dtype != x.dtype
+            or max(x.numel(), out.numel(), weight.numel()) >= 2**31 or not torch.backends.cudnn.enabled):
+        return False
+    key = (tuple(x.shape), x.stride(), tuple(weight.shape), x.dtype, conv, out.stride())
+    if key in _cudnn_refused:
+        return False
+    cudnn = torch.backends.cudnn
+    try:
+        torch.ops.aten.cudnn_convolution.out(
+            x, weight, list(padding), list(stride), list(dilation), groups, cudnn.benchmark,
+            cudnn.deterministic or torch.are_deterministic_algorithms_enabled(), cudnn.allow_tf32, out=out)
+    except RuntimeError:  # (on a first run, never in a capture: the cases torch would run elsewhere)
+        _cudnn_refused.add(key)
+        return False
+    return True
 
 
 def _argsort(node: Node, buffers: dict[int, torch.Tensor], sig: Signature) -> None:

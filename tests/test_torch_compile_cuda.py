@@ -329,6 +329,28 @@ def test_views_torch_makes_again_cost_ember_no_buffer_of_their_own(options, monk
     assert len(seen) == 9 and all(seen)
 
 
+def _views_of_a_clone(x):
+    y = x.clone()
+    return y.view(-1), y.t()
+
+
+@pytest.mark.parametrize("options", [None, OPTIONS], ids=["cpu", "cuda"])
+def test_views_of_a_clone_share_new_memory_not_the_inputs(options):
+    """Views of a clone the graph does not return (ember computes the clone as its input's own value) share memory
+    of their own, as torch's do: writing the input afterwards changes neither."""
+    run = torch.compile(_views_of_a_clone, backend="ember", options=options)
+    generator = torch.Generator().manual_seed(6)
+    for _ in range(3):
+        x = torch.randn(3, 4, generator=generator).to(DEVICE)
+        with torch.no_grad():
+            flat, transposed = run(x)
+            before = x.clone()
+            x.add_(1.0)
+            flat.mul_(2.0)  # seen through the other view, as in torch
+        np.testing.assert_array_equal(flat.cpu().numpy(), 2 * before.reshape(-1).cpu().numpy())
+        np.testing.assert_array_equal(transposed.cpu().numpy(), 2 * before.t().cpu().numpy())
+
+
 def _literal(x):
     return x * 2, torch.tensor([1.0, 2.0, 3.0]), x + torch.tensor([0.5, 0.25, 0.125], device=x.device)
 

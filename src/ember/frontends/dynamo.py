@@ -233,6 +233,7 @@ def _fresh_outputs(graph) -> _Outputs:
                 continue  # ember's own value of this output serves (it shares no memory torch's would)
         if id(root) not in position:
             position[id(root)] = len(nodes)
+            fresh.append((len(nodes), id(root)))  # new memory too, which its views share
             nodes.append(root)
         if layout is not None and layout is not _UNBOUND:
             layouts[position[id(root)]] = layout

@@ -269,11 +269,11 @@ def test_convolutions_write_into_their_buffers_and_match_torch(dtype, memory_for
                                                               groups, monkeypatch):
     """A convolution's forward runs on cuDNN straight into ember's buffer (grouped ones as torch runs them, through
     a copy), its gradients as before: values and gradients match torch's on the same GPU, both memory formats."""
-    from ember.runtime import launcher
+    from ember.runtime import vendor
 
     written = []
-    into = launcher._into_buffer
-    monkeypatch.setattr(launcher, "_into_buffer", lambda *args: written.append(into(*args)) or written[-1])
+    into = vendor._into_buffer
+    monkeypatch.setattr(vendor, "_into_buffer", lambda *args: written.append(into(*args)) or written[-1])
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # float32 as IEEE float32 on both sides
     generator = torch.Generator(device="cuda").manual_seed(5)
     x = torch.randn(4, 8, 19, 17, device="cuda", dtype=dtype, generator=generator)

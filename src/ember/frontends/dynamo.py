@@ -266,8 +266,8 @@ def _bound(value, inputs: dict):
     if hasattr(value, "op"):
         if value not in inputs:
             return _UNBOUND
-        example = value.meta.get("val")
-        return _Input(inputs[value], _example([example]) and _example([example])[0])
+        example = _example([value.meta.get("val")])
+        return _Input(inputs[value], example[0] if example else None)
     return value
 
 

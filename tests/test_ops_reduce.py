@@ -21,6 +21,7 @@ from conftest import (
 )
 
 import ember
+from ember.explain import plan
 
 # torch warns when a variance over one element divides by zero; the NaN it gives is what is compared
 pytestmark = [pytest.mark.usefixtures("device"),
@@ -179,6 +180,20 @@ def test_softmax_rows_sum_to_one(dtype, rng):
     x = random_array(rng, (4, 6), dtype, -10, 10)
     total = ember.softmax(ember.tensor(x), -1).float().sum(-1).numpy()
     np.testing.assert_allclose(total, 1.0, rtol=1e-2 if dtype in ("float16", "bfloat16") else 1e-5)
+
+
+@pytest.mark.parametrize("shape, dim", [((3, 7), 1), ((5, 4), 0), ((2, 1, 6), -1), ((0, 4), 1), ((4, 0), 1),
+                                        ((1,), 0), ((), 0), ((2, 3, 5), 1)])
+@pytest.mark.parametrize("dtype", ["int64", "int32", "bool"])
+def test_integer_cumsum_matches_torch_without_a_matrix_product(shape, dim, dtype, rng):
+    """An integer cumsum is a masked sum the generated kernels compute (cuBLAS multiplies no integers, and a
+    product moved to the host breaks CUDA graph capture: transformers' masks number positions by a cumsum)."""
+    x = rng.integers(-50, 50, size=shape).astype(dtype) if dtype != "bool" else rng.random(shape) < 0.5
+    got = ember.tensor(x).cumsum(dim)
+    assert all(k.kind.value != "matmul" for k in plan(got).kernels), str(plan(got))
+    expected = TORCH.tensor(x).cumsum(dim)
+    assert got.dtype == ember.int64
+    np.testing.assert_array_equal(got.numpy(), expected.numpy())
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "int32"])

@@ -319,8 +319,8 @@ def cosine_similarity(x1: Tensor, x2: Tensor, dim: int = 1, eps: float = 1e-8) -
 
 
 def cumsum(x: Tensor, dim: int, dtype: dtypes.DType | str | None = None) -> Tensor:
-    """Cumulative sum as a product with a triangular matrix of ones (fine for modest lengths); `dtype`: what x is
-    cast to first (as torch's; without it, integers and booleans sum in int64)."""
+    """Cumulative sum as a product with a triangular matrix of ones, for integers a masked sum (fine for modest
+    lengths); `dtype`: what x is cast to first (as torch's; without it, integers and booleans sum in int64)."""
     expect_tensors("cumsum", input=x)
     axis = normalize_dim("cumsum", dim, x.ndim)
     n = x.shape[axis] if x.ndim else 1
@@ -328,9 +328,12 @@ def cumsum(x: Tensor, dim: int, dtype: dtypes.DType | str | None = None) -> Tens
         x = cast(x, dtypes.as_dtype(dtype))
     elif not x.dtype.is_floating_point:
         x = cast(x, dtypes.int64)
-    lower = tril(ones((n, n), dtype=x.dtype, device=x.device))
     moved = transpose(x, axis, -1) if x.ndim else reshape(x, (1,))
-    out = moved @ transpose(lower, 0, 1)
+    if x.dtype.is_floating_point:
+        out = moved @ transpose(tril(ones((n, n), dtype=x.dtype, device=x.device)), 0, 1)
+    else:  # a masked sum, one fused reduction: GEMMs (cuBLAS) take no integers
+        before = tril(ones((n, n), dtype=dtypes.bool_, device=x.device))  # [i, j]: j <= i
+        out = sum(where(before, reshape(moved, (*moved.shape[:-1], 1, n)), 0), -1, dtype=x.dtype)
     return transpose(out, axis, -1) if x.ndim else reshape(out, ())
 
 

@@ -81,6 +81,36 @@ def test_long_rows_are_reduced_in_a_loop(rng, monkeypatch):
     assert (x.argmax(-1).numpy() == xc.argmax(-1).numpy()).all()
 
 
+def test_every_reduction_walked_in_chunks_matches_the_reference(rng, monkeypatch):
+    """Rows longer than a tile are walked in chunks, each reduction keeping a partial result per position of the
+    chunk and reducing them once after the loop: sums, products, extrema with NaNs, boolean any/all, integer
+    sums and arg reductions, over a row whose last chunk is partly masked, against the reference backend."""
+    from ember.compiler import passes
+    from ember.compiler.patterns import rows
+
+    monkeypatch.setattr(rows, "ROW_TILE", 256)  # rows longer than 256 are reduced in a loop, 128 columns a step
+    monkeypatch.setattr(rows, "LOOP_CHUNK", 128)
+    monkeypatch.setattr(passes, "SPLIT_MIN_PROGRAMS", 0)  # keep each row in one program
+    x, xc = pair(rng, 5, 1000, low=-3, high=3)
+    near_one, near_one_c = pair(rng, 5, 1000, low=0.999, high=1.001)
+    values = rng.uniform(-3, 3, size=(5, 1000)).astype(np.float32)
+    values[1, 517] = values[3, 999] = np.nan
+    nan, nan_c = ember.tensor(values, device="cuda"), ember.tensor(values)
+    counts = rng.integers(-9, 9, size=(5, 1000))
+    ints, ints_c = ember.tensor(counts, device="cuda"), ember.tensor(counts)
+    for name, fn in [("sum", lambda a, *_: a.sum(-1)), ("prod", lambda _, b, *__: b.prod(-1)),
+                     ("amax", lambda a, *_: a.amax(-1)), ("amin", lambda a, *_: a.amin(-1)),
+                     ("amax with NaN", lambda *args: args[2].amax(-1)),
+                     ("amin with NaN", lambda *args: args[2].amin(-1)),
+                     ("any", lambda a, *_: (a > 2.99).any(-1)), ("all", lambda a, *_: (a > -2.99).all(-1)),
+                     ("integer sum", lambda *args: args[3].sum(-1)), ("argmax", lambda a, *_: a.argmax(-1)),
+                     ("argmin", lambda a, *_: a.argmin(-1)), ("variance", lambda a, *_: a.var(-1)),
+                     ("log_softmax", lambda a, *_: a.log_softmax(-1))]:
+        fused, reference = fn(x, near_one, nan, ints), fn(xc, near_one_c, nan_c, ints_c)
+        assert all(k.rows == 5 for k in plan(fused).kernels), name
+        np.testing.assert_allclose(fused.numpy(), reference.numpy(), rtol=2e-5, atol=1e-5, err_msg=name)
+
+
 @pytest.mark.slow
 def test_few_long_reductions_are_split_across_programs(rng):
     x, xc = pair(rng, 3, 100_000, low=-5, high=5)

@@ -268,13 +268,15 @@ class RowKernel:
         return phases
 
     def reduce(self, phase: list[Node]) -> None:
-        """One loop over the row that accumulates every reduction of `phase`. A column kernel keeps a partial
-        result per element of its tile (`spread`) and reduces the tile once, after the loop."""
+        """One loop over the row that accumulates every reduction of `phase`. A column kernel, and a row kernel
+        that walks its rows in chunks, keeps a partial result per element of its tile (`spread`) and reduces the
+        tile once, after the loop: a reduction across the tile at every step would cross warps (shared memory and
+        barriers) between one chunk's loads and the next's."""
         emitter = self.emitter
         accs = []
         for r in phase:
             arg_reduction = r.op in (Op.ARGMAX, Op.ARGMIN)
-            spread = not self.trailing and not arg_reduction
+            spread = not (self.trailing and self.persistent) and not arg_reduction
             dt = compute_dtype(r.inputs[0].dtype if arg_reduction else r.dtype)
             acc_dt = dtypes.int32 if dt is dtypes.bool_ else dt
             acc = Var(emitter.fresh("acc"), frozenset({"m", "n"} if spread else {"m"}))

@@ -8,6 +8,7 @@ import pytest
 from conftest import DTYPES, FLOATS, TORCH, check_against_torch, check_finite_differences, random_array
 
 import ember
+from ember.explain import plan
 
 pytestmark = pytest.mark.usefixtures("device")
 
@@ -47,6 +48,13 @@ SCATTER_CASES = {  # name: (input shape, dim, index shape, src shape)
     "negative-dim": ((2, 3, 4), -2, (2, 5, 4), (2, 5, 4)),
     "vector": ((5,), 0, (8,), (8,)),
     "empty-index": ((3, 4), 0, (0, 4), (0, 4)),
+    # one position per row: a pointwise select (cross entropy's backward, one-hot codes)
+    "one-per-row": ((5, 7), 1, (5, 1), (5, 1)),
+    "one-per-column": ((4, 3, 2), 0, (1, 3, 2), (1, 3, 2)),
+    "one-per-row-src-larger": ((3, 6), 1, (3, 1), (3, 4)),
+    "one-per-row-single": ((1, 1), 1, (1, 1), (1, 1)),
+    "one-per-row-no-rows": ((0, 5), 1, (0, 1), (0, 1)),
+    "all-into-one-element": ((1, 1), 1, (1, 3), (1, 3)),
 }
 
 
@@ -63,6 +71,19 @@ def test_scatter_add_matches_torch(dtype, case, rng):
     if dtype == "float32" and len(shape) > 1:
         check_against_torch(lambda m, t, i, s: t.scatter_add(dim, i, s), x, index, src, layout="transposed",
                             grad=grad)
+
+
+def test_one_scatter_per_row_is_a_select_that_fuses_with_its_reader(rng):
+    """scatter_add of one position per row writes no buffer of the input's size: the select is computed where
+    it is read (here, a sum over the row in one kernel)."""
+    x = ember.tensor(random_array(rng, (6, 50), "float32"))
+    index = ember.tensor(_index(rng, (6, 1), 50))
+    src = ember.tensor(random_array(rng, (6, 1), "float32"))
+    total = (x.scatter_add(1, index, src) * x).sum(1)
+    assert [k.kind.value for k in plan(total).kernels] == ["reduce"], str(plan(total))
+    expected = (TORCH.tensor(x.numpy()).scatter_add(1, TORCH.tensor(index.numpy()), TORCH.tensor(src.numpy()))
+                * TORCH.tensor(x.numpy())).sum(1)
+    np.testing.assert_allclose(total.numpy(), expected.numpy(), rtol=1e-6, atol=1e-6)
 
 
 INDEX_SELECT_CASES = {  # name: (input shape, dim, index length)

@@ -100,7 +100,14 @@ def scatter_add(x: Tensor, dim: int, index: Tensor, src: Tensor) -> Tensor:
 
 
 def scatter_add_in_range(x: Tensor, axis: int, index: Tensor, src: Tensor) -> Tensor:
-    """scatter_add along `axis` of an index checked already, or in range by construction."""
+    """scatter_add along `axis` of an index checked already, or in range by construction. One position per row
+    (an index of size 1 along `axis`, as large as x elsewhere: cross entropy's backward, one-hot codes) is a
+    pointwise select, which fuses with what reads it: no buffer of x's size is written and read again."""
+    if index.shape[axis] == 1 and x.dtype is not dtypes.bool_ and all(
+            i == s for d, (i, s) in enumerate(zip(index.shape, x.shape)) if d != axis):
+        positions = arange(x.shape[axis], device=x.device).reshape(
+            tuple(x.shape[axis] if d == axis else 1 for d in range(x.ndim)))
+        return where(positions == index.expand(x.shape), x + src.expand(x.shape), x)
     return apply(Op.SCATTER_ADD, x, cast(index, dtypes.int64), src, axis=axis)
 
 

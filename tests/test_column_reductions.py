@@ -124,3 +124,26 @@ def test_the_column_sums_of_an_mlps_outputs_stay_in_the_mlp_kernels_programs():
         out = em(x).float()
         kernels = plan(out.mean(0), (out ** 2).mean()).kernels
     assert [k.kind for k in kernels] == [KernelKind.MLP] and len(kernels[0].payload.summed) == 2
+
+
+@pytest.mark.usefixtures("cuda_backend")
+def test_many_independent_column_sums_share_kernels_whose_partial_results_fit_the_registers(rng):
+    """Bias and layer-norm gradients of every layer of a network are column sums over one space: they merge a few
+    to a kernel, and a kernel keeping more partial-result tiles narrows them (each tile is a thread's registers)."""
+    from ember.compiler.patterns import rows
+    from ember.compiler.planner import MAX_KERNEL_REDUCTIONS
+
+    values = [random_array(rng, (300, 64), "float32") for _ in range(20)]
+    with ember.device("cuda"):
+        sums = [ember.tensor(v).sum(0) for v in values]
+        p = plan(*sums)
+        kernels = [k for k in p.kernels if k.kind is KernelKind.REDUCE]
+        assert len(kernels) >= 20 // MAX_KERNEL_REDUCTIONS
+        for k in kernels:
+            assert len(k.reductions) <= MAX_KERNEL_REDUCTIONS
+            (launch,) = p.sources[id(k)].launches
+            tile = launch.constexprs["BLOCK_M"] * launch.constexprs["BLOCK_N"]
+            assert tile * max(len(k.reductions), rows.TILE_ACCUMULATORS) <= rows.COLUMN_TILE * rows.TILE_ACCUMULATORS
+        ember.realize(*sums)
+    for got, v in zip(sums, values):
+        np.testing.assert_allclose(got.numpy(), v.sum(0), rtol=1e-5, atol=1e-5)

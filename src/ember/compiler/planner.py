@@ -41,6 +41,12 @@ MAX_SEGMENTS = 64  # pointwise kernels fused into one launch at most
 # torch.compile backend (7,300 nodes: one kernel of 15,000 lines, the likely cause of a cold compile that ran for
 # minutes, killed inside ptxas) becomes four of at most about 4,000 lines
 MAX_KERNEL_OPS = 2048
+# Reductions over one space merge into one kernel up to this many. A kernel that walks its reduced axis in a loop
+# keeps a partial result per position of its tile for each reduction (compiler/patterns/rows.py), in registers:
+# GPT-2's backward merged every layer's layer-norm and bias gradients, about 80 column sums over (8192, 768), into
+# one kernel, which took 7.8 ms of a 40-ms step on an H200 where its bytes take about 0.3 (2,560 registers of
+# accumulators a thread)
+MAX_KERNEL_REDUCTIONS = 8
 MAX_RECOMPUTE_OPS = 48  # a shared producer with a larger cone is stored, not recomputed
 # A shared producer whose recomputation reads at most this many bytes, and whose readers' elements times its ops
 # come to at most TINY_RECOMPUTE_WORK, is recomputed: storing it would save a few bytes but could take a launch
@@ -366,7 +372,8 @@ class Planner:
             merged: list[FusedKernel] = []
             for k in group:
                 for target in merged:
-                    if graph.ops(target) + graph.ops(k) <= MAX_KERNEL_OPS and self.mergeable(target, k, graph):
+                    if graph.ops(target) + graph.ops(k) <= MAX_KERNEL_OPS and len(target.reductions) + len(
+                            k.reductions) <= MAX_KERNEL_REDUCTIONS and self.mergeable(target, k, graph):
                         graph.absorb(target, k)
                         kernels.remove(k)
                         break

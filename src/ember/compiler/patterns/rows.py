@@ -25,6 +25,9 @@ from ember.dtypes import compute_dtype
 from ember.ir import Kind, Node, Op
 
 ROW_TILE = 4096  # elements of a row kernel's tile; rows longer than this are reduced in a loop
+# reductions one loop keeps a full tile of partial results for (COLUMN_TILE or LOOP_CHUNK float32s: 32 or 8 registers
+# a thread); more share the tile, narrowed
+TILE_ACCUMULATORS = 4
 
 LOOP_CHUNK = 1024  # columns per step of that loop
 
@@ -129,14 +132,16 @@ class RowKernel:
         m, n = kernel.rows, kernel.cols
         self.kept = [i for i in range(len(space)) if i not in axes]
         self.trailing = tuple(axes) == tuple(range(len(space) - len(axes), len(space)))
+        # a walked row or column keeps a tile of partial results per reduction of a loop: the tile narrows so that
+        # they fit the registers
+        shares = next_pow2(-(-max(map(len, self.phases()), default=1) // TILE_ACCUMULATORS))
         if self.trailing:  # rows are contiguous in memory: a program takes few, long rows
-            block_n = min(next_pow2(n), ROW_TILE)
-            if next_pow2(n) > ROW_TILE:  # a row that does not fit is walked in small chunks (registers)
-                block_n = LOOP_CHUNK
-            block_m = max(1, min(ROW_TILE // block_n, next_pow2(m), 64)) if block_n != LOOP_CHUNK else 1
+            looped = next_pow2(n) > ROW_TILE  # a row that does not fit is walked in small chunks (registers)
+            block_n = max(LOOP_CHUNK // shares, min(LOOP_CHUNK, 128)) if looped else min(next_pow2(n), ROW_TILE)
+            block_m = 1 if looped or block_n == LOOP_CHUNK else max(1, min(ROW_TILE // block_n, next_pow2(m), 64))
         else:  # the kept axes are the contiguous ones: wide along them, so loads coalesce
             block_m = column_block(m, ctx.settings.multiprocessors)
-            block_n = max(1, min(next_pow2(n), COLUMN_TILE // block_m))
+            block_n = max(1, min(next_pow2(n), COLUMN_TILE // block_m // shares))
         self.block_m, self.block_n = block_m, block_n
         self.persistent = next_pow2(n) <= block_n
         self.body: list = []

@@ -291,6 +291,34 @@ def test_slice_scatter_and_select_scatter_match_torch(dim, start, end, step):
     np.testing.assert_array_equal(got.numpy(), torch.ops.aten.select_scatter(x, row, dim, -1).numpy())
 
 
+@pytest.mark.parametrize("shape, dim, index_shape", [((6, 9), 1, (6, 1)), ((4, 3, 2), 0, (1, 3, 2)),
+                                                     ((4, 3, 2), -1, (4, 3, 1)), ((0, 5), 1, (0, 1)),
+                                                     ((1, 1), 1, (1, 1)), ((6, 9), 1, (6, 3)), ((6, 9), 0, (2, 9))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.bool])
+def test_scatter_of_a_value_and_of_a_source_matches_torch(shape, dim, index_shape, dtype):
+    """aten.scatter (nll_loss's backward scatters into zeros): one position per row is a select; positions
+    named once each elsewhere (torch leaves repeats undefined)."""
+    from ember.frontends.aten_graph import lookup
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=generator).to(dtype)
+    axis = dim % len(shape)
+    # distinct positions along the axis for each line of the index
+    order = torch.rand(*index_shape[:axis], shape[axis], *index_shape[axis + 1:], generator=generator).argsort(axis)
+    index = order.narrow(axis, 0, index_shape[axis])
+    src = torch.randn(index_shape, generator=generator).to(dtype)
+    value = -1.3 if dtype is not torch.bool else True
+    for op, operand in ((torch.ops.aten.scatter.value, value), (torch.ops.aten.scatter.src, src)):
+        expected = op(x, dim, index, operand)
+        given = ember.from_dlpack(operand) if isinstance(operand, torch.Tensor) else operand
+        got = lookup(op)(ember.from_dlpack(x), dim, ember.from_dlpack(index), given)
+        np.testing.assert_array_equal(got.numpy().astype("float32"), expected.float().numpy())
+    if index.numel():
+        with pytest.raises(IndexError, match="scatter"):
+            lookup(torch.ops.aten.scatter.value)(ember.from_dlpack(x), dim, ember.from_dlpack(index + shape[axis]),
+                                                 value).numpy()
+
+
 @pytest.mark.parametrize("ord, dim, keepdim", [(2, None, False), (2, [-1], True), (1, [0, 2], False),
                                                (math.inf, [1], False), (-math.inf, [1], True), (3, None, True)])
 def test_linalg_vector_norm_matches_torch(ord, dim, keepdim):  # (F.normalize in Swin V2's cosine attention)

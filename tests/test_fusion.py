@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from tiers import examples
 
 import ember
+from ember.compiler.fused import KernelKind
 from ember.explain import plan
 
 pytestmark = [pytest.mark.usefixtures("cuda_backend"), *([pytest.mark.gpu] if ON_GPU else [])]
@@ -315,6 +316,28 @@ def test_cross_entropy_forward_and_backward_match_reference(rng):
         results.append((loss, x.grad))
     assert_close(results[0][0], results[1][0])
     assert_close(results[0][1], results[1][1], atol=1e-7)
+
+
+def test_cross_entropys_backward_as_torch_decomposes_it_sums_nothing_over_the_classes(rng):
+    """torch's nll_loss backward scatters -1 into zeros at the targets (aten.scatter.value), and log_softmax's
+    backward sums that over the classes: the scatter is a select, and the sum of a select of a number is the
+    number where the target is valid, so the gradient is one pointwise pass over the logits."""
+    torch = pytest.importorskip("torch")
+    from ember.frontends.aten_graph import lookup
+
+    logits, logits_c = pair(rng, 32, 500, low=-4, high=4)
+    target = rng.integers(0, 500, size=(32, 1))
+    weight = rng.uniform(0.5, 1.5, size=(32, 1)).astype(np.float32)
+    grads = []
+    for x, device in ((logits, "cuda"), (logits_c, "cpu")):
+        zeros = ember.zeros((32, 500), device=device)
+        picked = lookup(torch.ops.aten.scatter.value)(zeros, 1, ember.tensor(target, device=device), -1.0)
+        g = picked * ember.tensor(weight, device=device)
+        out = x.log_softmax(-1)
+        grads.append(g - out.exp() * g.sum(1, keepdim=True))
+    reductions = [len(k.reductions) for k in plan(grads[0]).kernels if k.kind is KernelKind.REDUCE]
+    assert reductions == [2], str(plan(grads[0]))  # the log-softmax's own max and sum only
+    assert_close(*grads, atol=1e-6)
 
 
 def test_views_fold_into_index_arithmetic(rng):

@@ -413,6 +413,9 @@ class _Builder:
             return None
         condition, value = node.inputs[0], node.inputs[1]
         row_value = _along(value, axis)
+        if row_value is None and _is_number(value) and value.shape == x.shape:  # a number (nll_loss's -1)
+            kept = tuple(1 if d == axis else s for d, s in enumerate(value.shape))
+            row_value = self._const(value.attrs["value"], _like(value, kept))
         if condition.op is not Op.EQ or row_value is None:
             return None
         position, key = condition.inputs
@@ -641,6 +644,10 @@ def _is_position(node: Node, axis: int) -> bool:
     while shaped.op is Op.RESHAPE:
         shaped = shaped.inputs[0]
     return shaped.op is Op.IOTA
+
+
+def _is_number(node: Node) -> bool:
+    return node.op is Op.CONST and "arg" not in node.attrs
 
 
 def _is_value(node: Node, value) -> bool:

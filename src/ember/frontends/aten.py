@@ -24,6 +24,7 @@ from ember import dtypes
 from ember.autograd import enable_grad
 from ember.device import as_device
 from ember.nn import functional as F
+from ember.ops.index import checked
 from ember.ops.movement import dilate_axis, pad_axis
 from ember.tensor import Tensor
 
@@ -224,9 +225,19 @@ def _gelu(x, approximate="none"):
 
 def _scatter(x, dim, index, src, reduce=None):
     """scatter.value / scatter.src: positions the index names take the value; a position named several times
-    (which torch leaves undefined) takes the mean of its values, so equal copies give that value."""
+    (which torch leaves undefined) takes the mean of its values, so equal copies give that value. One position
+    per row (an index of size 1 along dim, as large as x elsewhere: nll_loss's backward) is a select."""
     if reduce is not None:
         raise NotImplementedError(f"aten.scatter with reduce={reduce!r} is not supported")
+    axis = dim % max(x.ndim, 1)
+    if x.ndim and index.ndim == x.ndim and index.shape[axis] == 1 and all(
+            i == s for d, (i, s) in enumerate(zip(index.shape, x.shape)) if d != axis):
+        picked = checked("scatter", index, x.shape[axis], axis)
+        positions = ember.arange(x.shape[axis], device=x.device).reshape(
+            tuple(-1 if d == axis else 1 for d in range(x.ndim)))
+        value = _select_like(src, index) if isinstance(src, Tensor) else ember.full((), src, dtype=x.dtype,
+                                                                                     device=x.device)
+        return ember.where(positions == picked.expand(x.shape), value, x)
     ones = ember.ones(index.shape, dtype=x.dtype, device=x.device)
     count = ember.scatter_add(ember.zeros(x.shape, dtype=x.dtype, device=x.device), dim, index, ones)
     hit = count > 0

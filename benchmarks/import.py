@@ -225,10 +225,16 @@ def main(argv: list[str] | None = None) -> None:
         lines += run_row(row, args)
     eager = {line["row"]: line.get("ms") for line in lines if line["variant"] == "torch eager"}
     inductor = {line["row"]: line.get("ms") for line in lines if line["variant"] == "torch.compile"}
-    body = [[line["row"], line["variant"], cell(line.get("ms")),
-             cell(eager[line["row"]] / line["ms"] if line.get("ms") and eager.get(line["row"]) else None, "{:.2f}x"),
-             cell(inductor[line["row"]] / line["ms"] if line.get("ms") and inductor.get(line["row"]) else None,
-                  "{:.2f}x"), cell(line.get("first_s"), "{:.3g}"), line["check"]] for line in lines]
+
+    def against(base: dict, line: dict) -> str:
+        """The line's speed against a variant's on its row; "not run" where --skip left that variant out."""
+        if line["row"] not in base:
+            return "not run"
+        ms = base[line["row"]]
+        return cell(ms / line["ms"] if line.get("ms") and ms else None, "{:.2f}x")
+
+    body = [[line["row"], line["variant"], cell(line.get("ms")), against(eager, line), against(inductor, line),
+             cell(line.get("first_s"), "{:.3g}"), line["check"]] for line in lines]
     table = markdown_table(["row", "variant", "ms per step", "vs torch eager", "vs torch.compile", "first step s",
                             "loss check"], body)
     notes = ["a training step: forward, cross entropy, backward, optimizer step; torch.compile variants compile the "

@@ -106,10 +106,23 @@ def test_every_reduction_walked_in_chunks_matches_the_reference(rng, monkeypatch
                      ("any", lambda a, *_: (a > 2.99).any(-1)), ("all", lambda a, *_: (a > -2.99).all(-1)),
                      ("integer sum", lambda *args: args[3].sum(-1)), ("argmax", lambda a, *_: a.argmax(-1)),
                      ("argmin", lambda a, *_: a.argmin(-1)), ("variance", lambda a, *_: a.var(-1)),
-                     ("log_softmax", lambda a, *_: a.log_softmax(-1))]:
+                     ("log_softmax", lambda a, *_: a.log_softmax(-1)), ("softmax", lambda a, *_: a.softmax(-1)),
+                     ("logsumexp", lambda a, *_: a.logsumexp(-1)),
+                     ("softmax with NaN", lambda *args: args[2].softmax(-1))]:
         fused, reference = fn(x, near_one, nan, ints), fn(xc, near_one_c, nan_c, ints_c)
         assert all(k.rows == 5 for k in plan(fused).kernels), name
         np.testing.assert_allclose(fused.numpy(), reference.numpy(), rtol=2e-5, atol=1e-5, err_msg=name)
+    # softmax's max and sum of exponentials in one pass over the row (then the output's pass): rows with infinities
+    # and a row of -inf, as the reference computes them in two passes
+    values[0, :] = -np.inf
+    values[1, 3], values[2, 700], values[2, 10] = np.inf, -np.inf, 50.0
+    values[3, :500] = -np.inf
+    special, special_c = ember.tensor(values, device="cuda"), ember.tensor(values)
+    walked = plan(special.softmax(-1))
+    loops = [walked.sources[id(k)].text.count("for start in range") for k in walked.kernels]
+    assert loops == [2], loops
+    for name, fn in [("softmax", lambda a: a.softmax(-1)), ("log_softmax", lambda a: a.log_softmax(-1))]:
+        np.testing.assert_allclose(fn(special).numpy(), fn(special_c).numpy(), rtol=2e-5, atol=1e-6, err_msg=name)
 
 
 @pytest.mark.slow

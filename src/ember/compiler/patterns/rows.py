@@ -164,8 +164,13 @@ class RowKernel:
     def lower(self) -> Function:
         if self.persistent:
             self.open_chunk(ZERO)
-        for phase in self.phases():
-            self.reduce(phase)
+        phases = self.phases()
+        while phases:
+            if len(phases) > 1 and self.online(phases[0], phases[1]):
+                self.reduce_online(phases[0][0], phases[1][0])
+                phases = phases[2:]
+            else:
+                self.reduce(phases.pop(0))
         levels = self.kernel.levels
         full_outputs = [o for o in self.kernel.outputs if levels[id(o)] == FULL]
         if full_outputs:
@@ -304,6 +309,59 @@ class RowKernel:
             if acc_dt is not dt and not arg:  # a bool max or min, accumulated in int32
                 result = emitter.define(Bin("!=", result, ZERO))
             emitter.reduced[id(r)] = result
+        self.close_loop()
+
+    def online(self, first: list[Node], second: list[Node]) -> bool:
+        """Whether a walked row's phases are a max of a float32 value, then the sum of exp(value - that max) alone
+        (softmax's and log_softmax's statistics, a language model's loss over its vocabulary): both are then
+        accumulated in one pass over the row (`reduce_online`) instead of two."""
+        if self.persistent or not self.trailing or len(first) != 1 or len(second) != 1:
+            return False
+        (top,), (total,) = first, second
+        if top.op is not Op.MAX or total.op is not Op.SUM or compute_dtype(top.dtype) is not dtypes.float32 or \
+                total.dtype is not dtypes.float32 or total.inputs[0].op is not Op.EXP:
+            return False
+        shifted = total.inputs[0].inputs[0]
+        if shifted.op is not Op.SUB or shifted.inputs[0] is not top.inputs[0]:
+            return False
+        spread = shifted.inputs[1]
+        while spread.op in (Op.EXPAND, Op.RESHAPE):
+            spread = spread.inputs[0]
+        return spread is top
+
+    def reduce_online(self, top: Node, total: Node) -> None:
+        """One loop for a max and the sum of exp(value - max) (`online`): each position of the tile keeps the
+        largest value it has seen and its sum of exponentials relative to it, rescaled when a larger one comes;
+        after the loop the tile's maxima are reduced and each sum rescaled to the row's. As the two passes would,
+        NaN wins, and a row of -inf sums to NaN (exp(-inf - -inf))."""
+        emitter, tile_shape, dt = self.emitter, (BLOCK_M, BLOCK_N), dtypes.float32
+        lowest, zero = Lit(-math.inf), Lit(0.0)
+        high = Var(emitter.fresh("acc"), frozenset({"m", "n"}))
+        summed = Var(emitter.fresh("acc"), frozenset({"m", "n"}))
+        emitter.emit(Assign((high,), call("full", lowest, shape=tile_shape, dtype=dt)))
+        emitter.emit(Assign((summed,), call("full", zero, shape=tile_shape, dtype=dt)))
+
+        def exp(x: Expr) -> Expr:
+            return call("exp2", Bin("*", x, Lit(math.log2(math.e), dt)))
+
+        def finite(x: Expr) -> Expr:  # the shift exponentials are taken against: 0 where nothing is seen yet
+            return call("where", Bin("==", x, lowest), zero, x)
+
+        self.open_loop()
+        value, _ = emitter.value(top.inputs[0], self.full_index())
+        tile = emitter.define(call("where", self.mask, Bin("+", value, call("zeros", shape=tile_shape, dtype=dt)),
+                                   lowest), "t")
+        higher = emitter.define(call("combine", high, tile, combine="max"), "high")
+        shift = emitter.define(finite(higher), "shift")
+        emitter.emit(Assign((summed,), Bin("+", Bin("*", summed, exp(Bin("-", high, shift))),
+                                           exp(Bin("-", tile, shift)))))
+        emitter.emit(Assign((high,), higher))
+        emitter.block = self.body
+        row_max = emitter.define(call("reduce", high, combine="max", axis=1, drop="n", nan="propagate"), "total")
+        rescaled = Bin("*", summed, exp(Bin("-", high, finite(row_max))))
+        row_sum = emitter.define(call("reduce", rescaled, combine="sum", axis=1, drop="n"), "total")
+        emitter.reduced[id(top)] = row_max
+        emitter.reduced[id(total)] = emitter.define(call("where", Bin("==", row_max, lowest), Lit(math.nan), row_sum))
         self.close_loop()
 
     @staticmethod

@@ -1,8 +1,11 @@
 """Imported-model benchmark: models people already have, trained by torch eager, torch.compile (Inductor), torch.compile
-with backend="ember", and ember.jit on the from_torch import, with step time and first-step time.
+with backend="ember", and ember.jit on the from_torch import, with step time and first-step time. The CNN rows also
+run torch eager in channels-last memory and torch.compile's max-autotune mode (without CUDA graphs).
 
 Rows:
- resnet50  torchvision's ResNet-50, 224x224 x 64, bfloat16, SGD momentum 0.9
+ resnet50         torchvision's ResNet-50, 224x224 x 64, bfloat16, SGD momentum 0.9
+ mobilenet_v3     torchvision's MobileNetV3-Large, the same (dropout 0: every variant's losses comparable)
+ efficientnet_b0  torchvision's EfficientNet-B0, the same (dropout and stochastic depth 0)
  gpt2      transformers' GPT-2 124M shape (12 layers, width 768, 12 heads, T 1024) x 8, bfloat16, AdamW; attention
            as transformers' "sdpa"
 
@@ -36,7 +39,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-VARIANTS = ("torch eager", "torch.compile", "torch.compile backend=ember", "ember.jit from_torch")
+VARIANTS = ("torch eager", "torch eager channels-last", "torch.compile", "torch.compile max-autotune",
+            "torch.compile backend=ember", "ember.jit from_torch")
+CNNS = ("resnet50", "mobilenet_v3", "efficientnet_b0")
+ROWS = (*CNNS, "gpt2")
+CNN_ONLY = ("torch eager channels-last", "torch.compile max-autotune")  # the CNN rows' other torch variants
 CHECK_STEPS = 3
 LOSS_TOL = 5e-2  # relative, bfloat16
 
@@ -49,9 +56,16 @@ def make(row: str, smoke: bool, dev: str):
 
     dtype = torch.float64 if smoke else torch.bfloat16
     torch.manual_seed(0)
-    if row == "resnet50":
-        model = library("torchvision").models.resnet50(num_classes=1000)
-        batch, size = (2, 32) if smoke else (64, 224)
+    if row in CNNS:
+        models = library("torchvision").models
+        model = {"resnet50": lambda: models.resnet50(num_classes=1000),
+                 "mobilenet_v3": lambda: models.mobilenet_v3_large(num_classes=1000, dropout=0.0),
+                 "efficientnet_b0": lambda: models.efficientnet_b0(num_classes=1000, dropout=0.0,
+                                                                    stochastic_depth_prob=0.0)}[row]()
+        # the smoke's lightest size at which float64 rounding alone leaves the first steps' losses comparable
+        # (EfficientNet at 2 x 32x32 normalizes 2 values a channel in its last stage: a layout change moved its third
+        # loss by 26%)
+        batch, size = ((2, 32) if row == "resnet50" else (4, 64)) if smoke else (64, 224)
         x = torch.randn(batch, 3, size, size)
         y = torch.randint(0, 1000, (batch,))
         optimizer = (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9})
@@ -73,9 +87,13 @@ def logits(out):
     return out.logits if hasattr(out, "logits") else out
 
 
-def torch_step(model, optimizer, backend: str | None):
+def torch_step(model, optimizer, backend: str | None, mode: str | None = None, channels_last: bool = False):
+    """torch's training step: eager (`backend` None) or compiled by `backend` (in `mode`); the model and its
+    inputs in channels-last memory where asked."""
     if backend == "ember":
         import ember.frontends.dynamo  # noqa: F401  (registers the backend where ember is on the path, not installed)
+    if channels_last:
+        model.to(memory_format=torch.channels_last)
     opt = optimizer[0](model.parameters(), **optimizer[1])
 
     def step(x, y):
@@ -85,7 +103,11 @@ def torch_step(model, optimizer, backend: str | None):
         loss.backward()
         opt.step()
         return loss
-    return step if backend is None else torch.compile(step, backend=backend)
+    if backend is not None:
+        step = torch.compile(step, backend=backend, mode=mode)
+    if not channels_last:
+        return step
+    return lambda x, y: step(x.contiguous(memory_format=torch.channels_last), y)
 
 
 def ember_step(model, optimizer, x, y, smoke: bool):
@@ -139,12 +161,16 @@ def variant_line(row: str, variant: str, base, x, y, optimizer, args) -> dict:
     from common import guarded
 
     model = copy.deepcopy(base)
-    backend = {"torch eager": None, "torch.compile": "eager" if args.cpu_smoke else "inductor",
-               "torch.compile backend=ember": "ember"}.get(variant)
+    inductor = "eager" if args.cpu_smoke else "inductor"
+    backend = {"torch eager": None, "torch eager channels-last": None, "torch.compile": inductor,
+               "torch.compile max-autotune": inductor, "torch.compile backend=ember": "ember"}.get(variant)
+    # max-autotune without its CUDA graphs: a replay overwrites the momenta the next step's optimizer reads
+    mode = "max-autotune-no-cudagraphs" if variant.endswith("max-autotune") and not args.cpu_smoke else None
     if variant.startswith("ember"):
         step = guarded(f"{row} {variant} (setup)", lambda: ember_step(model, optimizer, x, y, args.cpu_smoke))
     else:
-        step = guarded(f"{row} {variant} (setup)", lambda: torch_step(model, optimizer, backend))
+        step = guarded(f"{row} {variant} (setup)", lambda: torch_step(model, optimizer, backend, mode,
+                                                                      variant.endswith("channels-last")))
     result = guarded(f"{row} {variant}", lambda: measure(step, x, y, args.cpu_smoke, args.reps)) if step else None
     line = {"row": row, "variant": variant, **(result or {})}
     if result and args.breakdown and not args.cpu_smoke:
@@ -191,7 +217,7 @@ def run_row(row: str, args) -> list[dict]:
     lines = []
     base, x, y, optimizer = make(row, args.cpu_smoke, args.dev)
     for variant in VARIANTS:
-        if variant in args.skip:
+        if variant in args.skip or (variant in CNN_ONLY and row not in CNNS):
             continue
         print(f"  {row}: {variant}", flush=True)
         lines.append(variant_line(row, variant, base, x, y, optimizer, args))
@@ -217,9 +243,12 @@ def main(argv: list[str] | None = None) -> None:
         parser.add_argument("--breakdown", action="store_true", help="also where each variant's step time goes: "
                             "host against GPU time, GPU time by kernel kind, the ember backend's CUDA graph replays")
 
-    args = parse_named_rows(argv, "import.py", __doc__, "resnet50,gpt2", VARIANTS, 10,
+    args = parse_named_rows(argv, "import.py", __doc__, ",".join(ROWS), VARIANTS, 10,
                             "tiny models in float64, ember on its cpu device (the reference backend), torch.compile "
                             "with backend='eager'", add_options=breakdown_option)
+    unknown = sorted(set(args.rows.split(",")) - set(ROWS))
+    if unknown:
+        raise SystemExit(f"--rows: no row {', '.join(unknown)}; rows are {', '.join(ROWS)}")
     lines = []
     for row in args.rows.split(","):
         lines += run_row(row, args)

@@ -651,7 +651,7 @@ def _is_number(node: Node) -> bool:
 
 
 def _is_value(node: Node, value) -> bool:
-    return node.op is Op.CONST and "arg" not in node.attrs and node.attrs["value"] == value
+    return _is_number(node) and node.attrs["value"] == value
 
 
 def _lossless(src: dtypes.DType, mid: dtypes.DType) -> bool:

@@ -24,7 +24,7 @@ from ember import dtypes
 from ember.autograd import enable_grad
 from ember.device import as_device
 from ember.nn import functional as F
-from ember.ops.index import checked
+from ember.ops.index import checked, one_per_row, picked
 from ember.ops.movement import dilate_axis, pad_axis
 from ember.tensor import Tensor
 
@@ -230,14 +230,10 @@ def _scatter(x, dim, index, src, reduce=None):
     if reduce is not None:
         raise NotImplementedError(f"aten.scatter with reduce={reduce!r} is not supported")
     axis = dim % max(x.ndim, 1)
-    if x.ndim and index.ndim == x.ndim and index.shape[axis] == 1 and all(
-            i == s for d, (i, s) in enumerate(zip(index.shape, x.shape)) if d != axis):
-        picked = checked("scatter", index, x.shape[axis], axis)
-        positions = ember.arange(x.shape[axis], device=x.device).reshape(
-            tuple(-1 if d == axis else 1 for d in range(x.ndim)))
+    if one_per_row(x, axis, index):
         value = _select_like(src, index) if isinstance(src, Tensor) else ember.full((), src, dtype=x.dtype,
                                                                                      device=x.device)
-        return ember.where(positions == picked.expand(x.shape), value, x)
+        return ember.where(picked(x, axis, checked("scatter", index, x.shape[axis], axis)), value, x)
     ones = ember.ones(index.shape, dtype=x.dtype, device=x.device)
     count = ember.scatter_add(ember.zeros(x.shape, dtype=x.dtype, device=x.device), dim, index, ones)
     hit = count > 0

@@ -101,14 +101,24 @@ def scatter_add(x: Tensor, dim: int, index: Tensor, src: Tensor) -> Tensor:
 
 def scatter_add_in_range(x: Tensor, axis: int, index: Tensor, src: Tensor) -> Tensor:
     """scatter_add along `axis` of an index checked already, or in range by construction. One position per row
-    (an index of size 1 along `axis`, as large as x elsewhere: cross entropy's backward, one-hot codes) is a
-    pointwise select, which fuses with what reads it: no buffer of x's size is written and read again."""
-    if index.shape[axis] == 1 and x.dtype is not dtypes.bool_ and all(
-            i == s for d, (i, s) in enumerate(zip(index.shape, x.shape)) if d != axis):
-        positions = arange(x.shape[axis], device=x.device).reshape(
-            tuple(x.shape[axis] if d == axis else 1 for d in range(x.ndim)))
-        return where(positions == index.expand(x.shape), x + src.expand(x.shape), x)
+    (cross entropy's backward, one-hot codes) is a pointwise select, which fuses with what reads it: no buffer of
+    x's size is written and read again."""
+    if one_per_row(x, axis, index) and x.dtype is not dtypes.bool_:
+        return where(picked(x, axis, index), x + src.expand(x.shape), x)
     return apply(Op.SCATTER_ADD, x, cast(index, dtypes.int64), src, axis=axis)
+
+
+def one_per_row(x: Tensor, axis: int, index: Tensor) -> bool:
+    """Whether `index` names one position of x per row along `axis`: of size 1 there, as large as x elsewhere."""
+    return index.ndim == x.ndim > 0 and index.shape[axis] == 1 and all(
+        i == s for d, (i, s) in enumerate(zip(index.shape, x.shape)) if d != axis)
+
+
+def picked(x: Tensor, axis: int, index: Tensor) -> Tensor:
+    """For an index of one position per row (`one_per_row`), whether each position of x is the one its row names."""
+    positions = arange(x.shape[axis], device=x.device).reshape(
+        tuple(x.shape[axis] if d == axis else 1 for d in range(x.ndim)))
+    return positions == index.expand(x.shape)
 
 
 def index_select(x: Tensor, dim: int, index: Tensor) -> Tensor:
@@ -350,12 +360,8 @@ def setitem(x: Tensor, index, value) -> None:
 def _gather_vjp(g, xs, out, a):
     x, index = xs
     axis = a["axis"]
-    same_elsewhere = all(i == s for d, (i, s) in enumerate(zip(index.shape, x.shape)) if d != axis)
-    if index.shape[axis] == 1 and same_elsewhere:
-        # one pick per row (cross entropy, max with indices): a pointwise select, no scatter
-        positions = arange(x.shape[axis], device=g.device).reshape(
-            tuple(x.shape[axis] if d == axis else 1 for d in range(x.ndim)))
-        return where(positions == index.expand(x.shape), g.expand(x.shape), 0), None
+    if one_per_row(x, axis, index):  # one pick per row (cross entropy, max with indices): a select, no scatter
+        return where(picked(x, axis, index), g.expand(x.shape), 0), None
     base = zeros(x.shape, dtype=g.dtype, device=g.device)
     return apply(Op.SCATTER_ADD, base, index, g, axis=axis), None
 

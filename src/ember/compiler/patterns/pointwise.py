@@ -181,9 +181,10 @@ def lower_scatter_add(ctx: Context, kernel: FusedKernel) -> list[Function]:
     dims = list(emitter.dims(at, index.shape))
     valid = emitter.bind("valid", emitter.in_range(picked, node.shape[axis]))
     dims[axis] = emitter.clamp(picked, node.shape[axis])
-    target = emitter.linear(Index(tuple(dims), None, mask, OTHER), node.shape)
     if node.numel == 1:  # every element adds at the one address: a block of it, as the values are a block
         target = call("zeros", shape=(BLOCK,), dtype=dtypes.int32)
+    else:
+        target = emitter.linear(Index(tuple(dims), None, mask, OTHER), node.shape)
     pointer = ctx.param(ParamKind.WRITE, node, "out")
     # an index out of range adds nothing (at a clamped address, so the access stays in bounds)
     added = call("cast", call("where", valid, addend, ZERO), dtype=node.dtype)

@@ -134,7 +134,8 @@ class RowKernel:
         self.trailing = tuple(axes) == tuple(range(len(space) - len(axes), len(space)))
         # a walked row or column keeps a tile of partial results per reduction of a loop: the tile narrows so that
         # they fit the registers
-        shares = next_pow2(-(-max(map(len, self.phases()), default=1) // TILE_ACCUMULATORS))
+        self.phase_list = self.phases()
+        shares = next_pow2(-(-max(map(len, self.phase_list), default=1) // TILE_ACCUMULATORS))
         if self.trailing:  # rows are contiguous in memory: a program takes few, long rows
             looped = next_pow2(n) > ROW_TILE  # a row that does not fit is walked in small chunks (registers)
             block_n = max(LOOP_CHUNK // shares, min(LOOP_CHUNK, 128)) if looped else min(next_pow2(n), ROW_TILE)
@@ -164,7 +165,7 @@ class RowKernel:
     def lower(self) -> Function:
         if self.persistent:
             self.open_chunk(ZERO)
-        phases = self.phases()
+        phases = list(self.phase_list)
         while phases:
             if len(phases) > 1 and self.online(phases[0], phases[1]):
                 self.reduce_online(phases[0][0], phases[1][0])

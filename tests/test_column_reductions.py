@@ -8,6 +8,8 @@ Test ids read `op-dtype-shape`. Small shapes run in one kernel; the split ones a
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from conftest import check_against_torch, random_array
@@ -147,3 +149,23 @@ def test_many_independent_column_sums_share_kernels_whose_partial_results_fit_th
         ember.realize(*sums)
     for got, v in zip(sums, values):
         np.testing.assert_allclose(got.numpy(), v.sum(0), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.usefixtures("cuda_backend")
+@pytest.mark.parametrize("axis", [2, 0])
+def test_a_column_sum_of_a_concatenation_reads_its_parts_at_positions_triton_sees_run_contiguously(axis, rng):
+    """A layer's q, k and v bias gradients: the sum over the tokens of a concatenation of three head-split
+    tensors. A block of kept positions starts at a multiple of BLOCK_M computed from the program's number, and a
+    part's positions along the tile are not clamped (its loads are masked instead): a clamp, or the first row's
+    remainder, hides from Triton that the positions run contiguously, and the loads would not coalesce. A part
+    placed along an outer axis (one position a program) is still clamped: a scalar load has no mask."""
+    sizes = (1, 2, 3) if axis == 0 else (2, 2, 2)
+    values = [random_array(rng, (b, 3, 16, 32), "float32") for b in sizes]
+    with ember.device("cuda"):
+        parts = [ember.tensor(v).permute(0, 2, 1, 3).reshape(-1, 16, 96) for v in values]
+        out = ember.cat(parts, axis).sum(1)
+        (source,) = [s for k, s in plan(out).sources.items() if "reduce" in s.name]
+        assert re.search(r"within = \(pid % \d+\) \* BLOCK_M", source.text), source.text
+        assert ("minimum" in source.text) == (axis == 0), source.text
+    want = np.concatenate([v.transpose(0, 2, 1, 3).reshape(-1, 16, 96) for v in values], axis).sum(1)
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-5)

@@ -466,7 +466,10 @@ class Emitter:
                 inner.append(Lit(literal_int(d) - lo))
                 continue
             shifted = self.define(Bin("-", d, Lit(lo)), "p") if lo else d
-            inner.append(self.clamp(shifted, s))
+            # a position that varies across the tile stays unclamped: every load beneath it is masked by the check
+            # below, and a clamp would hide from Triton that it runs contiguously (loads of a concatenation's parts
+            # would not coalesce); a scalar one is clamped, as a scalar load is unmasked
+            inner.append(shifted if shifted.is_tile else self.clamp(shifted, s))
             checks.append(self.in_range(shifted, s))
         level = input_level(node, idx.level, self.kernel.space, self.kernel.axes, 0)
         if not checks:

@@ -154,7 +154,7 @@ class RowKernel:
         self.rmask = emitter.bind("rmask", Bin("<", self.rows, ctx.size(m)))
         emitter.row_index = Index(None, self.rows, self.rmask, ROW)
         kept_shape = tuple(space[i] for i in self.kept)
-        outer = self.block_positions(first, kept_shape)
+        outer = self.block_positions(first_row, kept_shape)
         if outer is not None:
             emitter.unravelled[(self.rows, kept_shape)] = outer
         emitter.unravel(self.rows, kept_shape)  # before any loop: every phase uses it
@@ -203,18 +203,20 @@ class RowKernel:
         linear = Bin("+", Bin("*", self.rows, self.n_size), self.cols) if self.trailing else None
         return Index(tuple(dims), linear, self.mask, FULL)
 
-    def block_positions(self, first: Var, shape: tuple[int, ...]) -> tuple[Expr, ...] | None:
-        """The block's positions in the kept dimensions `shape` where the block of rows lies inside one run of the
-        innermost one (its size a multiple of the block's): the outer positions are then the same for every row of
-        the block, scalars computed once from its first row, so what varies only along them and the columns (a
-        row statistic read by a column sum) is loaded and computed once per column, not per element. None
-        otherwise (every position unravelled per row)."""
+    def block_positions(self, number: Expr, shape: tuple[int, ...]) -> tuple[Expr, ...] | None:
+        """The positions of block `number` in the kept dimensions `shape` where the block of rows lies inside one
+        run of the innermost one (its size a multiple of the block's): the outer positions are then the same for
+        every row of the block, scalars computed once from its first row, so what varies only along them and the
+        columns (a row statistic read by a column sum) is loaded and computed once per column, not per element.
+        None otherwise (every position unravelled per row)."""
         inner = max((d for d, s in enumerate(shape) if s != 1), default=None)
         if inner is None or all(s == 1 for s in shape[:inner]) or shape[inner] % self.block_m:
             return None
-        em, size = self.emitter, Lit(shape[inner])
-        within = em.bind("within", Bin("+", Bin("%", first, size), Range(BLOCK_M, 0, 2)))
-        outer = em.unravel(em.bind("outer", Bin("//", first, size)), shape[:inner])
+        em, blocks = self.emitter, Lit(shape[inner] // self.block_m)
+        # from the block's number, so Triton sees that the block starts at a multiple of BLOCK_M (its first row
+        # % the size would hide that, and loads along the rows would not coalesce)
+        within = em.bind("within", Bin("+", Bin("*", Bin("%", number, blocks), BLOCK_M), Range(BLOCK_M, 0, 2)))
+        outer = em.unravel(em.bind("outer", Bin("//", number, blocks)), shape[:inner])
         return (*outer, within, *(ZERO for _ in shape[inner + 1:]))
 
     def open_chunk(self, start: Expr) -> None:

@@ -51,6 +51,7 @@ def backend(gm, example_inputs, options: dict | None = None):
     """The TorchDynamo backend: AOTAutograd with ember running the forward, backward and inference graphs."""
     from torch._decomp import core_aten_decompositions
     from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     options = dict(options or {})
     unknown = sorted(set(options) - set(_OPTIONS))
@@ -58,8 +59,13 @@ def backend(gm, example_inputs, options: dict | None = None):
         raise ValueError(f'torch.compile(backend="ember"): options {options} not understood; known: "device": "cuda"')
     compile_graph = functools.partial(_compile, on_cuda=options.get("device") == "cuda")
     # inputs a graph updates (parameters and momenta in an optimizer step, a batch norm's running statistics) stay
-    # writes in the graph, made by ember at its end in one batched copy, not one torch copy_ per tensor after it
+    # writes in the graph, made by ember at its end in one batched copy, not one torch copy_ per tensor after it.
+    # The forward saves for the backward a minimal cut of what it computes: the pointwise chains between (an
+    # activation's tanh, powers and products) are recomputed inside the backward's fused kernels rather than
+    # written by the forward and read back; what the backward must materialize anyway (a GEMM's or a
+    # convolution's operand) stays saved
     return aot_autograd(fw_compiler=compile_graph, bw_compiler=compile_graph, inference_compiler=compile_graph,
+                        partition_fn=min_cut_rematerialization_partition,
                         decompositions=core_aten_decompositions(), keep_inference_input_mutations=True)(
         gm, example_inputs)
 
@@ -351,11 +357,13 @@ def _in_memory_order(graph, plan: _Outputs) -> dict[int, list[int]]:
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         first = next(n for n in graph.nodes if n.op != "placeholder")
         written = {n.args[0] for n in graph.nodes if n.target is torch.ops.aten.copy_.default}
-        inputs = {}
+        inputs, backs = {}, {}
         for p, node in enumerate(placeholders):
             value = node.meta.get("val")
-            # (integers: the indices of a max-pooling, which ember hands on uncomputed as contiguous memory)
-            kept = node.users and node not in written and getattr(value, "is_floating_point", lambda: False)()
+            # (floats and booleans, such as a ReLU's mask saved for the backward; not integers: the indices of a
+            # max-pooling, which ember hands on uncomputed as contiguous memory)
+            kept = node.users and node not in written and (getattr(value, "is_floating_point", lambda: False)()
+                                                          or getattr(value, "dtype", None) is torch.bool)
             order = _memory_order(value) if kept else None
             if order is None:
                 continue
@@ -365,6 +373,16 @@ def _in_memory_order(graph, plan: _Outputs) -> dict[int, list[int]]:
             back.meta["val"] = value
             node.meta["val"] = value.permute(order)
             inputs[p] = order
+            backs[back] = node
+        # an input the graph returns as it is (saved for the backward) is returned as the memory it was read from,
+        # seen back in its own dimensions: not a copy of it in ember's order
+        nodes = list(output.args[0])
+        for p, node in enumerate(nodes):
+            if node in backs:
+                nodes[p] = backs[node]
+                plan.permuted[p] = list(node.args[1])
+                plan.layouts.pop(p, None)
+        output.args = (type(output.args[0])(nodes),)
     return inputs
 
 

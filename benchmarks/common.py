@@ -243,8 +243,11 @@ def device_ms(step: Callable[[], object], warmup: int, reps: int) -> float:
 TOP_KERNELS = 8  # kernels named in a step's breakdown, the costliest first
 
 # GPU kernels by who wrote them, from their names: ember's generated kernels are named ember_<kind>_<digest>
-_KERNEL_KINDS = (("cuDNN convolution", ("conv", "cudnn", "implicit_gemm", "dgrad", "wgrad", "fprop", "nhwc", "nchw")),
-                 ("cuBLAS matmul", ("gemm", "cutlass", "cublas")),
+# (cuDNN's and FlashAttention's attention kernels before convolutions: their names hold "cudnn" and "fprop" too;
+# nvjet_* are cuBLAS's Hopper GEMMs)
+_KERNEL_KINDS = (("attention (torch)", ("sdpa", "flash", "fmha", "attention")),
+                 ("cuDNN convolution", ("conv", "cudnn", "implicit_gemm", "dgrad", "wgrad", "fprop", "nhwc", "nchw")),
+                 ("cuBLAS matmul", ("gemm", "cutlass", "cublas", "nvjet")),
                  ("copies, fills and foreach (torch)", ("copy", "memcpy", "memset", "fill", "multi_tensor_apply")))
 
 

@@ -412,3 +412,32 @@ def test_the_attention_operators_of_torchs_gpu_kernels_with_dropout_hand_their_b
         grads = backward(eg, eq, ek, ev, mine[0], mine[1], mine[6], mine[7], None, None, None, length, length, p, True)
     out = torch.from_dlpack(mine[0])
     _dropped_attention_check(q, k, v, out, [torch.from_dlpack(g) for g in grads[:3]], grad, p)
+
+
+@pytest.mark.parametrize("where", ["cpu", "cuda"])
+@pytest.mark.parametrize("given", ["ember's", "torch's"])
+def test_max_poolings_backward_reads_where_the_forward_found_each_maximum(given, where, request):
+    """aten.max_pool2d_with_indices hands its backward, in the indices' place, the offset of each window's first
+    maximum (one byte): the backward reads the windows no more. Indices torch computed (int64 positions) still give
+    the gradient, derived from the input. Ties and padding as torch has them."""
+    from ember.frontends.aten_graph import lookup
+    from ember.ir import Op, toposort
+
+    if where == "cuda":
+        request.getfixturevalue("cuda_backend")
+    torch.manual_seed(0)
+    x = torch.randint(-3, 4, (2, 3, 9, 8)).float().requires_grad_(True)  # ties within windows
+    args = ([3, 3], [2, 2], [1, 1], [1, 1], False)
+    out, indices = torch.ops.aten.max_pool2d_with_indices(x, *args)
+    grad = torch.randn_like(out)
+    expected = torch.ops.aten.max_pool2d_with_indices_backward(grad, x.detach(), *args, indices)
+    ex, eg = (ember.from_dlpack(t.detach()).to(where) for t in (x, grad))
+    mine = lookup(torch.ops.aten.max_pool2d_with_indices.default)(ex, *args)
+    ember.realize(*mine)  # as the forward graph's outputs
+    assert mine[1].dtype is ember.uint8
+    handed = mine[1] if given == "ember's" else ember.from_dlpack(indices).to(where)
+    dx = lookup(torch.ops.aten.max_pool2d_with_indices_backward.default)(eg, ex, *args, handed)
+    maxima = [n for n in toposort([dx._node]) if n.op in (Op.MAX_POOL2D, Op.MAXIMUM)]
+    assert bool(maxima) == (given == "torch's")
+    np.testing.assert_array_equal(mine[0].numpy(), out.detach().numpy())
+    np.testing.assert_allclose(dx.numpy(), expected.numpy(), rtol=1e-6, atol=1e-6)

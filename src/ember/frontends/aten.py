@@ -6,9 +6,11 @@ graph of such operators by this table, building one lazy ember graph that the co
 with the same meaning, to a function of ember tensors and the node's Python arguments (dtypes and devices as torch
 names them). A backward operator torch keeps whole (a convolution's, max pooling's, attention's) is the
 vector-Jacobian product of ember's own forward op, taken by ember's autograd: each derivative keeps one home, the
-VJP rules of ember's ops. Its forward's auxiliary outputs (max pooling's indices, attention's log-sum-exp) are read
-by nothing else in the graphs torch makes; a graph that reads them elsewhere is refused at translation
-(`aten_graph.AtenGraph`), as is any operator the table lacks, all named in one error. The attention operators
+VJP rules of ember's ops. Its forward's auxiliary outputs (max pooling's indices, attention's log-sum-exp) are
+ember's own where ember computes them (where each window's maximum lies in it, one byte; the attention rows'
+log-sum-exp), so the backward reads them instead of computing the forward again, and are read by nothing else in
+the graphs torch makes; a graph that reads them elsewhere is refused at translation (`aten_graph.AtenGraph`), as
+is any operator the table lacks, all named in one error. The attention operators
 have a module of their own, `aten_attention`, whose entries join this table.
 """
 
@@ -23,7 +25,9 @@ import ember
 from ember import dtypes
 from ember.autograd import enable_grad
 from ember.device import as_device
+from ember.ir import Op
 from ember.nn import functional as F
+from ember.ops import pooling
 from ember.ops.index import checked, one_per_row, picked
 from ember.ops.movement import dilate_axis, pad_axis
 from ember.tensor import Tensor
@@ -326,15 +330,28 @@ def _spread(v, rank: int) -> tuple:
 
 
 def _max_pool_with_indices(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+    """The pooled values and, in the indices' place (read by the backward alone, see aten_graph), where each window's
+    first maximum lies in it, as ember's gradient reads it: one byte, not torch's int64 position in the input plane;
+    nothing where ember's pooling is no MAX_POOL2D node (3-d, dilated)."""
     rank = len(kernel_size)
     out = _MAX_POOLS[rank](x, tuple(kernel_size), tuple(stride) or None, _spread(padding, rank),
                            _spread(dilation, rank), ceil_mode)
+    if out._node.op is Op.MAX_POOL2D:
+        return out, pooling.max_pool2d_windows(x, out)
     return out, _NotComputed(f"the indices of aten.max_pool{rank}d_with_indices", out.shape)
 
 
 def _max_pool_with_indices_backward(grad, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
-    (dx,) = _vjp(lambda a: _max_pool_with_indices(a, kernel_size, stride, padding, dilation, ceil_mode)[0], [x],
-                 grad)
+    def forward(a):
+        return _MAX_POOLS[len(kernel_size)](a, tuple(kernel_size), tuple(stride) or None,
+                                            _spread(padding, len(kernel_size)), _spread(dilation, len(kernel_size)),
+                                            ceil_mode)
+
+    if isinstance(indices, Tensor) and indices.dtype is not dtypes.int64:  # the forward's windows (above)
+        node = forward(x)._node  # not computed: the attributes its gradient needs
+        if node.op is Op.MAX_POOL2D:
+            return pooling.max_pool2d_grad(grad, indices, x.shape, node.attrs)
+    (dx,) = _vjp(forward, [x], grad)
     return dx
 
 

@@ -176,26 +176,40 @@ def _max_pool2d_expansion(inputs, attrs):
         return first_maximum(_pool_windows(Tensor(inputs[0]), attrs), False)._node
 
 
-def _max_pool2d_vjp(g: Tensor, xs: list[Tensor], out: Tensor, attrs: dict) -> tuple:
-    x = xs[0].detach()
-    which = _first_window(_pool_windows(x, attrs), out.detach())
+def max_pool2d_windows(x: Tensor, out: Tensor) -> Tensor:
+    """For each output of the MAX_POOL2D node `out` over `x`, the offset in its window of its first maximum (one
+    byte): what its gradient reads (`max_pool2d_grad`), computed beside the forward where that saves the backward
+    reading every window again."""
+    return _first_window(_pool_windows(x.detach(), out._node.attrs), out.detach())
+
+
+def max_pool2d_grad(g: Tensor, which: Tensor, shape: tuple[int, ...], attrs: dict) -> Tensor:
+    """The gradient to a MAX_POOL2D node's input of `shape` (`attrs`: the node's), given the output gradient `g`
+    and the offsets `which` of the windows' first maxima (`max_pool2d_windows`)."""
     (kh, kw), (sh, sw), (ph, pw) = attrs["kernel"], attrs["stride"], attrs["padding"]
-    h, w = x.shape[-2:]
+    h, w = shape[-2:]
     total = None
     # in torch's order of the outputs adding into an element: the output rows, then columns, ascending
     outside = -kh * kw  # an offset past the kernel, along either axis: the sum below stays negative
     for th in reversed(range(-(-kh // sh))):
-        rows = _phase_offsets(h, kh, sh, ph, th, outside, x.device)
+        rows = _phase_offsets(h, kh, sh, ph, th, outside, g.device)
         for tw in reversed(range(-(-kw // sw))):
-            cols = _phase_offsets(w, kw, sw, pw, tw, outside, x.device)
+            cols = _phase_offsets(w, kw, sw, pw, tw, outside, g.device)
             # the kernel offset of each input element in the window it reads: negative where it lies outside
             offset = reshape(rows, (h, 1)) * kw + reshape(cols, (1, w))
-            spread_which = _repeat_windows(_repeat_windows(which, th, sh, ph, h, x.ndim - 2), tw, sw, pw, w,
-                                           x.ndim - 1)
-            spread_g = _repeat_windows(_repeat_windows(g, th, sh, ph, h, x.ndim - 2), tw, sw, pw, w, x.ndim - 1)
+            spread_which = _repeat_windows(_repeat_windows(which, th, sh, ph, h, len(shape) - 2), tw, sw, pw, w,
+                                           len(shape) - 1)
+            spread_g = _repeat_windows(_repeat_windows(g, th, sh, ph, h, len(shape) - 2), tw, sw, pw, w,
+                                       len(shape) - 1)
             term = where(spread_which == offset, spread_g, 0)
             total = term if total is None else total + term
-    return (total,)
+    return total
+
+
+def _max_pool2d_vjp(g: Tensor, xs: list[Tensor], out: Tensor, attrs: dict) -> tuple:
+    x = xs[0].detach()
+    which = _first_window(_pool_windows(x, attrs), out.detach())
+    return (max_pool2d_grad(g, which, x.shape, attrs),)
 
 
 def _phase_offsets(n: int, k: int, s: int, p: int, t: int, outside: int, device) -> Tensor:

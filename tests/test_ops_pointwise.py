@@ -504,3 +504,24 @@ def test_constants_keep_the_sign_of_zero_and_their_dtype_whatever_was_made_befor
     assert ember.full((1,), 1, dtype=ember.bool).tolist() == [True]
     assert ember.full((1,), 3.3, dtype=ember.bfloat16).item() == float(np.float32(3.296875))
     assert ember.full((1,), 3.3, dtype=ember.float16).item() == float(np.float16(3.3))
+
+
+@pytest.mark.parametrize("exponent", [2.0, 3.0, 2, 3])
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+def test_squares_and_cubes_are_torchs_on_every_special_value(dtype, exponent, rng, device):
+    """x ** 2 and x ** 3 are products in the kernels, as torch computes those powers: torch's values exactly, signed
+    zeros, infinities, NaN and overflow included (the reference's pow rounds once: to the unit in the last place),
+    and no general power's logarithm and exponential in the kernel."""
+    special = [-3.5, -0.0, 0.0, 1e-20, -1e13, 7e12, np.inf, -np.inf, np.nan, 1.5, -1.1, 2.0 ** 60]
+    x = np.concatenate([np.array(special), rng.standard_normal(40) * 4]).astype(np.float32)
+    want = torch.tensor(x).to(getattr(torch, dtype)) ** exponent
+    got = ember.tensor(x).to(dtype) ** exponent
+    assert got.dtype.name == dtype
+    if device == "cuda":
+        (source,) = ember.explain.plan(got).sources.values()
+        assert "pow" not in source.text.split("@triton.jit")[-1], source.text
+    # (bfloat16 to its unit: torch's cpu rounds the square to bfloat16 before it multiplies again, its GPU and ember
+    # compute the product in float32 and round once)
+    ulp = 2 ** -7 if dtype == "bfloat16" else 0 if device == "cuda" else 2 ** -22
+    assert_same(got, want, rtol=ulp, atol=0, what=f"x ** {exponent}")
+    np.testing.assert_array_equal(np.signbit(got.float().numpy()), np.signbit(want.float().numpy()))

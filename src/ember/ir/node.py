@@ -98,9 +98,10 @@ class Node:
         return f"Node({self.op.label}, shape={self.shape}, dtype={self.dtype.name}, device={self.device})"
 
 
-# Float constants with these values are part of a plan's structure (and may be simplified away); every other
-# float constant is a runtime argument, so a changing learning rate does not compile a new plan.
-STRUCTURAL_FLOATS = frozenset({0.0, 1.0, -1.0, 2.0, 0.5})
+# Float constants with these values are part of a plan's structure (and may be simplified away; a power of 2 or 3
+# is products); every other float constant is a runtime argument, so a changing learning rate does not compile a
+# new plan.
+STRUCTURAL_FLOATS = frozenset({0.0, 1.0, -1.0, 2.0, 0.5, 3.0})
 
 
 def is_runtime_scalar(node: Node) -> bool:

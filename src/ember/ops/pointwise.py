@@ -681,7 +681,21 @@ _define_binary(Op.DIV, lambda g, xs, out, a: (g / xs[1], -g * out / xs[1]), _np_
 _define_binary(Op.FLOORDIV, _zero_grad, _np_checked(np.floor_divide), _triton_library("floordiv"))
 _define_binary(Op.MOD, lambda g, xs, out, a: (g, -g * (xs[0] // xs[1])), _np_checked(np.remainder),
                _triton_library("remainder"))
-_define_binary(Op.POW, _pow_vjp, np.power, _triton_library("pow"))
+def _triton_pow(t) -> str:
+    """x ** y. A float squared or cubed by a literal exponent is products, as torch computes those powers (its
+    pow kernels special-case them): exact for every special value, and a few registers, where the general power's
+    logarithm, exponential, reciprocal and selections held beside a GEMM's accumulator tile spill."""
+    if t.floating and t.x.isidentifier():
+        try:
+            exponent = float(t.y)
+        except ValueError:
+            exponent = None
+        if exponent in (2.0, 3.0):
+            return " * ".join([t.x] * int(exponent))
+    return _triton_library("pow")(t)
+
+
+_define_binary(Op.POW, _pow_vjp, np.power, _triton_pow)
 _define_binary(Op.MAXIMUM, _extremum_vjp(greater=True), np.maximum, _triton_extremum("tl.maximum"))
 _define_binary(Op.MINIMUM, _extremum_vjp(greater=False), np.minimum, _triton_extremum("tl.minimum"))
 for _op, _np_fn, _symbol in ((Op.EQ, np.equal, "=="), (Op.NE, np.not_equal, "!="), (Op.LT, np.less, "<"),

@@ -114,7 +114,7 @@ def _compile(gm, example_inputs, on_cuda: bool = False):
     static = _static(gm.graph)
 
     def run(args: list) -> list:
-        written = [args[p].detach() for p in writes]
+        written = [args[p] for p in writes]
         numbers = {p: args[p] for p in handed.arguments}
         addresses = fixed | {a.data_ptr() for a in args if isinstance(a, torch.Tensor)}
         key = None if static else tuple([a.shape if isinstance(a, torch.Tensor) else a for a in args])
@@ -437,15 +437,19 @@ def _finish(outputs: list, plan: _Outputs, addresses: set[int], written: list, n
         results[base] = value.new_empty_strided(shape, strides).copy_(value)
     for i, base, ops in plan.views:
         view = results[base]
-        for target, args, kwargs in _resolved(ops, numbers):
+        # (sizes from the graph's inputs only under dynamic shapes: else the recorded arguments are the numbers)
+        for target, args, kwargs in _resolved(ops, numbers) if plan.arguments else ops:
             view = target(view, *args, **kwargs)
         results[i] = view
     del results[plan.count:]  # the values viewed that the graph does not return
     if written:
+        import torch
+
         # a new value on an input's memory (an input swapped with another, or kept while another is written) is
         # read before any input is written
         values = [v.clone() if _on_inputs(v, addresses) else v for v in outputs[kept:]]
-        copy_tensors(written, values)
+        with torch.no_grad():  # into the inputs as they are (parameters among them), not detached views of each
+            copy_tensors(written, values)
     return results
 
 

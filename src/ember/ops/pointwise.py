@@ -681,6 +681,8 @@ _define_binary(Op.DIV, lambda g, xs, out, a: (g / xs[1], -g * out / xs[1]), _np_
 _define_binary(Op.FLOORDIV, _zero_grad, _np_checked(np.floor_divide), _triton_library("floordiv"))
 _define_binary(Op.MOD, lambda g, xs, out, a: (g, -g * (xs[0] // xs[1])), _np_checked(np.remainder),
                _triton_library("remainder"))
+
+
 def _triton_pow(t) -> str:
     """x ** y. A float squared or cubed by a literal exponent is products, as torch computes those powers (its
     pow kernels special-case them): exact for every special value, and a few registers, where the general power's

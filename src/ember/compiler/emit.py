@@ -262,7 +262,8 @@ class Emitter:
         for term in reversed(terms):
             out = add(out, term)
         # a reshape that flattens and one that unflattens back (around a gather) then cost no divisions; the
-        # positions are in range wherever the kernel's mask holds (a gather clamps its index)
+        # positions are in range wherever the mask of the index holds (a gather clamps its index; beneath a pad,
+        # only the pad's own mask keeps them in range: they are not clamped, see pad())
         self.unravelled.setdefault((out, shape), tuple(ZERO if s == 1 else d for d, s in zip(idx.dims, shape)))
         return out
 

@@ -684,9 +684,10 @@ _define_binary(Op.MOD, lambda g, xs, out, a: (g, -g * (xs[0] // xs[1])), _np_che
 
 
 def _triton_pow(t) -> str:
-    """x ** y. A float squared or cubed by a literal exponent is products, as torch computes those powers (its
-    pow kernels special-case them): exact for every special value, and a few registers, where the general power's
-    logarithm, exponential, reciprocal and selections held beside a GEMM's accumulator tile spill."""
+    """x ** y. A float squared or cubed by a literal exponent is products, as torch's pow kernels special-case
+    those powers (a half type's product is taken in float32 and rounded once, where torch rounds each step):
+    right for every special value, and a few registers, where the general power's logarithm, exponential,
+    reciprocal and selections held beside a GEMM's accumulator tile spill."""
     if t.floating and t.x.isidentifier():
         try:
             exponent = float(t.y)

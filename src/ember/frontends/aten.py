@@ -329,23 +329,25 @@ def _spread(v, rank: int) -> tuple:
     return v * rank if len(v) == 1 else v
 
 
+def _max_pool(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+    rank = len(kernel_size)
+    return _MAX_POOLS[rank](x, tuple(kernel_size), tuple(stride) or None, _spread(padding, rank),
+                            _spread(dilation, rank), ceil_mode)
+
+
 def _max_pool_with_indices(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
     """The pooled values and, in the indices' place (read by the backward alone, see aten_graph), where each window's
     first maximum lies in it, as ember's gradient reads it: one byte, not torch's int64 position in the input plane;
     nothing where ember's pooling is no MAX_POOL2D node (3-d, dilated)."""
-    rank = len(kernel_size)
-    out = _MAX_POOLS[rank](x, tuple(kernel_size), tuple(stride) or None, _spread(padding, rank),
-                           _spread(dilation, rank), ceil_mode)
+    out = _max_pool(x, kernel_size, stride, padding, dilation, ceil_mode)
     if out._node.op is Op.MAX_POOL2D:
         return out, pooling.max_pool2d_windows(x, out)
-    return out, _NotComputed(f"the indices of aten.max_pool{rank}d_with_indices", out.shape)
+    return out, _NotComputed(f"the indices of aten.max_pool{len(kernel_size)}d_with_indices", out.shape)
 
 
 def _max_pool_with_indices_backward(grad, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
     def forward(a):
-        return _MAX_POOLS[len(kernel_size)](a, tuple(kernel_size), tuple(stride) or None,
-                                            _spread(padding, len(kernel_size)), _spread(dilation, len(kernel_size)),
-                                            ceil_mode)
+        return _max_pool(a, kernel_size, stride, padding, dilation, ceil_mode)
 
     if isinstance(indices, Tensor) and indices.dtype is not dtypes.int64:  # the forward's windows (above)
         node = forward(x)._node  # not computed: the attributes its gradient needs

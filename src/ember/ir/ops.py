@@ -11,7 +11,7 @@ implementation, its lowering per code generator and, for a reduction, its identi
 here, at the bottom of the pipeline, so every layer reads it without importing the layers above:
 `infer` its shape rules, autograd its VJPs, the reference backend its NumPy implementations, a code
 generator its lowerings. The rules are declared side by side with the primitive's user-facing ops,
-one `define` per primitive in the op-family module (`ember/ops/pointwise.py`, `reduce.py`, `movement.py`,
+one `define` per primitive in the op-family module (`ember/ops/pointwise_rules.py`, `reduce.py`, `movement.py`,
 `contraction.py`, `index.py`, `sorting.py`, `creation.py`, `random.py`, and `ember/placement.py` for COPY),
 which fill the table when ember is imported, as JAX's lax.py registers each primitive's rules.
 tests/test_primitives.py checks that every primitive declares every rule.

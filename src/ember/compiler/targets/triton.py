@@ -2,7 +2,7 @@
 
 Each function of the kernel IR becomes a `@triton.jit` function; each statement one line with a
 named variable; a primitive's computation is its own Triton lowering, declared with the primitive
-(`RULES[op].lowerings["triton"]`, ember/ops/pointwise.py). The file starts with a header comment
+(`RULES[op].lowerings["triton"]`, ember/ops/pointwise_rules.py). The file starts with a header comment
 naming the graph nodes the kernel covers, and is named after a digest of its text, so equal kernels
 share one compiled file.
 """
@@ -241,7 +241,7 @@ class Renderer:
         raise CompileError(f"the Triton renderer has no form for {fn}")
 
     def prim(self, p: Prim) -> str:
-        """A primitive, by its Triton lowering (declared with the primitive, ember/ops/pointwise.py)."""
+        """A primitive, by its Triton lowering (declared with the primitive, ember/ops/pointwise_rules.py)."""
         lowering = RULES[p.op].lowerings.get("triton")
         if lowering is None:
             raise CompileError(f"no Triton lowering for {p.op.label}")

@@ -1,6 +1,8 @@
 """Imported-model benchmark: models people already have, trained by torch eager, torch.compile (Inductor), torch.compile
 with backend="ember", and ember.jit on the from_torch import, with step time and first-step time. The CNN rows also
-run torch eager in channels-last memory and torch.compile's max-autotune mode (without CUDA graphs).
+run torch eager in channels-last memory, torch.compile's max-autotune mode (without CUDA graphs) and the ember
+backend with its convolutions' activations channels-last (ember.set_conv_memory_format); every row runs
+torch.compile's reduce-overhead mode (Inductor's kernels replayed as CUDA graphs) too.
 
 Rows:
  resnet50         torchvision's ResNet-50, 224x224 x 64, bfloat16, SGD momentum 0.9
@@ -26,6 +28,7 @@ torch kernels) from torch.profiler, and for the ember backend whether each of it
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import statistics
 import sys
@@ -39,11 +42,13 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-VARIANTS = ("torch eager", "torch eager channels-last", "torch.compile", "torch.compile max-autotune",
-            "torch.compile backend=ember", "ember.jit from_torch")
+VARIANTS = ("torch eager", "torch eager channels-last", "torch.compile", "torch.compile reduce-overhead",
+            "torch.compile max-autotune", "torch.compile backend=ember", "torch.compile backend=ember channels-last",
+            "ember.jit from_torch")
 CNNS = ("resnet50", "mobilenet_v3", "efficientnet_b0")
 ROWS = (*CNNS, "gpt2")
-CNN_ONLY = ("torch eager channels-last", "torch.compile max-autotune")  # the CNN rows' other torch variants
+# the CNN rows' other variants ("backend=ember channels-last": ember.set_conv_memory_format("channels_last"))
+CNN_ONLY = ("torch eager channels-last", "torch.compile max-autotune", "torch.compile backend=ember channels-last")
 CHECK_STEPS = 3
 LOSS_TOL = 5e-2  # relative, bfloat16
 
@@ -162,27 +167,43 @@ def variant_line(row: str, variant: str, base, x, y, optimizer, args) -> dict:
 
     model = copy.deepcopy(base)
     inductor = "eager" if args.cpu_smoke else "inductor"
-    backend = {"torch eager": None, "torch eager channels-last": None, "torch.compile": inductor,
-               "torch.compile max-autotune": inductor, "torch.compile backend=ember": "ember"}.get(variant)
+    backend = "ember" if variant.startswith("torch.compile backend=ember") else {
+        "torch eager": None, "torch eager channels-last": None, "torch.compile": inductor,
+        "torch.compile reduce-overhead": inductor, "torch.compile max-autotune": inductor}.get(variant)
     # max-autotune without its CUDA graphs: a replay overwrites the momenta the next step's optimizer reads
-    mode = "max-autotune-no-cudagraphs" if variant.endswith("max-autotune") and not args.cpu_smoke else None
-    if variant.startswith("ember"):
-        step = guarded(f"{row} {variant} (setup)", lambda: ember_step(model, optimizer, x, y, args.cpu_smoke))
-    else:
-        step = guarded(f"{row} {variant} (setup)", lambda: torch_step(model, optimizer, backend, mode,
-                                                                      variant.endswith("channels-last")))
-    result = guarded(f"{row} {variant}", lambda: measure(step, x, y, args.cpu_smoke, args.reps)) if step else None
-    line = {"row": row, "variant": variant, **(result or {})}
-    if result and args.breakdown and not args.cpu_smoke:
-        from common import step_breakdown
+    mode = {"torch.compile max-autotune": "max-autotune-no-cudagraphs",
+            "torch.compile reduce-overhead": "reduce-overhead"}.get(variant) if not args.cpu_smoke else None
+    with conv_memory_format("channels_last" if backend == "ember" and variant.endswith("channels-last") else None):
+        if variant.startswith("ember"):
+            step = guarded(f"{row} {variant} (setup)", lambda: ember_step(model, optimizer, x, y, args.cpu_smoke))
+        else:
+            step = guarded(f"{row} {variant} (setup)", lambda: torch_step(
+                model, optimizer, backend, mode, backend is None and variant.endswith("channels-last")))
+        result = guarded(f"{row} {variant}", lambda: measure(step, x, y, args.cpu_smoke, args.reps)) if step else None
+        line = {"row": row, "variant": variant, **(result or {})}
+        if result and args.breakdown and not args.cpu_smoke:
+            from common import step_breakdown
 
-        line["breakdown"] = guarded(f"{row} {variant} (breakdown)", lambda: step_breakdown(lambda: step(x, y),
-                                                                                            args.reps))
-        if backend == "ember":
-            from ember.frontends import dynamo
+            line["breakdown"] = guarded(f"{row} {variant} (breakdown)", lambda: step_breakdown(lambda: step(x, y),
+                                                                                                args.reps))
+            if backend == "ember":
+                from ember.frontends import dynamo
 
-            line["replays"] = dynamo.replay_report()
+                line["replays"] = dynamo.replay_report()
     return line
+
+
+@contextlib.contextmanager
+def conv_memory_format(memory_format: str | None):
+    """ember's layout of half-precision convolutions' activations inside the block (None: as it is)."""
+    import ember
+
+    before = ember.get_conv_memory_format()
+    ember.set_conv_memory_format(memory_format or before)
+    try:
+        yield
+    finally:
+        ember.set_conv_memory_format(before)
 
 
 def breakdown_notes(lines: list[dict]) -> list[str]:

@@ -32,13 +32,13 @@ def block():
                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10)).to(DEVICE)
 
 
-def batch(seed: int):
+def batch(seed: int, dtype=None):
     generator = torch.Generator().manual_seed(seed)
-    return (torch.randn(4, 3, 8, 8, generator=generator).to(DEVICE),
+    return (torch.randn(4, 3, 8, 8, generator=generator).to(DEVICE, dtype),
             torch.randint(0, 10, (4,), generator=generator).to(DEVICE))
 
 
-def train(model, compiled: bool, steps: int = 4, during_last=None) -> tuple[list[float], dict]:
+def train(model, compiled: bool, steps: int = 4, during_last=None, dtype=None) -> tuple[list[float], dict]:
     """Losses and final state of SGD steps with momentum, the whole step compiled by ember (`compiled`); the last
     step runs inside the context `during_last` gives, if any."""
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -50,10 +50,11 @@ def train(model, compiled: bool, steps: int = 4, during_last=None) -> tuple[list
         opt.step()
         return loss
     run = torch.compile(step, backend="ember", options=OPTIONS) if compiled else step
-    losses = [run(*batch(i)).item() for i in range(steps - 1)]
+    losses = [run(*batch(i, dtype)).item() for i in range(steps - 1)]
     with during_last() if during_last else contextlib.nullcontext():
-        losses.append(run(*batch(steps - 1)).item())
-    return losses, {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+        losses.append(run(*batch(steps - 1, dtype)).item())
+    return losses, {k: (v.float() if v.is_floating_point() else v).detach().cpu().numpy()
+                    for k, v in model.state_dict().items()}
 
 
 @contextlib.contextmanager
@@ -305,6 +306,44 @@ def test_values_torch_keeps_channels_last_cross_the_boundary_in_that_layout_and_
         (want * want).sum().backward()
         np.testing.assert_allclose(mine.grad.cpu().numpy(), theirs.grad.cpu().numpy(), rtol=1e-4, atol=1e-4)
     assert not any(copied)
+
+
+def test_activations_saved_for_the_backward_cross_channels_last_where_embers_convolutions_run_so(monkeypatch):
+    """With ember.set_conv_memory_format("channels_last"), a half-precision training step's forward hands the
+    activations it saves to the backward as channels-last tensors (the memory ember computed them in), AOTAutograd
+    traces the backward on those strides, and the backward reads them as they lie; the step's values are those of
+    the contiguous layout's, and torch's."""
+    saved, copied = [], []
+    finish, as_buffer = ember.frontends.dynamo._finish, ember.frontends.dynamo._as_buffer
+
+    def spy(outputs, plan, addresses, *rest):  # the 4-d values a graph computes (not its inputs): channels-last?
+        results = finish(outputs, plan, addresses, *rest)
+        saved.append([t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
+                      for t in results if isinstance(t, torch.Tensor) and t.dim() == 4
+                      and t.dtype.is_floating_point and t.data_ptr() not in addresses])
+        return results
+    monkeypatch.setattr(ember.frontends.dynamo, "_finish", spy)
+    monkeypatch.setattr(ember.frontends.dynamo, "_as_buffer", lambda t: (
+        copied.append((tuple(t.shape), t.stride(), t.dtype)) if not t.is_contiguous() else None) or as_buffer(t))
+    net = block().to(torch.bfloat16)
+    expected_losses, expected_state = train(copy.deepcopy(net), compiled=False, steps=3, dtype=torch.bfloat16)
+    contiguous_losses, _ = train(copy.deepcopy(net), compiled=True, steps=3, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    saved.clear()
+    before = ember.get_conv_memory_format()
+    ember.set_conv_memory_format("channels_last")
+    try:
+        losses, state = train(net, compiled=True, steps=3, dtype=torch.bfloat16)
+    finally:
+        ember.set_conv_memory_format(before)
+    # each forward call's: every activation it saves (the backward's 4-d values are the weights' gradients)
+    forward = [outputs for outputs in saved if any(outputs)]
+    assert len(forward) == 3 and all(len(outputs) >= 2 and all(outputs) for outputs in forward), saved
+    assert not copied  # no input of a replayed graph needs a copy
+    np.testing.assert_allclose(losses, contiguous_losses, rtol=2e-2)
+    np.testing.assert_allclose(losses, expected_losses, rtol=2e-2)
+    for name, value in expected_state.items():
+        np.testing.assert_allclose(state[name], value, rtol=5e-2, atol=5e-2, err_msg=name)
 
 
 @pytest.mark.parametrize("options", [None, OPTIONS], ids=["cpu", "cuda"])

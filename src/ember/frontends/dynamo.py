@@ -34,7 +34,7 @@ import math
 import weakref
 from typing import NamedTuple
 
-from ember.device import Device, as_device
+from ember.device import Device, as_device, channels_last, get_conv_memory_format
 from ember.frontends.aten import _NotComputed
 from ember.frontends.aten_graph import AtenGraph, auxiliary
 from ember.jit import jit
@@ -86,12 +86,15 @@ def _compile(gm, example_inputs, on_cuda: bool = False):
     """A boxed callable running the ATen graph `gm` on ember (AOTAutograd passes the inputs as one list)."""
     import torch
 
+    torch_device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    device = _ember_device(torch_device, on_cuda)
+    _restride_placeholders(gm.graph, example_inputs)
+    if device is not None and get_conv_memory_format() == channels_last:
+        _save_channels_last(gm.graph)
     handed = _fresh_outputs(gm.graph)
     writes = _written_inputs(gm.graph)
     ordered = _in_memory_order(gm.graph, handed)
     graph = AtenGraph(gm.graph, "graph torch.compile captured")
-    torch_device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
-    device = _ember_device(torch_device, on_cuda)
     to_ember = functools.partial(_to_ember, device=device)
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -384,6 +387,67 @@ def _in_memory_order(graph, plan: _Outputs) -> dict[int, list[int]]:
                 plan.layouts.pop(p, None)
         output.args = (type(output.args[0])(nodes),)
     return inputs
+
+
+def _restride_placeholders(graph, example_inputs) -> None:
+    """The graph's inputs laid out as the examples it is compiled for are: AOTAutograd traces a backward graph on
+    the strides the forward's compiler reported for the values it saves (`_save_channels_last`) but passes them in
+    the examples only, not in the graph's own metadata."""
+    import torch
+
+    for node, example in zip([n for n in graph.nodes if n.op == "placeholder"], example_inputs):
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor) or not isinstance(example, torch.Tensor):
+            continue
+        shape, strides = _example(value.shape), _example(example.stride())
+        if shape is not None and strides is not None and shape == _example(example.shape) \
+                and strides != _example(value.stride()):
+            node.meta["val"] = value.as_strided(value.shape, strides)
+
+
+def _save_channels_last(graph) -> None:
+    """In a forward graph whose convolutions ember runs on channels-last memory (ember.set_conv_memory_format), the
+    activations saved for the backward cross to it as they lie: each such output (4-d, half-precision or boolean,
+    computed by the graph, returned nowhere else) is made a channels-last tensor of torch's, and its strides are
+    reported to AOTAutograd (TracingContext.output_strides, as Inductor reports its layouts), which traces the
+    backward graph on them; `_in_memory_order` then writes and reads that memory with no transposition. Without
+    this, ember would transpose every saved activation to torch's contiguous layout at the forward's end and back
+    at the backward's start."""
+    import torch
+    from torch._guards import TracingContext
+
+    context = TracingContext.try_get()
+    reported = getattr(context, "output_strides", None)
+    try:  # (an inference graph's metadata counts no saved values)
+        saved = context.fw_metadata.tensors_saved_for_backwards_slice
+    except (AttributeError, AssertionError):
+        saved = None
+    convolution = torch.ops.aten.convolution.default
+    if reported is None or saved is None or not any(n.target is convolution for n in graph.nodes):
+        return  # not a forward graph AOTAutograd compiles for a backward, or one with no convolution
+    output = next(n for n in graph.nodes if n.op == "output")
+    nodes = list(output.args[0])
+    kept = set(range(len(nodes))[saved])
+    positions = collections.defaultdict(set)
+    for p, node in enumerate(nodes):
+        positions[node].add(p)
+    strides: list = [None] * len(nodes)
+    for p in sorted(kept):
+        node = nodes[p]
+        value = getattr(node, "meta", {}).get("val")
+        if (not isinstance(value, torch.Tensor) or value.dim() != 4 or not positions[node] <= kept
+                or node.op != "call_function" or getattr(node.target, "is_view", False) or auxiliary(node)
+                or value.dtype not in (torch.float16, torch.bfloat16, torch.bool)):
+            continue
+        shape, given = _example(value.shape), _example(value.stride())
+        if shape is None or given is None or not _dense(shape, given):
+            continue
+        n, c, h, w = shape
+        layout = (h * w * c, 1, w * c, c)
+        node.meta["val"] = value.as_strided(value.shape, layout)
+        for q in positions[node]:
+            strides[q] = layout
+    reported.extend(strides)
 
 
 def _memory_order(value) -> list[int] | None:

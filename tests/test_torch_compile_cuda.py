@@ -316,11 +316,10 @@ def test_activations_saved_for_the_backward_cross_channels_last_where_embers_con
     saved, copied = [], []
     finish, as_buffer = ember.frontends.dynamo._finish, ember.frontends.dynamo._as_buffer
 
-    def spy(outputs, plan, addresses, *rest):  # the 4-d values a graph computes (not its inputs): channels-last?
-        results = finish(outputs, plan, addresses, *rest)
+    def spy(*args):  # per call, whether each activation a graph returns (4 x 8 x 8 x 8) is channels-last
+        results = finish(*args)
         saved.append([t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
-                      for t in results if isinstance(t, torch.Tensor) and t.dim() == 4
-                      and t.dtype.is_floating_point and t.data_ptr() not in addresses])
+                      for t in results if isinstance(t, torch.Tensor) and t.shape == (4, 8, 8, 8)])
         return results
     monkeypatch.setattr(ember.frontends.dynamo, "_finish", spy)
     monkeypatch.setattr(ember.frontends.dynamo, "_as_buffer", lambda t: (
@@ -336,8 +335,7 @@ def test_activations_saved_for_the_backward_cross_channels_last_where_embers_con
         losses, state = train(net, compiled=True, steps=3, dtype=torch.bfloat16)
     finally:
         ember.set_conv_memory_format(before)
-    # each forward call's: every activation it saves (the backward's 4-d values are the weights' gradients)
-    forward = [outputs for outputs in saved if any(outputs)]
+    forward = [outputs for outputs in saved if outputs]  # (the backward returns the weights' gradients)
     assert len(forward) == 3 and all(len(outputs) >= 2 and all(outputs) for outputs in forward), saved
     assert not copied  # no input of a replayed graph needs a copy
     np.testing.assert_allclose(losses, contiguous_losses, rtol=2e-2)

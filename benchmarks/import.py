@@ -100,6 +100,8 @@ def torch_step(model, optimizer, backend: str | None, mode: str | None = None, c
     if channels_last:
         model.to(memory_format=torch.channels_last)
     opt = optimizer[0](model.parameters(), **optimizer[1])
+    if mode == "reduce-overhead":
+        state_before_graphs(opt)
 
     def step(x, y):
         out = logits(model(x))
@@ -113,6 +115,22 @@ def torch_step(model, optimizer, backend: str | None, mode: str | None = None, c
     if not channels_last:
         return step
     return lambda x, y: step(x.contiguous(memory_format=torch.channels_last), y)
+
+
+def state_before_graphs(opt) -> None:
+    """The optimizer's state made before the step is compiled, holding the values its first step would make: under
+    reduce-overhead, state made inside the step is output memory of a CUDA graph, which the next replay overwrites
+    (torch refuses to read it). SGD's momentum starts at zero (its first step then leaves the gradient, as a clone
+    of it would), Adam's and AdamW's moments at zero, their step counts on the device (capturable, as CUDA graphs
+    need)."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if isinstance(opt, torch.optim.SGD) and group["momentum"]:
+                opt.state[p]["momentum_buffer"] = torch.zeros_like(p)
+            elif isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+                group["capturable"] = True
+                opt.state[p].update(step=torch.zeros((), dtype=torch.float32, device=p.device),
+                                    exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
 
 
 def ember_step(model, optimizer, x, y, smoke: bool):

@@ -308,6 +308,50 @@ def test_convolutions_in_either_memory_format_train_as_the_reference(rng, memory
         np.testing.assert_allclose(fused.float().numpy(), reference.float().numpy(), rtol=2e-2, atol=1e-3)
 
 
+class _Stem(ember.nn.Module):
+    """A ResNet's stem in miniature: convolution, batch norm, ReLU, a 3x3 max-pooling of stride 2, then one more
+    convolution, pooled and classified."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        nn, kw = ember.nn, dict(dtype=dtype)
+        self.conv1, self.bn1 = nn.Conv2d(3, 8, 3, 1, 1, bias=False, **kw), nn.BatchNorm2d(8, **kw)
+        self.conv2, self.bn2 = nn.Conv2d(8, 8, 3, 1, 1, bias=False, **kw), nn.BatchNorm2d(8, **kw)
+        self.head = nn.Linear(8, 5, **kw)
+
+    def forward(self, x):
+        F = ember.nn.functional
+        h = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 3, 2, 1)
+        h = F.relu(self.bn2(self.conv2(h)))
+        return self.head(F.adaptive_avg_pool2d(h, 1).flatten(1))
+
+
+def test_a_max_pooling_between_channels_last_convolutions_runs_on_their_memory_forward_and_backward(rng):
+    """The max-pooling's windows (pads and strided slices) and its gradient (the output gradient repeated by
+    stride phase: pads, reshapes, broadcasts, slices) sink through the channels-last layout as pointwise ops do:
+    no kernel reads a value transposed but the convolutions their input."""
+    before = ember.get_conv_memory_format()
+    ember.set_conv_memory_format("channels_last")
+    try:
+        ember.manual_seed(0)
+        net = _Stem(ember.bfloat16)
+        images, labels = rng.standard_normal((4, 3, 10, 10)).astype(np.float32), np.array([0, 1, 2, 4])
+        results = {}
+        for device in ("cuda", "cpu"):
+            net.to(device)
+            x = ember.tensor(images, device=device).to(ember.bfloat16)
+            loss = ember.nn.functional.cross_entropy(net(x).float(), ember.tensor(labels, device=device))
+            results[device] = (loss, *ember.grad(loss, list(net.parameters())))
+        p = plan(*results["cuda"])
+    finally:
+        ember.set_conv_memory_format(before)
+    permutes = {id(n) for n in p.lowered.nodes if n.op is ember.ir.Op.PERMUTE and len(n.shape) >= 4}
+    readers = [n for n in p.lowered.nodes if any(id(i) in permutes for i in n.inputs)]
+    assert readers and all(n.op.name.startswith("CONV2D") for n in readers), [n.op for n in readers]
+    for fused, reference in zip(*results.values()):
+        np.testing.assert_allclose(fused.float().numpy(), reference.float().numpy(), rtol=2e-2, atol=2e-3)
+
+
 def test_reductions_over_leading_and_middle_axes(rng):
     x, xc = pair(rng, 6, 7, 8)
     for dims in ((0,), (1,), (0, 2), (0, 1, 2)):

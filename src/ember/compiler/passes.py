@@ -8,7 +8,7 @@ Dead code never enters, because only nodes the outputs need are copied. It also
 stages reductions the GPU would run on too few programs or with gathered reads
 (split, nested and merged reductions), and, under the compile context's
 channels_last memory format, lays half-precision convolutions and the ops between
-them out on (N, H, W, C) memory.
+them out on (N, H, W, C) memory (compiler/layout.py).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ember import dtypes
+from ember.compiler.layout import CONVOLUTIONS, SPLIT_REDUCTIONS, ChannelsLast, shaped_like
 from ember.compiler.patterns.gemm import gemm_splits  # the GEMM pattern's own decision (_summed_by_gemms)
 from ember.compiler.patterns.rows import column_parts, column_rows_together  # the row pattern's column split
 from ember.compiler.signatures import Signature
@@ -211,7 +212,7 @@ def _swaps_last_two(order: tuple[int, ...]) -> bool:
 
 
 
-class _Builder:
+class _Builder(ChannelsLast):
     """Creates lowered nodes, applying CSE, folding and simplification on the way."""
 
     def __init__(self):
@@ -313,74 +314,6 @@ class _Builder:
             return self._split_reduction(op, ins[0], attrs, original)
         return None
 
-    # -- channels-last -----------------------------------------------------------------------------
-    # cuDNN's half-precision convolutions run on (N, H, W, C) memory; given (N, C, H, W) they transpose
-    # their operands and results around every call. So a convolution in float16 or bfloat16 runs
-    # channels-last (the primitive's channels_last attribute) between two permutes, and the permute back to
-    # (N, C, H, W) sinks through what follows (pointwise ops, broadcasts, reductions) until the next
-    # convolution's permute to (N, H, W, C) cancels it: batch norms, activations and residual adds between
-    # convolutions run on channels-last memory, and nothing is transposed between them.
-
-    def _channels_last(self, op: Op, ins: tuple[Node, ...], attrs: dict, original: Node) -> Node | None:
-        if not self.laying_out:
-            return None
-        if op in CONVOLUTIONS:
-            asked = self.channels_last or attrs.get("memory_format") == "channels_last"
-            if not asked or attrs.get("channels_last") or original.dtype not in (dtypes.float16, dtypes.bfloat16):
-                return None
-            laid_out = {key: v for key, v in attrs.items() if key != "memory_format"} | {"channels_last": True}
-            if op is Op.CONV2D_WEIGHT_GRAD:  # both operands are activations; the result is a weight
-                return self.make(op, tuple(self._permuted(i, TO_NHWC) for i in ins), laid_out, original)
-            out = self.make(op, (self._permuted(ins[0], TO_NHWC), *ins[1:]), laid_out,
-                            _like(original, _nhwc(original.shape)))
-            return self._permuted(out, TO_NCHW, original)
-        if op is Op.PERMUTE and attrs["order"] in (TO_NCHW, TO_NHWC) and _keeps_order(ins[0].shape, attrs["order"]):
-            return self.make(Op.RESHAPE, ins, {"shape": original.shape}, original)  # moves only axes of size 1
-        if len(original.shape) != 4 or not any(_is_to_nchw(i) for i in ins):
-            return None
-        inner_like = _like(original, _nhwc(original.shape))
-        if op.kind in (Kind.UNARY, Kind.BINARY, Kind.TERNARY):
-            inner = [self._to_nhwc(i) for i in ins]
-            if any(i is None for i in inner):
-                return None  # an operand would be read transposed: leave the permute where it is
-            return self._permuted(self.make(op, tuple(inner), attrs, inner_like), TO_NCHW, original)
-        if op is Op.EXPAND:
-            spread = self.make(op, (ins[0].inputs[0],), {"shape": _nhwc(attrs["shape"])}, inner_like)
-            return self._permuted(spread, TO_NCHW, original)
-        if op in SPLIT_REDUCTIONS:
-            axes = tuple(sorted(TO_NCHW[a] for a in attrs["axes"]))
-            return self._permuted(self.make(op, (ins[0].inputs[0],), {**attrs, "axes": axes}, inner_like),
-                                  TO_NCHW, original)
-        return None
-
-    def _permuted(self, x: Node, order: tuple[int, ...], original: Node | None = None) -> Node:
-        shape = tuple(x.shape[i] for i in order)
-        return self.make(Op.PERMUTE, (x,), {"order": order}, original or _like(x, shape))
-
-    def _to_nhwc(self, x: Node) -> Node | None:
-        """x (N, C, H, W) as an (N, H, W, C) node, if that costs no transposition: x is a permute from
-        (N, H, W, C), a constant, a broadcast of values whose axes longer than 1 stay in order, or a
-        pointwise op of such nodes (made again on the permuted ones)."""
-        if id(x) not in self.in_nhwc:
-            self.in_nhwc[id(x)] = self._relayout(x)
-        return self.in_nhwc[id(x)]
-
-    def _relayout(self, x: Node) -> Node | None:
-        shape = _nhwc(x.shape)
-        if _is_to_nchw(x):
-            return x.inputs[0]
-        if x.op is Op.CONST:
-            return self.make(Op.CONST, (), {**x.attrs, "shape": shape}, _like(x, shape))
-        if _keeps_order(x.shape, TO_NHWC):
-            return self.make(Op.RESHAPE, (x,), {"shape": shape}, _like(x, shape))
-        if x.op is Op.EXPAND or x.op.kind in (Kind.UNARY, Kind.BINARY, Kind.TERNARY):
-            inputs = [self._to_nhwc(i) for i in x.inputs]
-            if any(i is None for i in inputs):
-                return None
-            attrs = {"shape": shape} if x.op is Op.EXPAND else x.attrs
-            return self.make(x.op, tuple(inputs), attrs, _like(x, shape))
-        return None
-
     def _merged_reduction(self, op: Op, x: Node, attrs: dict, original: Node) -> Node | None:
         """A reduction over a run of adjacent axes with kept axes after it (channels-last batch norm's N, H, W
         of N, H, W, C) is a reduction over one axis of their product, which `_split_reduction` can spread
@@ -393,9 +326,9 @@ class _Builder:
                 s == 1 for s in x.shape[hi + 1:]):
             return None  # not one run, or a trailing one (rows: a row kernel's own case)
         merged = x.shape[:lo] + (math.prod(x.shape[lo:hi + 1]),) + x.shape[hi + 1:]
-        x = self.make(Op.RESHAPE, (x,), {"shape": merged}, _like(x, merged))
+        x = self.make(Op.RESHAPE, (x,), {"shape": merged}, shaped_like(x, merged))
         kept = merged[:lo] + (1,) + merged[lo + 1:]
-        total = self.make(op, (x,), {"axes": (lo,)}, _like(original, kept))
+        total = self.make(op, (x,), {"axes": (lo,)}, shaped_like(original, kept))
         return self.make(Op.RESHAPE, (total,), {"shape": original.shape}, original)
 
     def _one_hot_sum(self, x: Node, axis: int, original: Node) -> Node | None:
@@ -415,7 +348,7 @@ class _Builder:
         row_value = _along(value, axis)
         if row_value is None and _is_number(value) and value.shape == x.shape:  # a number (nll_loss's -1)
             kept = tuple(1 if d == axis else s for d, s in enumerate(value.shape))
-            row_value = self._const(value.attrs["value"], _like(value, kept))
+            row_value = self._const(value.attrs["value"], shaped_like(value, kept))
         if condition.op is not Op.EQ or row_value is None:
             return None
         position, key = condition.inputs
@@ -424,13 +357,13 @@ class _Builder:
         row_key = _along(key, axis)
         if not _is_position(position, axis) or row_key is None:
             return None
-        flag = _like(row_key, row_key.shape, dtypes.bool_)
+        flag = shaped_like(row_key, row_key.shape, dtypes.bool_)
         valid = self.make(Op.AND, (self.make(Op.LE, (self._const(0, row_key), row_key), {}, flag),
                                    self.make(Op.LT, (row_key, self._const(x.shape[axis], row_key)), {}, flag)),
                           {}, flag)
         result = self.make(Op.WHERE, (valid, row_value, self._const(0, row_value)), {}, row_value)
         for op_node in reversed(around):  # innermost first
-            template = _like(result, result.shape, op_node.dtype)
+            template = shaped_like(result, result.shape, op_node.dtype)
             if op_node.op is Op.NEG:
                 result = self.make(Op.NEG, (result,), {}, template)
             elif op_node.op is Op.CAST:
@@ -444,9 +377,9 @@ class _Builder:
         convert once. Integers wrap as they would in their own type; bool sums are "any"."""
         base, index, src = ins
         wide = ATOMIC_WIDENING[original.dtype]
-        base = self.make(Op.CAST, (base,), {"dtype": wide}, _like(base, base.shape, wide))
-        src = self.make(Op.CAST, (src,), {"dtype": wide}, _like(src, src.shape, wide))
-        total = self.make(Op.SCATTER_ADD, (base, index, src), attrs, _like(original, original.shape, wide))
+        base = self.make(Op.CAST, (base,), {"dtype": wide}, shaped_like(base, base.shape, wide))
+        src = self.make(Op.CAST, (src,), {"dtype": wide}, shaped_like(src, src.shape, wide))
+        total = self.make(Op.SCATTER_ADD, (base, index, src), attrs, shaped_like(original, original.shape, wide))
         return self.make(Op.CAST, (total,), {"dtype": original.dtype}, original)
 
     def _nested_reduction(self, op: Op, x: Node, attrs: dict, original: Node) -> Node | None:
@@ -463,11 +396,11 @@ class _Builder:
             return None
         wide = dtypes.float32 if original.dtype in (dtypes.float16, dtypes.bfloat16) else original.dtype
         if wide is not original.dtype:
-            x = self.make(Op.CAST, (x,), {"dtype": wide}, _like(x, x.shape, wide))
+            x = self.make(Op.CAST, (x,), {"dtype": wide}, shaped_like(x, x.shape, wide))
         partial_shape = tuple(1 if a in inner else s for a, s in enumerate(x.shape))
-        partial = self.make(op, (x,), {"axes": tuple(sorted(inner))}, _like(x, partial_shape, wide))
+        partial = self.make(op, (x,), {"axes": tuple(sorted(inner))}, shaped_like(x, partial_shape, wide))
         total = self.make(op, (partial,), {"axes": tuple(sorted(axes - inner))},
-                          _like(original, original.shape, wide))
+                          shaped_like(original, original.shape, wide))
         if wide is not original.dtype:
             total = self.make(Op.CAST, (total,), {"dtype": original.dtype}, original)
         return total
@@ -503,7 +436,7 @@ class _Builder:
             return None
         if len(axes) > 1:  # adjacent axes reduced together (a loss over every element): one axis of their product
             merged = x.shape[:axis] + (math.prod(x.shape[a] for a in axes),) + x.shape[axes[-1] + 1:]
-            x = self.make(Op.RESHAPE, (x,), {"shape": merged}, _like(x, merged))
+            x = self.make(Op.RESHAPE, (x,), {"shape": merged}, shaped_like(x, merged))
         n, outputs = x.shape[axis], original.numel
         trailing = all(s == 1 for s in x.shape[axis + 1:])
         # a column reduction into few contiguous positions reads `together` rows at once, as one wider row; not
@@ -521,21 +454,21 @@ class _Builder:
             x = self._padded_rows(op, x, axis, padded, flat=together > 1)
         kept = x.shape[axis + 1:] if together == 1 else (together * outputs,)
         split = x.shape[:axis] + (parts, padded // parts // together) + kept
-        x = self.make(Op.RESHAPE, (x,), {"shape": split}, _like(x, split))
+        x = self.make(Op.RESHAPE, (x,), {"shape": split}, shaped_like(x, split))
         # half-precision sums and products keep their partial results in float32 and round once, as a single
         # reduction does (cast after the reshapes: a reshaped buffer is loaded at its linear position)
         wide = dtypes.float32 if op in (Op.SUM, Op.PROD) and original.dtype in HALF_FLOATS else original.dtype
         if wide is not x.dtype:
-            x = self.make(Op.CAST, (x,), {"dtype": wide}, _like(x, x.shape, wide))
+            x = self.make(Op.CAST, (x,), {"dtype": wide}, shaped_like(x, x.shape, wide))
         partial_shape = split[:axis + 1] + (1,) + split[axis + 2:]
         # the two stages are made as they are: neither is split again
-        partial = self._made(op, (x,), {"axes": (axis + 1,)}, _like(x, partial_shape))
+        partial = self._made(op, (x,), {"axes": (axis + 1,)}, shaped_like(x, partial_shape))
         if together > 1:  # the partial results of each of the rows read together, as rows of their own
             rows = x.shape[:axis] + (parts * together, outputs)
-            partial = self.make(Op.RESHAPE, (partial,), {"shape": rows}, _like(partial, rows))
+            partial = self.make(Op.RESHAPE, (partial,), {"shape": rows}, shaped_like(partial, rows))
         total_shape = partial.shape[:axis] + (1,) + partial.shape[axis + 1:]
-        total = self._made(op, (partial,), {"axes": (axis,)}, _like(x, total_shape))
-        total = self.make(Op.RESHAPE, (total,), {"shape": original.shape}, _like(total, original.shape))
+        total = self._made(op, (partial,), {"axes": (axis,)}, shaped_like(x, total_shape))
+        total = self.make(Op.RESHAPE, (total,), {"shape": original.shape}, shaped_like(total, original.shape))
         if wide is not original.dtype:
             total = self.make(Op.CAST, (total,), {"dtype": original.dtype}, original)
         return total
@@ -546,15 +479,15 @@ class _Builder:
         value = RULES[op].identity(x.dtype)
         if flat:
             length = math.prod(x.shape)
-            line = self.make(Op.RESHAPE, (x,), {"shape": (length,)}, _like(x, (length,)))
+            line = self.make(Op.RESHAPE, (x,), {"shape": (length,)}, shaped_like(x, (length,)))
             extra = (padded - x.shape[axis]) * length // max(x.shape[axis], 1)
             shape = (length + extra,)
-            line = self.make(Op.PAD, (line,), {"pads": ((0, extra),), "value": value}, _like(x, shape))
+            line = self.make(Op.PAD, (line,), {"pads": ((0, extra),), "value": value}, shaped_like(x, shape))
             rows = x.shape[:axis] + (padded,) + x.shape[axis + 1:]
-            return self.make(Op.RESHAPE, (line,), {"shape": rows}, _like(x, rows))
+            return self.make(Op.RESHAPE, (line,), {"shape": rows}, shaped_like(x, rows))
         pads = tuple((0, padded - x.shape[axis]) if d == axis else (0, 0) for d in range(len(x.shape)))
         shape = tuple(padded if d == axis else s for d, s in enumerate(x.shape))
-        return self.make(Op.PAD, (x,), {"pads": pads, "value": value}, _like(x, shape))
+        return self.make(Op.PAD, (x,), {"pads": pads, "value": value}, shaped_like(x, shape))
 
     @staticmethod
     def _row_parts(n: int, outputs: int) -> int:
@@ -570,7 +503,7 @@ class _Builder:
     def _fold_movement(self, op: Op, x: Node, attrs: dict, original: Node) -> Node | None:
         if op is Op.PERMUTE and x.op is Op.MATMUL and original.inputs and \
                 id(original.inputs[0]) in self.transposed_products:
-            a, b = (self.make(Op.PERMUTE, (i,), {"order": attrs["order"]}, _like(i, _transposed(i.shape)))
+            a, b = (self.make(Op.PERMUTE, (i,), {"order": attrs["order"]}, shaped_like(i, _transposed(i.shape)))
                     for i in x.inputs)
             return self.make(Op.MATMUL, (b, a), {}, original)
         if x.shape == original.shape and op in (Op.RESHAPE, Op.EXPAND):
@@ -595,9 +528,6 @@ SPLIT_MIN_LENGTH = 1024  # and only reductions at least this long
 SPLIT_MIN_PART = 64  # elements each partial result reduces, at least
 SPLIT_MIN_ELEMENTS = 1 << 18  # any split reduction reads this many elements (below, the extra launch costs more)
 HALF_FLOATS = (dtypes.float16, dtypes.bfloat16)
-SPLIT_REDUCTIONS = (Op.SUM, Op.MAX, Op.MIN, Op.PROD)  # the reductions that combine partial results
-CONVOLUTIONS = (Op.CONV2D, Op.CONV2D_INPUT_GRAD, Op.CONV2D_WEIGHT_GRAD)
-TO_NHWC, TO_NCHW = (0, 2, 3, 1), (0, 3, 1, 2)  # the permutes into and out of channels-last
 # scatter_add dtypes without atomic addition on the GPU, and the type they accumulate in
 ATOMIC_WIDENING = {dtypes.bool_: dtypes.int32, dtypes.uint8: dtypes.int32, dtypes.int8: dtypes.int32,
                    dtypes.int16: dtypes.int32, dtypes.bfloat16: dtypes.float32}
@@ -605,26 +535,6 @@ ATOMIC_WIDENING = {dtypes.bool_: dtypes.int32, dtypes.uint8: dtypes.int32, dtype
 
 def _transposed(shape: tuple[int, ...]) -> tuple[int, ...]:
     return shape[:-2] + (shape[-1], shape[-2])
-
-
-def _like(node: Node, shape: tuple[int, ...], dtype: dtypes.DType | None = None) -> Node:
-    """A template for `make`: node's device (and dtype, unless given) with another shape."""
-    return Node(Op.BUFFER, (), {}, shape, dtype or node.dtype, node.device)
-
-
-def _nhwc(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The (N, H, W, C) shape of an (N, C, H, W) one."""
-    return (shape[0], shape[2], shape[3], shape[1])
-
-
-def _is_to_nchw(node: Node) -> bool:
-    return node.op is Op.PERMUTE and node.attrs["order"] == TO_NCHW
-
-
-def _keeps_order(shape: tuple[int, ...], order: tuple[int, ...]) -> bool:
-    """Whether permuting `shape` by `order` keeps its axes longer than 1 in order (a reshape, then)."""
-    moved = [a for a in order if shape[a] != 1]
-    return moved == sorted(moved)
 
 
 def _along(node: Node, axis: int) -> Node | None:

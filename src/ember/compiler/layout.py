@@ -1,0 +1,149 @@
+"""The channels-last layout, a part of the lowering (compiler/passes.py).
+
+cuDNN's half-precision convolutions run on (N, H, W, C) memory; given (N, C, H, W) they transpose their operands
+and results around every call. So under the compile context's channels_last memory format (or where a
+convolution asks for it), a float16 or bfloat16 convolution runs channels-last (the primitive's channels_last
+attribute) between two permutes, and the permute back to (N, C, H, W) sinks through what follows (pointwise ops,
+broadcasts, reductions, and the pads, strided slices and reshapes of a max-pooling and its gradient) until the
+next convolution's permute to (N, H, W, C) cancels it: batch norms, activations, poolings and residual adds
+between convolutions run on channels-last memory, and nothing is transposed between them.
+"""
+
+from __future__ import annotations
+
+from ember import dtypes
+from ember.ir import Kind, Node, Op
+
+CONVOLUTIONS = (Op.CONV2D, Op.CONV2D_INPUT_GRAD, Op.CONV2D_WEIGHT_GRAD)
+SPLIT_REDUCTIONS = (Op.SUM, Op.MAX, Op.MIN, Op.PROD)  # the reductions that combine partial results
+
+
+class ChannelsLast:
+    """The lowering builder's channels-last rewrites (mixed into compiler/passes.py's builder, whose `make`
+    they call)."""
+
+    # set by the builder: channels_last (every half-precision convolution on (N, H, W, C) memory), laying_out
+    # (some convolution is: those asking for it, so permutes sink), in_nhwc (id(node) -> the node made on
+    # (N, H, W, C) memory, if any)
+    channels_last: bool
+    laying_out: bool
+    in_nhwc: dict
+
+    def _channels_last(self, op: Op, ins: tuple[Node, ...], attrs: dict, original: Node) -> Node | None:
+        if not self.laying_out:
+            return None
+        if op in CONVOLUTIONS:
+            asked = self.channels_last or attrs.get("memory_format") == "channels_last"
+            if not asked or attrs.get("channels_last") or original.dtype not in (dtypes.float16, dtypes.bfloat16):
+                return None
+            laid_out = {key: v for key, v in attrs.items() if key != "memory_format"} | {"channels_last": True}
+            if op is Op.CONV2D_WEIGHT_GRAD:  # both operands are activations; the result is a weight
+                return self.make(op, tuple(self._permuted(i, _to_nhwc(4)) for i in ins), laid_out, original)
+            out = self.make(op, (self._permuted(ins[0], _to_nhwc(4)), *ins[1:]), laid_out,
+                            shaped_like(original, _nhwc(original.shape)))
+            return self._permuted(out, _to_nchw(4), original)
+        rank = len(original.shape)
+        if op is Op.PERMUTE and rank >= 4 and tuple(attrs["order"]) in (_to_nchw(rank), _to_nhwc(rank)) \
+                and _keeps_order(ins[0].shape, attrs["order"]):
+            return self.make(Op.RESHAPE, ins, {"shape": original.shape}, original)  # moves only axes of size 1
+        if rank < 4 or not any(_is_to_nchw(i) for i in ins):
+            return None
+        inner_like = shaped_like(original, _nhwc(original.shape))
+        if op.kind in (Kind.UNARY, Kind.BINARY, Kind.TERNARY):
+            inner = [self._to_nhwc(i) for i in ins]
+            if any(i is None for i in inner):
+                return None  # an operand would be read transposed: leave the permute where it is
+            return self._permuted(self.make(op, tuple(inner), attrs, inner_like), _to_nchw(rank), original)
+        if op.kind is Kind.MOVEMENT:
+            moved = self._moved(op, ins[0].inputs[0], attrs, original)
+            return None if moved is None else self._permuted(moved, _to_nchw(rank), original)
+        if op in SPLIT_REDUCTIONS:
+            axes = tuple(sorted(_to_nchw(rank)[a] for a in attrs["axes"]))
+            return self._permuted(self.make(op, (ins[0].inputs[0],), {**attrs, "axes": axes}, inner_like),
+                                  _to_nchw(rank), original)
+        return None
+
+    def _moved(self, op: Op, x: Node, attrs: dict, original: Node) -> Node | None:
+        """The movement op `op` (`attrs`, making `original`) of an (N, C, ...) value, made on `x`, that value's
+        (N, ..., C) form: pads, slices and broadcasts of the other axes, and reshapes that keep N and C the
+        leading axes (a max-pooling's windows and its gradient's strided repeats). None where it would move
+        the channels among the other axes (a reshape merging them, a permute)."""
+        shape, to_nhwc = _nhwc(original.shape), _to_nhwc(len(original.shape))
+        target = shaped_like(original, shape)
+        if op is Op.EXPAND:
+            return self.make(op, (x,), {**attrs, "shape": shape}, target)
+        if op is Op.PAD:
+            return self.make(op, (x,), {**attrs, "pads": tuple(attrs["pads"][a] for a in to_nhwc)}, target)
+        if op is Op.SLICE:
+            return self.make(op, (x,), {**attrs, "slices": tuple(attrs["slices"][a] for a in to_nhwc)}, target)
+        if op is Op.RESHAPE and (x.shape[0], x.shape[-1]) == original.shape[:2]:
+            return self.make(op, (x,), {**attrs, "shape": shape}, target)
+        return None
+
+    def _permuted(self, x: Node, order: tuple[int, ...], original: Node | None = None) -> Node:
+        shape = tuple(x.shape[i] for i in order)
+        return self.make(Op.PERMUTE, (x,), {"order": order}, original or shaped_like(x, shape))
+
+    def _to_nhwc(self, x: Node) -> Node | None:
+        """x (N, C, H, W) as an (N, H, W, C) node, if that costs no transposition: x is a permute from
+        (N, H, W, C), a constant, a broadcast of values whose axes longer than 1 stay in order, or a
+        pointwise op of such nodes (made again on the permuted ones)."""
+        if id(x) not in self.in_nhwc:
+            self.in_nhwc[id(x)] = self._relayout(x)
+        return self.in_nhwc[id(x)]
+
+    def _relayout(self, x: Node) -> Node | None:
+        rank = len(x.shape)
+        shape = _nhwc(x.shape)
+        if _is_to_nchw(x):
+            return x.inputs[0]
+        if x.op is Op.CONST:
+            return self.make(Op.CONST, (), {**x.attrs, "shape": shape}, shaped_like(x, shape))
+        if _keeps_order(x.shape, _to_nhwc(rank)):
+            return self.make(Op.RESHAPE, (x,), {"shape": shape}, shaped_like(x, shape))
+        if x.op is Op.EXPAND or x.op.kind in (Kind.UNARY, Kind.BINARY, Kind.TERNARY):
+            inputs = [self._to_nhwc(i) for i in x.inputs]
+            if any(i is None for i in inputs):
+                return None
+            attrs = {"shape": shape} if x.op is Op.EXPAND else x.attrs
+            return self.make(x.op, tuple(inputs), attrs, shaped_like(x, shape))
+        if x.op in (Op.PAD, Op.SLICE, Op.RESHAPE) and len(x.inputs[0].shape) >= 4:
+            inner = self._to_nhwc(x.inputs[0])
+            return None if inner is None else self._moved(x.op, inner, x.attrs, x)
+        if x.op is Op.BUFFER and x.dtype.itemsize == 1:
+            # an input of bytes (a mask, a max-pooling's window offsets) read transposed, so that what reads
+            # it with channels-last values runs on their memory: a quarter of the bytes of a bfloat16 value
+            # read so, or less
+            return self._permuted(x, _to_nhwc(rank))
+        return None
+
+
+def shaped_like(node: Node, shape: tuple[int, ...], dtype: dtypes.DType | None = None) -> Node:
+    """A template for `make`: node's device (and dtype, unless given) with another shape."""
+    return Node(Op.BUFFER, (), {}, shape, dtype or node.dtype, node.device)
+
+
+def _nhwc(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The (N, H, W, C) shape of an (N, C, H, W) one (of any rank: the channels moved last)."""
+    return (shape[0], *shape[2:], shape[1])
+
+
+def _to_nhwc(rank: int) -> tuple[int, ...]:
+    """The permute of an (N, C, ...) value of `rank` axes to channels-last, (N, ..., C): TO_NHWC in 4-d."""
+    return (0, *range(2, rank), 1)
+
+
+def _to_nchw(rank: int) -> tuple[int, ...]:
+    """The permute of an (N, ..., C) value of `rank` axes back to (N, C, ...): TO_NCHW in 4-d."""
+    return (0, rank - 1, *range(1, rank - 1))
+
+
+def _is_to_nchw(node: Node) -> bool:
+    rank = len(node.shape)
+    return node.op is Op.PERMUTE and rank >= 4 and tuple(node.attrs["order"]) == _to_nchw(rank)
+
+
+def _keeps_order(shape: tuple[int, ...], order: tuple[int, ...]) -> bool:
+    """Whether permuting `shape` by `order` keeps its axes longer than 1 in order (a reshape, then)."""
+    moved = [a for a in order if shape[a] != 1]
+    return moved == sorted(moved)

@@ -277,6 +277,25 @@ class _ResidualBlock(ember.nn.Module):
         return self.head(F.adaptive_avg_pool2d(h, 1).flatten(1))
 
 
+def _trained_on_each_device(net, images: np.ndarray) -> tuple[dict, object]:
+    """A training step's loss and gradients of `net` (bfloat16 images) on the cuda device and on the cpu's
+    reference, and the cuda step's plan."""
+    labels = np.array([0, 1, 2, 4])
+    results = {}
+    for device in ("cuda", "cpu"):
+        net.to(device)
+        x = ember.tensor(images, device=device).to(ember.bfloat16)
+        loss = ember.nn.functional.cross_entropy(net(x).float(), ember.tensor(labels, device=device))
+        results[device] = (loss, *ember.grad(loss, list(net.parameters())))
+    return results, plan(*results["cuda"])
+
+
+def _read_transposed(p) -> list:
+    """The nodes of plan `p` that read a permuted value of 4 axes or more."""
+    permutes = {id(n) for n in p.lowered.nodes if n.op is ember.ir.Op.PERMUTE and len(n.shape) >= 4}
+    return [n for n in p.lowered.nodes if any(id(i) in permutes for i in n.inputs)]
+
+
 @pytest.mark.parametrize("memory_format", ["contiguous", "channels_last", "the module's channels_last"])
 def test_convolutions_in_either_memory_format_train_as_the_reference(rng, memory_format):
     before = ember.get_conv_memory_format()
@@ -287,22 +306,14 @@ def test_convolutions_in_either_memory_format_train_as_the_reference(rng, memory
         if memory_format.startswith("the module's"):  # as PyTorch users write it; the process setting stays
             net.to(memory_format=ember.channels_last)
             memory_format = "channels_last"
-        images, labels = rng.standard_normal((4, 3, 9, 9)).astype(np.float32), np.array([0, 1, 2, 4])
-        results = {}
-        for device in ("cuda", "cpu"):
-            net.to(device)
-            x = ember.tensor(images, device=device).to(ember.bfloat16)
-            loss = ember.nn.functional.cross_entropy(net(x).float(), ember.tensor(labels, device=device))
-            results[device] = (loss, *ember.grad(loss, list(net.parameters())))
-        p = plan(*results["cuda"])
+        results, p = _trained_on_each_device(net, rng.standard_normal((4, 3, 9, 9)).astype(np.float32))
     finally:
         ember.set_conv_memory_format(before)
     convolutions = [k.cores[0] for k in p.kernels if k.kind.value == "conv2d"]
     assert len(convolutions) == 7  # conv1, conv2, the shortcut; two input gradients; three weight gradients
     assert all(bool(c.attrs.get("channels_last")) == (memory_format == "channels_last") for c in convolutions)
     if memory_format == "channels_last":  # nothing is read transposed but the input, by the convolutions
-        permutes = {id(n) for n in p.lowered.nodes if n.op is ember.ir.Op.PERMUTE and len(n.shape) == 4}
-        readers = [n for n in p.lowered.nodes if any(id(i) in permutes for i in n.inputs)]
+        readers = _read_transposed(p)
         assert readers and all(n.op.name.startswith("CONV2D") for n in readers), [n.op for n in readers]
     for fused, reference in zip(*results.values()):
         np.testing.assert_allclose(fused.float().numpy(), reference.float().numpy(), rtol=2e-2, atol=1e-3)
@@ -334,19 +345,11 @@ def test_a_max_pooling_between_channels_last_convolutions_runs_on_their_memory_f
     ember.set_conv_memory_format("channels_last")
     try:
         ember.manual_seed(0)
-        net = _Stem(ember.bfloat16)
-        images, labels = rng.standard_normal((4, 3, 10, 10)).astype(np.float32), np.array([0, 1, 2, 4])
-        results = {}
-        for device in ("cuda", "cpu"):
-            net.to(device)
-            x = ember.tensor(images, device=device).to(ember.bfloat16)
-            loss = ember.nn.functional.cross_entropy(net(x).float(), ember.tensor(labels, device=device))
-            results[device] = (loss, *ember.grad(loss, list(net.parameters())))
-        p = plan(*results["cuda"])
+        results, p = _trained_on_each_device(_Stem(ember.bfloat16),
+                                             rng.standard_normal((4, 3, 10, 10)).astype(np.float32))
     finally:
         ember.set_conv_memory_format(before)
-    permutes = {id(n) for n in p.lowered.nodes if n.op is ember.ir.Op.PERMUTE and len(n.shape) >= 4}
-    readers = [n for n in p.lowered.nodes if any(id(i) in permutes for i in n.inputs)]
+    readers = _read_transposed(p)
     assert readers and all(n.op.name.startswith("CONV2D") for n in readers), [n.op for n in readers]
     for fused, reference in zip(*results.values()):
         np.testing.assert_allclose(fused.float().numpy(), reference.float().numpy(), rtol=2e-2, atol=2e-3)

@@ -308,23 +308,30 @@ def test_values_torch_keeps_channels_last_cross_the_boundary_in_that_layout_and_
     assert not any(copied)
 
 
-def test_activations_saved_for_the_backward_cross_channels_last_where_embers_convolutions_run_so(monkeypatch):
+def pooled_block():
+    """`block` with a ResNet stem's max-pooling (3x3, stride 2) after its first ReLU."""
+    net = block()
+    return nn.Sequential(*net[:3], nn.MaxPool2d(3, 2, 1), *net[3:])
+
+
+@pytest.mark.parametrize("model", [block, pooled_block], ids=["block", "pooled"])
+def test_activations_saved_for_the_backward_cross_channels_last_where_embers_convolutions_run_so(model, monkeypatch):
     """With ember.set_conv_memory_format("channels_last"), a half-precision training step's forward hands the
-    activations it saves to the backward as channels-last tensors (the memory ember computed them in), AOTAutograd
-    traces the backward on those strides, and the backward reads them as they lie; the step's values are those of
-    the contiguous layout's, and torch's."""
+    activations it saves to the backward (and a max-pooling's window offsets) as channels-last tensors (the memory
+    ember computed them in), AOTAutograd traces the backward on those strides, and the backward reads them as they
+    lie; the step's values are those of the contiguous layout's, and torch's."""
     saved, copied = [], []
     finish, as_buffer = ember.frontends.dynamo._finish, ember.frontends.dynamo._as_buffer
 
-    def spy(*args):  # per call, whether each activation a graph returns (4 x 8 x 8 x 8) is channels-last
+    def spy(*args):  # per call, whether each activation a graph returns (4 images x 8 channels) is channels-last
         results = finish(*args)
-        saved.append([t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
-                      for t in results if isinstance(t, torch.Tensor) and t.shape == (4, 8, 8, 8)])
+        saved.append([(t.dtype, t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous())
+                      for t in results if isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[:2] == (4, 8)])
         return results
     monkeypatch.setattr(ember.frontends.dynamo, "_finish", spy)
     monkeypatch.setattr(ember.frontends.dynamo, "_as_buffer", lambda t: (
         copied.append((tuple(t.shape), t.stride(), t.dtype)) if not t.is_contiguous() else None) or as_buffer(t))
-    net = block().to(torch.bfloat16)
+    net = model().to(torch.bfloat16)
     expected_losses, expected_state = train(copy.deepcopy(net), compiled=False, steps=3, dtype=torch.bfloat16)
     contiguous_losses, _ = train(copy.deepcopy(net), compiled=True, steps=3, dtype=torch.bfloat16)
     torch._dynamo.reset()
@@ -336,7 +343,9 @@ def test_activations_saved_for_the_backward_cross_channels_last_where_embers_con
     finally:
         ember.set_conv_memory_format(before)
     forward = [outputs for outputs in saved if outputs]  # (the backward returns the weights' gradients)
-    assert len(forward) == 3 and all(len(outputs) >= 2 and all(outputs) for outputs in forward), saved
+    assert len(forward) == 3 and all(len(outputs) >= 2 and all(cl for _, cl in outputs) for outputs in forward), saved
+    if model is pooled_block:  # the window offsets: one byte each
+        assert all(sum(dtype == torch.uint8 for dtype, _ in outputs) == 1 for outputs in forward), saved
     assert not copied  # no input of a replayed graph needs a copy
     np.testing.assert_allclose(losses, contiguous_losses, rtol=2e-2)
     np.testing.assert_allclose(losses, expected_losses, rtol=2e-2)

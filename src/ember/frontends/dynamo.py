@@ -347,7 +347,7 @@ def _in_memory_order(graph, plan: _Outputs) -> dict[int, list[int]]:
         for p in range(own):
             node = nodes[p]
             order = _memory_order(node.meta.get("val")) if hasattr(node, "op") and p not in viewed else None
-            if order is None or node.op == "placeholder" or auxiliary(node):
+            if order is None or node.op == "placeholder" or auxiliary(node) and not _pooling_windows(node):
                 continue
             with graph.inserting_before(output):
                 nodes[p] = graph.call_function(permute, (node, order))
@@ -363,10 +363,9 @@ def _in_memory_order(graph, plan: _Outputs) -> dict[int, list[int]]:
         inputs, backs = {}, {}
         for p, node in enumerate(placeholders):
             value = node.meta.get("val")
-            # (floats and booleans, such as a ReLU's mask saved for the backward; not integers: the indices of a
-            # max-pooling, which ember hands on uncomputed as contiguous memory)
-            kept = node.users and node not in written and (getattr(value, "is_floating_point", lambda: False)()
-                                                          or getattr(value, "dtype", None) is torch.bool)
+            # (values such as a ReLU's mask or a max-pooling's window offsets saved for the backward; a permute of
+            # torch's tensor reads any memory right, at worst through a copy)
+            kept = node.users and node not in written and isinstance(value, torch.Tensor)
             order = _memory_order(value) if kept else None
             if order is None:
                 continue
@@ -407,8 +406,9 @@ def _restride_placeholders(graph, example_inputs) -> None:
 
 def _save_channels_last(graph) -> None:
     """In a forward graph whose convolutions ember runs on channels-last memory (ember.set_conv_memory_format), the
-    activations saved for the backward cross to it as they lie: each such output (4-d, half-precision or boolean,
-    computed by the graph, returned nowhere else) is made a channels-last tensor of torch's, and its strides are
+    activations saved for the backward cross to it as they lie: each such output (4-d, half-precision or boolean, or
+    a max-pooling's window offsets; computed by the graph, returned nowhere else) is made a channels-last tensor of
+    torch's, and its strides are
     reported to AOTAutograd (TracingContext.output_strides, as Inductor reports its layouts), which traces the
     backward graph on them; `_in_memory_order` then writes and reads that memory with no transposition. Without
     this, ember would transpose every saved activation to torch's contiguous layout at the forward's end and back
@@ -436,8 +436,9 @@ def _save_channels_last(graph) -> None:
         node = nodes[p]
         value = getattr(node, "meta", {}).get("val")
         if (not isinstance(value, torch.Tensor) or value.dim() != 4 or not positions[node] <= kept
-                or node.op != "call_function" or getattr(node.target, "is_view", False) or auxiliary(node)
-                or value.dtype not in (torch.float16, torch.bfloat16, torch.bool)):
+                or node.op != "call_function" or getattr(node.target, "is_view", False)
+                or (auxiliary(node) and not _pooling_windows(node))
+                or value.dtype not in (torch.float16, torch.bfloat16, torch.bool) and not _pooling_windows(node)):
             continue
         shape, given = _example(value.shape), _example(value.stride())
         if shape is None or given is None or not _dense(shape, given):
@@ -448,6 +449,18 @@ def _save_channels_last(graph) -> None:
         for q in positions[node]:
             strides[q] = layout
     reported.extend(strides)
+
+
+def _pooling_windows(node) -> bool:
+    """Whether fx node `node` is the indices' output of a 2-d max-pooling without dilation, where ember computes
+    each window's first maximum (aten's `_max_pool_with_indices`: one byte an output, in torch's int64 place)."""
+    import torch
+
+    if not auxiliary(node) or node.args[0].target is not torch.ops.aten.max_pool2d_with_indices.default:
+        return False
+    pooling = node.args[0]
+    dilation = pooling.args[4] if len(pooling.args) > 4 else pooling.kwargs.get("dilation", 1)
+    return all(d == 1 for d in ((dilation,) if isinstance(dilation, int) else dilation))
 
 
 def _memory_order(value) -> list[int] | None:

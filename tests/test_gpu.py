@@ -268,12 +268,15 @@ def test_the_narrow_layers_between_wide_ones_are_one_kernel_at_scale(monkeypatch
 def test_convolutions_write_into_their_buffers_and_match_torch(dtype, memory_format, stride, padding, dilation,
                                                               groups, monkeypatch):
     """A convolution's forward runs on cuDNN straight into ember's buffer (grouped ones as torch runs them, through
-    a copy), its gradients as before: values and gradients match torch's on the same GPU, both memory formats."""
+    a copy), and so does a stride-1 convolution's input gradient; values and gradients match torch's on the same
+    GPU, both memory formats."""
     from ember.runtime import vendor
 
     written = []
     into = vendor._into_buffer
-    monkeypatch.setattr(vendor, "_into_buffer", lambda *args: written.append(into(*args)) or written[-1])
+    gradients = []  # the calls on 16 channels: the output gradient's (an input gradient as a forward convolution)
+    monkeypatch.setattr(vendor, "_into_buffer", lambda x, *args: gradients.append(x.shape[1] == 16)
+                        or written.append(into(x, *args)) or written[-1])
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # float32 as IEEE float32 on both sides
     generator = torch.Generator(device="cuda").manual_seed(5)
     x = torch.randn(4, 8, 19, 17, device="cuda", dtype=dtype, generator=generator)
@@ -297,3 +300,5 @@ def test_convolutions_write_into_their_buffers_and_match_torch(dtype, memory_for
         ember.set_conv_memory_format("contiguous")
     if groups == 1 and (memory_format == "contiguous" or dtype == torch.bfloat16):
         assert written and all(written)
+        # a stride-1 convolution's input gradient too, as a forward convolution (vendor.input_grad_as_forward)
+        assert any(gradients) == (stride == 1) and not all(gradients)

@@ -48,6 +48,13 @@ def conv2d(node: Node, buffers: dict[int, torch.Tensor], sig: Signature) -> None
             return
         out = torch.nn.functional.conv2d(first, second, None, *conv)
     elif node.op is Op.CONV2D_INPUT_GRAD:  # from the output gradient and the weight
+        as_forward = None if bias else input_grad_as_forward(second, conv)
+        if as_forward is not None:
+            weight, forward = as_forward
+            weight = weight.contiguous(memory_format=torch.channels_last if a.get("channels_last") else
+                                       torch.contiguous_format)
+            if _into_buffer(first, weight, forward, out_buffer):
+                return
         weight = second.contiguous(memory_format=torch.channels_last) if a.get("channels_last") else second
         out = _convolution_backward(first, out_buffer, weight, conv, 0)
     else:  # from the input and the output gradient
@@ -81,6 +88,21 @@ def _into_buffer(x: torch.Tensor, weight: torch.Tensor, conv: tuple, out: torch.
         _cudnn_refused.add(key)
         return False
     return True
+
+
+def input_grad_as_forward(weight: torch.Tensor, conv: tuple) -> tuple[torch.Tensor, tuple] | None:
+    """A stride-1 convolution's input gradient as a forward convolution of the output gradient, which cuDNN writes
+    straight into a buffer (its backward-data kernels have no such form through torch, and their result is
+    copied): the weight with its input and output channels swapped and its window flipped, and the padding that
+    widens the output back to the input's size (d * (k - 1) - p on each axis). None where that is no convolution
+    (a stride above 1, groups, a padding wider than the window's reach)."""
+    stride, padding, dilation, groups = conv
+    reach = [d * (k - 1) for k, d in zip(weight.shape[2:], dilation)]
+    if groups != 1 or any(s != 1 for s in stride) or any(p > r for p, r in zip(padding, reach)):
+        return None
+    swapped = weight.transpose(0, 1)
+    flipped = swapped if all(k == 1 for k in weight.shape[2:]) else swapped.flip(2, 3)
+    return flipped, ((1, 1), tuple(r - p for r, p in zip(reach, padding)), tuple(dilation), 1)
 
 
 def argsort(node: Node, buffers: dict[int, torch.Tensor], sig: Signature) -> None:

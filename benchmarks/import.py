@@ -191,6 +191,9 @@ def variant_line(row: str, variant: str, base, x, y, optimizer, args) -> dict:
     # max-autotune without its CUDA graphs: a replay overwrites the momenta the next step's optimizer reads
     mode = {"torch.compile max-autotune": "max-autotune-no-cudagraphs",
             "torch.compile reduce-overhead": "reduce-overhead"}.get(variant) if not args.cpu_smoke else None
+    from ember.frontends import dynamo
+
+    earlier = {line.split(":")[0] for line in dynamo.replay_report()}  # the graphs of variants before this one
     with conv_memory_format("channels_last" if backend == "ember" and variant.endswith("channels-last") else None):
         if variant.startswith("ember"):
             step = guarded(f"{row} {variant} (setup)", lambda: ember_step(model, optimizer, x, y, args.cpu_smoke))
@@ -205,9 +208,7 @@ def variant_line(row: str, variant: str, base, x, y, optimizer, args) -> dict:
             line["breakdown"] = guarded(f"{row} {variant} (breakdown)", lambda: step_breakdown(lambda: step(x, y),
                                                                                                 args.reps))
             if backend == "ember":
-                from ember.frontends import dynamo
-
-                line["replays"] = dynamo.replay_report()
+                line["replays"] = [r for r in dynamo.replay_report() if r.split(":")[0] not in earlier]
     return line
 
 

@@ -22,10 +22,7 @@ class ChannelsLast:
     """The lowering builder's channels-last rewrites (mixed into compiler/passes.py's builder, whose `make`
     they call)."""
 
-    # set by the builder: channels_last (every half-precision convolution on (N, H, W, C) memory), laying_out
-    # (some convolution is: those asking for it, so permutes sink), in_nhwc (id(node) -> the node made on
-    # (N, H, W, C) memory, if any)
-    channels_last: bool
+    channels_last: bool  # these three are the builder's (compiler/passes.py), which says what each holds
     laying_out: bool
     in_nhwc: dict
 
@@ -85,9 +82,10 @@ class ChannelsLast:
         return self.make(Op.PERMUTE, (x,), {"order": order}, original or shaped_like(x, shape))
 
     def _to_nhwc(self, x: Node) -> Node | None:
-        """x (N, C, H, W) as an (N, H, W, C) node, if that costs no transposition: x is a permute from
-        (N, H, W, C), a constant, a broadcast of values whose axes longer than 1 stay in order, or a
-        pointwise op of such nodes (made again on the permuted ones)."""
+        """x (N, C, ...) as an (N, ..., C) node, if that costs no transposition of a value: x is a permute from
+        (N, ..., C), a constant, a value whose axes longer than 1 stay in order, a pointwise op of such nodes or a
+        movement op (a broadcast, pad, slice or reshape that `_moved` allows) of one (made again on the permuted
+        ones), or an input of bytes, read transposed."""
         if id(x) not in self.in_nhwc:
             self.in_nhwc[id(x)] = self._relayout(x)
         return self.in_nhwc[id(x)]
@@ -101,19 +99,18 @@ class ChannelsLast:
             return self.make(Op.CONST, (), {**x.attrs, "shape": shape}, shaped_like(x, shape))
         if _keeps_order(x.shape, _to_nhwc(rank)):
             return self.make(Op.RESHAPE, (x,), {"shape": shape}, shaped_like(x, shape))
-        if x.op is Op.EXPAND or x.op.kind in (Kind.UNARY, Kind.BINARY, Kind.TERNARY):
+        if x.op.kind in (Kind.UNARY, Kind.BINARY, Kind.TERNARY):
             inputs = [self._to_nhwc(i) for i in x.inputs]
             if any(i is None for i in inputs):
                 return None
-            attrs = {"shape": shape} if x.op is Op.EXPAND else x.attrs
-            return self.make(x.op, tuple(inputs), attrs, shaped_like(x, shape))
-        if x.op in (Op.PAD, Op.SLICE, Op.RESHAPE) and len(x.inputs[0].shape) >= 4:
+            return self.make(x.op, tuple(inputs), x.attrs, shaped_like(x, shape))
+        if x.op in (Op.EXPAND, Op.PAD, Op.SLICE, Op.RESHAPE) and len(x.inputs[0].shape) >= 4:
             inner = self._to_nhwc(x.inputs[0])
             return None if inner is None else self._moved(x.op, inner, x.attrs, x)
         if x.op is Op.BUFFER and x.dtype.itemsize == 1:
             # an input of bytes (a mask, a max-pooling's window offsets) read transposed, so that what reads
-            # it with channels-last values runs on their memory: a quarter of the bytes of a bfloat16 value
-            # read so, or less
+            # it with channels-last values runs on their memory: half the bytes of a bfloat16 value of its
+            # shape read so
             return self._permuted(x, _to_nhwc(rank))
         return None
 
@@ -129,12 +126,12 @@ def _nhwc(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _to_nhwc(rank: int) -> tuple[int, ...]:
-    """The permute of an (N, C, ...) value of `rank` axes to channels-last, (N, ..., C): TO_NHWC in 4-d."""
+    """The permute of an (N, C, ...) value of `rank` axes to channels-last, (N, ..., C): (0, 2, 3, 1) in 4-d."""
     return (0, *range(2, rank), 1)
 
 
 def _to_nchw(rank: int) -> tuple[int, ...]:
-    """The permute of an (N, ..., C) value of `rank` axes back to (N, C, ...): TO_NCHW in 4-d."""
+    """The permute of an (N, ..., C) value of `rank` axes back to (N, C, ...): (0, 3, 1, 2) in 4-d."""
     return (0, rank - 1, *range(1, rank - 1))
 
 

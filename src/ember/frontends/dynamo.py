@@ -408,11 +408,10 @@ def _save_channels_last(graph) -> None:
     """In a forward graph whose convolutions ember runs on channels-last memory (ember.set_conv_memory_format), the
     activations saved for the backward cross to it as they lie: each such output (4-d, half-precision or boolean, or
     a max-pooling's window offsets; computed by the graph, returned nowhere else) is made a channels-last tensor of
-    torch's, and its strides are
-    reported to AOTAutograd (TracingContext.output_strides, as Inductor reports its layouts), which traces the
-    backward graph on them; `_in_memory_order` then writes and reads that memory with no transposition. Without
-    this, ember would transpose every saved activation to torch's contiguous layout at the forward's end and back
-    at the backward's start."""
+    torch's, and its strides are reported to AOTAutograd (TracingContext.output_strides, as Inductor reports its
+    layouts), which traces the backward graph on them; `_in_memory_order` then writes and reads that memory with no
+    transposition. Without this, ember would transpose every saved activation to torch's contiguous layout at the
+    forward's end and back at the backward's start."""
     import torch
     from torch._guards import TracingContext
 
@@ -435,10 +434,10 @@ def _save_channels_last(graph) -> None:
     for p in sorted(kept):
         node = nodes[p]
         value = getattr(node, "meta", {}).get("val")
-        if (not isinstance(value, torch.Tensor) or value.dim() != 4 or not positions[node] <= kept
-                or node.op != "call_function" or getattr(node.target, "is_view", False)
-                or (auxiliary(node) and not _pooling_windows(node))
-                or value.dtype not in (torch.float16, torch.bfloat16, torch.bool) and not _pooling_windows(node)):
+        activation = _pooling_windows(node) or not auxiliary(node) and getattr(value, "dtype", None) in (
+            torch.float16, torch.bfloat16, torch.bool)
+        if (not activation or not isinstance(value, torch.Tensor) or value.dim() != 4 or not positions[node] <= kept
+                or node.op != "call_function" or getattr(node.target, "is_view", False)):
             continue
         shape, given = _example(value.shape), _example(value.stride())
         if shape is None or given is None or not _dense(shape, given):

@@ -48,7 +48,8 @@ def conv2d(node: Node, buffers: dict[int, torch.Tensor], sig: Signature) -> None
             return
         out = torch.nn.functional.conv2d(first, second, None, *conv)
     elif node.op is Op.CONV2D_INPUT_GRAD:  # from the output gradient and the weight
-        as_forward = None if bias else input_grad_as_forward(second, conv)
+        # (on cuda only: elsewhere cuDNN is not there to write into the buffer, and the weight's copy is wasted)
+        as_forward = input_grad_as_forward(second, conv) if first.is_cuda and not bias else None
         if as_forward is not None:
             weight, forward = as_forward
             weight = weight.contiguous(memory_format=torch.channels_last if a.get("channels_last") else

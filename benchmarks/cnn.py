@@ -1,5 +1,6 @@
 """CNN training benchmark: a ResNet-18 training step (forward, cross entropy, backward, SGD with momentum) in
-ember (lazy, ember.jit) against PyTorch eager (NCHW and channels-last), torch.compile (default and
+ember (lazy, ember.jit; "ember.jit NCHW" with its convolutions' activations on (N, C, H, W) memory instead of
+ember's default channels-last) against PyTorch eager (NCHW and channels-last), torch.compile (default and
 max-autotune), with images/s, the GPU time of each variant's kernels, peak memory and the first step's time.
 
 "ember.jit from_torch" trains torch's own model (the variants' torch.nn ResNet-18) imported with
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as TF
 from common import (
+    breakdown_lines,
     cell,
     device_ms,
     environment,
@@ -40,6 +42,7 @@ from common import (
     parse_options,
     publish,
     release_memory,
+    step_breakdown,
     to_ember,
     training_step,
 )
@@ -59,7 +62,7 @@ CLASSES = 10
 CHECK_STEPS = 3
 LOSS_TOL = 5e-2  # relative, bfloat16 convolutions
 VARIANTS = ("torch eager", "torch eager channels-last", "torch.compile", "torch.compile max-autotune",
-            "ember lazy", "ember.jit", "ember.jit from_torch")
+            "ember lazy", "ember.jit", "ember.jit NCHW", "ember.jit from_torch")
 
 
 def resnet18(nn, image_size: int, widths: tuple[int, ...], device: str, dtype):
@@ -105,6 +108,7 @@ class Line:
     gpu_ms: float | None = None
     peak_gib: float | None = None
     check: str = "-"
+    breakdown: list[str] | None = None  # --breakdown: where the step's time goes (common.breakdown_lines)
 
 
 class Workload:
@@ -139,9 +143,16 @@ class Workload:
         x = self.x.contiguous(memory_format=torch.channels_last) if channels_last else self.x
         return lambda: step(x, self.y)
 
-    def ember_step(self, jit: bool, imported: bool = False) -> Callable[[], object]:
+    def ember_step(self, jit: bool, imported: bool = False, memory_format: str | None = None) -> Callable[[], object]:
         """ember's ResNet, or (`imported`) torch's model through ember.from_torch (traced with torch.fx, its
-        parameters shared)."""
+        parameters shared); its convolutions' activations in `memory_format` (None: ember's default)."""
+        if memory_format is not None:
+            step = self.ember_step(jit, imported)
+
+            def in_format():
+                with ember.conv_memory_format(memory_format):
+                    return step()
+            return in_format
         dtype = ember.float32 if self.amp else ember.bfloat16
         if imported:
             model = ember.from_torch(self.torch_model(False)).to("cuda")
@@ -182,6 +193,7 @@ def run_row(row: str, args) -> list[Line]:
         "torch.compile max-autotune": lambda: work.torch_step("max-autotune", False, cpu),
         "ember lazy": lambda: work.ember_step(jit=False),
         "ember.jit": lambda: work.ember_step(jit=True),
+        "ember.jit NCHW": lambda: work.ember_step(jit=True, memory_format="contiguous"),
         "ember.jit from_torch": lambda: work.ember_step(jit=True, imported=True),
     }
     return run_variants(row, workload, makers, VARIANTS, batch, args)
@@ -231,6 +243,10 @@ def measure(line: Line, step: Callable[[], object], args) -> list[float] | None:
     if not args.cpu_smoke and line.ms is not None:
         line.gpu_ms = guarded(f"{what} (profiler)", lambda: device_ms(step, 1, 5))
         line.peak_gib = torch.cuda.max_memory_allocated() / 2**30
+        if args.breakdown:
+            b = guarded(f"{what} (breakdown)", lambda: step_breakdown(step, args.reps))
+            line.breakdown = breakdown_lines(what, b) if b else None
+            print("\n".join(f"    {note}" for note in line.breakdown or ()), flush=True)
     return [first, *rest] if rest is not None else None
 
 
@@ -264,6 +280,8 @@ def bench_main(argv: list[str] | None, script: str, doc: str, rows: dict, varian
     """A training benchmark's command line, rows and report (this script's and gpt.py's)."""
     def options(parser):
         parser.add_argument("--skip", default="", help=f"variants to leave out, comma-separated, of {variants}")
+        parser.add_argument("--breakdown", action="store_true", help="also where each variant's step time goes: "
+                            "host against GPU time, GPU time by kernel kind, the costliest kernels")
 
     opts = parse_options(argv, script, doc, lambda which, dev: ((row, None) for row in rows),
                          rows_example=",".join(list(rows)[:2]), add_options=options)
@@ -285,6 +303,7 @@ def bench_main(argv: list[str] | None, script: str, doc: str, rows: dict, varian
              f"loss check: the first {CHECK_STEPS} losses against torch eager's, relative tolerance {LOSS_TOL}", *notes]
     if args.skip:
         notes.append(f"variants left out of this run: {', '.join(sorted(args.skip))}")
+    notes += [note for line in lines for note in line.breakdown or ()]
     if args.cpu_smoke:
         notes.append("--cpu-smoke: times mean nothing (torch on the CPU, ember's kernels through Triton's "
                      f"interpreter, {smoke_model}); torch.compile variants ran with backend='eager'")

@@ -288,6 +288,15 @@ def step_breakdown(step: Callable[[], object], reps: int) -> dict:
     return {"wall": wall, "host": host, "gpu": sum(ms for ms, _ in kinds.values()), "kinds": kinds, "top": top}
 
 
+def breakdown_lines(label: str, b: dict) -> list[str]:
+    """step_breakdown's result `b` for the variant named `label`, as report lines."""
+    kinds = ", ".join(f"{kind} {ms:.2f} ms ({count:.0f} launches)" for kind, (ms, count) in
+                      sorted(b["kinds"].items(), key=lambda item: -item[1][0]))
+    top = "; ".join(f"{name[:90]} {ms:.2f} ms ({count:.0f})" for name, ms, count in b.get("top", []))
+    return [f"{label}: wall {b['wall']:.2f} ms per step, host {b['host']:.2f} ms until the calls return, GPU busy "
+            f"{b['gpu']:.2f} ms: {kinds}", f"{label}: the costliest kernels: {top}"]
+
+
 def graph_gpu_ms(step: Callable[[], object], reps: int) -> float:
     """GPU time of one step alone: its launches captured in a CUDA graph, replays timed."""
     graph = torch.cuda.CUDAGraph()

@@ -1,7 +1,8 @@
 """Imported-model benchmark: models people already have, trained by torch eager, torch.compile (Inductor), torch.compile
 with backend="ember", and ember.jit on the from_torch import, with step time and first-step time. The CNN rows also
 run torch eager in channels-last memory, torch.compile's max-autotune mode (without CUDA graphs) and the ember
-backend with its convolutions' activations channels-last (ember.set_conv_memory_format); every row runs
+backend with its convolutions' activations on (N, C, H, W) memory (ember's default is channels-last:
+ember.set_conv_memory_format); every row runs
 torch.compile's reduce-overhead mode (Inductor's kernels replayed as CUDA graphs) too.
 
 Rows:
@@ -28,7 +29,6 @@ torch kernels) from torch.profiler, and for the ember backend whether each of it
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import statistics
 import sys
@@ -43,12 +43,12 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 VARIANTS = ("torch eager", "torch eager channels-last", "torch.compile", "torch.compile reduce-overhead",
-            "torch.compile max-autotune", "torch.compile backend=ember", "torch.compile backend=ember channels-last",
+            "torch.compile max-autotune", "torch.compile backend=ember", "torch.compile backend=ember NCHW",
             "ember.jit from_torch")
 CNNS = ("resnet50", "mobilenet_v3", "efficientnet_b0")
 ROWS = (*CNNS, "gpt2")
-# the CNN rows' other variants ("backend=ember channels-last": ember.set_conv_memory_format("channels_last"))
-CNN_ONLY = ("torch eager channels-last", "torch.compile max-autotune", "torch.compile backend=ember channels-last")
+# the CNN rows' other variants ("backend=ember NCHW": ember.set_conv_memory_format("contiguous"))
+CNN_ONLY = ("torch eager channels-last", "torch.compile max-autotune", "torch.compile backend=ember NCHW")
 CHECK_STEPS = 3
 LOSS_TOL = 5e-2  # relative, bfloat16
 
@@ -194,7 +194,10 @@ def variant_line(row: str, variant: str, base, x, y, optimizer, args) -> dict:
     from ember.frontends import dynamo
 
     earlier = {line.split(":")[0] for line in dynamo.replay_report()}  # the graphs of variants before this one
-    with conv_memory_format("channels_last" if backend == "ember" and variant.endswith("channels-last") else None):
+    import ember
+
+    nchw = backend == "ember" and variant.endswith("NCHW")
+    with ember.conv_memory_format("contiguous" if nchw else ember.get_conv_memory_format()):
         if variant.startswith("ember"):
             step = guarded(f"{row} {variant} (setup)", lambda: ember_step(model, optimizer, x, y, args.cpu_smoke))
         else:
@@ -212,32 +215,16 @@ def variant_line(row: str, variant: str, base, x, y, optimizer, args) -> dict:
     return line
 
 
-@contextlib.contextmanager
-def conv_memory_format(memory_format: str | None):
-    """ember's layout of half-precision convolutions' activations inside the block (None: as it is)."""
-    import ember
-
-    before = ember.get_conv_memory_format()
-    ember.set_conv_memory_format(memory_format or before)
-    try:
-        yield
-    finally:
-        ember.set_conv_memory_format(before)
-
-
 def breakdown_notes(lines: list[dict]) -> list[str]:
     """A note per variant measured with --breakdown: where its step time goes."""
+    from common import breakdown_lines
+
     notes = []
     for line in lines:
         b = line.get("breakdown")
         if not b:
             continue
-        kinds = ", ".join(f"{kind} {ms:.2f} ms ({count:.0f} launches)" for kind, (ms, count) in
-                          sorted(b["kinds"].items(), key=lambda item: -item[1][0]))
-        notes.append(f"{line['row']} {line['variant']}: wall {b['wall']:.2f} ms per step, host {b['host']:.2f} ms "
-                     f"until the calls return, GPU busy {b['gpu']:.2f} ms: {kinds}")
-        top = "; ".join(f"{name[:90]} {ms:.2f} ms ({count:.0f})" for name, ms, count in b.get("top", []))
-        notes.append(f"{line['row']} {line['variant']}: the costliest kernels: {top}")
+        notes += breakdown_lines(f"{line['row']} {line['variant']}", b)
         notes += [f"{line['row']} {line['variant']} {report}" for report in line.get("replays", [])]
     return notes
 

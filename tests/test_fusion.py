@@ -3,6 +3,8 @@ reference backend, and the fusion decisions themselves (how many kernels a graph
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from conftest import ON_GPU
@@ -298,17 +300,13 @@ def _read_transposed(p) -> list:
 
 @pytest.mark.parametrize("memory_format", ["contiguous", "channels_last", "the module's channels_last"])
 def test_convolutions_in_either_memory_format_train_as_the_reference(rng, memory_format):
-    before = ember.get_conv_memory_format()
-    ember.set_conv_memory_format(memory_format if memory_format == "channels_last" else "contiguous")
-    try:
+    with ember.conv_memory_format(memory_format if memory_format == "channels_last" else "contiguous"):
         ember.manual_seed(0)
         net = _ResidualBlock(ember.bfloat16)
         if memory_format.startswith("the module's"):  # as PyTorch users write it; the process setting stays
             net.to(memory_format=ember.channels_last)
             memory_format = "channels_last"
         results, p = _trained_on_each_device(net, rng.standard_normal((4, 3, 9, 9)).astype(np.float32))
-    finally:
-        ember.set_conv_memory_format(before)
     convolutions = [k.cores[0] for k in p.kernels if k.kind.value == "conv2d"]
     assert len(convolutions) == 7  # conv1, conv2, the shortcut; two input gradients; three weight gradients
     assert all(bool(c.attrs.get("channels_last")) == (memory_format == "channels_last") for c in convolutions)
@@ -317,6 +315,26 @@ def test_convolutions_in_either_memory_format_train_as_the_reference(rng, memory
         assert readers and all(n.op.name.startswith("CONV2D") for n in readers), [n.op for n in readers]
     for fused, reference in zip(*results.values()):
         np.testing.assert_allclose(fused.float().numpy(), reference.float().numpy(), rtol=2e-2, atol=1e-3)
+
+
+@pytest.mark.skipif("EMBER_CONV_MEMORY_FORMAT" in os.environ, reason="the environment sets another default")
+def test_half_precision_convolutions_run_channels_last_by_default_and_float32_ones_on_nchw(rng):
+    """ember's default layout: cuDNN's half-precision kernels run on (N, H, W, C) memory, so float16 and bfloat16
+    convolutions (and what lies between them) run there; float32 ones stay where the user's values are. Values
+    are the reference's either way."""
+    images = rng.standard_normal((2, 3, 6, 5)).astype(np.float32)
+    for dtype, tolerance in ((ember.bfloat16, 2e-2), (ember.float16, 4e-3), (ember.float32, 1e-5)):
+        ember.manual_seed(0)
+        conv = ember.nn.Conv2d(3, 4, 3, padding=1, dtype=dtype)
+        results = {}
+        for device in ("cuda", "cpu"):
+            conv.to(device)
+            results[device] = (conv(ember.tensor(images, device=device).to(dtype)) * 1.7).relu()
+        laid_out = [bool(k.cores[0].attrs.get("channels_last")) for k in plan(results["cuda"]).kernels
+                    if k.kind.value == "conv2d"]
+        assert laid_out == [dtype is not ember.float32], dtype
+        np.testing.assert_allclose(results["cuda"].float().numpy(), results["cpu"].float().numpy(),
+                                   rtol=tolerance, atol=tolerance)
 
 
 class _Stem(ember.nn.Module):
@@ -341,14 +359,10 @@ def test_a_max_pooling_between_channels_last_convolutions_runs_on_their_memory_f
     """The max-pooling's windows (pads and strided slices) and its gradient (the output gradient repeated by
     stride phase: pads, reshapes, broadcasts, slices) sink through the channels-last layout as pointwise ops do:
     no kernel reads a value transposed but the convolutions their input."""
-    before = ember.get_conv_memory_format()
-    ember.set_conv_memory_format("channels_last")
-    try:
+    with ember.conv_memory_format("channels_last"):
         ember.manual_seed(0)
         results, p = _trained_on_each_device(_Stem(ember.bfloat16),
                                              rng.standard_normal((4, 3, 10, 10)).astype(np.float32))
-    finally:
-        ember.set_conv_memory_format(before)
     readers = _read_transposed(p)
     assert readers and all(n.op.name.startswith("CONV2D") for n in readers), [n.op for n in readers]
     for fused, reference in zip(*results.values()):

@@ -288,16 +288,13 @@ def test_convolutions_write_into_their_buffers_and_match_torch(dtype, memory_for
     want = torch.nn.functional.conv2d(tx, tw, None, stride, padding, dilation, groups)
     want.backward(g)
     ex, ew = from_torch(x).requires_grad_(), from_torch(w).requires_grad_()
-    ember.set_conv_memory_format(memory_format)
-    try:
+    with ember.conv_memory_format(memory_format):
         got = F.conv2d(ex, ew, None, stride, padding, dilation, groups)
         (got * from_torch(g)).sum().backward()
         tolerance = BF16 if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
         close(got, want, **tolerance)
         close(ex.grad, tx.grad, **tolerance)
         close(ew.grad, tw.grad, **tolerance)
-    finally:
-        ember.set_conv_memory_format("contiguous")
     if groups == 1 and (memory_format == "contiguous" or dtype == torch.bfloat16):
         assert written and all(written)
         # a stride-1 convolution's input gradient too, as a forward convolution (vendor.input_grad_as_forward)

@@ -333,15 +333,12 @@ def test_activations_saved_for_the_backward_cross_channels_last_where_embers_con
         copied.append((tuple(t.shape), t.stride(), t.dtype)) if not t.is_contiguous() else None) or as_buffer(t))
     net = model().to(torch.bfloat16)
     expected_losses, expected_state = train(copy.deepcopy(net), compiled=False, steps=3, dtype=torch.bfloat16)
-    contiguous_losses, _ = train(copy.deepcopy(net), compiled=True, steps=3, dtype=torch.bfloat16)
+    with ember.conv_memory_format("contiguous"):
+        contiguous_losses, _ = train(copy.deepcopy(net), compiled=True, steps=3, dtype=torch.bfloat16)
     torch._dynamo.reset()
     saved.clear()
-    before = ember.get_conv_memory_format()
-    ember.set_conv_memory_format("channels_last")
-    try:
+    with ember.conv_memory_format("channels_last"):
         losses, state = train(net, compiled=True, steps=3, dtype=torch.bfloat16)
-    finally:
-        ember.set_conv_memory_format(before)
     forward = [outputs for outputs in saved if outputs]  # (the backward returns the weights' gradients)
     assert len(forward) == 3 and all(len(outputs) >= 2 and all(cl for _, cl in outputs) for outputs in forward), saved
     if model is pooled_block:  # the window offsets: one byte each

@@ -11,6 +11,7 @@ from ember.device import (
     Device,
     channels_last,
     contiguous_format,
+    conv_memory_format,
     default_device,
     device,
     get_conv_memory_format,
@@ -72,5 +73,5 @@ __all__ = [
     "short", "uint8", "data", "nn", "optim", "explain", "load", "save", "jit", "memory_stats", "amp", "autocast",
     "from_torch", "from_onnx", "UnsupportedOperatorError",
     "set_matmul_precision", "get_matmul_precision", "set_conv_memory_format", "get_conv_memory_format",
-    "channels_last", "contiguous_format", "preserve_format", "vision", "set_device", *_ops_all,
+    "conv_memory_format", "channels_last", "contiguous_format", "preserve_format", "vision", "set_device", *_ops_all,
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
@@ -120,17 +121,30 @@ def check_memory_format(fn: str, memory_format, allowed=(contiguous_format, chan
         raise ValueError(f"{fn}: memory_format must be one of {', '.join(allowed)} (ember.channels_last, ...), "
                          f"got {memory_format!r}")
     return name
-_conv_memory_format = [os.environ.get("EMBER_CONV_MEMORY_FORMAT", "contiguous")]
+_conv_memory_format = [os.environ.get("EMBER_CONV_MEMORY_FORMAT", channels_last)]
 
 
 def set_conv_memory_format(memory_format: str) -> None:
     """Where cuda keeps the activations of float16 and bfloat16 convolutions, named as torch.memory_format:
-    "contiguous" ((N, C, H, W) memory, the default) or "channels_last" ((N, H, W, C): the convolutions run
-    on cuDNN's channels-last kernels, and batch norms, activations and residual adds between them run on
-    the same memory, with no transposition between them). Values are the same either way; the environment
-    variable EMBER_CONV_MEMORY_FORMAT sets the default."""
+    "channels_last" ((N, H, W, C), the default: the convolutions run on cuDNN's channels-last kernels, and
+    batch norms, activations, poolings and residual adds between them run on the same memory, with no
+    transposition between them; the model's inputs and results keep the layout the user gave them) or
+    "contiguous" ((N, C, H, W) memory, where cuDNN transposes around each half-precision convolution). Values
+    are the same either way; float32 convolutions stay on (N, C, H, W); the environment variable
+    EMBER_CONV_MEMORY_FORMAT sets the default."""
     _conv_memory_format[0] = check_memory_format("set_conv_memory_format", memory_format, _CONV_MEMORY_FORMATS)
 
 
 def get_conv_memory_format() -> str:
     return _conv_memory_format[0]
+
+
+@contextlib.contextmanager
+def conv_memory_format(memory_format: str):
+    """set_conv_memory_format(memory_format) inside a `with` block, the format before it restored after."""
+    before = _conv_memory_format[0]
+    set_conv_memory_format(memory_format)
+    try:
+        yield
+    finally:
+        _conv_memory_format[0] = before

@@ -369,6 +369,47 @@ def test_a_max_pooling_between_channels_last_convolutions_runs_on_their_memory_f
         np.testing.assert_allclose(fused.float().numpy(), reference.float().numpy(), rtol=2e-2, atol=2e-3)
 
 
+class _Convolutions(ember.nn.Module):
+    """Stride-1 convolutions of every form whose input gradient is a forward convolution (3x3, 1x1, dilated, a
+    3x1 window without padding), and a strided and a grouped one, whose input gradients are not."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        nn, kw = ember.nn, dict(dtype=dtype)
+        self.layers = nn.ModuleList([
+            nn.Conv2d(3, 8, 3, 1, 1, **kw), nn.Conv2d(8, 8, 3, 1, 1, bias=False, **kw), nn.Conv2d(8, 6, 1, **kw),
+            nn.Conv2d(6, 8, 3, 1, 2, dilation=2, **kw), nn.Conv2d(8, 8, (3, 1), **kw),
+            nn.Conv2d(8, 8, 3, 2, 1, **kw), nn.Conv2d(8, 8, 3, 1, 1, groups=2, **kw)])
+        self.head = nn.Linear(8, 5, **kw)
+
+    def forward(self, x):
+        F = ember.nn.functional
+        for layer in self.layers:
+            x = F.relu(layer(x))
+        return self.head(F.adaptive_avg_pool2d(x, 1).flatten(1))
+
+
+def test_channels_last_convolutions_read_their_operands_as_cudnn_lays_them_out_and_input_gradients_run_forward(rng):
+    """On channels-last memory every convolution's operands are stored as cuDNN's channels-last kernels read them
+    (the network's input and each weight transposed by the plan's own kernels, so cuDNN transposes nothing),
+    and a stride-1 convolution's input gradient is a forward convolution of the output gradient by the swapped,
+    flipped weight: values and gradients are the reference's."""
+    with ember.conv_memory_format("channels_last"):
+        ember.manual_seed(0)
+        results, p = _trained_on_each_device(_Convolutions(ember.bfloat16),
+                                             rng.standard_normal((4, 3, 11, 9)).astype(np.float32))
+    cores = [k.cores[0] for k in p.kernels if k.kind.value == "conv2d"]
+    Op = ember.ir.Op
+    # 7 forwards and 7 weight gradients; the input gradients of the 6 convolutions after the first: the strided
+    # and the grouped ones backward-data calls, the other 4 forward convolutions
+    assert sorted(c.op.name for c in cores) == ["CONV2D"] * 11 + ["CONV2D_INPUT_GRAD"] * 2 + ["CONV2D_WEIGHT_GRAD"] * 7
+    assert all(c.attrs["channels_last"] for c in cores)
+    assert all(i.op is not Op.PERMUTE or id(i) in p.stored for c in cores for i in c.inputs)
+    assert sum(1 for n in p.lowered.nodes if n.op is Op.FLIP) == 3  # 1x1 windows are not flipped
+    for fused, reference in zip(*results.values()):
+        np.testing.assert_allclose(fused.float().numpy(), reference.float().numpy(), rtol=2e-2, atol=2e-3)
+
+
 def test_reductions_over_leading_and_middle_axes(rng):
     x, xc = pair(rng, 6, 7, 8)
     for dims in ((0,), (1,), (0, 2), (0, 1, 2)):

@@ -3,10 +3,14 @@
 cuDNN's half-precision convolutions run on (N, H, W, C) memory; given (N, C, H, W) they transpose their operands
 and results around every call. So under the compile context's channels_last memory format (or where a
 convolution asks for it), a float16 or bfloat16 convolution runs channels-last (the primitive's channels_last
-attribute) between two permutes, and the permute back to (N, C, H, W) sinks through what follows (pointwise ops,
-broadcasts, reductions, and the pads, strided slices and reshapes of a max-pooling and its gradient) until the
-next convolution's permute to (N, H, W, C) cancels it: batch norms, activations, poolings and residual adds
-between convolutions run on channels-last memory, and nothing is transposed between them.
+attribute: its activations are (N, H, W, C) and its weight and weight gradient (O, kH, kW, I)) between permutes,
+and the permute back to (N, C, H, W) sinks through what follows (pointwise ops, broadcasts, reductions, and the
+pads, strided slices and reshapes of a max-pooling and its gradient) until the next convolution's permute to
+(N, H, W, C) cancels it: batch norms, activations, poolings and residual adds between convolutions run on
+channels-last memory, and nothing is transposed between them. What is left to transpose (the weights, the
+network's input) the planner stores by the plan's own kernels (small and independent of each other, they share
+launches), so cuDNN reads every operand as it lies. A stride-1 convolution's input gradient becomes a forward
+convolution of the output gradient by the swapped, flipped weight, which cuDNN writes straight into its buffer.
 """
 
 from __future__ import annotations
@@ -34,10 +38,15 @@ class ChannelsLast:
             if not asked or attrs.get("channels_last") or original.dtype not in (dtypes.float16, dtypes.bfloat16):
                 return None
             laid_out = {key: v for key, v in attrs.items() if key != "memory_format"} | {"channels_last": True}
-            if op is Op.CONV2D_WEIGHT_GRAD:  # both operands are activations; the result is a weight
-                return self.make(op, tuple(self._permuted(i, _to_nhwc(4)) for i in ins), laid_out, original)
-            out = self.make(op, (self._permuted(ins[0], _to_nhwc(4)), *ins[1:]), laid_out,
-                            shaped_like(original, _nhwc(original.shape)))
+            if op is Op.CONV2D_INPUT_GRAD and original.device.type == "cuda" and len(ins) == 2:
+                forward = forward_padding(ins[1].shape[2:], attrs["stride"], attrs["padding"], attrs["dilation"],
+                                          attrs["groups"])
+                if forward is not None:
+                    return self._input_grad_as_forward(ins, attrs, forward, original)
+            # both operands and the result channels-last: activations (N, H, W, C), weights and the weight
+            # gradient (O, kH, kW, I), the memory cuDNN's channels-last kernels read and write
+            operands = tuple(self._permuted(i, _to_nhwc(4)) for i in ins[:2])
+            out = self.make(op, (*operands, *ins[2:]), laid_out, shaped_like(original, _nhwc(original.shape)))
             return self._permuted(out, _to_nchw(4), original)
         rank = len(original.shape)
         if op is Op.PERMUTE and rank >= 4 and tuple(attrs["order"]) in (_to_nchw(rank), _to_nhwc(rank)) \
@@ -59,6 +68,21 @@ class ChannelsLast:
             return self._permuted(self.make(op, (ins[0].inputs[0],), {**attrs, "axes": axes}, inner_like),
                                   _to_nchw(rank), original)
         return None
+
+    def _input_grad_as_forward(self, ins: tuple[Node, ...], attrs: dict, padding: tuple[int, ...],
+                               original: Node) -> Node:
+        """A stride-1 convolution's input gradient as cuDNN's forward convolution of the output gradient, which
+        writes straight into its buffer (cuDNN's backward-data result, through torch, is copied into it): the
+        weight's channels swapped and its window flipped by the plan's own kernel, into (I, kH, kW, O) memory,
+        and the padding widened back (see `forward_padding`)."""
+        grad, weight = ins
+        axes = tuple(a for a in (2, 3) if weight.shape[a] > 1)
+        flipped = self.make(Op.FLIP, (weight,), {"axes": axes}, weight) if axes else weight
+        conv = {"stride": (1, 1), "padding": padding, "dilation": tuple(attrs["dilation"]), "groups": 1,
+                "channels_last": True}
+        out = self.make(Op.CONV2D, (self._permuted(grad, _to_nhwc(4)), self._permuted(flipped, (1, 2, 3, 0))), conv,
+                        shaped_like(original, _nhwc(original.shape)))
+        return self._permuted(out, _to_nchw(4), original)
 
     def _moved(self, op: Op, x: Node, attrs: dict, original: Node) -> Node | None:
         """The movement op `op` (`attrs`, making `original`) of an (N, C, ...) value, made on `x`, that value's
@@ -113,6 +137,16 @@ class ChannelsLast:
             # shape read so
             return self._permuted(x, _to_nhwc(rank))
         return None
+
+
+def forward_padding(kernel: tuple[int, ...], stride, padding, dilation, groups: int) -> tuple[int, ...] | None:
+    """The padding of the forward convolution that computes a convolution's input gradient from its output
+    gradient (with the weight's channels swapped and its window flipped): d * (k - 1) - p on each axis, where
+    the convolution has stride 1 and no groups and its padding is within the window's reach; else None."""
+    reach = [d * (k - 1) for k, d in zip(kernel, dilation)]
+    if groups != 1 or any(s != 1 for s in stride) or any(p > r for p, r in zip(padding, reach)):
+        return None
+    return tuple(r - p for r, p in zip(reach, padding))
 
 
 def shaped_like(node: Node, shape: tuple[int, ...], dtype: dtypes.DType | None = None) -> Node:

@@ -32,6 +32,7 @@ from ember.compiler.fused import (
     summed_output,
     us,
 )
+from ember.compiler.layout import CONVOLUTIONS
 from ember.ir import Kind, Node, Op
 from ember.ir.ops import STRIDED_VIEWS
 
@@ -96,6 +97,10 @@ class Planner:
                 if self.is_gemm(n):
                     continue
                 for i in n.inputs:  # vendor ops read strided views of stored buffers
+                    if i.op is Op.PERMUTE and n.op in CONVOLUTIONS and n.attrs.get("channels_last"):
+                        # cuDNN would transpose it itself, on each call: a weight, the network's input
+                        stored.add(id(i))
+                        continue
                     base = self.view_base(i)
                     if base.op is not Op.BUFFER and not (base.op is Op.RAND and n.op in DRAWS_INLINE):
                         stored.add(id(base))

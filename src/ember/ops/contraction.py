@@ -485,10 +485,11 @@ def _conv_output(op: Op, x: tuple[int, ...], w: tuple[int, ...], attrs: dict) ->
     return (n, o, conv_out_size(h, kh, sh, ph, dh), conv_out_size(wd, kw, sw, pw, dw))
 
 
-# The compiler may hold a convolution's activations channels-last: with the attribute channels_last=True,
-# its input, output gradient and output are (N, H, W, C) (the weight stays (O, C/groups, kh, kw)).
+# The compiler may run a convolution channels-last: with the attribute channels_last=True, its input, output
+# gradient and output are (N, H, W, C) and its weight and weight gradient (O, kh, kw, C/groups).
 def _nchw(shape: tuple[int, ...], attrs: dict) -> tuple[int, ...]:
-    """An activation's shape in (N, C, H, W) order."""
+    """An operand's shape in (N, C, H, W) order (a weight's in (O, I, kH, kW) order): a channels-last
+    convolution's activations are (N, H, W, C) and its weights (O, kH, kW, I)."""
     return (shape[0], shape[3], shape[1], shape[2]) if attrs.get("channels_last") else shape
 
 
@@ -501,7 +502,7 @@ def _conv2d_rule(inputs, attrs) -> tuple[tuple[int, ...], dtypes.DType]:
     """A convolution of an input by a weight, and with an optional third input, a bias per output channel
     added before the result is rounded to its dtype: only the compiler makes one (compiler/conv_folding.py
     folds a per-channel affine into the convolution), so the bias may be float32 for a half-precision one."""
-    out = _conv_output(Op.CONV2D, _nchw(inputs[0].shape, attrs), inputs[1].shape, attrs)
+    out = _conv_output(Op.CONV2D, _nchw(inputs[0].shape, attrs), _nchw(inputs[1].shape, attrs), attrs)
     if len(inputs) == 3:
         bias, x = inputs[2], inputs[0]
         check_shape(bias.shape == (out[1],), Op.CONV2D, f"bias of shape {bias.shape} for {out[1]} output channels")
@@ -533,7 +534,7 @@ def _conv2d_vjp(g, xs, out, a):
     (cuDNN's backward-data and backward-filter) instead of as forward convolutions of reshaped operands."""
     x, w = xs[:2]
     gx = apply(Op.CONV2D_INPUT_GRAD, g, w, input_size=_nchw(x.shape, a)[2:], **_conv_attrs(a))
-    gw = apply(Op.CONV2D_WEIGHT_GRAD, x, g, kernel_size=w.shape[2:], **_conv_attrs(a))
+    gw = apply(Op.CONV2D_WEIGHT_GRAD, x, g, kernel_size=_nchw(w.shape, a)[2:], **_conv_attrs(a))
     if len(xs) == 2:
         return gx, gw
     channel = 3 if a.get("channels_last") else 1  # a bias's gradient: the output gradient summed per channel
@@ -542,7 +543,7 @@ def _conv2d_vjp(g, xs, out, a):
 
 
 def _conv2d_input_grad_rule(inputs, attrs) -> tuple[tuple[int, ...], dtypes.DType]:
-    g, w = _nchw(inputs[0].shape, attrs), inputs[1].shape
+    g, w = _nchw(inputs[0].shape, attrs), _nchw(inputs[1].shape, attrs)
     x = (g[0], w[1] * attrs["groups"], *attrs["input_size"])
     check_shape(_conv_output(Op.CONV2D_INPUT_GRAD, x, w, attrs) == g, Op.CONV2D_INPUT_GRAD,
                 f"gradient {g} is not the output of an input {x} convolved with weight {w}")
@@ -554,7 +555,7 @@ def _conv2d_weight_grad_rule(inputs, attrs) -> tuple[tuple[int, ...], dtypes.DTy
     w = (g[1], x[1] // attrs["groups"], *attrs["kernel_size"])
     check_shape(_conv_output(Op.CONV2D_WEIGHT_GRAD, x, w, attrs) == g, Op.CONV2D_WEIGHT_GRAD,
                 f"gradient {g} is not the output of input {x} convolved with a weight {w}")
-    return w, inputs[0].dtype
+    return _in_layout(w, attrs), inputs[0].dtype
 
 
 def _conv2d_input_grad_vjp(h, xs, out, a):
@@ -562,7 +563,7 @@ def _conv2d_input_grad_vjp(h, xs, out, a):
     g, w = xs
     attrs = _conv_attrs(a)
     return (apply(Op.CONV2D, h, w, **attrs),
-            apply(Op.CONV2D_WEIGHT_GRAD, h, g, kernel_size=w.shape[2:], **attrs))
+            apply(Op.CONV2D_WEIGHT_GRAD, h, g, kernel_size=_nchw(w.shape, a)[2:], **attrs))
 
 
 def _conv2d_weight_grad_vjp(h, xs, out, a):
@@ -625,23 +626,22 @@ def _np_conv2d_weight_grad(x: np.ndarray, g: np.ndarray, kernel_size, stride, pa
     return out.reshape(o, cg, kh, kw)
 
 
-def _laid_out(fn, activations: tuple[bool, bool], activation_out: bool):
-    """A reference that also takes channels-last operands: `activations` says which inputs are activations
-    (transposed to (N, C, H, W) for `fn`), `activation_out` whether the result is one (transposed back). A folded
-    convolution's description (`folded`, for explain) changes nothing of its value."""
+def _laid_out(fn):
+    """A reference that also takes channels-last operands ((N, H, W, C) activations, (O, kH, kW, I) weights:
+    both transposed to (N, C, H, W) order for `fn`, and the result back). A folded convolution's description
+    (`folded`, for explain) changes nothing of its value."""
     def reference(a, b, *rest, channels_last: bool = False, memory_format=None, folded=(), **attrs):
         if not channels_last:
             return fn(a, b, *rest, **attrs)
-        a, b = (x.transpose(0, 3, 1, 2) if is_activation else x for x, is_activation in zip((a, b), activations))
-        out = fn(a, b, *rest, **attrs)
-        return np.ascontiguousarray(out.transpose(0, 2, 3, 1)) if activation_out else out
+        out = fn(a.transpose(0, 3, 1, 2), b.transpose(0, 3, 1, 2), *rest, **attrs)
+        return np.ascontiguousarray(out.transpose(0, 2, 3, 1))
     return reference
 
 
 define(Op.MATMUL, shape=_matmul_rule, vjp=_matmul_vjp, reference=np.matmul)
 composite(Op.LINEAR, _linear_rule, _linear)
-define(Op.CONV2D, shape=_conv2d_rule, vjp=_conv2d_vjp, reference=_laid_out(_np_conv2d, (True, False), True))
+define(Op.CONV2D, shape=_conv2d_rule, vjp=_conv2d_vjp, reference=_laid_out(_np_conv2d))
 define(Op.CONV2D_INPUT_GRAD, shape=_conv2d_input_grad_rule, vjp=_conv2d_input_grad_vjp,
-       reference=_laid_out(_np_conv2d_input_grad, (True, False), True))
+       reference=_laid_out(_np_conv2d_input_grad))
 define(Op.CONV2D_WEIGHT_GRAD, shape=_conv2d_weight_grad_rule, vjp=_conv2d_weight_grad_vjp,
-       reference=_laid_out(_np_conv2d_weight_grad, (True, True), False))
+       reference=_laid_out(_np_conv2d_weight_grad))

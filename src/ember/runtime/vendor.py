@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from ember.compiler import Signature
+from ember.compiler.layout import forward_padding
 from ember.errors import CompileError
 from ember.ir import Node, Op
 from ember.ir.ops import STRIDED_VIEWS
@@ -37,12 +38,9 @@ def conv2d(node: Node, buffers: dict[int, torch.Tensor], sig: Signature) -> None
     a = node.attrs
     conv = (a["stride"], a["padding"], a["dilation"], a["groups"])
     out_buffer = buffers[id(node)]
-    if a.get("channels_last"):  # (N, H, W, C) memory seen as (N, C, H, W): torch's channels_last tensors
-        first = first.permute(0, 3, 1, 2)
-        if node.op is Op.CONV2D_WEIGHT_GRAD:
-            second = second.permute(0, 3, 1, 2)
-        else:
-            out_buffer = out_buffer.permute(0, 3, 1, 2)
+    if a.get("channels_last"):  # (N, H, W, C) activations and (O, kH, kW, I) weights seen as (N, C, H, W) and
+        # (O, I, kH, kW): torch's channels_last tensors, which cuDNN reads and writes with no transposition
+        first, second, out_buffer = (t.permute(0, 3, 1, 2) for t in (first, second, out_buffer))
     if node.op is Op.CONV2D:
         if not bias and _into_buffer(first, second, conv, out_buffer):
             return
@@ -98,12 +96,12 @@ def input_grad_as_forward(weight: torch.Tensor, conv: tuple) -> tuple[torch.Tens
     widens the output back to the input's size (d * (k - 1) - p on each axis). None where that is no convolution
     (a stride above 1, groups, a padding wider than the window's reach)."""
     stride, padding, dilation, groups = conv
-    reach = [d * (k - 1) for k, d in zip(weight.shape[2:], dilation)]
-    if groups != 1 or any(s != 1 for s in stride) or any(p > r for p, r in zip(padding, reach)):
+    widened = forward_padding(weight.shape[2:], stride, padding, dilation, groups)
+    if widened is None:
         return None
     swapped = weight.transpose(0, 1)
     flipped = swapped if all(k == 1 for k in weight.shape[2:]) else swapped.flip(2, 3)
-    return flipped, ((1, 1), tuple(r - p for r, p in zip(reach, padding)), tuple(dilation), 1)
+    return flipped, ((1, 1), widened, tuple(dilation), 1)
 
 
 def argsort(node: Node, buffers: dict[int, torch.Tensor], sig: Signature) -> None:

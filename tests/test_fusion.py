@@ -410,6 +410,27 @@ def test_channels_last_convolutions_read_their_operands_as_cudnn_lays_them_out_a
         np.testing.assert_allclose(fused.float().numpy(), reference.float().numpy(), rtol=2e-2, atol=2e-3)
 
 
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+def test_a_per_channel_value_under_a_pooling_padded_windows_is_computed_once_not_per_window(rng, channels_last):
+    """A max-pooling's nine padded windows each read the activation before it at other positions, but a value
+    broadcast along those positions (a batch norm's per-channel factor) is the same for all nine: the kernel
+    computes it once (its loads do not take the windows' bound checks), and the pooling's values are the
+    reference's, padding included."""
+    values = rng.uniform(-2, 2, (2, 3, 9, 8)).astype(np.float32)
+    scales = rng.uniform(-1, 1, (3,)).astype(np.float32)
+    results = {}
+    for device in ("cuda", "cpu"):
+        x, scale = ember.tensor(values, device=device), ember.tensor(scales, device=device)
+        if channels_last:
+            x = x.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+        h = (x * (scale.exp() / 7).reshape(1, 3, 1, 1) - 0.1).relu()
+        results[device] = ember.nn.functional.max_pool2d(h, 3, 2, 1)
+    p = plan(results["cuda"])
+    (kernel,) = [k for k in p.kernels if k.kind is KernelKind.POINTWISE and len(k.space) == 4]
+    assert p.sources[id(kernel)].text.split("@triton.jit")[1].count("exp(") == 1
+    assert_close(results["cuda"], results["cpu"])
+
+
 def test_reductions_over_leading_and_middle_axes(rng):
     x, xc = pair(rng, 6, 7, 8)
     for dims in ((0,), (1,), (0, 2), (0, 1, 2)):

@@ -178,6 +178,8 @@ class Emitter:
         # A GEMM's tiles are 2-d: a mask split by axis lets a load that varies along one axis only (a
         # bias, a per-feature scale) load a row or a column instead of the whole tile.
         self.mask_parts: dict[Var, dict[str, Var]] = {}  # a 2-d mask -> {axis: that axis's own mask}
+        # a pad's mask (the index's mask and its bound checks) -> (the index's mask, the positions it checks)
+        self.padded: dict[Expr, tuple[Expr | None, tuple[Expr, ...]]] = {}
         self.big = max([n.numel for n in kernel.covers + kernel.reads + kernel.outputs] + [1]) > INT32_LIMIT
 
     # -- small helpers -------------------------------------------------------------------
@@ -433,7 +435,7 @@ class Emitter:
             if level == ROW:
                 return self.row_index
             new = tuple(ZERO if s == 1 and n != 1 else d for d, s, n in zip(dims, source, node.shape))
-            return Index(new, None, idx.mask, level)
+            return Index(new, None, self.unpadded(idx.mask, [d for d, e in zip(dims, new) if e is ZERO]), level)
         if op is Op.SLICE:
             new = [add(Lit(start), mul(d, Lit(step))) for d, (start, _, step) in zip(dims, a["slices"])]
             return Index(tuple(new), None, idx.mask, level)
@@ -442,6 +444,17 @@ class Emitter:
                    for i, d in enumerate(dims)]
             return Index(tuple(new), None, idx.mask, level)
         raise CompileError(f"no index rule for {op.label}")
+
+    def unpadded(self, mask: Expr | None, broadcast: list[Expr]) -> Expr | None:
+        """`mask` without the checks of the pads above it that test only positions a broadcast drops: the loads
+        beneath read the same addresses at every such position (a batch norm's per-channel statistics under a
+        max-pooling's nine padded windows), so they share one index, and the pad's where() still picks the fill."""
+        while mask in self.padded:
+            outer, checked = self.padded[mask]
+            if not all(any(c is d for d in broadcast) for c in checked):
+                break
+            mask = outer
+        return mask
 
     def clamp(self, position: Expr, size: int) -> Var:
         """A position forced into [0, size): the load stays in bounds and a where() picks the real value."""
@@ -456,7 +469,7 @@ class Emitter:
         fill = Lit(node.attrs["value"], node.dtype)
         if 0 in source:  # all padding, and no position to clamp a load to
             return fill, compute_dtype(node.dtype)
-        inner, checks = [], []
+        inner, checks, checked = [], [], []
         for d, (lo, hi), s in zip(dims, node.attrs["pads"], source):
             if lo == 0 and hi == 0:
                 inner.append(d)
@@ -472,6 +485,7 @@ class Emitter:
             # would not coalesce); a scalar one is clamped, as a scalar load is unmasked
             inner.append(shifted if shifted.is_tile else self.clamp(shifted, s))
             checks.append(self.in_range(shifted, s))
+            checked.append(inner[-1])
         level = input_level(node, idx.level, self.kernel.space, self.kernel.axes, 0)
         if not checks:
             return self.value(node.inputs[0], Index(tuple(inner), None, idx.mask, level))
@@ -479,6 +493,7 @@ class Emitter:
         # real elements
         valid = self.define(both(*checks), "ok")
         inside = self.define(both(idx.mask, valid), "m") if idx.mask is not None else valid
+        self.padded[inside] = (idx.mask, tuple(checked))
         value, dt = self.value(node.inputs[0], Index(tuple(inner), None, inside, level))
         return self.define(call("where", valid, value, fill)), dt
 

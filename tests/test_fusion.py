@@ -337,6 +337,28 @@ def test_half_precision_convolutions_run_channels_last_by_default_and_float32_on
                                    rtol=tolerance, atol=tolerance)
 
 
+def test_a_convolution_keeps_the_memory_format_set_when_it_was_called_and_a_modules_own_overrides_it(rng):
+    """ember is lazy: a convolution's plan is made when a value is read, after the `with` block that chose its
+    layout has ended; it runs in the layout asked for at the call. A module's memory format (torch's way to ask
+    for one) overrides the setting either way, so `contiguous_format` opts one module out of channels-last."""
+    images = ember.tensor(rng.standard_normal((2, 3, 6, 5)).astype(np.float32), device="cuda").bfloat16()
+
+    def laid_out(out) -> list[bool]:
+        return [bool(k.cores[0].attrs.get("channels_last")) for k in plan(out).kernels if k.kind.value == "conv2d"]
+    conv = ember.nn.Conv2d(3, 4, 3, padding=1, dtype=ember.bfloat16, device="cuda")
+    with ember.conv_memory_format("contiguous"):
+        nchw = conv(images)
+    with ember.conv_memory_format("channels_last"):
+        nhwc = conv(images)
+        assert laid_out(nchw) == [False] and laid_out(nhwc) == [True]
+        conv.to(memory_format=ember.contiguous_format)
+        assert laid_out(conv(images)) == [False]
+    with ember.conv_memory_format("contiguous"):
+        conv.to(memory_format=ember.channels_last)
+        assert laid_out(conv(images)) == [True]
+    np.testing.assert_allclose(nchw.float().numpy(), nhwc.float().numpy(), rtol=1e-2, atol=1e-2)
+
+
 class _Stem(ember.nn.Module):
     """A ResNet's stem in miniature: convolution, batch norm, ReLU, a 3x3 max-pooling of stride 2, then one more
     convolution, pooled and classified."""

@@ -348,6 +348,11 @@ def test_activations_saved_for_the_backward_cross_channels_last_where_embers_con
     np.testing.assert_allclose(losses, expected_losses, rtol=2e-2)
     for name, value in expected_state.items():
         np.testing.assert_allclose(state[name], value, rtol=5e-2, atol=5e-2, err_msg=name)
+    torch._dynamo.reset()
+    saved.clear()
+    with ember.conv_memory_format("channels_last"):  # float32 convolutions run on (N, C, H, W): nothing crosses moved
+        train(model(), compiled=True, steps=2, dtype=torch.float32)
+    assert saved and not any(cl for outputs in saved for _, cl in outputs), saved
 
 
 @pytest.mark.parametrize("options", [None, OPTIONS], ids=["cpu", "cuda"])

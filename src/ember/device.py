@@ -130,8 +130,10 @@ def set_conv_memory_format(memory_format: str) -> None:
     batch norms, activations, poolings and residual adds between them run on the same memory, with no
     transposition between them; the model's inputs and results keep the layout the user gave them) or
     "contiguous" ((N, C, H, W) memory, where cuDNN transposes around each half-precision convolution). Values
-    are the same either way; float32 convolutions stay on (N, C, H, W); the environment variable
-    EMBER_CONV_MEMORY_FORMAT sets the default."""
+    are the same either way; float32 convolutions stay on (N, C, H, W). A convolution keeps the format set when
+    it is called (its plan is made later, when a value is read); conv2d's memory_format, and a module's
+    (`Module.to(memory_format=...)`), override it. The environment variable EMBER_CONV_MEMORY_FORMAT sets the
+    default."""
     _conv_memory_format[0] = check_memory_format("set_conv_memory_format", memory_format, _CONV_MEMORY_FORMATS)
 
 

@@ -34,7 +34,8 @@ class ChannelsLast:
         if not self.laying_out:
             return None
         if op in CONVOLUTIONS:
-            asked = self.channels_last or attrs.get("memory_format") == "channels_last"
+            requested = attrs.get("memory_format")  # as the convolution was called (conv2d's memory_format)
+            asked = requested == "channels_last" if requested is not None else self.channels_last
             if not asked or attrs.get("channels_last") or original.dtype not in (dtypes.float16, dtypes.bfloat16):
                 return None
             laid_out = {key: v for key, v in attrs.items() if key != "memory_format"} | {"channels_last": True}

@@ -405,13 +405,13 @@ def _restride_placeholders(graph, example_inputs) -> None:
 
 
 def _save_channels_last(graph) -> None:
-    """In a forward graph whose convolutions ember runs on channels-last memory (ember.set_conv_memory_format), the
-    activations saved for the backward cross to it as they lie: each such output (4-d, half-precision or boolean, or
-    a max-pooling's window offsets; computed by the graph, returned nowhere else) is made a channels-last tensor of
-    torch's, and its strides are reported to AOTAutograd (TracingContext.output_strides, as Inductor reports its
-    layouts), which traces the backward graph on them; `_in_memory_order` then writes and reads that memory with no
-    transposition. Without this, ember would transpose every saved activation to torch's contiguous layout at the
-    forward's end and back at the backward's start."""
+    """In a forward graph whose convolutions ember runs on channels-last memory (ember.set_conv_memory_format: the
+    half-precision ones), the activations saved for the backward cross to it as they lie: each such output (4-d,
+    half-precision or boolean, or a max-pooling's window offsets; computed by the graph, returned nowhere else) is
+    made a channels-last tensor of torch's, and its strides are reported to AOTAutograd
+    (TracingContext.output_strides, as Inductor reports its layouts), which traces the backward graph on them;
+    `_in_memory_order` then writes and reads that memory with no transposition. Without this, ember would transpose
+    every saved activation to torch's contiguous layout at the forward's end and back at the backward's start."""
     import torch
     from torch._guards import TracingContext
 
@@ -422,8 +422,10 @@ def _save_channels_last(graph) -> None:
     except (AttributeError, AssertionError):
         saved = None
     convolution = torch.ops.aten.convolution.default
-    if reported is None or saved is None or not any(n.target is convolution for n in graph.nodes):
-        return  # not a forward graph AOTAutograd compiles for a backward, or one with no convolution
+    half = (torch.float16, torch.bfloat16)
+    if reported is None or saved is None or not any(
+            n.target is convolution and getattr(n.meta.get("val"), "dtype", None) in half for n in graph.nodes):
+        return  # not a forward graph AOTAutograd compiles for a backward, or one with no half-precision convolution
     output = next(n for n in graph.nodes if n.op == "output")
     nodes = list(output.args[0])
     kept = set(range(len(nodes))[saved])

@@ -316,7 +316,8 @@ class Module:
 
         Only floating-point tensors change dtype, as in PyTorch; gradients follow their parameter.
         `memory_format=ember.channels_last` (or torch's) makes the module's convolutions ask for channels-last
-        activations (see conv2d's memory_format); ember.contiguous_format takes that back.
+        activations, ember.contiguous_format for (N, C, H, W) ones, whatever ember's setting (see conv2d's
+        memory_format).
         """
         if "memory_format" in kwargs:
             kwargs = dict(kwargs)

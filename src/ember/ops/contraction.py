@@ -9,7 +9,7 @@ import string
 import numpy as np
 
 from ember import amp, dtypes
-from ember.device import channels_last, check_memory_format
+from ember.device import check_memory_format, get_conv_memory_format, preserve_format
 from ember.errors import DTypeError, ShapeError, operands
 from ember.ir import Op
 from ember.ir.ops import check_shape, define
@@ -370,9 +370,10 @@ def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padd
            groups: int = 1, *, memory_format=None) -> Tensor:
     """2-d cross-correlation over NCHW input (or CHW, unbatched), as torch.nn.functional.conv2d.
 
-    `memory_format` (ember's): ember.channels_last asks cuda to run this convolution, and its gradients,
-    on (N, H, W, C) memory (float16 and bfloat16), as `ember.set_conv_memory_format` does for all of
-    them; None or ember.contiguous_format follows that setting. Values are the same either way."""
+    `memory_format` (ember's): where cuda runs this convolution and its gradients (float16 and bfloat16):
+    ember.channels_last on (N, H, W, C) memory, ember.contiguous_format on (N, C, H, W); None follows
+    `ember.set_conv_memory_format` as it is at this call (channels-last by default). Values are the same
+    either way."""
     x, unbatched = batched("conv2d", x, weight, "(O, C/groups, kH, kW)")
     stride, dilation = _pair("conv2d", "stride", stride), _pair("conv2d", "dilation", dilation)
     kh, kw = weight.shape[2:]
@@ -518,10 +519,11 @@ def _matmul_vjp(g, xs, out, a):
 
 
 def _layout_request(op: str, memory_format) -> dict:
-    """The attribute by which a convolution asks for channels-last activations (none: the global setting)."""
-    if memory_format is None or check_memory_format(op, memory_format) != channels_last:
-        return {}
-    return {"memory_format": channels_last}
+    """The layout a convolution asks for, recorded on it: the one given, else ember's setting when it is called
+    (ember.set_conv_memory_format, ember.conv_memory_format; ember.preserve_format follows it too). The plan that
+    runs the convolution is made later, when a value is read, and keeps what was asked here."""
+    chosen = preserve_format if memory_format is None else check_memory_format(op, memory_format)
+    return {"memory_format": get_conv_memory_format() if chosen == preserve_format else chosen}
 
 
 def _conv_attrs(a: dict) -> dict:

@@ -39,7 +39,7 @@ class ChannelsLast:
             if not asked or attrs.get("channels_last") or original.dtype not in (dtypes.float16, dtypes.bfloat16):
                 return None
             laid_out = {key: v for key, v in attrs.items() if key != "memory_format"} | {"channels_last": True}
-            if op is Op.CONV2D_INPUT_GRAD and original.device.type == "cuda" and len(ins) == 2:
+            if op is Op.CONV2D_INPUT_GRAD and len(ins) == 2:
                 forward = forward_padding(ins[1].shape[2:], attrs["stride"], attrs["padding"], attrs["dilation"],
                                           attrs["groups"])
                 if forward is not None:

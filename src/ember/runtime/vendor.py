@@ -46,16 +46,14 @@ def conv2d(node: Node, buffers: dict[int, torch.Tensor], sig: Signature) -> None
             return
         out = torch.nn.functional.conv2d(first, second, None, *conv)
     elif node.op is Op.CONV2D_INPUT_GRAD:  # from the output gradient and the weight
-        # (on cuda only: elsewhere cuDNN is not there to write into the buffer, and the weight's copy is wasted)
+        # (on cuda only: elsewhere cuDNN is not there to write into the buffer, and the weight's copy is wasted;
+        # a channels-last one was made a forward convolution when it was laid out, compiler/layout.py)
         as_forward = input_grad_as_forward(second, conv) if first.is_cuda and not bias else None
         if as_forward is not None:
             weight, forward = as_forward
-            weight = weight.contiguous(memory_format=torch.channels_last if a.get("channels_last") else
-                                       torch.contiguous_format)
-            if _into_buffer(first, weight, forward, out_buffer):
+            if _into_buffer(first, weight.contiguous(), forward, out_buffer):
                 return
-        weight = second.contiguous(memory_format=torch.channels_last) if a.get("channels_last") else second
-        out = _convolution_backward(first, out_buffer, weight, conv, 0)
+        out = _convolution_backward(first, out_buffer, second, conv, 0)
     else:  # from the input and the output gradient
         out = _convolution_backward(second, first, out_buffer, conv, 1)
     if bias:

@@ -3,6 +3,8 @@ reference backend, and the fusion decisions themselves (how many kernels a graph
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 
 import numpy as np
@@ -451,6 +453,51 @@ def test_a_per_channel_value_under_a_pooling_padded_windows_is_computed_once_not
     (kernel,) = [k for k in p.kernels if k.kind is KernelKind.POINTWISE and len(k.space) == 4]
     assert p.sources[id(kernel)].text.split("@triton.jit")[1].count("exp(") == 1
     assert_close(results["cuda"], results["cpu"])
+
+
+def batch_norm_gradients(x, device):
+    weight = ember.tensor(np.linspace(0.5, 1.5, x.shape[1], dtype=np.float32), device=device).requires_grad_()
+    bias = ember.tensor(np.linspace(-0.3, 0.3, x.shape[1], dtype=np.float32), device=device).requires_grad_()
+    x = x.requires_grad_()
+    y = ember.nn.functional.batch_norm(x, None, None, weight, bias, training=True)
+    ((y * y).sum() + y.sum()).backward()
+    return y, x.grad, weight.grad, bias.grad
+
+
+def test_a_batch_norms_per_channel_factors_over_a_large_activation_are_computed_once_and_loaded():
+    """A batch norm's per-channel factors (a mean's division, the inverse of a standard deviation) broadcast over
+    an activation of millions of elements would be recomputed for each element by a flat kernel over it: at the
+    GPU's costs the planner stores them instead, in the epilogue of the reduction they read, and the kernels over
+    the activation load them (planned at full size, not run). Over a small activation they are recomputed."""
+    x = ember.randn(32, 64, 64, 64, device="cuda")
+    p = plan(*batch_norm_gradients(x, "cuda")[:2])
+    large = [k for k in p.kernels if k.kind is KernelKind.POINTWISE and math.prod(k.space) == x.numel()]
+    assert large
+    for kernel in large:
+        assert "sqrt" not in p.sources[id(kernel)].text.split("@triton.jit")[1]
+    assert "reciprocal [1, 64, 1, 1] float32, broadcast to 8,388,608 elements, stored" in str(p)
+    small = plan(*batch_norm_gradients(ember.randn(2, 64, 8, 8, device="cuda"), "cuda")[:2])
+    assert "broadcast to" not in str(small)  # recomputing costs less than a launch
+
+
+def test_values_stored_before_their_broadcast_match_the_reference(rng, monkeypatch):
+    """With launches free, every value the planner can store before a broadcast is stored: a batch norm's
+    forward and backward, and a per-row factor, still match the reference, in both memory layouts."""
+    from ember.compiler import targets
+    triton_target = targets.TARGETS["triton"]
+    monkeypatch.setitem(targets.TARGETS, "triton", dataclasses.replace(
+        triton_target, costs=dataclasses.replace(triton_target.costs, launch_seconds=0.0)))
+    values = rng.uniform(-2, 2, (3, 5, 7, 6)).astype(np.float32)
+    results = {}
+    for device in ("cuda", "cpu"):
+        x = ember.tensor(values, device=device)
+        x = x.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2) if device == "cuda" else x
+        rows = ember.tensor(values.reshape(15, 42), device=device)
+        scaled = rows / (rows.abs().sum(1, keepdim=True) + 1).sqrt()
+        results[device] = (*batch_norm_gradients(x, device), scaled)
+    assert "stored: recomputing" in str(plan(*results["cuda"]))
+    for fused, reference in zip(results["cuda"], results["cpu"], strict=True):
+        assert_close(fused, reference, rtol=2e-5, atol=2e-5)
 
 
 def test_reductions_over_leading_and_middle_axes(rng):

@@ -55,6 +55,11 @@ MAX_RECOMPUTE_OPS = 48  # a shared producer with a larger cone is stored, not re
 TINY_RECOMPUTE_BYTES = 16 * 1024
 TINY_RECOMPUTE_WORK = 1 << 22
 RAND_OPS = 8  # a random number (Philox rounds), in pointwise ops
+# Simple operations a GPU spends on one evaluation of the ops it computes by a sequence (float32 division and
+# square root correctly rounded, as torch computes them; powers, transcendental functions): an estimate used where
+# the planner weighs recomputing a value against loading it
+HEAVY_OPS = {Op.DIV: 16, Op.RECIPROCAL: 16, Op.SQRT: 16, Op.FLOORDIV: 16, Op.MOD: 16, Op.POW: 32, Op.EXP: 8,
+             Op.LOG: 8, Op.LOG1P: 16, Op.SIN: 16, Op.COS: 16, Op.TANH: 16, Op.ERF: 16}
 
 
 class Planner:
@@ -106,10 +111,13 @@ class Planner:
                         stored.add(id(base))
             elif n.op is Op.SCATTER_ADD or n.op.kind is Kind.REDUCE:
                 stored.add(id(n))
+        broadcast = self._broadcast_elements()
         for n in self.nodes:  # upstream first, so a cone is final when it is measured
-            if id(n) in stored or is_leaf(n) or len(self.users[id(n)]) < 2:
+            if id(n) in stored or is_leaf(n):
                 continue
-            if self._store_is_cheaper(n):
+            if id(n) in broadcast and self._store_before_broadcast(n, broadcast[id(n)]):
+                stored.add(id(n))
+            elif len(self.users[id(n)]) >= 2 and self._store_is_cheaper(n):
                 stored.add(id(self._narrowest_exact_source(n)))
 
     def _narrowest_exact_source(self, node: Node) -> Node:
@@ -152,6 +160,48 @@ class Planner:
         inside, reads = self.inside(node)
         ops = sum(1 for n in inside if n.op.kind in (Kind.UNARY, Kind.BINARY, Kind.TERNARY, Kind.INDEX, Kind.REDUCE))
         return ops + RAND_OPS * sum(1 for n in inside if n.op is Op.RAND), reads
+
+    def _broadcast_elements(self) -> dict[int, int]:
+        """id(value) -> the elements its broadcasts (through reshapes) make of it, for each value broadcast."""
+        elements: dict[int, int] = defaultdict(int)
+        for n in self.nodes:
+            if n.op is Op.EXPAND:
+                source = n.inputs[0]
+                while source.op is Op.RESHAPE:
+                    source = source.inputs[0]
+                elements[id(source)] += n.numel
+        return elements
+
+    def work(self, nodes: list[Node]) -> int:
+        """Simple operations one evaluation of `nodes` takes (HEAVY_OPS weighs the floating-point ones computed by
+        a sequence)."""
+        pointwise = (Kind.UNARY, Kind.BINARY, Kind.TERNARY, Kind.INDEX)
+        return sum(HEAVY_OPS.get(n.op, 1) if n.dtype.is_floating_point else 1
+                   for n in nodes if n.op.kind in pointwise) + RAND_OPS * sum(1 for n in nodes if n.op is Op.RAND)
+
+    def _store_before_broadcast(self, node: Node, elements: int) -> bool:
+        """Cost model for a value computed on few elements and broadcast to many: a batch norm's per-channel
+        factors, read by each element of an activation. A reader recomputes it for each element it broadcasts
+        to (a flat kernel over (N, H, W, C) evaluates a channel's divisions and square root N·H·W times);
+        stored, it is computed once (in the epilogue of the reduction it reads, where it reads one) and each
+        reader loads it. Stored where the work saved takes longer than a launch and the bytes stored: a value
+        stored in a reduction's epilogue takes no launch of its own, but it can split a kernel that computed it
+        beside its readers (a row's softmax), so only work worth a launch is moved."""
+        if node.op in STRIDED_VIEWS or node.op.kind not in (Kind.UNARY, Kind.BINARY, Kind.TERNARY) \
+                or node.numel * 64 > elements:
+            return False
+        inside, reads = self.inside(node)
+        work = self.work(inside)
+        costs = self.costs
+        recompute = work * elements / costs.alu_rate
+        moved = node.numel * node.dtype.itemsize * 2 + sum(r.numel * r.dtype.itemsize for r in reads)
+        store = costs.launch_seconds + moved / costs.bandwidth
+        if recompute <= store:
+            return False
+        self.shared[id(node)] = (f"{node.op.label} {list(node.shape)} {node.dtype.name}, broadcast to {elements:,} "
+                                 f"elements, stored: recomputing its {work} operations for each takes "
+                                 f"{us(recompute)}, storing it {us(store)}")
+        return True
 
     def _store_is_cheaper(self, node: Node) -> bool:
         """Cost model for a producer with several users, in bytes moved.

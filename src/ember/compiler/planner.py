@@ -158,8 +158,7 @@ class Planner:
     def cone(self, node: Node) -> tuple[int, list[Node]]:
         """Pointwise work and stored inputs of everything `node` inlines."""
         inside, reads = self.inside(node)
-        ops = sum(1 for n in inside if n.op.kind in (Kind.UNARY, Kind.BINARY, Kind.TERNARY, Kind.INDEX, Kind.REDUCE))
-        return ops + RAND_OPS * sum(1 for n in inside if n.op is Op.RAND), reads
+        return operations(inside), reads
 
     def _broadcast_elements(self) -> dict[int, int]:
         """id(value) -> the elements its broadcasts (through reshapes) make of it, for each value broadcast."""
@@ -171,13 +170,6 @@ class Planner:
                     source = source.inputs[0]
                 elements[id(source)] += n.numel
         return elements
-
-    def work(self, nodes: list[Node]) -> int:
-        """Simple operations one evaluation of `nodes` takes (HEAVY_OPS weighs the floating-point ones computed by
-        a sequence)."""
-        pointwise = (Kind.UNARY, Kind.BINARY, Kind.TERNARY, Kind.INDEX)
-        return sum(HEAVY_OPS.get(n.op, 1) if n.dtype.is_floating_point else 1
-                   for n in nodes if n.op.kind in pointwise) + RAND_OPS * sum(1 for n in nodes if n.op is Op.RAND)
 
     def _store_before_broadcast(self, node: Node, elements: int) -> bool:
         """Cost model for a value computed on few elements and broadcast to many: a batch norm's per-channel
@@ -191,7 +183,7 @@ class Planner:
                 or node.numel * 64 > elements:
             return False
         inside, reads = self.inside(node)
-        work = self.work(inside)
+        work = operations(inside, weighed=True)
         costs = self.costs
         recompute = work * elements / costs.alu_rate
         moved = node.numel * node.dtype.itemsize * 2 + sum(r.numel * r.dtype.itemsize for r in reads)
@@ -598,6 +590,14 @@ class Planner:
             taken |= {id(n) for n in cone}
             kernel.prologues.append(sorted(cone, key=lambda n: self.position[id(n)]))
         kernel.epilogue = [n for n in kernel.covers if id(n) not in taken]
+
+
+def operations(nodes: list[Node], weighed: bool = False) -> int:
+    """The ops one evaluation of `nodes` computes (a random number counts RAND_OPS); `weighed`: in simple
+    operations, HEAVY_OPS weighing the floating-point ones a GPU computes by a sequence."""
+    counted = (Kind.UNARY, Kind.BINARY, Kind.TERNARY, Kind.INDEX, Kind.REDUCE)
+    return sum(HEAVY_OPS.get(n.op, 1) if weighed and n.dtype.is_floating_point else 1
+               for n in nodes if n.op.kind in counted) + RAND_OPS * sum(1 for n in nodes if n.op is Op.RAND)
 
 
 def closes_cycle(deps: dict[int, set[int]], group: list[FusedKernel], height: dict[int, int] | None = None) -> bool:

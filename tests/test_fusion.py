@@ -710,6 +710,57 @@ def test_independent_kernels_join_only_up_to_the_kernel_size_cap(rng, monkeypatc
         assert_close(t, e)
 
 
+def test_unrelated_updates_merge_only_while_light(rng):
+    """Updates of parameters of one shape that share no loads merge while the merged kernel computes at most
+    POINTWISE_HEAVY nodes at each element: beyond that its programs would take a quarter of the elements, and
+    every parameter's loads would move a quarter of the bytes. The values are the reference's."""
+    from ember.compiler.fused import POINTWISE_HEAVY, element_nodes
+
+    params = [pair(rng, 24, 40) for _ in range(12)]
+    grads = [pair(rng, 24, 40) for _ in range(12)]
+    lr = pair(rng, 1, low=0.01, high=0.1)  # one value every update reads: no shared load
+
+    def update(p, g, lr):
+        m = g * 0.9 + p.tanh() * 0.01
+        return p - lr * (m / (m.abs() + 0.3)).clamp(-1, 1) + (p * 0.01).sin()
+
+    new = [update(p, g, lr[0]) for (p, _), (g, _) in zip(params, grads)]
+    expected = [update(pc, gc, lr[1]) for (_, pc), (_, gc) in zip(params, grads)]
+    parts = [part for k in plan(*new).kernels for part in (k.segments or [k])]
+    merged = [part for part in parts if len(part.outputs) > 1]
+    assert merged, "light updates still merge"
+    assert all(element_nodes(part.covers) <= POINTWISE_HEAVY for part in merged)
+    assert len(parts) > 1  # not all twelve in one kernel
+    ember.realize(*new)
+    for t, e in zip(new, expected):
+        assert_close(t, e, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_segmented_launch_gives_its_heavy_segments_smaller_blocks_than_the_rest(rng):
+    """A segmented launch joining a heavy kernel (many nodes at each element) with a light one over many
+    elements: the heavy segment's programs take fewer elements (BLOCK_HEAVY), the light one's the full block;
+    both compute the reference's values."""
+    from ember.compiler.fused import POINTWISE_HEAVY, element_nodes
+
+    x, xc = pair(rng, 37)
+    big, bigc = pair(rng, 600, 1000)  # enough elements that the light segment's blocks do not shrink
+
+    def heavy(t):
+        for k in range(POINTWISE_HEAVY // 3 + 2):
+            t = (t * (0.9 + 0.01 * k)).tanh() + 0.1
+        return t
+
+    outs, expected = [heavy(x), big * 0.5 + 1.0], [heavy(xc), bigc * 0.5 + 1.0]
+    p = plan(*outs)
+    (launch,) = [k for k in p.kernels if k.kind is KernelKind.SEGMENTED]
+    assert sorted(element_nodes(part.covers) > POINTWISE_HEAVY for part in launch.segments) == [False, True]
+    assert "BLOCK 1024x256" in str(p)
+    ember.realize(*outs)
+    for t, e in zip(outs, expected):
+        assert_close(t, e, rtol=1e-5, atol=1e-5)
+
+
 def test_a_repeated_step_hits_the_plan_cache(rng, fresh_caches):
     from ember.runtime import cuda
 

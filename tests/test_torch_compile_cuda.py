@@ -41,20 +41,23 @@ def batch(seed: int, dtype=None):
 def train(model, compiled: bool, steps: int = 4, during_last=None, dtype=None) -> tuple[list[float], dict]:
     """Losses and final state of SGD steps with momentum, the whole step compiled by ember (`compiled`); the last
     step runs inside the context `during_last` gives, if any."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    run = training_step(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), compiled)
+    losses = [run(*batch(i, dtype)).item() for i in range(steps - 1)]
+    with during_last() if during_last else contextlib.nullcontext():
+        losses.append(run(*batch(steps - 1, dtype)).item())
+    return losses, {k: (v.float() if v.is_floating_point() else v).detach().cpu().numpy()
+                    for k, v in model.state_dict().items()}
 
+
+def training_step(model, opt, compiled: bool):
+    """One training step of `model` by `opt` (cross entropy), compiled whole by ember where asked."""
     def step(x, y):
         loss = F.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()
         opt.step()
         return loss
-    run = torch.compile(step, backend="ember", options=OPTIONS) if compiled else step
-    losses = [run(*batch(i, dtype)).item() for i in range(steps - 1)]
-    with during_last() if during_last else contextlib.nullcontext():
-        losses.append(run(*batch(steps - 1, dtype)).item())
-    return losses, {k: (v.float() if v.is_floating_point() else v).detach().cpu().numpy()
-                    for k, v in model.state_dict().items()}
+    return torch.compile(step, backend="ember", options=OPTIONS) if compiled else step
 
 
 @contextlib.contextmanager
@@ -90,6 +93,57 @@ def test_a_training_step_on_embers_cuda_device_replays_and_matches_torch_eager()
     report = ember.frontends.dynamo.replay_report()[before:]
     assert len(report) >= 2 and all(" 0 replayed" not in line for line in report[:2]), report
     assert not copies
+
+
+@pytest.mark.parametrize("optimizer", ["SGD", "AdamW"])
+def test_an_optimizer_steps_replays_write_parameters_and_state_into_torchs_tensors(optimizer, monkeypatch):
+    """The graph of `opt.step()` computes each parameter's and each optimizer state's new value straight into
+    torch's tensor on replays (the kernel computing it is the last to read the old value, element for element):
+    nothing is copied into them after the graph, and every value is torch eager's."""
+    dynamo = importlib.import_module("ember.frontends.dynamo")
+    copied = []
+    copy_tensors = dynamo.copy_tensors
+    monkeypatch.setattr(dynamo, "copy_tensors", lambda targets, values: (copied.extend(targets),
+                                                                          copy_tensors(targets, values)))
+    net = block()
+    reference = copy.deepcopy(net)
+    results = []
+    for model in (reference, net):
+        opt = (torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9) if optimizer == "SGD" else
+               torch.optim.AdamW(model.parameters(), lr=0.01))
+        run = training_step(model, opt, compiled=model is net)
+        losses = [run(*batch(i)).item() for i in range(3)]  # recorded, then replayed
+        copied.clear()
+        losses += [run(*batch(i)).item() for i in range(3, 6)]
+        state = [t for group in opt.state.values() for t in group.values() if isinstance(t, torch.Tensor)]
+        results.append((losses, [*model.parameters(), *state]))
+    (expected, reference_values), (losses, values) = results
+    np.testing.assert_allclose(losses, expected, rtol=1e-4)
+    for got, want in zip(values, reference_values):
+        np.testing.assert_allclose(got.detach().float().cpu().numpy(), want.detach().float().cpu().numpy(),
+                                   rtol=1e-4, atol=1e-5)
+    written = {t.data_ptr() for t in values}
+    assert not [t for t in copied if t.data_ptr() in written]
+
+
+def _update_read_elsewhere(x, y):
+    x.add_(x.flip(0) * 0.5 + y)  # the new value reads the old one at other positions
+    y.mul_(0.9)
+    return x.sum()
+
+
+def test_an_input_update_reading_the_old_value_elsewhere_is_not_written_in_place():
+    """An update of an input whose new value reads the input's old value at other positions (a flip) cannot be
+    written into the input while it is read: it stays a value of its own, copied in after the graph, and is
+    right at every replay."""
+    run = torch.compile(_update_read_elsewhere, backend="ember", options=OPTIONS)
+    generator = torch.Generator().manual_seed(0)
+    mine = [torch.randn(6, 5, generator=generator).to(DEVICE) for _ in range(2)]
+    theirs = [t.clone() for t in mine]
+    for _ in range(5):
+        np.testing.assert_allclose(run(*mine).item(), _update_read_elsewhere(*theirs).item(), rtol=1e-4)
+        for got, want in zip(mine, theirs):
+            np.testing.assert_allclose(got.cpu().numpy(), want.cpu().numpy(), rtol=1e-5, atol=1e-5)
 
 
 def test_results_handed_to_torch_are_its_own_and_cross_no_dlpack_capsule(monkeypatch):
@@ -132,8 +186,8 @@ def test_results_torch_lets_go_of_within_the_step_are_handed_over_without_a_copy
     def counting_replays(program, buffers):  # a replay on torch's tensors as they are
         leaves = replay_buffers(program, buffers)
         own = {b.data_ptr() for results in program.results for b in results}
-        for (kind, _, _), leaf in zip(program.out_slots, leaves):
-            if kind == "result" and leaf.numel():
+        for (kind, slot, _), leaf in zip(program.out_slots, leaves):
+            if kind == "result" and leaf.numel() and slot not in program.into:  # (into: written in torch's input)
                 handed["shared" if leaf.data_ptr() in own else "copied"] += 1
         return leaves
     monkeypatch.setattr(dlpack, "torch_buffers", counting)
@@ -143,15 +197,8 @@ def test_results_torch_lets_go_of_within_the_step_are_handed_over_without_a_copy
     x, y = batch(0)
     losses = []
     for model in (reference, net):
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-
-        def step(x, y, model=model, opt=opt):
-            loss = F.cross_entropy(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            return loss
-        run = step if model is reference else torch.compile(step, backend="ember", options=OPTIONS)
+        run = training_step(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                            compiled=model is net)
         losses.append([run(x, y).item() for _ in range(6)])
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-4)
     assert handed["shared"] > 0 and handed["copied"] == 0, handed

@@ -277,8 +277,10 @@ class _Program:
         self.handed_at = [0]  # per set of result buffers: the replay that last returned them
         self.lends = True  # results handed to torch share the set's memory (runtime.dlpack.torch_buffers)
         self.calls = 0
-        self.graphs: dict[tuple, object] = {}  # (argument buffers' addresses, result set) -> CUDA graph
+        self.graphs: dict[tuple, object] = {}  # (argument buffers' addresses, result set, into) -> CUDA graph
         self.own_arguments: list | None = None  # where arguments are copied once GRAPHS_KEPT graphs exist
+        # result slot -> argument slot: a returned value replay_buffers writes into that argument's buffer
+        self.into: dict[int, int] = {}
         self.why_no_graph = self._capture_graph([args[i]._node.buffer for i in self.arguments]) if cuda_graph \
             else "cuda_graph=False"
         self.graphed = not self.why_no_graph
@@ -293,7 +295,7 @@ class _Program:
             return "no GPU: the interpreter replays launch by launch"
         try:
             self.plans.bind(arguments, self.results[0])
-            self.graphs[_addresses(arguments), 0] = self.plans.capture()
+            self.graphs[_addresses(arguments), 0, False] = self.plans.capture()
         except Exception as error:  # e.g. a kernel that synchronises; replays stay correct without the graph
             return f"capture failed: {error}"
         return ""
@@ -514,20 +516,51 @@ class _Program:
         leaves = iter([self._returned(value, args, s) for value in self.out_slots])
         return nested.rebuild(self.result_structure, leaves)
 
+    def write_into_arguments(self, pairs: dict[int, int]) -> set[int]:
+        """Let `replay_buffers` write returned leaves straight into arguments' buffers (`pairs`: leaf index ->
+        argument index), for a caller that puts each such value in that argument's place after the call (a
+        torch.compile graph's update of its inputs: parameters, momenta, running statistics): each replay then
+        writes no buffer of its own for it, and the caller has nothing to copy. Taken for a leaf only where that
+        is safe: the value is a result of its own, computed by the last plan that reads the argument, by the
+        kernel that reads it last and element for element where it writes (`Plan.writes_in_place`), and the step
+        does not also return the argument itself (its old value, which the caller copies). The leaves taken."""
+        taken: set[int] = set()
+        slots = [what for kind, what, _ in self.out_slots if kind == "result"]
+        returned = {what for kind, what, _ in self.out_slots if kind == "argument"}  # (its old value, handed on)
+        for leaf, argument in pairs.items():
+            kind, slot, _ = self.out_slots[leaf]
+            if kind != "result" or slots.count(slot) != 1 or argument not in self.arguments or argument in returned:
+                continue
+            a = self.arguments.index(argument)
+            writers = [(k, j) for k, step in enumerate(self.plans.steps) for j, s in step.results_out if s == slot]
+            if len(writers) != 1:
+                continue
+            (k, j), steps = writers[0], self.plans.steps
+            read = [i for i, b in steps[k].arguments if b == a]
+            later = any(b == a for step in steps[k + 1:] for _, b in step.arguments)
+            if len(read) == 1 and not later and steps[k].plan.writes_in_place(read[0], j):
+                self.into[slot] = a
+                taken.add(leaf)
+        return taken
+
     def replay_buffers(self, buffers: list) -> list | None:
         """A replay on its Tensor arguments' buffers as they are, in order (a torch.compile graph's inputs that are
         tensors: frontends.dynamo), with the returned leaves as buffers too: a result as a tensor of its own on the
-        result set's memory (a copy where the program no longer lends), an argument as its buffer, a value the
-        step keeps as a copy, anything else as recorded (a Python value, a constant Tensor). None where it takes
-        host data (a cpu argument)."""
+        result set's memory (a copy where the program no longer lends), or as the argument's buffer it was
+        written into (`write_into_arguments`), an argument as its buffer, a value the step keeps as a copy,
+        anything else as recorded (a Python value, a constant Tensor). None where it takes host data (a cpu
+        argument)."""
         if self.uploads:
             return None
-        s = self._replay_on([buffers[i] for i in self.arguments])
+        arguments = [buffers[i] for i in self.arguments]
+        s = self._replay_on(arguments, into=True)
         results = self.results[s]
         self.handed_at[s] = self.calls
         leaves = []
         for kind, what, _ in self.out_slots:
-            if kind == "result":
+            if kind == "result" and what in self.into:
+                leaves.append(arguments[self.into[what]])
+            elif kind == "result":
                 leaves.append(results[what].detach() if self.lends else results[what].clone())
             elif kind == "computed":
                 leaves.append(_kept_copy(what))
@@ -535,23 +568,33 @@ class _Program:
                 leaves.append(buffers[what] if kind == "argument" else what)
         return leaves
 
-    def _replay_on(self, arguments: list) -> int:
-        """Run the plans on the arguments' buffers into a free set of result buffers; that set."""
+    def _replay_on(self, arguments: list, into: bool = False) -> int:
+        """Run the plans on the arguments' buffers into a free set of result buffers (and, `into`, the values
+        `write_into_arguments` took into the arguments' buffers); that set."""
         self.calls += 1
         s = self._free_results()
         draws = [take_offsets(n) for n in self.draw_counts] if self.draw_counts else None
         with deferred_interrupt():
-            self._run(arguments, s, draws)
+            self._run(arguments, s, draws, into and bool(self.into))
             self._rebind_gradients()
         return s
 
-    def _run(self, arguments: list, s: int, draws: list | None) -> None:
-        """Run the plans on `arguments`, writing the returned values into result set `s`: a CUDA graph
-        captured for these buffers, or one captured now (after running the plans once, which compiles
-        whatever a new binding needs), or launch by launch."""
+    def _run(self, arguments: list, s: int, draws: list | None, into: bool = False) -> None:
+        """Run the plans on `arguments`, writing the returned values into result set `s` (`into`: those taken by
+        `write_into_arguments` into the arguments' buffers): a CUDA graph captured for these buffers, or one
+        captured now (after running the plans once, which compiles whatever a new binding needs), or launch by
+        launch."""
         results = self.results[s]
+        if into:
+            results = [arguments[self.into[k]] if k in self.into else r for k, r in enumerate(results)]
         if self.graphed:
-            key = (_addresses(arguments), s)
+            key = (_addresses(arguments), s, into)
+            if key not in self.graphs and len(self.graphs) >= GRAPHS_KEPT and into:
+                # the arguments it writes cannot be copies of the program's own: this binding runs launch by launch
+                self.plans.bind(arguments, results)
+                self.plans.run(draws)
+                self.plans.bind([None] * len(arguments), [None] * len(results))
+                return
             if key not in self.graphs and len(self.graphs) >= GRAPHS_KEPT:
                 if self.own_arguments is None:
                     self.own_arguments = [b.clone() for b in arguments]
@@ -560,7 +603,7 @@ class _Program:
 
                     copy_tensors(self.own_arguments, arguments)
                 arguments = self.own_arguments
-                key = (_addresses(arguments), s)
+                key = (_addresses(arguments), s, into)
             graph = self.graphs.get(key)
             if graph is not None:
                 self.plans.draw(draws)  # the graph's random kernels read their offsets from device memory

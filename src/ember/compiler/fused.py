@@ -199,6 +199,18 @@ def is_leaf(node: Node) -> bool:
     return node.op.kind is Kind.LEAF
 
 
+# A pointwise kernel computing more nodes than this at each element (gathers and the index arithmetic that places
+# them: image sampling) gives each program a quarter of the usual elements: its many live values per element
+# otherwise take so many registers that few programs fit on an SM
+POINTWISE_HEAVY = 64
+
+
+def element_nodes(nodes) -> int:
+    """How many of a kernel's computed `nodes` it computes at each element: a single value (an optimizer's step
+    count, its bias corrections) is computed once a program, a scalar beside the block's values."""
+    return sum(1 for n in nodes if n.numel != 1)
+
+
 def input_level(node: Node, level: Level, space: tuple[int, ...], axes: tuple[int, ...], position: int) -> Level:
     """The level of input `position` of `node`, when `node` sits at `level` in a kernel over (space, axes)."""
     if level == OTHER:

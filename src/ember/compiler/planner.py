@@ -19,11 +19,13 @@ from ember.compiler.fused import (
     OPAQUE,
     OPAQUE_KINDS,
     OTHER,
+    POINTWISE_HEAVY,
     ROW,
     Costs,
     FusedKernel,
     KernelKind,
     Level,
+    element_nodes,
     input_level,
     is_leaf,
     mib,
@@ -420,13 +422,31 @@ class Planner:
             for k in group:
                 for target in merged:
                     if graph.ops(target) + graph.ops(k) <= MAX_KERNEL_OPS and len(target.reductions) + len(
-                            k.reductions) <= MAX_KERNEL_REDUCTIONS and self.mergeable(target, k, graph):
+                            k.reductions) <= MAX_KERNEL_REDUCTIONS and not self.apart(target, k, graph) \
+                            and self.mergeable(target, k, graph):
                         graph.absorb(target, k)
                         kernels.remove(k)
                         break
                 else:
                     merged.append(k)
         return self.kernel_order(kernels, graph.refs)
+
+    def apart(self, a: FusedKernel, b: FusedKernel, graph: KernelGraph) -> bool:
+        """Whether pointwise kernels `a` and `b` stay apart: merged they would load nothing once for both (no
+        value of more than one element read by both, neither reading the other's output), and would compute more
+        nodes at each element than POINTWISE_HEAVY. The merged kernel would run a quarter of the elements a
+        program (its values at each element take registers), so each of its loads moves a quarter of the bytes:
+        an optimizer's update of twelve parameters of one shape, merged, read and wrote at 40% of the copy rate.
+        Apart, segmentation still launches them together (such updates wait for the last launch)."""
+        if a.kind is not KernelKind.POINTWISE or graph.ops(a) + graph.ops(b) <= POINTWISE_HEAVY:
+            return False
+        (covers_a, reads_a), (covers_b, reads_b) = self.covers_of(a), self.covers_of(b)
+        if element_nodes(covers_a) + element_nodes(covers_b) <= POINTWISE_HEAVY:
+            return False
+        shared = {id(n) for n in reads_a if n.numel != 1} & {id(n) for n in reads_b if n.numel != 1}
+        joined = any(id(o) in graph.refs[id(b)] for o in a.outputs) or any(id(o) in graph.refs[id(a)]
+                                                                         for o in b.outputs)
+        return not shared and not joined
 
     def dependencies(self, kernels: list[FusedKernel], refs: dict) -> dict[int, set[int]]:
         produced = {id(o): k for k in kernels for o in k.outputs}

@@ -17,12 +17,14 @@ Options (`torch.compile(..., backend="ember", options={...})`):
 What a call costs besides its plans is the boundary: a ResNet-50 step passes some 1,100 torch tensors into its
 graphs and takes some 1,000 back. Each is wrapped as an ember node on its memory (no DLPack capsule, no
 per-tensor checks), results that live in buffers a later replay writes are copied out in one batched copy, and the
-inputs a graph updates (parameters, momenta, running statistics) are written at its end in one multi-tensor copy
-per device and dtype. Tensors torch lays out densely in another order than their dimensions' (an attention's
-output kept transposed, channels-last activations) cross without copies: ember computes such an output in torch's
-memory order and reads such an input as it lies. Outputs that are views of another output are made again on
-that output's tensor, so they share memory exactly as torch's would, and ember computes no buffer for them.
-`replay_report()` says, per compiled graph, whether its calls replay and whether as CUDA graphs.
+inputs a graph updates (parameters, momenta, running statistics) are written by the kernels computing their new
+values, straight into torch's tensors, where the kernel is the last to read the old value and reads it element for
+element where it writes (ember.jit's `write_into_arguments`; an optimizer step's updates); the others at the graph's
+end in one multi-tensor copy per device and dtype. Tensors torch lays out densely in another order than their
+dimensions' (an attention's output kept transposed, channels-last activations) cross without copies: ember computes
+such an output in torch's memory order and reads such an input as it lies. Outputs that are views of another output
+are made again on that output's tensor, so they share memory exactly as torch's would, and ember computes no buffer
+for them. `replay_report()` says, per compiled graph, whether its calls replay and whether as CUDA graphs.
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ def backend(gm, example_inputs, options: dict | None = None):
         raise ValueError(f'torch.compile(backend="ember"): options {options} not understood; known: "device": "cuda"')
     compile_graph = functools.partial(_compile, on_cuda=options.get("device") == "cuda")
     # inputs a graph updates (parameters and momenta in an optimizer step, a batch norm's running statistics) stay
-    # writes in the graph, made by ember at its end in one batched copy, not one torch copy_ per tensor after it.
+    # writes in the graph, made by ember (in place, or at its end in one batched copy), not one torch copy_ per
+    # tensor after it.
     # The forward saves for the backward a minimal cut of what it computes: the pointwise chains between (an
     # activation's tanh, powers and products) are recomputed inside the backward's fused kernels rather than
     # written by the forward and read back; what the backward must materialize anyway (a GEMM's or a
@@ -115,6 +118,7 @@ def _compile(gm, example_inputs, on_cuda: bool = False):
         step = jit(step)
         _replayed[next(_numbers)] = step
     static = _static(gm.graph)
+    taught: weakref.WeakSet = weakref.WeakSet()  # the programs told which inputs their replays write in place
 
     def run(args: list) -> list:
         written = [args[p] for p in writes]
@@ -128,6 +132,11 @@ def _compile(gm, example_inputs, on_cuda: bool = False):
         for p, order in ordered.items():  # torch's memory of these inputs, read as it lies
             args[p] = args[p].permute(order)
         if entry is not _UNKEYED and entry is not None and entry.program is not None and entry.program.still_valid():
+            if entry.program not in taught:  # its updates of the inputs, written into their memory where safe
+                taught.add(entry.program)
+                count = len(entry.program.out_slots)
+                entry.program.write_into_arguments({count - len(writes) + k: p for k, p in enumerate(writes)
+                                                    if p not in ordered})
             outputs = _replay(step, entry.program, args)
             if outputs is not None:
                 return _finish(outputs, handed, addresses, written, numbers)
@@ -520,15 +529,24 @@ def _finish(outputs: list, plan: _Outputs, addresses: set[int], written: list, n
             view = target(view, *args, **kwargs)
         results[i] = view
     del results[plan.count:]  # the values viewed that the graph does not return
-    if written:
+    # an input's new value the replay wrote into the input's memory itself (ember.jit's write_into_arguments) is
+    # in place already
+    pending = [(w, v) for w, v in zip(written, outputs[kept:]) if not _same_memory(w, v)]
+    if pending:
         import torch
 
         # a new value on an input's memory (an input swapped with another, or kept while another is written) is
         # read before any input is written
-        values = [v.clone() if _on_inputs(v, addresses) else v for v in outputs[kept:]]
+        values = [v.clone() if _on_inputs(v, addresses) else v for _, v in pending]
         with torch.no_grad():  # into the inputs as they are (parameters among them), not detached views of each
-            copy_tensors(written, values)
+            copy_tensors([w for w, _ in pending], values)
     return results
+
+
+def _same_memory(a, b) -> bool:
+    """Whether torch tensors `a` and `b` are the same elements of the same memory."""
+    return (hasattr(b, "data_ptr") and a.data_ptr() == b.data_ptr() and a.shape == b.shape
+            and a.stride() == b.stride() and a.dtype == b.dtype)
 
 
 def _on_inputs(t, addresses: set[int]) -> bool:

@@ -21,22 +21,36 @@ from ember.compiler.emit import (
     Index,
     program_index,
 )
-from ember.compiler.fused import FULL, OTHER, FusedKernel, KernelKind, Pattern
-from ember.compiler.kernel import Bin, Branch, Effect, Expr, Function, Lit, Loop, ParamKind, Range, Var, add, call
+from ember.compiler.fused import FULL, OTHER, POINTWISE_HEAVY, FusedKernel, KernelKind, Pattern, element_nodes
+from ember.compiler.kernel import (
+    Bin,
+    Block,
+    Branch,
+    Effect,
+    Expr,
+    Function,
+    Lit,
+    Loop,
+    ParamKind,
+    Range,
+    Var,
+    add,
+    call,
+)
 from ember.compiler.rewrite import hoist_loads
 
 POINTWISE_BLOCK = 1024
 
 
 def _pointwise_body(ctx: Context, kernel: FusedKernel, block: list, tag: str, first_block: Expr,
-                    axis: int | None) -> None:
+                    axis: int | None, tile: Block = BLOCK) -> None:
     emitter = Emitter(ctx, kernel, block, tag)
     start = call("cast", first_block, dtype=dtypes.int64) if emitter.big else first_block
-    offs = emitter.bind(f"offs{tag}", Bin("+", Bin("*", start, BLOCK), Range(BLOCK)))
+    offs = emitter.bind(f"offs{tag}", Bin("+", Bin("*", start, tile), Range(tile)))
     mask = emitter.bind(f"mask{tag}", Bin("<", offs, ctx.size(_threads(kernel, axis))))
     if axis is None:
         for out in kernel.outputs:
-            emitter.store(out, Index(None, offs, mask, FULL), (BLOCK,))
+            emitter.store(out, Index(None, offs, mask, FULL), (tile,))
         return
     # each element of offs is a position along the other axes, computed for every position along `axis`: what
     # does not vary along it is memoized under the same index, so emitted once
@@ -44,7 +58,7 @@ def _pointwise_body(ctx: Context, kernel: FusedKernel, block: list, tag: str, fi
     for position in range(kernel.space[axis]):
         at = Index(other[:axis] + (Lit(position),) + other[axis:], None, mask, FULL)
         for out in kernel.outputs:
-            emitter.store(out, at, (BLOCK,))
+            emitter.store(out, at, (tile,))
 
 
 # A heavy pointwise kernel (more nodes than POINTWISE_HEAVY) may compute all positions along an axis this short
@@ -97,7 +111,7 @@ def lower_pointwise(ctx: Context, kernel: FusedKernel) -> Function:
     axis = unrolled_axis(ctx, kernel)
     _pointwise_body(ctx, kernel, body, "", pid, axis)
     numel = _threads(kernel, axis)
-    block = pointwise_block(numel, len(kernel.covers), ctx.settings.multiprocessors)
+    block = pointwise_block(numel, element_nodes(kernel.covers), ctx.settings.multiprocessors)
     grid = -(-numel // block)
     if _latency_bound(ctx, grid):
         body[:] = hoist_loads(body)
@@ -110,11 +124,6 @@ def _latency_bound(ctx: Context, programs: int) -> bool:
     return programs < (ctx.settings.multiprocessors or UNKNOWN_MULTIPROCESSORS)
 
 
-# A pointwise kernel computing more nodes than this per element (gathers and the index arithmetic that places
-# them: image sampling) gives each program a quarter of POINTWISE_BLOCK: its many live values per element
-# otherwise take so many registers that few programs fit on an SM
-POINTWISE_HEAVY = 64
-
 POINTWISE_PROGRAMS_PER_SM = 4  # a small kernel's programs shrink (to 128 elements, one per thread) to fill the GPU
 
 
@@ -126,17 +135,29 @@ def pointwise_block(numel: int, nodes: int, multiprocessors: int) -> int:
     return block
 
 
+# a segmented launch's tile for its heavy segments, where they take fewer elements a program than the others
+HEAVY_BLOCK = Block("BLOCK_HEAVY", "x")
+
+
 def lower_segmented(ctx: Context, kernel: FusedKernel) -> Function:
-    """Many independent pointwise kernels in one launch: program ids are split into ranges."""
+    """Many independent pointwise kernels in one launch: program ids are split into ranges. Each segment's
+    programs take as many elements as the segment would alone in a kernel of the launch's size: a heavy one
+    (an image sampling's, or an optimizer's update of a bias computing its step's factors) takes fewer, and does
+    not shrink the others' (a large parameter's update, whose loads then move whole vectors)."""
     body: list = []
     pid = program_index(Emitter(ctx, kernel, body))
     total = 0
     branches = body
     axes = [unrolled_axis(ctx, part) for part in kernel.segments]
-    block = pointwise_block(sum(_threads(part, a) for part, a in zip(kernel.segments, axes)),
-                            max(len(part.covers) for part in kernel.segments), ctx.settings.multiprocessors)
+    threads = sum(_threads(part, a) for part, a in zip(kernel.segments, axes))
+    sizes = [pointwise_block(threads, element_nodes(part.covers), ctx.settings.multiprocessors)
+             for part in kernel.segments]
+    constexprs = {"BLOCK": max(sizes)}
+    if min(sizes) < max(sizes):
+        constexprs["BLOCK_HEAVY"] = min(sizes)
     for k, part in enumerate(kernel.segments):
-        blocks = -(-_threads(part, axes[k]) // block)
+        tile = BLOCK if sizes[k] == constexprs["BLOCK"] else HEAVY_BLOCK
+        blocks = -(-_threads(part, axes[k]) // sizes[k])
         begin = total
         total += blocks
         bound = ctx.param(ParamKind.BOUND, total, "end")
@@ -145,10 +166,10 @@ def lower_segmented(ctx: Context, kernel: FusedKernel) -> Function:
         branches.append(branch)
         branches = branch.orelse
         first = pid if begin == 0 else Bin("-", pid, ctx.param(ParamKind.BOUND, begin, "end"))
-        _pointwise_body(ctx, part, branch.body, f"_{k}", first, axes[k])
+        _pointwise_body(ctx, part, branch.body, f"_{k}", first, axes[k], tile)
         if _latency_bound(ctx, total):
             branch.body[:] = hoist_loads(branch.body)
-    return ctx.function("", body, {"BLOCK": block}, total, 4)
+    return ctx.function("", body, constexprs, total, 4)
 
 
 def lower_scatter_add(ctx: Context, kernel: FusedKernel) -> list[Function]:

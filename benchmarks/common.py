@@ -249,6 +249,7 @@ _KERNEL_KINDS = (("attention (torch)", ("sdpa", "flash", "fmha", "attention")),
                  ("cuDNN convolution", ("conv", "cudnn", "implicit_gemm", "dgrad", "wgrad", "fprop", "nhwc", "nchw")),
                  ("cuBLAS matmul", ("gemm", "cutlass", "cublas", "nvjet")),
                  ("copies, fills and foreach (torch)", ("copy", "memcpy", "memset", "fill", "multi_tensor_apply")))
+COPIES = _KERNEL_KINDS[-1][0]
 
 
 def kernel_kind(name: str) -> str:
@@ -284,17 +285,23 @@ def step_breakdown(step: Callable[[], object], reps: int) -> dict:
                 entry = table.setdefault(key, [0.0, 0])
                 entry[0] += event.self_device_time_total / 1e3 / reps
                 entry[1] += 1 / reps
-    top = sorted(((name, ms, count) for name, (ms, count) in names.items()), key=lambda item: -item[1])[:TOP_KERNELS]
-    return {"wall": wall, "host": host, "gpu": sum(ms for ms, _ in kinds.values()), "kinds": kinds, "top": top}
+    ranked = sorted(((name, ms, count) for name, (ms, count) in names.items()), key=lambda item: -item[1])
+    copies = [item for item in ranked if kernel_kind(item[0]) == COPIES][:TOP_KERNELS // 2]
+    return {"wall": wall, "host": host, "gpu": sum(ms for ms, _ in kinds.values()), "kinds": kinds,
+            "top": ranked[:TOP_KERNELS], "copies": copies}
 
 
 def breakdown_lines(label: str, b: dict) -> list[str]:
     """step_breakdown's result `b` for the variant named `label`, as report lines."""
     kinds = ", ".join(f"{kind} {ms:.2f} ms ({count:.0f} launches)" for kind, (ms, count) in
                       sorted(b["kinds"].items(), key=lambda item: -item[1][0]))
-    top = "; ".join(f"{name[:90]} {ms:.2f} ms ({count:.0f})" for name, ms, count in b.get("top", []))
-    return [f"{label}: wall {b['wall']:.2f} ms per step, host {b['host']:.2f} ms until the calls return, GPU busy "
-            f"{b['gpu']:.2f} ms: {kinds}", f"{label}: the costliest kernels: {top}"]
+    def named(items):
+        return "; ".join(f"{name[:90]} {ms:.2f} ms ({count:.0f})" for name, ms, count in items)
+    lines = [f"{label}: wall {b['wall']:.2f} ms per step, host {b['host']:.2f} ms until the calls return, GPU busy "
+             f"{b['gpu']:.2f} ms: {kinds}", f"{label}: the costliest kernels: {named(b.get('top', []))}"]
+    if b.get("copies"):
+        lines.append(f"{label}: the costliest of its {COPIES}: {named(b['copies'])}")
+    return lines
 
 
 def graph_gpu_ms(step: Callable[[], object], reps: int) -> float:

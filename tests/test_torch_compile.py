@@ -131,8 +131,9 @@ def test_a_whole_step_with_its_optimizer_update_compiles_to_ember(device, optimi
 def test_the_inputs_a_graph_writes_get_their_values_in_multi_tensor_copies_of_one_kind_each(device, optimizer,
                                                                                            monkeypatch):
     """The inputs a graph writes (batch norms' running statistics and int64 counters, parameters, momenta, Adam's
-    step counts) are copied back in lists torch copies in one multi-tensor pass each (one device and dtype, sizes
-    and strides alike pair by pair): a mixed list is copied tensor by tensor. The training still matches eager."""
+    step counts) and does not write in place (ember.jit's write_into_arguments, on replays) are copied back in
+    lists torch copies in one multi-tensor pass each (one device and dtype, sizes and strides alike pair by pair):
+    a mixed list is copied tensor by tensor. The training still matches eager."""
     calls = []
     copy_lists = torch._foreach_copy_
 
@@ -152,9 +153,8 @@ def test_the_inputs_a_graph_writes_get_their_values_in_multi_tensor_copies_of_on
     else:  # (see the test above: rounding noise as full steps, which the later steps' statistics see)
         np.testing.assert_allclose(got[0][0], expected[0][0], rtol=1e-4)
         np.testing.assert_array_equal(got[1]["1.num_batches_tracked"], expected[1]["1.num_batches_tracked"])
-    kinds = set().union(*(targets for targets, _, _ in calls))
-    assert {dtype for _, dtype in kinds} >= {torch.int64, torch.float32}  # counters and statistics both written
-    assert calls and all(len(targets) == 1 and len(values) == 1 and alike for targets, values, alike in calls)
+    assert calls  # (the first calls record: they copy every value written)
+    assert all(len(targets) == 1 and len(values) == 1 and alike for targets, values, alike in calls)
 
 
 @pytest.mark.parametrize("device", DEVICES)

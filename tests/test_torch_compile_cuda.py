@@ -99,7 +99,8 @@ def test_a_training_step_on_embers_cuda_device_replays_and_matches_torch_eager()
 def test_an_optimizer_steps_replays_write_parameters_and_state_into_torchs_tensors(optimizer, monkeypatch):
     """The graph of `opt.step()` computes each parameter's and each optimizer state's new value straight into
     torch's tensor on replays (the kernel computing it is the last to read the old value, element for element):
-    nothing is copied into them after the graph, and every value is torch eager's."""
+    nothing is copied into them after the graph, every value is torch eager's, and each parameter's version
+    counter counts the write as torch's own in-place update would."""
     dynamo = importlib.import_module("ember.frontends.dynamo")
     copied = []
     copy_tensors = dynamo.copy_tensors
@@ -114,11 +115,14 @@ def test_an_optimizer_steps_replays_write_parameters_and_state_into_torchs_tenso
         run = training_step(model, opt, compiled=model is net)
         losses = [run(*batch(i)).item() for i in range(3)]  # recorded, then replayed
         copied.clear()
+        versions = [p._version for p in model.parameters()]
         losses += [run(*batch(i)).item() for i in range(3, 6)]
+        moved = [p._version - v for p, v in zip(model.parameters(), versions)]
         state = [t for group in opt.state.values() for t in group.values() if isinstance(t, torch.Tensor)]
-        results.append((losses, [*model.parameters(), *state]))
-    (expected, reference_values), (losses, values) = results
+        results.append((losses, [*model.parameters(), *state], moved))
+    (expected, reference_values, eager_moved), (losses, values, moved) = results
     np.testing.assert_allclose(losses, expected, rtol=1e-4)
+    assert all(m >= 3 for m in moved) and all(m >= 3 for m in eager_moved)  # three in-place updates each, at least
     for got, want in zip(values, reference_values):
         np.testing.assert_allclose(got.detach().float().cpu().numpy(), want.detach().float().cpu().numpy(),
                                    rtol=1e-4, atol=1e-5)

@@ -530,7 +530,7 @@ def _finish(outputs: list, plan: _Outputs, addresses: set[int], written: list, n
         results[i] = view
     del results[plan.count:]  # the values viewed that the graph does not return
     # an input's new value the replay wrote into the input's memory itself (ember.jit's write_into_arguments) is
-    # in place already
+    # in place already (AOTAutograd moves the version counters of the inputs a graph writes, either way)
     pending = [(w, v) for w, v in zip(written, outputs[kept:]) if not _same_memory(w, v)]
     if pending:
         import torch

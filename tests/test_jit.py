@@ -683,3 +683,20 @@ def test_two_returned_values_the_plan_stores_once_are_both_written_by_each_repla
         for out in outs:
             np.testing.assert_allclose(out.numpy(), expected, rtol=1e-5)
     assert replayed.stats["replays"] >= 2
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_the_calls_before_the_recording_leave_no_arenas_behind(optimizer):
+    """A step's first calls run plans its replays never run again (a first optimizer step creates its state): once
+    the program exists, the thread keeps no arena for them, so the step's memory is the program's alone."""
+    from ember.runtime import cuda
+
+    model, opt = make(optimizer)
+    step = ember.jit(step_fn(model, opt))
+    batches = [(ember.tensor(x, device="cuda"), ember.tensor(y, device="cuda")) for x, y in BATCHES]
+    ember.realize(*(t for pair in batches for t in pair))
+    before = set(cuda.this_thread.arenas)
+    losses = [step(x, y) for x, y in batches[:4]]
+    assert step.stats["captures"] == 1 and step.stats["replays"] >= 1, step.stats
+    assert not set(cuda.this_thread.arenas) - before
+    assert all(np.isfinite(loss.item()) for loss in losses)

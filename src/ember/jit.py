@@ -151,6 +151,7 @@ class JitFunction:
         entry.calls += 1
         if not settled or entry.calls <= self.warmup:
             self.stats["eager"] += 1
+            entry.earlier.update((id(r.plan), r.device) for r in rec.plans)
             return result
         self.stats["captures"] += 1
         try:
@@ -159,6 +160,12 @@ class JitFunction:
             if any(t._node is not n for t, n in zip(tensors, nodes_before)):
                 raise NotCapturable("it changes an argument in place")
             entry.program = _Program(rec, tensors, result, out_leaves, self.cuda_graph)
+            # the arenas this thread keeps for plans only the calls before ran (a first step's, which creates
+            # optimizer state) are not needed again: the replays run in the program's own
+            from ember.runtime import cuda  # torch: only once a program exists
+
+            cuda.release_arenas(entry.earlier - {(id(r.plan), r.device) for r in rec.plans})
+            entry.earlier.clear()
         except NotCapturable as error:
             entry.failure = f"{self.__name__} is not replayed: {error}"
             warnings.warn(f"ember.jit: {entry.failure}", stacklevel=3)
@@ -169,6 +176,7 @@ class JitFunction:
 class _Entry:
     calls: int = 0
     keys: list | None = None  # the plans the last recorded call ran
+    earlier: set = field(default_factory=set)  # (id(plan), device) of the plans run by the calls before the recording
     program: _Program | None = None
     failure: str | None = None
 

@@ -171,6 +171,12 @@ def arena_views(plan: Plan, target: torch.device, device: Device) -> dict[int, t
     return arena.views
 
 
+def release_arenas(keys) -> None:
+    """Let go of this thread's arenas for these (id(plan), device) keys: plans not expected to run again here."""
+    for key in keys:
+        this_thread.arenas.pop(key, None)
+
+
 def take_arena(plan: Plan, target: torch.device, device: Device) -> Arena:
     """This thread's arena for the plan, or a new one, for a holder of its own (an ember.jit program, whose
     CUDA graphs keep its addresses): the thread's next run of the plan gets another."""

@@ -207,3 +207,27 @@ def test_an_allocation_refused_for_memory_is_tried_again_after_a_full_collection
     monkeypatch.setattr(collector, "refresh", refresh)
     assert (ember.ones(999, 1001, device="cuda") * 2).sum().item() == 2 * 999 * 1001
     assert refreshes == [1]
+
+
+def test_an_allocation_refused_for_memory_frees_the_threads_cached_arenas_first(monkeypatch):
+    """When memory runs out, the arenas this thread keeps for plans it ran before (caches: each plan's next run
+    allocates its own again) are let go before the allocation is tried again; the values stay right."""
+    from ember.runtime import collector
+
+    x = ember.randn(300, 40, device="cuda")
+    (x.tanh() * 2 + x.sin()).sum().numpy()  # a plan with intermediates: its arena stays cached
+    assert cuda.this_thread.arenas
+    empty, cached_when_retried = torch.empty, []
+
+    def refusing_until_released(*shape, **kwargs):
+        if shape and shape[0] == (997, 1003):
+            if not cached_when_retried:
+                cached_when_retried.append(None)
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+            cached_when_retried[0] = bool(cuda.this_thread.arenas)
+        return empty(*shape, **kwargs)
+
+    monkeypatch.setattr(cuda.torch, "empty", refusing_until_released)
+    monkeypatch.setattr(collector, "refresh", lambda: False)  # nothing else to free
+    assert (ember.ones(997, 1003, device="cuda") * 2).sum().item() == 2 * 997 * 1003
+    assert cached_when_retried == [False]

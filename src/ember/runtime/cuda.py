@@ -185,8 +185,19 @@ def take_arena(plan: Plan, target: torch.device, device: Device) -> Arena:
 
 
 # called when an allocation fails for want of memory, before it is tried again: each frees what it can do without
-# (the lazy path's spare result sets, runtime.steady) and says whether it freed anything
+# (the thread's cached arenas, the lazy path's spare result sets: runtime.steady) and says whether it freed anything
 on_out_of_memory: list = []
+
+
+def _release_arenas() -> bool:
+    """Drop this thread's cached arenas (called when GPU memory runs out): one a run still uses stays alive through
+    its views; the others are freed, and their plans' next runs allocate them again. Whether there were any."""
+    cached = bool(this_thread.arenas)
+    this_thread.arenas.clear()
+    return cached
+
+
+on_out_of_memory.append(_release_arenas)
 
 
 def allocate(shape: tuple[int, ...], dtype, target: torch.device, device: Device, what: str) -> torch.Tensor:

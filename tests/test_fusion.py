@@ -761,6 +761,59 @@ def test_a_segmented_launch_gives_its_heavy_segments_smaller_blocks_than_the_res
         assert_close(t, e, rtol=1e-5, atol=1e-5)
 
 
+def test_an_adam_step_keeps_each_parameters_update_whole_and_apart_from_the_others(rng):
+    """Adam's update of one parameter is pieces that feed one another (its moments, then the parameter); pieces
+    that share loads join first, so a parameter's update is one kernel, and updates of different parameters of
+    one size (even of transposed shapes) join only while light: no kernel computing more than POINTWISE_HEAVY
+    nodes an element updates more than one parameter. The parameters are the reference's."""
+    from ember.compiler.fused import POINTWISE_HEAVY, element_nodes
+
+    shapes = [(24, 40), (40, 24)] * 4 + [(40,)] * 4
+    values = [rng.uniform(-1, 1, size=s).astype(np.float32) for s in shapes]
+    grads = [rng.uniform(-1, 1, size=s).astype(np.float32) for s in shapes]
+    results = []
+    for device in ("cuda", "cpu"):
+        params = [ember.nn.Parameter(ember.tensor(v, device=device)) for v in values]
+        opt = ember.optim.Adam(params, lr=0.01)
+        for step in range(2):
+            for p, g in zip(params, grads):
+                p.grad = ember.tensor(g * (step + 1), device=device)
+            if device == "cuda" and step == 1:
+                with ember.explain.capture() as plans:
+                    opt.step()
+            else:
+                opt.step()
+        results.append([p.numpy() for p in params])
+    parts = [part for p in plans for k in p.kernels for part in (k.segments or [k])]
+    heavy = [part for part in parts if element_nodes(part.covers) > POINTWISE_HEAVY]
+    assert all(len(part.outputs) <= 3 for part in heavy), [len(part.outputs) for part in heavy]
+    for got, want in zip(*results):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(6, 8), (1, 8), (6, 1), (0, 8)])
+def test_a_value_and_its_reshaped_reader_are_one_pointwise_kernel(rng, shape):
+    """Pointwise kernels over spaces of one size are one space: each computes an element at its linear position,
+    which a reshape keeps, so a stored value and a reader of it reshaped (a bias add over (M, N), the activation
+    over (B, T, N)) are one kernel that computes the value once. A reader at other positions (a transpose) stays
+    right. Empty and size-1 dimensions included."""
+    x, xc = pair(rng, *shape)
+    rows, cols = shape
+    split = (2, rows // 2, cols) if rows % 2 == 0 and rows else (rows, 1, cols)
+
+    def outputs(t):
+        y = t * 2 + 1
+        return y, y.reshape(*split).tanh() * 3, y.t().exp()
+
+    got, expected = outputs(x), outputs(xc)
+    p = plan(*got[:2])
+    if math.prod(shape):
+        assert [k.kind for k in p.kernels] == [KernelKind.POINTWISE] and len(p.kernels[0].outputs) == 2, str(p)
+    ember.realize(*got)
+    for t, e in zip(got, expected):
+        assert_close(t, e)
+
+
 def test_a_repeated_step_hits_the_plan_cache(rng, fresh_caches):
     from ember.runtime import cuda
 

@@ -222,8 +222,11 @@ def input_level(node: Node, level: Level, space: tuple[int, ...], axes: tuple[in
         if level == ROW and node.inputs[0].shape == space and tuple(node.attrs["axes"]) == axes:
             return FULL
         return OTHER
-    if node.op is Op.RESHAPE and level == ROW:
-        return ROW
+    if node.op is Op.RESHAPE and (level == ROW or level == FULL and not axes):
+        # a reshape of a row-major value keeps each element's linear position: over a space without reduced axes,
+        # an element's input is at the element's own position (a bias add over (8192, 3072) read back by a GELU over
+        # (8, 1024, 3072) is one kernel's work)
+        return level
     if node.op is Op.EXPAND and level == FULL and axes:
         source = node.inputs[0].shape
         if source == row_shape(space, axes):

@@ -347,7 +347,8 @@ class Planner:
                 refs = self.references(reader)
                 waiting = [writers[r] for r in refs if r in writers and r not in decided
                            and writers[r][1] is not reader
-                           and not (writers[r][1].space == reader.space and refs[r] <= {FULL})]  # step 5 merges those
+                           and not (math.prod(writers[r][1].space) == math.prod(reader.space)
+                                    and refs[r] <= {FULL})]  # step 5 merges those
                 if not waiting:
                     break
                 for node, _ in waiting:
@@ -415,21 +416,46 @@ class Planner:
         graph = KernelGraph(self, kernels)
         groups: dict[tuple, list[FusedKernel]] = defaultdict(list)
         for k in self.kernel_order(kernels, graph.refs):
-            if k.kind in (KernelKind.POINTWISE, KernelKind.REDUCE):
+            if k.kind is KernelKind.POINTWISE:
+                # spaces of one size are one space: a pointwise kernel computes each element at its linear position,
+                # which a reshape keeps (a bias add over (8192, 3072) and the GELU reading it over (8, 1024, 3072))
+                groups[(k.kind, math.prod(k.space), k.axes)].append(k)
+            elif k.kind is KernelKind.REDUCE:
                 groups[(k.kind, k.space, k.axes)].append(k)
         for group in groups.values():
-            merged: list[FusedKernel] = []
-            for k in group:
-                for target in merged:
-                    if graph.ops(target) + graph.ops(k) <= MAX_KERNEL_OPS and len(target.reductions) + len(
-                            k.reductions) <= MAX_KERNEL_REDUCTIONS and not self.apart(target, k, graph) \
-                            and self.mergeable(target, k, graph):
-                        graph.absorb(target, k)
-                        kernels.remove(k)
-                        break
-                else:
-                    merged.append(k)
+            if group[0].kind is KernelKind.POINTWISE:
+                # kernels that share loads or feed one another join first (the pieces of one parameter's update),
+                # then the others, while light (`apart`): else a piece of the next parameter's update joins the
+                # first one's kernel, and the rest of its update follows it there
+                group = self.join(group, kernels, graph, related_only=True)
+            self.join(group, kernels, graph, related_only=False)
         return self.kernel_order(kernels, graph.refs)
+
+    def join(self, group: list[FusedKernel], kernels: list[FusedKernel], graph: KernelGraph,
+             related_only: bool) -> list[FusedKernel]:
+        """Merge each kernel of `group` (in order) into the first earlier one it may join; the kernels left."""
+        merged: list[FusedKernel] = []
+        for k in group:
+            for target in merged:
+                if graph.ops(target) + graph.ops(k) <= MAX_KERNEL_OPS and len(target.reductions) + len(
+                        k.reductions) <= MAX_KERNEL_REDUCTIONS and (self.related(target, k, graph) if related_only
+                                                                    else not self.apart(target, k, graph)) \
+                        and self.mergeable(target, k, graph):
+                    graph.absorb(target, k)
+                    kernels.remove(k)
+                    break
+            else:
+                merged.append(k)
+        return merged
+
+    def related(self, a: FusedKernel, b: FusedKernel, graph: KernelGraph) -> bool:
+        """Whether merged, kernels `a` and `b` would load something once for both: a value of more than one
+        element both read, or one's output the other reads."""
+        refs_a, refs_b = graph.refs[id(a)], graph.refs[id(b)]
+        if any(id(o) in refs_b for o in a.outputs) or any(id(o) in refs_a for o in b.outputs):
+            return True
+        shared = refs_a.keys() & refs_b.keys()
+        return any(r in self.position and self.nodes[self.position[r]].numel != 1 for r in shared)
 
     def apart(self, a: FusedKernel, b: FusedKernel, graph: KernelGraph) -> bool:
         """Whether pointwise kernels `a` and `b` stay apart: merged they would load nothing once for both (no
@@ -440,13 +466,9 @@ class Planner:
         Apart, segmentation still launches them together (such updates wait for the last launch)."""
         if a.kind is not KernelKind.POINTWISE or graph.ops(a) + graph.ops(b) <= POINTWISE_HEAVY:
             return False
-        (covers_a, reads_a), (covers_b, reads_b) = self.covers_of(a), self.covers_of(b)
-        if element_nodes(covers_a) + element_nodes(covers_b) <= POINTWISE_HEAVY:
+        if element_nodes(self.covers_of(a)[0]) + element_nodes(self.covers_of(b)[0]) <= POINTWISE_HEAVY:
             return False
-        shared = {id(n) for n in reads_a if n.numel != 1} & {id(n) for n in reads_b if n.numel != 1}
-        joined = any(id(o) in graph.refs[id(b)] for o in a.outputs) or any(id(o) in graph.refs[id(a)]
-                                                                         for o in b.outputs)
-        return not shared and not joined
+        return not self.related(a, b, graph)
 
     def dependencies(self, kernels: list[FusedKernel], refs: dict) -> dict[int, set[int]]:
         produced = {id(o): k for k in kernels for o in k.outputs}

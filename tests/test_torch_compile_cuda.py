@@ -130,6 +130,29 @@ def test_an_optimizer_steps_replays_write_parameters_and_state_into_torchs_tenso
     assert not [t for t in copied if t.data_ptr() in written]
 
 
+def _accumulate(total, x):
+    total.mul_(0.5).add_(x.tanh())  # written in place: each new value where the old one was read
+    return total.sum()
+
+
+def test_inputs_written_in_place_stay_right_across_more_bindings_than_graphs_kept():
+    """A graph that updates its input, called on more distinct input tensors than ember.jit keeps CUDA graphs
+    for: each call writes the tensor it was given (the bindings beyond the kept graphs run launch by launch, never
+    into copies of the program's own), and every value is torch eager's."""
+    jit_module = importlib.import_module("ember.jit")
+    run = torch.compile(_accumulate, backend="ember", options=OPTIONS)
+    generator = torch.Generator().manual_seed(0)
+    count = jit_module.GRAPHS_KEPT + 3
+    mine = [torch.randn(5, 7, generator=generator).to(DEVICE) for _ in range(count)]
+    theirs = [t.clone() for t in mine]
+    for _ in range(2):
+        for k in range(count):
+            x = torch.randn(5, 7, generator=generator).to(DEVICE)
+            np.testing.assert_allclose(run(mine[k], x).item(), _accumulate(theirs[k], x).item(), rtol=1e-4)
+    for got, want in zip(mine, theirs):
+        np.testing.assert_allclose(got.cpu().numpy(), want.cpu().numpy(), rtol=1e-5, atol=1e-6)
+
+
 def _update_read_elsewhere(x, y):
     x.add_(x.flip(0) * 0.5 + y)  # the new value reads the old one at other positions
     y.mul_(0.9)

@@ -520,6 +520,40 @@ def test_the_split_weight_gradient_sums_the_bias_gradient_in_a_kernel_of_its_own
     assert "reduce" in [k.kind.value for k in summing.payload.kernels], str(p)
 
 
+@pytest.mark.parametrize("shared", [True, False])
+def test_an_operand_two_gemms_recompute_is_computed_once_when_both_run_split(shared, rng, monkeypatch, tmp_path):
+    """Two GEMMs reading one operand that each recomputes in its mainloop (a cross entropy's logits gradient, read
+    by the input's and the weight's gradient GEMMs), both run in their split forms (cuBLAS): the first's split form
+    computes the operand, the second reads it instead of computing it again; values as the reference's, fresh
+    and read back from disk."""
+    from ember.runtime import cuda, launcher, plan_cache
+
+    monkeypatch.setattr(cuda, "gemm_backend", "cublas")
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(plan_cache, "_plans", {})
+    if not shared:
+        monkeypatch.setattr(launcher, "_share_split_forms", lambda plan, steps: None)
+    a, w1, w2 = random(rng, 64, 48), random(rng, 48, 32), random(rng, 64, 40)
+
+    def both(x, u, v):
+        operand = (x * 1.5).sin() * x
+        return operand @ u, operand.t() @ v
+
+    expected = both(*(torch.tensor(t, dtype=torch.float64) for t in (a, w1, w2)))
+    for fresh in (True, False):
+        if not fresh:
+            plan_cache.clear()  # as a new process would start: the plan read back from disk
+        outs = both(*on("cuda", a, w1, w2))
+        p = plan(*outs)
+        assert [len(k.payload.kernels) for k in p.kernels] == [2, 2], str(p)  # each: the operand's kernel, cuBLAS
+        before = cuda.stats["launches"]
+        ember.realize(*outs)
+        got = [o.numpy() for o in outs]
+        assert cuda.stats["launches"] - before == (1 if shared else 2)
+        for g, e in zip(got, expected):
+            np.testing.assert_allclose(g, e.numpy(), rtol=1e-5, atol=1e-5)
+
+
 # -- plan caches ------------------------------------------------------------------------------------
 
 def test_a_repeated_gemm_step_hits_the_plan_cache_and_a_new_process_reads_it_from_disk(rng, tmp_path,

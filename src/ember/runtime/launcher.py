@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import functools
 import threading
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -207,6 +208,7 @@ def _steps(plan: Plan, device: Device, settings: RunSettings) -> list:
     host (see index_checks)."""
     flags = index_checks.flags_for(plan.lowered.nodes, device)
     steps = [_step(ck, flags, plan.context.gemm_backend, settings) for ck in plan.kernels]
+    _share_split_forms(plan, steps)
     for position, waits in plan.schedule.joins.items():  # collectives run beside the launches up to these
         joined = _Join([steps[p] for p in waits], steps[position] if position < len(steps) else None)
         if position < len(steps):
@@ -214,6 +216,22 @@ def _steps(plan: Plan, device: Device, settings: RunSettings) -> list:
         else:
             steps.append(joined)
     return steps if flags is None else [*steps, CopyFlags(flags)]
+
+
+def _share_split_forms(plan: Plan, steps: list) -> None:
+    """A value the split forms of two GEMMs both store (an operand's prologue both read: a cross entropy's logits
+    gradient, which the input's and the weight's gradient GEMMs recompute in their mainloops) is computed by the
+    first of them whose split form runs; a later one reads it (`_GemmStep.taken`), where it runs after that one,
+    not beside it in a parallel group of a captured graph."""
+    group = {p: start for start, stop in plan.schedule.groups for p in range(start, stop)}
+    first: dict[int, int] = {}  # id(value) -> the position of the first GEMM whose split form stores it
+    for position, step in enumerate(steps):
+        if not isinstance(step, _GemmStep):
+            continue
+        for n in step.workspace:
+            earlier = first.setdefault(id(n), position)
+            if earlier != position and (group.get(earlier) is None or group.get(earlier) != group.get(position)):
+                step.taken.add(id(n))
 
 
 def _step(ck: CompiledKernel, flags: index_checks.IndexFlags | None, gemm_backend: str, settings: RunSettings):
@@ -455,6 +473,8 @@ class _GemmStep:
         self.scratch: dict = {}  # a split GEMM's scratch, one set for every configuration (they run one at a time)
         self.split = [_step(c, flags, backend, settings) for c in ck.split]
         self.workspace = ck.workspace
+        self.taken: set[int] = set()  # workspace values an earlier GEMM's split form stores (_share_split_forms)
+        self.allocated: dict[int, weakref.ref] = {}  # id(value) -> the buffer this split form last made for it
         self.atomic = [(id(o), identity) for o, identity in ck.atomic_outputs]
         self.choice: dict | None = None  # "chosen" ("triton" or "cublas"), "triton_ms", "cublas_ms", "config"
 
@@ -521,10 +541,17 @@ class _GemmStep:
 
     def _run_split(self, buffers: dict[int, torch.Tensor], sig: Signature) -> None:
         target = cuda.torch_device(self.ck.kernel.core.device)
+        # values an earlier GEMM's split form computed in this run (buffers made by this one, in an earlier
+        # timing run, do not count: each timed run computes all it needs)
+        ready = {key for key in self.taken if key in buffers and (
+            (made := self.allocated.get(key)) is None or made() is not buffers[key])}
         for n in self.workspace:
-            buffers[id(n)] = cuda.allocate(n.shape, n.dtype, target, n.device, "a GEMM's split intermediate")
-        for step in self.split:
-            step(buffers, sig)
+            if id(n) not in ready:
+                buffers[id(n)] = cuda.allocate(n.shape, n.dtype, target, n.device, "a GEMM's split intermediate")
+                self.allocated[id(n)] = weakref.ref(buffers[id(n)])
+        for part, step in zip(self.ck.split, self.split):
+            if not ready or not all(id(o) in ready for o in part.kernel.outputs):
+                step(buffers, sig)
 
     def _writes_its_inputs(self, buffers: dict[int, torch.Tensor]) -> bool:
         """Whether an output is bound to an input's buffer (a state updated in place): running the

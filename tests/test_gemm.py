@@ -554,6 +554,35 @@ def test_an_operand_two_gemms_recompute_is_computed_once_when_both_run_split(sha
             np.testing.assert_allclose(g, e.numpy(), rtol=1e-5, atol=1e-5)
 
 
+def test_gemms_beside_one_another_in_a_parallel_group_share_no_split_forms_operand(rng, monkeypatch, tmp_path):
+    """Three GEMMs recompute one operand; where the later two run beside one another in a parallel group of a
+    captured graph (on two streams), neither reads the other's split-form result: one could still be writing it.
+    Run one after another, both read the first's."""
+    from ember.runtime import launcher, plan_cache
+
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(plan_cache, "_plans", {})
+    a, u, v, w = random(rng, 64, 48), random(rng, 48, 256), random(rng, 64, 8), random(rng, 48, 8)
+
+    def three(x, p, q, r):  # (the operand dies with the call: no variable holds it, so it is not stored)
+        operand = (x * 1.5).sin() * x
+        return operand @ p, operand.t() @ q, operand @ r
+
+    ember.realize(*three(*on("cuda", a, u, v, w)))
+    (plan,) = [pl for pl in plan_cache._plans.values() if sum(ck.kernel.core is not None for ck in pl.kernels) == 3]
+    gemms = [i for i, ck in enumerate(plan.kernels) if ck.kernel.core is not None]
+    device = plan.kernels[gemms[0]].kernel.core.device
+
+    def taken(groups):
+        monkeypatch.setattr(plan.schedule, "groups", groups)
+        steps = launcher._steps(plan, device, launcher.RunSettings.of(plan))
+        return [bool(steps[i].taken) for i in gemms]
+
+    assert taken([]) == [False, True, True]
+    assert taken([(gemms[1], gemms[2] + 1)]) == [False, False, False]
+    assert taken([(gemms[0], gemms[1] + 1)]) == [False, False, True]
+
+
 # -- plan caches ------------------------------------------------------------------------------------
 
 def test_a_repeated_gemm_step_hits_the_plan_cache_and_a_new_process_reads_it_from_disk(rng, tmp_path,

@@ -135,8 +135,10 @@ def _compile(gm, example_inputs, on_cuda: bool = False):
             if entry.program not in taught:  # its updates of the inputs, written into their memory where safe
                 taught.add(entry.program)
                 count = len(entry.program.out_slots)
-                entry.program.write_into_arguments({count - len(writes) + k: p for k, p in enumerate(writes)
-                                                    if p not in ordered})
+                # ember.jit numbers a call's tensor arguments only (a graph of dynamic shapes takes its sizes too)
+                tensors = {p: k for k, p in enumerate(p for p, a in enumerate(args) if isinstance(a, torch.Tensor))}
+                entry.program.write_into_arguments({count - len(writes) + k: tensors[p] for k, p in enumerate(writes)
+                                                    if p not in ordered and p in tensors})
             outputs = _replay(step, entry.program, args)
             if outputs is not None:
                 return _finish(outputs, handed, addresses, written, numbers)

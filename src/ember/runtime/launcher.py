@@ -221,17 +221,21 @@ def _steps(plan: Plan, device: Device, settings: RunSettings) -> list:
 def _share_split_forms(plan: Plan, steps: list) -> None:
     """A value the split forms of two GEMMs both store (an operand's prologue both read: a cross entropy's logits
     gradient, which the input's and the weight's gradient GEMMs recompute in their mainloops) is computed by the
-    first of them whose split form runs; a later one reads it (`_GemmStep.taken`), where it runs after that one,
-    not beside it in a parallel group of a captured graph."""
+    first of them whose split form runs; a later one reads it (`_GemmStep.taken`). Only where every other GEMM
+    storing it runs before that one, none beside it in its parallel group of a captured graph (on another stream,
+    it could still be writing the value)."""
     group = {p: start for start, stop in plan.schedule.groups for p in range(start, stop)}
-    first: dict[int, int] = {}  # id(value) -> the position of the first GEMM whose split form stores it
+    storers: dict[int, list[int]] = {}  # id(value) -> the positions of the GEMMs whose split forms store it
     for position, step in enumerate(steps):
-        if not isinstance(step, _GemmStep):
-            continue
-        for n in step.workspace:
-            earlier = first.setdefault(id(n), position)
-            if earlier != position and (group.get(earlier) is None or group.get(earlier) != group.get(position)):
-                step.taken.add(id(n))
+        if isinstance(step, _GemmStep):
+            for n in step.workspace:
+                storers.setdefault(id(n), []).append(position)
+    for key, positions in storers.items():
+        for position in positions[1:]:
+            beside = group.get(position) is not None and any(
+                group.get(other) == group.get(position) for other in positions if other != position)
+            if not beside:
+                steps[position].taken.add(key)
 
 
 def _step(ck: CompiledKernel, flags: index_checks.IndexFlags | None, gemm_backend: str, settings: RunSettings):

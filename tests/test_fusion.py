@@ -644,7 +644,7 @@ def test_the_kernel_graph_kept_while_merging_is_the_graph_made_afresh(rng, monke
     """Merging keeps each kernel's dependencies and a height above them current instead of recomputing them for
     every pair it tries: after each merge they equal the graph recomputed from the kernels left, and the pruned
     cycle test answers as the full search does, on a training step with many kernels over equal spaces."""
-    from ember.compiler.planner import KernelGraph, closes_cycle
+    from ember.compiler.kernel_graph import KernelGraph, closes_cycle
 
     checked = []
     absorb, acyclic = KernelGraph.absorb, KernelGraph.acyclic

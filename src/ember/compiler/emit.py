@@ -54,6 +54,7 @@ GEMM_BLOCK = {axis: Block(name, axis) for axis, name in
 
 
 BLOCK = Block("BLOCK", "x")  # a pointwise kernel's tile
+HEAVY_BLOCK = Block("BLOCK_HEAVY", "x")  # a segmented launch's tile for its heavy segments (fewer elements)
 
 # How the lowering computes each primitive that is not pointwise (a pointwise one becomes a Prim, which each
 # target renders by the primitive's own lowering, RULES[op].lowerings). tests/test_kernel_ir.py checks that

@@ -62,7 +62,8 @@ from ember.compiler.kernel import (
     Var,
     call,
 )
-from ember.compiler.planner import KernelGraph, Planner
+from ember.compiler.kernel_graph import KernelGraph
+from ember.compiler.planner import Planner
 from ember.ir import Kind, Node, Op
 
 

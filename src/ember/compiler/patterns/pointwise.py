@@ -14,6 +14,7 @@ import math
 from ember import dtypes
 from ember.compiler.emit import (
     BLOCK,
+    HEAVY_BLOCK,
     UNKNOWN_MULTIPROCESSORS,
     ZERO,
     Context,
@@ -22,28 +23,14 @@ from ember.compiler.emit import (
     program_index,
 )
 from ember.compiler.fused import FULL, OTHER, POINTWISE_HEAVY, FusedKernel, KernelKind, Pattern, element_nodes
-from ember.compiler.kernel import (
-    Bin,
-    Block,
-    Branch,
-    Effect,
-    Expr,
-    Function,
-    Lit,
-    Loop,
-    ParamKind,
-    Range,
-    Var,
-    add,
-    call,
-)
+from ember.compiler.kernel import Bin, Branch, Effect, Expr, Function, Lit, Loop, ParamKind, Range, Var, add, call
 from ember.compiler.rewrite import hoist_loads
 
 POINTWISE_BLOCK = 1024
 
 
 def _pointwise_body(ctx: Context, kernel: FusedKernel, block: list, tag: str, first_block: Expr,
-                    axis: int | None, tile: Block = BLOCK) -> None:
+                    axis: int | None, tile: Expr = BLOCK) -> None:
     emitter = Emitter(ctx, kernel, block, tag)
     start = call("cast", first_block, dtype=dtypes.int64) if emitter.big else first_block
     offs = emitter.bind(f"offs{tag}", Bin("+", Bin("*", start, tile), Range(tile)))
@@ -133,10 +120,6 @@ def pointwise_block(numel: int, nodes: int, multiprocessors: int) -> int:
     while block > 128 and multiprocessors and -(-numel // block) < POINTWISE_PROGRAMS_PER_SM * multiprocessors:
         block //= 2
     return block
-
-
-# a segmented launch's tile for its heavy segments, where they take fewer elements a program than the others
-HEAVY_BLOCK = Block("BLOCK_HEAVY", "x")
 
 
 def lower_segmented(ctx: Context, kernel: FusedKernel) -> Function:

@@ -15,6 +15,7 @@ from ember.compiler.fused import (
     summed_output,
     summed_views,
 )
+from ember.compiler.kernel_graph import closes_cycle
 from ember.compiler.patterns.mlp.chain import (
     MLP_GRADIENT_ELEMENTS,
     MLP_MAX_SUMS,
@@ -24,7 +25,7 @@ from ember.compiler.patterns.mlp.chain import (
     mlp_widths,
     written_intermediates,
 )
-from ember.compiler.planner import Planner, closes_cycle
+from ember.compiler.planner import Planner
 from ember.ir import Kind, Node, Op
 
 

@@ -595,15 +595,12 @@ class _Program:
         results = self.results[s]
         if into:
             results = [arguments[self.into[k]] if k in self.into else r for k, r in enumerate(results)]
+        capture = self.graphed
         if self.graphed:
             key = (_addresses(arguments), s, into)
             if key not in self.graphs and len(self.graphs) >= GRAPHS_KEPT and into:
-                # the arguments it writes cannot be copies of the program's own: this binding runs launch by launch
-                self.plans.bind(arguments, results)
-                self.plans.run(draws)
-                self.plans.bind([None] * len(arguments), [None] * len(results))
-                return
-            if key not in self.graphs and len(self.graphs) >= GRAPHS_KEPT:
+                capture = False  # the arguments it writes cannot be copies of the program's own: launch by launch
+            elif key not in self.graphs and len(self.graphs) >= GRAPHS_KEPT:
                 if self.own_arguments is None:
                     self.own_arguments = [b.clone() for b in arguments]
                 else:
@@ -620,7 +617,7 @@ class _Program:
                 return
         self.plans.bind(arguments, results)
         self.plans.run(draws)
-        if self.graphed:
+        if capture:
             try:
                 self.graphs[key] = self.plans.capture()
             except Exception as error:  # replays stay correct launch by launch

@@ -319,6 +319,36 @@ def test_convolutions_in_either_memory_format_train_as_the_reference(rng, memory
         np.testing.assert_allclose(fused.float().numpy(), reference.float().numpy(), rtol=2e-2, atol=1e-3)
 
 
+def _sgd_steps(device: str, images: np.ndarray) -> list:
+    """Three SGD-with-momentum steps of two channels-last bfloat16 1x1 convolutions on `device`: the losses and
+    the parameters after."""
+    ember.manual_seed(0)
+    nn = ember.nn
+    with ember.conv_memory_format("channels_last"):
+        net = nn.Sequential(nn.Conv2d(3, 8, 1, bias=False), nn.ReLU(), nn.Conv2d(8, 3, 1, bias=False))
+        net = net.to(device).to(ember.bfloat16)
+        opt = ember.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        x = ember.tensor(images, device=device).to(ember.bfloat16)
+        losses = []
+        for _ in range(3):
+            loss = net(x).float().square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.item()))
+    return [np.array(losses), *(p.float().numpy() for p in net.parameters())]
+
+
+def test_an_optimizer_step_of_channels_last_convolutions_trains_as_the_reference(rng):
+    """A weight's update reads its gradient (a channels-last weight gradient) transposed back and reshaped; the
+    forward's transposed copy of the same weight is a kernel of the same size, so the two merge. The merged
+    kernel still waits for the weight gradient (it read it through its own stored output, which the planner once
+    missed and launched it before the gradient existed)."""
+    images = rng.standard_normal((2, 3, 4, 4)).astype(np.float32)
+    for got, expected in zip(_sgd_steps("cuda", images), _sgd_steps("cpu", images)):
+        np.testing.assert_allclose(got, expected, rtol=3e-2, atol=3e-3)
+
+
 @pytest.mark.skipif("EMBER_CONV_MEMORY_FORMAT" in os.environ, reason="the environment sets another default")
 def test_half_precision_convolutions_run_channels_last_by_default_and_float32_ones_on_nchw(rng):
     """ember's default layout: cuDNN's half-precision kernels run on (N, H, W, C) memory, so float16 and bfloat16

@@ -303,9 +303,11 @@ class Planner:
         stack = [(node, level, skip_root)]
         while stack:
             n, lv, is_root = stack.pop()
-            if (id(n), lv) in seen:
+            # an output is walked from as a root even where another output's walk stopped at it as a stored read
+            key = (id(n), lv, is_root)
+            if key in seen:
                 continue
-            seen.add((id(n), lv))
+            seen.add(key)
             if n is kernel.core and not is_root:
                 continue  # the accumulator, in registers
             if not is_root and (id(n) in self.stored or n.op is Op.BUFFER) and n not in kernel.reductions \

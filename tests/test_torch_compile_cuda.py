@@ -165,12 +165,27 @@ def test_an_input_written_in_place_under_dynamic_shapes_is_that_input():
     assert_updates_match_eager(_update_one_read_another, [(5, 7)] * 3, calls=4, dynamic=True)
 
 
-def assert_updates_match_eager(fn, shapes: list, calls: int, **compile_options) -> None:
+@pytest.mark.parametrize("layout", ["transposed", "every other column"])
+def test_an_input_not_contiguous_written_in_place_is_written_where_it_lies(layout):
+    """An update of an input that does not lie contiguously (a transposed tensor, a strided slice of a larger one)
+    is computed on a contiguous copy of it; the new value still lands in the input's own memory at every replay."""
+    assert_updates_match_eager(_update_one_read_another, [(5, 7)] * 3, calls=4, layout=layout)
+
+
+def assert_updates_match_eager(fn, shapes: list, calls: int, layout: str = "contiguous", **compile_options) -> None:
     """`fn`, compiled by ember and run `calls` times on inputs of `shapes` it updates in place, returns what torch
-    eager's does and leaves every input as torch eager's does."""
+    eager's does and leaves every input as torch eager's does (inputs laid out as `layout` says: "contiguous",
+    "transposed" or "every other column" of a tensor twice as wide)."""
     run = torch.compile(fn, backend="ember", options=OPTIONS, **compile_options)
     generator = torch.Generator().manual_seed(0)
-    mine = [torch.randn(*shape, generator=generator).to(DEVICE) for shape in shapes]
+
+    def laid_out(shape):
+        if layout == "transposed":
+            return torch.randn(*shape[::-1], generator=generator).to(DEVICE).t()
+        if layout == "every other column":
+            return torch.randn(*shape[:-1], 2 * shape[-1], generator=generator).to(DEVICE)[..., ::2]
+        return torch.randn(*shape, generator=generator).to(DEVICE)
+    mine = [laid_out(shape) for shape in shapes]
     theirs = [t.clone() for t in mine]
     for _ in range(calls):
         np.testing.assert_allclose(run(*mine).item(), fn(*theirs).item(), rtol=1e-4)

@@ -287,6 +287,7 @@ class _Program:
         self.calls = 0
         self.graphs: dict[tuple, object] = {}  # (argument buffers' addresses, result set, into) -> CUDA graph
         self.own_arguments: list | None = None  # where arguments are copied once GRAPHS_KEPT graphs exist
+        self.uses: dict[int, object] = {}  # result set -> graphs.StorageUses of its buffers (_free_results)
         # result slot -> argument slot: a returned value replay_buffers writes into that argument's buffer
         self.into: dict[int, int] = {}
         self.why_no_graph = self._capture_graph([args[i]._node.buffer for i in self.arguments]) if cuda_graph \
@@ -633,8 +634,12 @@ class _Program:
         from ember.runtime import graphs  # torch is imported only once a step is replayed
 
         for s, buffers in enumerate(self.results):
-            if max(map(sys.getrefcount, buffers), default=0) <= _RESULT_REFERENCES and \
-                    not graphs.shared_elsewhere(buffers):
+            if max(map(sys.getrefcount, buffers), default=0) > _RESULT_REFERENCES:
+                continue
+            uses = self.uses.get(s)
+            if uses is None or not uses.of(buffers):
+                uses = self.uses[s] = graphs.StorageUses(buffers)
+            if not uses.shared():
                 return s
         fresh = [graphs.torch.empty_like(b) for b in self.results[0]]
         if len(self.results) < 2:

@@ -118,7 +118,8 @@ def _compile(gm, example_inputs, on_cuda: bool = False):
         step = jit(step)
         _replayed[next(_numbers)] = step
     static = _static(gm.graph)
-    taught: weakref.WeakSet = weakref.WeakSet()  # the programs told which inputs their replays write in place
+    # the programs told which inputs their replays write in place, with what that leaves _finish to check
+    taught: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def run(args: list) -> list:
         written = [args[p] for p in writes]
@@ -132,16 +133,12 @@ def _compile(gm, example_inputs, on_cuda: bool = False):
         for p, order in ordered.items():  # torch's memory of these inputs, read as it lies
             args[p] = args[p].permute(order)
         if entry is not _UNKEYED and entry is not None and entry.program is not None and entry.program.still_valid():
-            if entry.program not in taught:  # its updates of the inputs, written into their memory where safe
-                taught.add(entry.program)
-                count = len(entry.program.out_slots)
-                # ember.jit numbers a call's tensor arguments only (a graph of dynamic shapes takes its sizes too)
-                tensors = {p: k for k, p in enumerate(p for p, a in enumerate(args) if isinstance(a, torch.Tensor))}
-                entry.program.write_into_arguments({count - len(writes) + k: tensors[p] for k, p in enumerate(writes)
-                                                    if p not in ordered and p in tensors})
-            outputs = _replay(step, entry.program, args)
+            known = taught.get(entry.program)
+            if known is None:  # its updates of the inputs, written into their memory where safe
+                known = taught[entry.program] = _teach(entry.program, args, writes, ordered, handed)
+            outputs = _replay(step, entry.program, args, known)
             if outputs is not None:
-                return _finish(outputs, handed, addresses, written, numbers)
+                return _finish(outputs, handed, addresses, written, numbers, known)
         inputs = to_ember(args)
         args.clear()  # AOTAutograd's boxed convention: the inputs can be freed as soon as they are read
         outputs = list(step(*inputs))
@@ -153,6 +150,41 @@ def _compile(gm, example_inputs, on_cuda: bool = False):
     return run
 
 
+class _Replayed(NamedTuple):
+    """What a program's replays hand `_finish` as it is: the outputs that may lie on an input's memory or on
+    another output's (`fresh`, `_Outputs.fresh`'s entries for them; every other output is a result buffer of its
+    own), the inputs written whose new values it wrote into their memory (`in_place`, by index among the inputs
+    written) and the others (`copied`)."""
+
+    fresh: list[tuple[int, int]]
+    in_place: list[int]
+    copied: list[int]
+    recorded: list[int]  # the returned values ember.jit's program returns as it recorded them
+
+
+def _teach(program, args: list, writes: list[int], ordered: dict, handed: _Outputs) -> _Replayed:
+    """Tell a program which of its returned values update inputs it may write into their memory (ember.jit's
+    `write_into_arguments`); what its replays leave `_finish` to check."""
+    import torch
+
+    count = len(program.out_slots)
+    kept = count - len(writes)
+    # ember.jit numbers a call's tensor arguments only (a graph of dynamic shapes takes its sizes too)
+    tensors = {p: k for k, p in enumerate(p for p, a in enumerate(args) if isinstance(a, torch.Tensor))}
+    taken = program.write_into_arguments({kept + k: tensors[p] for k, p in enumerate(writes)
+                                          if p not in ordered and p in tensors})
+    slots = collections.Counter(what for kind, what, _ in program.out_slots if kind == "result")
+    own = {i for i, (kind, what, _) in enumerate(program.out_slots[:kept])
+           if kind == "result" and slots[what] == 1 and what not in program.into}
+    in_place = [k for k in range(len(writes)) if kept + k in taken]
+    return _Replayed([(i, root) for i, root in handed.fresh if i not in own], in_place,
+                     [k for k in range(len(writes)) if kept + k not in taken],
+                     [i for i, (kind, _, _) in enumerate(program.out_slots) if kind not in _BUFFERS])
+
+
+_BUFFERS = ("result", "computed", "argument")  # the kinds of ember.jit's returned leaves a replay hands as buffers
+
+
 def _static(graph) -> bool:
     """Whether every input of `graph` is a tensor of fixed shape (dynamo guards its shapes, dtypes and devices, so
     each call of a static graph is the same ember.jit entry)."""
@@ -162,21 +194,22 @@ def _static(graph) -> bool:
     return all(isinstance(v, torch.Tensor) and all(isinstance(d, int) for d in v.shape) for v in values)
 
 
-def _replay(step, program, args: list) -> list | None:
+def _replay(step, program, args: list, replayed: _Replayed) -> list | None:
     """A replay of `program` (`step`'s, valid for these arguments) on torch's tensors as they are: no ember
     Tensor is made for a graph's hundreds of inputs and outputs. The outputs as torch tensors (the graph's own
     outputs, then the new values of the inputs it writes); None where the program cannot replay so."""
     import torch
 
-    buffers = [_as_buffer(a) if isinstance(a, torch.Tensor) else a for a in args]
-    leaves = program.replay_buffers([b for b in buffers if isinstance(b, torch.Tensor)])  # as ember.jit's
+    buffers = [_as_buffer(a) for a in args if isinstance(a, torch.Tensor)]
+    leaves = program.replay_buffers(buffers)  # as ember.jit's
     if leaves is None:
         return None
     args.clear()
     step.stats["calls"] += 1
     step.stats["replays"] += 1
-    device = next((b.device for b in buffers if isinstance(b, torch.Tensor)), None)
-    for i, leaf in enumerate(leaves):
+    device = buffers[0].device if buffers else None
+    for i in replayed.recorded:
+        leaf = leaves[i]
         if isinstance(leaf, Tensor):  # a constant the graph returns
             from ember.runtime import dlpack  # torch: only for the cuda device
 
@@ -514,13 +547,15 @@ def _inverse(order: list[int]) -> list[int]:
     return back
 
 
-def _finish(outputs: list, plan: _Outputs, addresses: set[int], written: list, numbers: dict) -> list:
+def _finish(outputs: list, plan: _Outputs, addresses: set[int], written: list, numbers: dict,
+            replayed: _Replayed | None = None) -> list:
     """The graph's outputs for torch (its own, then the new values of the inputs it writes, `written`): each new
-    output on memory of its own (a view of another output, that output's view), then the inputs written."""
+    output on memory of its own (a view of another output, that output's view), then the inputs written.
+    `replayed`: what a replay of ember.jit's program leaves to check, where the outputs come from one."""
     kept = len(outputs) - len(written)
     for p, back in plan.permuted.items():
         outputs[p] = outputs[p].permute(back)
-    results = _own_memory(outputs[:kept], plan.fresh, addresses)
+    results = _own_memory(outputs[:kept], plan.fresh if replayed is None else replayed.fresh, addresses)
     for base, (shape, strides) in plan.layouts.items():
         value = results[base]
         results[base] = value.new_empty_strided(shape, strides).copy_(value)
@@ -533,7 +568,12 @@ def _finish(outputs: list, plan: _Outputs, addresses: set[int], written: list, n
     del results[plan.count:]  # the values viewed that the graph does not return
     # an input's new value the replay wrote into the input's memory itself (ember.jit's write_into_arguments) is
     # in place already (AOTAutograd moves the version counters of the inputs a graph writes, either way)
-    pending = [(w, v) for w, v in zip(written, outputs[kept:]) if not _same_memory(w, v)]
+    if replayed is None:
+        pending = [(w, v) for w, v in zip(written, outputs[kept:]) if not _same_memory(w, v)]
+    else:  # (an input not contiguous is written through a contiguous copy of it: _replay's _as_buffer)
+        pending = [(written[k], outputs[kept + k]) for k in replayed.copied
+                   if not _same_memory(written[k], outputs[kept + k])]
+        pending += [(written[k], outputs[kept + k]) for k in replayed.in_place if not written[k].is_contiguous()]
     if pending:
         import torch
 

@@ -51,8 +51,25 @@ def shared_elsewhere(buffers: list[torch.Tensor]) -> bool:
     """Whether another tensor shares the memory of any of `buffers`: a view or alias of one, such as a result
     handed to torch as its own tensor (`runtime.dlpack.torch_buffers`). A storage's use count is one per tensor on
     it plus the count of the Python storage object asked here."""
-    use_count = torch._C._storage_Use_Count
-    return any(use_count(b.untyped_storage()._cdata) > 2 for b in buffers)
+    return StorageUses(buffers).shared()
+
+
+class StorageUses:
+    """`shared_elsewhere` of a list of buffers asked again and again (an ember.jit program's result buffers, once
+    a call): their storage objects are held, so that each ask costs one use count per buffer."""
+
+    def __init__(self, buffers: list[torch.Tensor]):
+        self.buffers, self.length = buffers, len(buffers)
+        self.storages = [b.untyped_storage() for b in buffers]  # each counts once, as in shared_elsewhere
+        self.handles = [s._cdata for s in self.storages]
+
+    def of(self, buffers: list[torch.Tensor]) -> bool:
+        """Whether these are the buffers it watches (the same list, not grown since)."""
+        return buffers is self.buffers and len(buffers) == self.length
+
+    def shared(self) -> bool:
+        use_count = torch._C._storage_Use_Count
+        return any(use_count(h) > 2 for h in self.handles)
 
 
 class Replay:

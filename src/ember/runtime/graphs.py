@@ -82,6 +82,7 @@ class Replay:
             if (id(s.plan), s.device) not in own:
                 own[id(s.plan), s.device] = launcher.take_workspace(s.plan, s.device)
         self.workspaces = [own[id(s.plan), s.device] for s in steps]
+        self.checks: tuple | None = None  # (the workspaces' steps, every index check they make), once asked
 
     def bind(self, arguments: list[torch.Tensor], results: list[torch.Tensor]) -> None:
         """Read the step's arguments from `arguments` and write the values it returns into `results` (by
@@ -114,8 +115,11 @@ class Replay:
     def replayed(self, results: list[torch.Tensor]) -> None:
         """A CUDA graph of the steps ran, writing `results` (and the state its steps keep): these carry every
         index check of the steps (see index_checks), as values computed by the whole step."""
-        checks = frozenset().union(*(flags.every for workspace in self.workspaces
-                                     for flags in launcher.index_flags(workspace.steps)))
+        steps = tuple(id(workspace.steps) for workspace in self.workspaces)
+        if self.checks is None or self.checks[0] != steps:  # (a workspace's steps are made by its first run)
+            self.checks = steps, frozenset().union(*(flags.every for workspace in self.workspaces
+                                                     for flags in launcher.index_flags(workspace.steps)))
+        checks = self.checks[1]
         if checks:
             index_checks.depend_on(checks, [*results, *(o for step in self.steps for o in step.outputs
                                                         if o is not None)])

@@ -97,7 +97,11 @@ def depend_on(checks: frozenset, buffers: Iterable[torch.Tensor]) -> None:
     """The buffers carry `checks` (a whole replayed step's, for what it writes), besides their own."""
     if checks:
         for b in buffers:
-            setattr(b, CARRIED, checks | (getattr(b, CARRIED, None) or frozenset()))
+            carried = getattr(b, CARRIED, None)
+            if not carried:
+                setattr(b, CARRIED, checks)
+            elif not checks <= carried:  # (a replay's buffers carry the same checks from the first replay on)
+                setattr(b, CARRIED, checks | carried)
 
 
 def raise_found(buffer: torch.Tensor) -> None:

@@ -127,6 +127,13 @@ class JitFunction:
         return self._record(entry, args, kwargs, tensors)
 
     @property
+    def beyond_graphs_kept(self) -> dict[str, int]:
+        """Replays of bindings beyond GRAPHS_KEPT graphs (all shapes'): "launched" launch by launch (they write
+        their arguments in place), "copied" on copies of their arguments."""
+        programs = [e.program for e in self._entries.values() if e.program is not None]
+        return {kind: sum(p.beyond[kind] for p in programs) for kind in ("launched", "copied")}
+
+    @property
     def why_not_replayed(self) -> list[str]:
         """Why a recorded shape runs as written, or replays without a CUDA graph."""
         reasons = [e.failure for e in self._entries.values() if e.failure]
@@ -288,6 +295,8 @@ class _Program:
         self.graphs: dict[tuple, object] = {}  # (argument buffers' addresses, result set, into) -> CUDA graph
         self.own_arguments: list | None = None  # where arguments are copied once GRAPHS_KEPT graphs exist
         self.uses: dict[int, object] = {}  # result set -> graphs.StorageUses of its buffers (_free_results)
+        # replays of a binding beyond GRAPHS_KEPT: run launch by launch, or on copies of the arguments
+        self.beyond = {"launched": 0, "copied": 0}
         # result slot -> argument slot: a returned value replay_buffers writes into that argument's buffer
         self.into: dict[int, int] = {}
         self.why_no_graph = self._capture_graph([args[i]._node.buffer for i in self.arguments]) if cuda_graph \
@@ -601,7 +610,9 @@ class _Program:
             key = (_addresses(arguments), s, into)
             if key not in self.graphs and len(self.graphs) >= GRAPHS_KEPT and into:
                 capture = False  # the arguments it writes cannot be copies of the program's own: launch by launch
+                self.beyond["launched"] += 1
             elif key not in self.graphs and len(self.graphs) >= GRAPHS_KEPT:
+                self.beyond["copied"] += 1
                 if self.own_arguments is None:
                     self.own_arguments = [b.clone() for b in arguments]
                 else:

@@ -39,7 +39,7 @@ from typing import NamedTuple
 from ember.device import Device, as_device, channels_last, get_conv_memory_format
 from ember.frontends.aten import _NotComputed
 from ember.frontends.aten_graph import AtenGraph, auxiliary
-from ember.jit import jit
+from ember.jit import GRAPHS_KEPT, jit
 from ember.runtime.dlpack import copy_tensors
 from ember.tensor import Tensor, realize
 
@@ -81,6 +81,8 @@ def replay_report() -> list[str]:
         stats = step.stats
         why = "; ".join(step.why_not_replayed) or ("replayed as CUDA graphs" if stats["replays"] else
                                                    "not replayed yet (recorded from its second call)")
+        if any((beyond := step.beyond_graphs_kept).values()):
+            why += f" (bindings past {GRAPHS_KEPT}: {beyond['launched']} run uncaptured, {beyond['copied']} copied in)"
         lines.append(f"graph {number}: {stats['calls']} calls, {stats['replays']} replayed: {why}")
     return lines
 
@@ -176,13 +178,11 @@ def _teach(program, args: list, writes: list[int], ordered: dict, handed: _Outpu
     slots = collections.Counter(what for kind, what, _ in program.out_slots if kind == "result")
     own = {i for i, (kind, what, _) in enumerate(program.out_slots[:kept])
            if kind == "result" and slots[what] == 1 and what not in program.into}
-    in_place = [k for k in range(len(writes)) if kept + k in taken]
-    return _Replayed([(i, root) for i, root in handed.fresh if i not in own], in_place,
+    return _Replayed([(i, root) for i, root in handed.fresh if i not in own],
+                     [k for k in range(len(writes)) if kept + k in taken],
                      [k for k in range(len(writes)) if kept + k not in taken],
-                     [i for i, (kind, _, _) in enumerate(program.out_slots) if kind not in _BUFFERS])
-
-
-_BUFFERS = ("result", "computed", "argument")  # the kinds of ember.jit's returned leaves a replay hands as buffers
+                     [i for i, (kind, _, _) in enumerate(program.out_slots)
+                      if kind not in ("result", "computed", "argument")])  # (those handed as buffers)
 
 
 def _static(graph) -> bool:

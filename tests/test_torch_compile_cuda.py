@@ -176,6 +176,35 @@ def test_an_input_not_contiguous_written_in_place_is_written_where_it_lies(layou
     assert_updates_match_eager(_update_one_read_another, [(5, 7)] * 3, calls=4, layout=layout)
 
 
+def _running_variance(x, running):
+    running.mul_(0.9).add_(x.var(0) * 0.1)  # a batch norm's running variance, updated once the batch is summed
+    return x.sum()
+
+
+def test_a_running_statistic_updated_after_its_batchs_sums_is_written_where_it_lies(monkeypatch):
+    """An input's update computed in the epilogue of a row kernel (a running variance after the batch's sums:
+    each position read and written once, by the program reducing its row) is written into the input itself at
+    each replay; only the calls before the replays copy it in after the graph. Every value is torch eager's."""
+    from ember.frontends import dynamo
+
+    copies, copy_tensors = [], dynamo.copy_tensors
+    monkeypatch.setattr(dynamo, "copy_tensors", lambda targets, values: (copies.append(len(targets)),
+                                                                         copy_tensors(targets, values)))
+    assert_updates_match_eager(_running_variance, [(8, 5), (5,)], calls=6)
+    assert len(copies) <= 2, copies  # the calls recorded, not the four replays
+
+
+def _drift(x, running):
+    running.add_((x - running).mean(0) * 0.1)  # the old value is read along each row too, broadcast
+    return x.sum()
+
+
+def test_an_update_whose_row_kernel_reads_the_old_value_along_its_rows_stays_right():
+    """Where the row kernel computing an input's new value also reads the old value broadcast along its rows, a
+    program writing its positions must not change what another still sums: the values stay torch eager's."""
+    assert_updates_match_eager(_drift, [(8, 5), (5,)], calls=6)
+
+
 def assert_updates_match_eager(fn, shapes: list, calls: int, layout: str = "contiguous", **compile_options) -> None:
     """`fn`, compiled by ember and run `calls` times on inputs of `shapes` it updates in place, returns what torch
     eager's does and leaves every input as torch eager's does (inputs laid out as `layout` says: "contiguous",

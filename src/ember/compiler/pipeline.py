@@ -84,9 +84,12 @@ class Plan:
         part = next((s for s in parts if result in s.outputs), kernel)
         if any(source in s.reads for s in parts if s is not part):
             return False
-        # a GEMM's epilogue (an optimizer update fused after a weight gradient) reads element for element too;
-        # a value read by its mainloop is used at other positions, which _elementwise_use rejects
-        elementwise_kernel = part.kind is KernelKind.POINTWISE and not part.reductions or part.core is not None
+        # a GEMM's epilogue (an optimizer update fused after a weight gradient) and a row kernel's (a batch norm's
+        # running statistic, updated after its batch's sums) read element for element too, each position in one
+        # program once its row is reduced; a value read by a mainloop or a row's loop is used at other positions
+        # (broadcast along what is summed), which _elementwise_use rejects
+        elementwise_kernel = part.kind is KernelKind.POINTWISE and not part.reductions or \
+            part.kind is KernelKind.REDUCE or part.core is not None
         return elementwise_kernel and _elementwise_use(part, source)
 
 

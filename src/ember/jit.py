@@ -660,6 +660,7 @@ class _Program:
         self.lends = False
         s = min(range(len(self.results)), key=self.handed_at.__getitem__)
         self.results[s] = fresh
+        self.uses.pop(s, None)  # (its storages are the old set's, which only what shows them keeps now)
         self.graphs = {key: g for key, g in self.graphs.items() if key[1] != s}
         return s
 

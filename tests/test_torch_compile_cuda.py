@@ -194,6 +194,30 @@ def test_a_running_statistic_updated_after_its_batchs_sums_is_written_where_it_l
     assert len(copies) <= 2, copies  # the calls recorded, not the four replays
 
 
+def _swap_pointwise(x, a, b):
+    new_a, new_b = b * 0.5 + x, a * 0.5 + x  # each input's new value reads the other's old one
+    a.copy_(new_a)
+    b.copy_(new_b)
+    return x.sum()
+
+
+def _swap_after_sums(x, a, b):
+    s = x.sum(0)
+    new_a, new_b = b * 0.5 + s, a * 0.5 + s  # one row kernel's epilogue makes both
+    a.copy_(new_a)
+    b.copy_(new_b)
+    return x.sum()
+
+
+@pytest.mark.parametrize("fn, shapes", [(_swap_pointwise, [(64, 300)] * 3),
+                                        (_swap_after_sums, [(8192, 5), (5,), (5,)])], ids=["pointwise", "row kernel"])
+def test_inputs_updated_from_each_others_old_values_stay_right(fn, shapes):
+    """Two inputs' new values made by one kernel, each from the other's old value: the one written in place first
+    must not be read back as the other's old value (a kernel stores an output before it loads what only a later
+    output reads; 8192 rows make the row kernel walk its columns in a loop)."""
+    assert_updates_match_eager(fn, shapes, calls=4)
+
+
 def _drift(x, running):
     running.add_((x - running).mean(0) * 0.1)  # the old value is read along each row too, broadcast
     return x.sum()

@@ -90,7 +90,19 @@ class Plan:
         # (broadcast along what is summed), which _elementwise_use rejects
         elementwise_kernel = part.kind is KernelKind.POINTWISE and not part.reductions or \
             part.kind is KernelKind.REDUCE or part.core is not None
-        return elementwise_kernel and _elementwise_use(part, source)
+        return elementwise_kernel and _elementwise_use(part, source) and _read_for(part, source, result)
+
+
+def _read_for(kernel: FusedKernel, source: Node, result: Node) -> bool:
+    """Whether every node of the kernel reading `source` goes into `result`: each is then computed before
+    `result` is stored over `source` (a kernel emits its other outputs after, or among, its stores)."""
+    cone, stack = set(), [result]
+    while stack:
+        n = stack.pop()
+        if id(n) not in cone:
+            cone.add(id(n))
+            stack.extend(i for i in n.inputs if i is not source)
+    return all(id(n) in cone for n in kernel.covers if any(i is source for i in n.inputs))
 
 
 def _elementwise_use(kernel: FusedKernel, source: Node) -> bool:

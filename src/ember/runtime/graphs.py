@@ -47,20 +47,15 @@ _capturing = threading.Lock()
 _with_collectives: weakref.WeakSet = weakref.WeakSet()
 
 
-def shared_elsewhere(buffers: list[torch.Tensor]) -> bool:
-    """Whether another tensor shares the memory of any of `buffers`: a view or alias of one, such as a result
-    handed to torch as its own tensor (`runtime.dlpack.torch_buffers`). A storage's use count is one per tensor on
-    it plus the count of the Python storage object asked here."""
-    return StorageUses(buffers).shared()
-
-
 class StorageUses:
-    """`shared_elsewhere` of a list of buffers asked again and again (an ember.jit program's result buffers, once
-    a call): their storage objects are held, so that each ask costs one use count per buffer."""
+    """Whether another tensor shares the memory of any of a list of buffers (`shared`), asked again and again (an
+    ember.jit program's result buffers, once a call): a view or alias of one, such as a result handed to torch as
+    its own tensor (`runtime.dlpack.torch_buffers`). A storage's use count is one per tensor on it plus one for
+    its Python storage object, held here, so that each ask costs one use count per buffer."""
 
     def __init__(self, buffers: list[torch.Tensor]):
         self.buffers, self.length = buffers, len(buffers)
-        self.storages = [b.untyped_storage() for b in buffers]  # each counts once, as in shared_elsewhere
+        self.storages = [b.untyped_storage() for b in buffers]
         self.handles = [s._cdata for s in self.storages]
 
     def of(self, buffers: list[torch.Tensor]) -> bool:

@@ -22,7 +22,8 @@ values, straight into torch's tensors, where the kernel is the last to read the 
 element where it writes (ember.jit's `write_into_arguments`; an optimizer step's updates); the others at the graph's
 end in one multi-tensor copy per device and dtype. Tensors torch lays out densely in another order than their
 dimensions' (an attention's output kept transposed, channels-last activations) cross without copies: ember computes
-such an output in torch's memory order and reads such an input as it lies. Outputs that are views of another output
+such an output in torch's memory order and reads such an input as it lies; an input that is a strided slice of a
+wider tensor is read as the box of memory around it (frontends.layouts). Outputs that are views of another output
 are made again on that output's tensor, so they share memory exactly as torch's would, and ember computes no buffer
 for them. `replay_report()` says, per compiled graph, whether its calls replay and whether as CUDA graphs.
 """
@@ -32,13 +33,21 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
-import math
+import operator
 import weakref
 from typing import NamedTuple
 
 from ember.device import Device, as_device, channels_last, get_conv_memory_format
 from ember.frontends.aten import _NotComputed
-from ember.frontends.aten_graph import AtenGraph, auxiliary
+from ember.frontends.aten_graph import AtenGraph
+from ember.frontends.layouts import (
+    as_numbers,
+    box_inputs,
+    in_memory_order,
+    memory_order,
+    restride_placeholders,
+    save_channels_last,
+)
 from ember.jit import GRAPHS_KEPT, jit
 from ember.runtime.dlpack import copy_tensors
 from ember.tensor import Tensor, realize
@@ -93,12 +102,13 @@ def _compile(gm, example_inputs, on_cuda: bool = False):
 
     torch_device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
     device = _ember_device(torch_device, on_cuda)
-    _restride_placeholders(gm.graph, example_inputs)
+    restride_placeholders(gm.graph, example_inputs)
     if device is not None and get_conv_memory_format() == channels_last:
-        _save_channels_last(gm.graph)
+        save_channels_last(gm.graph)
     handed = _fresh_outputs(gm.graph)
     writes = _written_inputs(gm.graph)
-    ordered = _in_memory_order(gm.graph, handed)
+    ordered = in_memory_order(gm.graph, handed)
+    boxed = box_inputs(gm.graph, example_inputs, ordered, handed)
     graph = AtenGraph(gm.graph, "graph torch.compile captured")
     to_ember = functools.partial(_to_ember, device=device)
     from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -134,6 +144,8 @@ def _compile(gm, example_inputs, on_cuda: bool = False):
             key = entry = _UNKEYED
         for p, order in ordered.items():  # torch's memory of these inputs, read as it lies
             args[p] = args[p].permute(order)
+        for p, box in boxed.items():
+            args[p] = box.of(args[p])
         if entry is not _UNKEYED and entry is not None and entry.program is not None and entry.program.still_valid():
             known = taught.get(entry.program)
             if known is None:  # its updates of the inputs, written into their memory where safe
@@ -236,9 +248,10 @@ class _Outputs(NamedTuple):
     # values on contiguous memory, where a view such as `transpose(1, 2).view(...)` of a value torch lays out
     # transposed is no view
     layouts: dict[int, tuple[tuple, tuple]]
-    # the outputs ember computes in torch's memory order of them (`_in_memory_order`): position -> the permutation
-    # of the computed value's dimensions back to the output's
+    # the outputs ember computes in torch's memory order of them (`layouts.in_memory_order`): position -> the
+    # permutation of the computed value's dimensions back to the output's
     permuted: dict[int, list[int]]
+    sliced: dict  # the inputs returned as they are that ember reads as a box: position -> its `layouts.Box`
     arguments: tuple[int, ...]  # the inputs the views take sizes from (dynamic shapes)
 
 
@@ -250,12 +263,14 @@ def _fresh_outputs(graph) -> _Outputs:
     one more output of the graph, after its own). A view's sizes may be the graph's inputs (dynamic shapes).
 
     A view that only torch's layout of its value allows (a reshape of a transposed value torch keeps transposed)
-    is made on the value in that layout (`_in_memory_order`, else a copy) where its sharing memory can be seen (the
-    value is an output too, or has other views); else the output is ember's own value, which no other output
-    shares."""
+    is made on the value in that layout (`layouts.in_memory_order`, else a copy) where its sharing memory can be
+    seen (the value is an output too, or has other views); else the output is ember's own value, which no other
+    output shares."""
     def chain(node) -> tuple[object, list]:
         ops = []
-        while node.op == "call_function" and getattr(node.target, "is_view", False) and node.args:
+        while node.op == "call_function" and node.args and (getattr(node.target, "is_view", False) or (
+                node.target is operator.getitem and getattr(node.args[0], "op", None) == "call_function"
+                and getattr(node.args[0].target, "is_view", False))):  # (one of a split's or an unbind's views)
             ops.append(node)
             node = node.args[0]
         return node, ops[::-1]
@@ -282,7 +297,7 @@ def _fresh_outputs(graph) -> _Outputs:
         layout = _layout_needed(root, ops)
         if layout is not None:
             shared = id(root) in position or viewers[id(root)] > 1
-            if not shared or (layout is _UNBOUND and _memory_order(root.meta.get("val")) is None):
+            if not shared or (layout is _UNBOUND and memory_order(root.meta.get("val")) is None):
                 continue  # ember's own value of this output serves (it shares no memory torch's would)
         if id(root) not in position:
             position[id(root)] = len(nodes)
@@ -294,7 +309,7 @@ def _fresh_outputs(graph) -> _Outputs:
         arguments.update(argument.position for argument in _inputs(ops))
     if len(nodes) > count:
         output.args = (type(output.args[0])(nodes),)
-    return _Outputs(fresh, views, count, layouts, {}, tuple(sorted(arguments)))
+    return _Outputs(fresh, views, count, layouts, {}, {}, tuple(sorted(arguments)))
 
 
 class _Input(NamedTuple):
@@ -319,7 +334,7 @@ def _bound(value, inputs: dict):
     if hasattr(value, "op"):
         if value not in inputs:
             return _UNBOUND
-        example = _example([value.meta.get("val")])
+        example = as_numbers([value.meta.get("val")])
         return _Input(inputs[value], example[0] if example else None)
     return value
 
@@ -352,8 +367,8 @@ def _layout_needed(root, ops: list):
     import torch
 
     value = root.meta.get("val")
-    shape, strides = (_example(value.shape), _example(value.stride())) if isinstance(value, torch.Tensor) else (None,
-                                                                                                                None)
+    shape, strides = ((as_numbers(value.shape), as_numbers(value.stride())) if isinstance(value, torch.Tensor)
+                      else (None, None))
     if shape is None or strides is None:
         return None
     if any(argument.example is None for argument in _inputs(ops)):
@@ -372,181 +387,6 @@ def _layout_needed(root, ops: list):
     return None
 
 
-def _in_memory_order(graph, plan: _Outputs) -> dict[int, list[int]]:
-    """Rewrites `graph` so that its values torch lays out densely in another order than ember's (an attention's
-    output torch keeps transposed, channels-last activations) cross the boundary without a copy: ember computes
-    such an output permuted to torch's memory order (its kernels write through the permutation), which torch sees
-    back in its own dimensions (`plan.permuted`), and reads such an input as the contiguous permutation of it that
-    torch's memory is. Returns the inputs' permutations by position (the inputs the graph writes are left as they
-    are). The outputs `_finish` makes again as views of another output return that output instead."""
-    import torch
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    permute = torch.ops.aten.permute.default
-    output = next(n for n in graph.nodes if n.op == "output")
-    nodes = list(output.args[0])
-    viewed = {i for i, _, _ in plan.views}  # made again from their value's tensor
-    own = plan.count + len({base for _, base, _ in plan.views if base >= plan.count})
-    with unset_fake_temporarily():
-        for p in range(own):
-            node = nodes[p]
-            order = _memory_order(node.meta.get("val")) if hasattr(node, "op") and p not in viewed else None
-            if order is None or node.op == "placeholder" or auxiliary(node) and not _pooling_windows(node):
-                continue
-            with graph.inserting_before(output):
-                nodes[p] = graph.call_function(permute, (node, order))
-            nodes[p].meta["val"] = node.meta["val"].permute(order)
-            plan.permuted[p] = _inverse(order)
-            plan.layouts.pop(p, None)  # the value comes back in torch's layout
-        for i, base, _ in plan.views:  # made again on the value's tensor: ember computes no buffer of their own
-            nodes[i] = nodes[base]
-        output.args = (type(output.args[0])(nodes),)
-        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-        first = next(n for n in graph.nodes if n.op != "placeholder")
-        written = {n.args[0] for n in graph.nodes if n.target is torch.ops.aten.copy_.default}
-        inputs, backs = {}, {}
-        for p, node in enumerate(placeholders):
-            value = node.meta.get("val")
-            # (values such as a ReLU's mask or a max-pooling's window offsets saved for the backward; a permute of
-            # torch's tensor reads any memory right, at worst through a copy)
-            kept = node.users and node not in written and isinstance(value, torch.Tensor)
-            order = _memory_order(value) if kept else None
-            if order is None:
-                continue
-            with graph.inserting_before(first):
-                back = graph.call_function(permute, (node, _inverse(order)))
-            node.replace_all_uses_with(back, delete_user_cb=lambda user, back=back: user is not back)
-            back.meta["val"] = value
-            node.meta["val"] = value.permute(order)
-            inputs[p] = order
-            backs[back] = node
-        # an input the graph returns as it is (saved for the backward) is returned as the memory it was read from,
-        # seen back in its own dimensions: not a copy of it in ember's order
-        nodes = list(output.args[0])
-        for p, node in enumerate(nodes):
-            if node in backs:
-                nodes[p] = backs[node]
-                plan.permuted[p] = list(node.args[1])
-                plan.layouts.pop(p, None)
-        output.args = (type(output.args[0])(nodes),)
-    return inputs
-
-
-def _restride_placeholders(graph, example_inputs) -> None:
-    """The graph's inputs laid out as the examples it is compiled for are: AOTAutograd traces a backward graph on
-    the strides the forward's compiler reported for the values it saves (`_save_channels_last`) but passes them in
-    the examples only, not in the graph's own metadata."""
-    import torch
-
-    for node, example in zip([n for n in graph.nodes if n.op == "placeholder"], example_inputs):
-        value = node.meta.get("val")
-        if not isinstance(value, torch.Tensor) or not isinstance(example, torch.Tensor):
-            continue
-        shape, strides = _example(value.shape), _example(example.stride())
-        if shape is not None and strides is not None and shape == _example(example.shape) \
-                and strides != _example(value.stride()):
-            node.meta["val"] = value.as_strided(value.shape, strides)
-
-
-def _save_channels_last(graph) -> None:
-    """In a forward graph whose convolutions ember runs on channels-last memory (ember.set_conv_memory_format: the
-    half-precision ones), the activations saved for the backward cross to it as they lie: each such output (4-d,
-    half-precision or boolean, or a max-pooling's window offsets; computed by the graph, returned nowhere else) is
-    made a channels-last tensor of torch's, and its strides are reported to AOTAutograd
-    (TracingContext.output_strides, as Inductor reports its layouts), which traces the backward graph on them;
-    `_in_memory_order` then writes and reads that memory with no transposition. Without this, ember would transpose
-    every saved activation to torch's contiguous layout at the forward's end and back at the backward's start."""
-    import torch
-    from torch._guards import TracingContext
-
-    context = TracingContext.try_get()
-    reported = getattr(context, "output_strides", None)
-    try:  # (an inference graph's metadata counts no saved values)
-        saved = context.fw_metadata.tensors_saved_for_backwards_slice
-    except (AttributeError, AssertionError):
-        saved = None
-    convolution = torch.ops.aten.convolution.default
-    half = (torch.float16, torch.bfloat16)
-    if reported is None or saved is None or not any(
-            n.target is convolution and getattr(n.meta.get("val"), "dtype", None) in half for n in graph.nodes):
-        return  # not a forward graph AOTAutograd compiles for a backward, or one with no half-precision convolution
-    output = next(n for n in graph.nodes if n.op == "output")
-    nodes = list(output.args[0])
-    kept = set(range(len(nodes))[saved])
-    positions = collections.defaultdict(set)
-    for p, node in enumerate(nodes):
-        positions[node].add(p)
-    strides: list = [None] * len(nodes)
-    for p in sorted(kept):
-        node = nodes[p]
-        value = getattr(node, "meta", {}).get("val")
-        activation = _pooling_windows(node) or not auxiliary(node) and getattr(value, "dtype", None) in (
-            torch.float16, torch.bfloat16, torch.bool)
-        if (not activation or not isinstance(value, torch.Tensor) or value.dim() != 4 or not positions[node] <= kept
-                or node.op != "call_function" or getattr(node.target, "is_view", False)):
-            continue
-        shape, given = _example(value.shape), _example(value.stride())
-        if shape is None or given is None or not _dense(shape, given):
-            continue
-        n, c, h, w = shape
-        layout = (h * w * c, 1, w * c, c)
-        node.meta["val"] = value.as_strided(value.shape, layout)
-        for q in positions[node]:
-            strides[q] = layout
-    reported.extend(strides)
-
-
-def _pooling_windows(node) -> bool:
-    """Whether fx node `node` is the indices' output of a 2-d max-pooling without dilation, where ember computes
-    each window's first maximum (aten's `_max_pool_with_indices`: one byte an output, in torch's int64 place)."""
-    import torch
-
-    if not auxiliary(node) or node.args[0].target is not torch.ops.aten.max_pool2d_with_indices.default:
-        return False
-    pooling = node.args[0]
-    dilation = pooling.args[4] if len(pooling.args) > 4 else pooling.kwargs.get("dilation", 1)
-    return all(d == 1 for d in ((dilation,) if isinstance(dilation, int) else dilation))
-
-
-def _memory_order(value) -> list[int] | None:
-    """The order of a tensor's dimensions in memory, outermost first, where torch lays it out densely in another
-    order than its own dimensions' (what ember's values are); None where it is contiguous, not dense, or its layout
-    is not known in numbers."""
-    import torch
-
-    if not isinstance(value, torch.Tensor) or value.is_sparse:
-        return None
-    shape, strides = _example(value.shape), _example(value.stride())
-    if shape is None or strides is None or math.prod(shape) == 0 or _dense(shape, strides):
-        return None
-    order = sorted(range(len(shape)), key=lambda d: (-strides[d], d))
-    return order if _dense([shape[d] for d in order], [strides[d] for d in order]) else None
-
-
-def _example(sizes) -> tuple[int, ...] | None:
-    """Sizes or strides as numbers: a symbolic one (dynamic shapes) by the value it was traced with, which orders
-    a dense layout's dimensions as every other value does; None where one has no such value."""
-    numbers = [d if isinstance(d, int) else getattr(getattr(d, "node", None), "hint", None) for d in sizes]
-    return tuple(numbers) if all(isinstance(d, int) for d in numbers) else None
-
-
-def _dense(shape, strides) -> bool:
-    """Whether (shape, strides) is contiguous (a dimension of size 1 has any stride)."""
-    expected = 1
-    for size, stride in zip(reversed(shape), reversed(strides)):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _inverse(order: list[int]) -> list[int]:
-    back = [0] * len(order)
-    for i, d in enumerate(order):
-        back[d] = i
-    return back
-
-
 def _finish(outputs: list, plan: _Outputs, addresses: set[int], written: list, numbers: dict,
             replayed: _Replayed | None = None) -> list:
     """The graph's outputs for torch (its own, then the new values of the inputs it writes, `written`): each new
@@ -555,6 +395,8 @@ def _finish(outputs: list, plan: _Outputs, addresses: set[int], written: list, n
     kept = len(outputs) - len(written)
     for p, back in plan.permuted.items():
         outputs[p] = outputs[p].permute(back)
+    for p, box in plan.sliced.items():
+        outputs[p] = box.within(outputs[p])
     results = _own_memory(outputs[:kept], plan.fresh if replayed is None else replayed.fresh, addresses)
     for base, (shape, strides) in plan.layouts.items():
         value = results[base]

@@ -129,7 +129,7 @@ class AtenGraph:
                 if reader.op == "output" or reader_name.rsplit(".", 1)[0] in readers or reader_name in readers:
                     continue
                 if reader_name == "aten.permute.default" and all(u.op == "output" for u in reader.users):
-                    continue  # returned in the memory order torch keeps it in (frontends.dynamo._in_memory_order)
+                    continue  # returned in the memory order torch keeps it in (frontends.layouts.in_memory_order)
                 raise NotImplementedError(f"ember cannot run this graph: {reader_name} reads output "
                                           f"{user.args[1]} of {name}, which ember does not compute")
 

@@ -30,6 +30,7 @@ for them. `replay_report()` says, per compiled graph, whether its calls replay a
 
 from __future__ import annotations
 
+import bisect
 import collections
 import functools
 import itertools
@@ -108,35 +109,36 @@ def _compile(gm, example_inputs, on_cuda: bool = False):
     handed = _fresh_outputs(gm.graph)
     writes = _written_inputs(gm.graph)
     ordered = in_memory_order(gm.graph, handed)
+    unboxed = torch.fx.Graph()  # (the graph before box_inputs: node metadata is copied, not shared)
+    unboxed.output(unboxed.graph_copy(gm.graph, {}))
     boxed = box_inputs(gm.graph, example_inputs, ordered, handed)
-    graph = AtenGraph(gm.graph, "graph torch.compile captured")
     to_ember = functools.partial(_to_ember, device=device)
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+    names = list(dict.fromkeys(n.target for n in gm.graph.nodes if n.op == "get_attr"))
     with unset_fake_temporarily():  # AOTAutograd compiles under fake tensors; the graph's constants are real ones
-        attributes = [getattr(gm, n) for n in graph.attribute_names]
-        constants = dict(zip(graph.attribute_names, to_ember(attributes)))
-        # memory no output may be handed on: the constants' (a tensor made in the function is new at each call)
-        fixed = {a.data_ptr() for a in attributes if isinstance(a, torch.Tensor)}
+        attributes = [getattr(gm, n) for n in names]
+        constants = dict(zip(names, to_ember(attributes)))
+    # memory no output may be handed on: the constants' (a tensor made in the function is new at each call)
+    fixed = [a for a in attributes if isinstance(a, torch.Tensor)]
     placed = device if torch_device.type != "cuda" else None  # the graph's cpu tensors, where torch's are on cpu
-
-    def step(*inputs):
-        return graph(*inputs, attributes=constants.__getitem__, device=placed)
-
-    # on cuda, recorded and replayed as CUDA graphs, one per binding of its inputs' buffers (ember.jit): a plan
-    # whose inputs are torch's tensors is no steady chain of the lazy path, which would run it launch by launch
-    replays: dict = {}  # the shapes of a call's arguments (None: the graph's are static) -> its ember.jit entry
-    if device is not None:
-        step = jit(step)
-        _replayed[next(_numbers)] = step
     static = _static(gm.graph)
-    # the programs told which inputs their replays write in place, with what that leaves _finish to check
-    taught: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    # the graph reading its strided inputs as boxes, while calls lay them out as it was compiled for; else the
+    # graph reading them as before (a backward's input traced as a view of a projection that the forward hands
+    # as a buffer of its own, say), compiled at the first such call
+    variants = [_Variant(gm.graph, handed, boxed, constants, placed, device)]
 
     def run(args: list) -> list:
+        if not all(box.fits(args[p]) for p, box in boxed.items()):
+            if len(variants) == 1:
+                variants.append(_Variant(unboxed, handed._replace(sliced={}), {}, constants, placed, device))
+            variant = variants[1]
+        else:
+            variant = variants[0]
+        step, replays, plan = variant.step, variant.replays, variant.handed
         written = [args[p] for p in writes]
-        numbers = {p: args[p] for p in handed.arguments}
-        addresses = fixed | {a.data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        numbers = {p: args[p] for p in plan.arguments}
+        inputs = _Memory(fixed, args, exact=device is not None)
         key = None if static else tuple([a.shape if isinstance(a, torch.Tensor) else a for a in args])
         try:
             entry = replays.get(key)
@@ -144,24 +146,89 @@ def _compile(gm, example_inputs, on_cuda: bool = False):
             key = entry = _UNKEYED
         for p, order in ordered.items():  # torch's memory of these inputs, read as it lies
             args[p] = args[p].permute(order)
-        for p, box in boxed.items():
+        for p, box in variant.boxed.items():
             args[p] = box.of(args[p])
         if entry is not _UNKEYED and entry is not None and entry.program is not None and entry.program.still_valid():
-            known = taught.get(entry.program)
+            known = variant.taught.get(entry.program)
             if known is None:  # its updates of the inputs, written into their memory where safe
-                known = taught[entry.program] = _teach(entry.program, args, writes, ordered, handed)
+                known = variant.taught[entry.program] = _teach(entry.program, args, writes, ordered, plan)
             outputs = _replay(step, entry.program, args, known)
             if outputs is not None:
-                return _finish(outputs, handed, addresses, written, numbers, known)
-        inputs = to_ember(args)
+                return _finish(outputs, plan, inputs, written, numbers, known)
+        values = to_ember(args)
         args.clear()  # AOTAutograd's boxed convention: the inputs can be freed as soon as they are read
-        outputs = list(step(*inputs))
+        outputs = list(step(*values))
         if device is not None and key is not _UNKEYED:
             replays[key] = step.last_entry
-        return _finish(_to_torch(outputs, torch_device), handed, addresses, written, numbers)
+        return _finish(_to_torch(outputs, torch_device), plan, inputs, written, numbers)
 
     run._boxed_call = True
     return run
+
+
+class _Variant:
+    """One ATen graph run on ember: its step (on cuda, an ember.jit function, recorded and replayed as CUDA graphs,
+    one per binding of its inputs' buffers: a plan whose inputs are torch's tensors is no steady chain of the lazy
+    path, which would run it launch by launch), how its outputs are handed to torch, and the inputs it reads as
+    boxes."""
+
+    def __init__(self, graph, handed: _Outputs, boxed: dict, constants: dict, placed, device):
+        aten = AtenGraph(graph, "graph torch.compile captured")
+        self.handed, self.boxed = handed, boxed
+
+        def step(*inputs):
+            return aten(*inputs, attributes=constants.__getitem__, device=placed)
+
+        self.step = step
+        if device is not None:
+            self.step = jit(step)
+            _replayed[next(_numbers)] = self.step
+        self.replays: dict = {}  # the shapes of a call's arguments (None: the graph's are static) -> ember.jit entry
+        # the programs told which inputs their replays write in place, with what that leaves _finish to check
+        self.taught: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class _Memory:
+    """The memory of a call's inputs and the graph's constants (torch tensors), which no new output may lie on,
+    gathered at the first question (most replays ask none). On cuda, ember hands an input's memory back only as the
+    whole input (an argument returned as it is), so an output lies on it where it starts where an input does; the
+    cpu's reference backend may hand any part of it (a NumPy view), so there an output's elements are looked up in
+    the ranges of the inputs' storages."""
+
+    def __init__(self, fixed: list, args: list, exact: bool):
+        import torch
+
+        self.tensors = fixed + [a for a in args if isinstance(a, torch.Tensor)]
+        self.exact = exact
+        self.starts: list | set | None = None
+
+    def holds(self, t) -> bool:
+        """Whether torch tensor `t` has an element in this memory."""
+        if self.exact:
+            if self.starts is None:
+                self.starts = {a.data_ptr() for a in self.tensors}
+            base = t._base
+            return t.data_ptr() in self.starts or (base is not None and base.data_ptr() in self.starts)
+        if self.starts is None:
+            spans = sorted(_span(a.untyped_storage().data_ptr(), a.untyped_storage().nbytes())
+                           for a in self.tensors if a.untyped_storage().nbytes())
+            merged: list = []
+            for start, end in spans:
+                if merged and start <= merged[-1][1]:
+                    merged[-1][1] = max(merged[-1][1], end)
+                else:
+                    merged.append([start, end])
+            self.starts, self.ends = [m[0] for m in merged], [m[1] for m in merged]
+        if t.numel() == 0:
+            return False
+        first = t.data_ptr()
+        last = first + t.element_size() * sum((n - 1) * abs(d) for n, d in zip(t.shape, t.stride()))
+        k = bisect.bisect_right(self.starts, last) - 1  # the last range starting at or before `last`
+        return k >= 0 and self.ends[k] > first
+
+
+def _span(start: int, size: int) -> tuple[int, int]:
+    return start, start + size
 
 
 class _Replayed(NamedTuple):
@@ -387,7 +454,7 @@ def _layout_needed(root, ops: list):
     return None
 
 
-def _finish(outputs: list, plan: _Outputs, addresses: set[int], written: list, numbers: dict,
+def _finish(outputs: list, plan: _Outputs, inputs: _Memory, written: list, numbers: dict,
             replayed: _Replayed | None = None) -> list:
     """The graph's outputs for torch (its own, then the new values of the inputs it writes, `written`): each new
     output on memory of its own (a view of another output, that output's view), then the inputs written.
@@ -397,7 +464,7 @@ def _finish(outputs: list, plan: _Outputs, addresses: set[int], written: list, n
         outputs[p] = outputs[p].permute(back)
     for p, box in plan.sliced.items():
         outputs[p] = box.within(outputs[p])
-    results = _own_memory(outputs[:kept], plan.fresh if replayed is None else replayed.fresh, addresses)
+    results = _own_memory(outputs[:kept], plan.fresh if replayed is None else replayed.fresh, inputs)
     for base, (shape, strides) in plan.layouts.items():
         value = results[base]
         results[base] = value.new_empty_strided(shape, strides).copy_(value)
@@ -421,7 +488,7 @@ def _finish(outputs: list, plan: _Outputs, addresses: set[int], written: list, n
 
         # a new value on an input's memory (an input swapped with another, or kept while another is written) is
         # read before any input is written
-        values = [v.clone() if _on_inputs(v, addresses) else v for _, v in pending]
+        values = [v.clone() if inputs.holds(v) else v for _, v in pending]
         with torch.no_grad():  # into the inputs as they are (parameters among them), not detached views of each
             copy_tensors([w for w, _ in pending], values)
     return results
@@ -433,14 +500,7 @@ def _same_memory(a, b) -> bool:
             and a.stride() == b.stride() and a.dtype == b.dtype)
 
 
-def _on_inputs(t, addresses: set[int]) -> bool:
-    """Whether torch tensor `t` lies on the memory of an input or a constant of the graph (`addresses`: their data
-    pointers)."""
-    base = t._base
-    return t.data_ptr() in addresses or (base is not None and base.data_ptr() in addresses)
-
-
-def _own_memory(results: list, fresh: list[tuple[int, int]], addresses: set[int]) -> list:
+def _own_memory(results: list, fresh: list[tuple[int, int]], inputs: _Memory) -> list:
     """`results` with each new output on memory of its own: ember computes values, not tensors, so a graph's
     `clone` of an input (an optimizer's first momentum, `clone(grad)`) is the input's own value, and two outputs of
     one value are one buffer; torch may write either in place (`zero_grad(set_to_none=False)`, `add_`), so such an
@@ -451,7 +511,7 @@ def _own_memory(results: list, fresh: list[tuple[int, int]], addresses: set[int]
         if not hasattr(t, "data_ptr") or t.numel() == 0:
             continue
         address = t.data_ptr()
-        if _on_inputs(t, addresses) or seen.get(address, root) != root:
+        if inputs.holds(t) or seen.get(address, root) != root:
             results[i] = t.clone()
         else:
             seen[address] = root

@@ -88,20 +88,25 @@ class Box(NamedTuple):
     """How a graph reads an input that is a strided slice of a wider tensor: as the dense box of memory around it,
     `shape` (outermost first) starting `shift` elements before its first element, which the graph slices back to
     the input (`box_inputs`). The box is a view of the input's storage where the input is laid out as it was
-    compiled for (`strides`) and the box lies inside the storage; else a new box the input is copied into, which
-    costs the copy reading the input contiguously would."""
+    compiled for (`strides`) and the box lies inside the storage (frontends.dynamo runs a graph that reads the
+    input as before on calls where it is not)."""
 
     shape: tuple[int, ...]
     shift: int
     sizes: tuple[int, ...]
     strides: tuple[int, ...]
 
-    def of(self, t):
-        """Torch tensor `t` as the box the graph reads."""
+    def fits(self, t) -> bool:
+        """Whether torch tensor `t` is laid out as the box was made for, with the box inside its storage."""
         start = t.storage_offset() - self.shift
-        if (t.stride() == self.strides and start >= 0
-                and (start + math.prod(self.shape)) * t.element_size() <= t.untyped_storage().nbytes()):
-            return t.as_strided(self.shape, _contiguous(self.shape), start)
+        return (t.stride() == self.strides and start >= 0
+                and (start + math.prod(self.shape)) * t.element_size() <= t.untyped_storage().nbytes())
+
+    def of(self, t):
+        """Torch tensor `t` as the box the graph reads: a view of its storage where it `fits`, else a new box it
+        is copied into."""
+        if self.fits(t):
+            return t.as_strided(self.shape, _contiguous(self.shape), t.storage_offset() - self.shift)
         box = t.new_empty(self.shape)
         self.within(box).copy_(t)
         return box

@@ -193,6 +193,47 @@ def test_a_backward_input_traced_as_a_slice_but_handed_dense_is_read_as_handed(o
     assert copies["boxed by copy"] == 0, copies
 
 
+def _attention_of_a_slice(model, wide):
+    return (model(wide[..., :16]) ** 2).mean()
+
+
+@pytest.mark.parametrize("options", [None, OPTIONS], ids=["cpu", "cuda"])
+def test_a_box_that_does_not_fit_leaves_the_others_read_as_boxes(options, copies):
+    """A backward holding both the queries, keys and values saved as views of one projection (their boxes fit every
+    call) and an input traced as a slice that the forward hands dense (its box fits none): the calls run a graph
+    reading the fitting ones as boxes (no copy of them), with torch's gradients."""
+    torch.manual_seed(0)
+    model = FusedAttention(16, 4).to(DEVICE)
+    reference = copy.deepcopy(model)
+    run = torch.compile(_attention_of_a_slice, backend="ember", options=options)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        wide = torch.randn(3, 6, 32, generator=generator).to(DEVICE)
+        run(model, wide).backward()
+        _attention_of_a_slice(reference, wide).backward()
+    for (name, mine), theirs in zip(model.named_parameters(), reference.parameters()):
+        np.testing.assert_allclose(mine.grad.cpu().numpy(), theirs.grad.cpu().numpy(), rtol=1e-4, atol=1e-5,
+                                   err_msg=name)
+    assert (3, 4, 6, 4) not in copies["contiguous"] and copies["boxed by copy"] == 0, copies
+    assert copies["boxed"] >= 3 * 3, copies
+
+
+def _addressing(x):
+    return x.as_strided((5, 2), (8, 1), 9) * 2
+
+
+@pytest.mark.parametrize("options", [None, OPTIONS], ids=["cpu", "cuda"])
+def test_a_graph_addressing_storage_by_as_strided_reads_no_box(options, copies):
+    """`as_strided`'s offset addresses the input's storage as torch lays it out: a graph with one reads its strided
+    inputs as before, with torch's values."""
+    run = torch.compile(_addressing, backend="ember", options=options)
+    generator = torch.Generator().manual_seed(8)
+    for _ in range(3):
+        x = torch.randn(7, 8, generator=generator).to(DEVICE)[1:, 1:4]
+        np.testing.assert_array_equal(run(x).cpu().numpy(), _addressing(x).cpu().numpy())
+    assert copies["boxed"] == 0, copies
+
+
 def _row_clone(x):
     return x[1].clone(), x[1:].clone()
 

@@ -109,9 +109,10 @@ def _compile(gm, example_inputs, on_cuda: bool = False):
     handed = _fresh_outputs(gm.graph)
     writes = _written_inputs(gm.graph)
     ordered = in_memory_order(gm.graph, handed)
-    unboxed = torch.fx.Graph()  # (the graph before box_inputs: node metadata is copied, not shared)
-    unboxed.output(unboxed.graph_copy(gm.graph, {}))
+    unboxed = _copy(gm.graph)  # (before box_inputs: for the calls some boxes do not fit)
     boxed = box_inputs(gm.graph, example_inputs, ordered, handed)
+    if not boxed:
+        unboxed = None
     to_ember = functools.partial(_to_ember, device=device)
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -123,18 +124,18 @@ def _compile(gm, example_inputs, on_cuda: bool = False):
     fixed = [a for a in attributes if isinstance(a, torch.Tensor)]
     placed = device if torch_device.type != "cuda" else None  # the graph's cpu tensors, where torch's are on cpu
     static = _static(gm.graph)
-    # the graph reading its strided inputs as boxes, while calls lay them out as it was compiled for; else the
-    # graph reading them as before (a backward's input traced as a view of a projection that the forward hands
-    # as a buffer of its own, say), compiled at the first such call
-    variants = [_Variant(gm.graph, handed, boxed, constants, placed, device)]
+    # by the boxed inputs a call's layout does not fit (a backward's input traced as a view of a projection that the
+    # forward hands as a buffer of its own, say): the graph reading the others as boxes, compiled at the first such
+    # call
+    variants = {frozenset(): _Variant(gm.graph, handed, boxed, constants, placed, device)}
 
     def run(args: list) -> list:
-        if not all(box.fits(args[p]) for p, box in boxed.items()):
-            if len(variants) == 1:
-                variants.append(_Variant(unboxed, handed._replace(sliced={}), {}, constants, placed, device))
-            variant = variants[1]
-        else:
-            variant = variants[0]
+        misfits = frozenset(p for p, box in boxed.items() if not box.fits(args[p]))
+        variant = variants.get(misfits)
+        if variant is None:
+            graph, plan = _copy(unboxed), handed._replace(sliced={})
+            boxes = box_inputs(graph, example_inputs, {**ordered, **dict.fromkeys(misfits)}, plan)
+            variant = variants[misfits] = _Variant(graph, plan, boxes, constants, placed, device)
         step, replays, plan = variant.step, variant.replays, variant.handed
         written = [args[p] for p in writes]
         numbers = {p: args[p] for p in plan.arguments}
@@ -164,6 +165,15 @@ def _compile(gm, example_inputs, on_cuda: bool = False):
 
     run._boxed_call = True
     return run
+
+
+def _copy(graph):
+    """A copy of fx graph `graph` (its nodes' metadata copied, not shared)."""
+    import torch
+
+    copied = torch.fx.Graph()
+    copied.output(copied.graph_copy(graph, {}))
+    return copied
 
 
 class _Variant:

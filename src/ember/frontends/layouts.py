@@ -20,6 +20,7 @@ import collections
 import math
 from typing import NamedTuple
 
+from ember.frontends import strided
 from ember.frontends.aten_graph import auxiliary
 
 
@@ -123,8 +124,9 @@ def box_inputs(graph, example_inputs, skip, plan) -> dict[int, Box]:
     through the slice, instead of being copied to contiguous memory at each call. An input the graph returns as it
     is (saved for the backward) is returned as its box, which `plan.sliced` (frontends.dynamo's `_Outputs`) slices
     back: torch's own tensor. Returns the boxes by input position. Left as they are: the inputs at positions in
-    `skip`, those the graph writes, and those whose layout is not known in numbers, overlaps itself or
-    broadcasts."""
+    `skip`, those the graph writes, those whose layout is not known in numbers, overlaps itself or broadcasts, and
+    every input of a graph with an `as_strided` (whose offsets address an input's storage as torch lays it out, and
+    may reach past the input into memory a box would not be)."""
     import torch
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -136,7 +138,9 @@ def box_inputs(graph, example_inputs, skip, plan) -> dict[int, Box]:
         returned[node].append(q)
     written = {n.args[0] for n in graph.nodes if n.target is aten.copy_.default}
     first = next(n for n in graph.nodes if n.op != "placeholder")
-    boxes = {}
+    boxes: dict[int, Box] = {}
+    if any(str(n.target).rsplit(".", 1)[0] in strided.OPERATORS for n in graph.nodes if n.op == "call_function"):
+        return boxes
     with unset_fake_temporarily():
         for p, (node, given) in enumerate(zip(placeholders, example_inputs)):
             value = node.meta.get("val")

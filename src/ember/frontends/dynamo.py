@@ -251,6 +251,9 @@ class _Replayed(NamedTuple):
     in_place: list[int]
     copied: list[int]
     recorded: list[int]  # the returned values ember.jit's program returns as it recorded them
+    # among `fresh`, the outputs on the program's own memory (a result buffer returned twice, a kept copy), which can
+    # lie on another such output's but on no input's
+    apart: frozenset[int]
 
 
 def _teach(program, args: list, writes: list[int], ordered: dict, handed: _Outputs) -> _Replayed:
@@ -271,7 +274,9 @@ def _teach(program, args: list, writes: list[int], ordered: dict, handed: _Outpu
                      [k for k in range(len(writes)) if kept + k in taken],
                      [k for k in range(len(writes)) if kept + k not in taken],
                      [i for i, (kind, _, _) in enumerate(program.out_slots)
-                      if kind not in ("result", "computed", "argument")])  # (those handed as buffers)
+                      if kind not in ("result", "computed", "argument")],  # (those handed as buffers)
+                     frozenset(i for i, (kind, what, _) in enumerate(program.out_slots[:kept])
+                               if kind == "computed" or kind == "result" and what not in program.into))
 
 
 def _static(graph) -> bool:
@@ -474,7 +479,8 @@ def _finish(outputs: list, plan: _Outputs, inputs: _Memory, written: list, numbe
         outputs[p] = outputs[p].permute(back)
     for p, box in plan.sliced.items():
         outputs[p] = box.within(outputs[p])
-    results = _own_memory(outputs[:kept], plan.fresh if replayed is None else replayed.fresh, inputs)
+    results = (_own_memory(outputs[:kept], plan.fresh, inputs) if replayed is None
+               else _own_memory(outputs[:kept], replayed.fresh, inputs, replayed.apart))
     for base, (shape, strides) in plan.layouts.items():
         value = results[base]
         results[base] = value.new_empty_strided(shape, strides).copy_(value)
@@ -510,18 +516,19 @@ def _same_memory(a, b) -> bool:
             and a.stride() == b.stride() and a.dtype == b.dtype)
 
 
-def _own_memory(results: list, fresh: list[tuple[int, int]], inputs: _Memory) -> list:
+def _own_memory(results: list, fresh: list[tuple[int, int]], inputs: _Memory, apart=frozenset()) -> list:
     """`results` with each new output on memory of its own: ember computes values, not tensors, so a graph's
     `clone` of an input (an optimizer's first momentum, `clone(grad)`) is the input's own value, and two outputs of
     one value are one buffer; torch may write either in place (`zero_grad(set_to_none=False)`, `add_`), so such an
-    output is copied, unless the graph itself makes the two views of one value."""
+    output is copied, unless the graph itself makes the two views of one value. `apart`: the positions on memory of
+    ember's own (`_Replayed.apart`), not tested against the inputs'."""
     seen: dict[int, int] = {}  # address -> the value whose view the output there is
     for i, root in fresh:
         t = results[i]
         if not hasattr(t, "data_ptr") or t.numel() == 0:
             continue
         address = t.data_ptr()
-        if inputs.holds(t) or seen.get(address, root) != root:
+        if (i not in apart and inputs.holds(t)) or seen.get(address, root) != root:
             results[i] = t.clone()
         else:
             seen[address] = root

@@ -104,16 +104,11 @@ class Box(NamedTuple):
                 and (start + math.prod(self.shape)) * t.element_size() <= t.untyped_storage().nbytes())
 
     def of(self, t):
-        """Torch tensor `t` as the box the graph reads: a view of its storage where it `fits`, else a new box it
-        is copied into."""
-        if self.fits(t):
-            return t.as_strided(self.shape, _contiguous(self.shape), t.storage_offset() - self.shift)
-        box = t.new_empty(self.shape)
-        self.within(box).copy_(t)
-        return box
+        """Torch tensor `t`, which `fits`, as the box the graph reads: a view of its storage."""
+        return t.as_strided(self.shape, _contiguous(self.shape), t.storage_offset() - self.shift)
 
     def within(self, box):
-        """The input, as the slice of a box made by `of`."""
+        """The input, as the slice of its box."""
         return box.as_strided(self.sizes, self.strides, box.storage_offset() + self.shift)
 
 

@@ -44,6 +44,7 @@ from ember.frontends.aten_graph import AtenGraph
 from ember.frontends.layouts import (
     as_numbers,
     box_inputs,
+    boxable,
     in_memory_order,
     memory_order,
     restride_placeholders,
@@ -109,10 +110,9 @@ def _compile(gm, example_inputs, on_cuda: bool = False):
     handed = _fresh_outputs(gm.graph)
     writes = _written_inputs(gm.graph)
     ordered = in_memory_order(gm.graph, handed)
-    unboxed = _copy(gm.graph)  # (before box_inputs: for the calls some boxes do not fit)
+    # (the graph before box_inputs, for the calls some boxes do not fit)
+    unboxed = _copy(gm.graph) if boxable(gm.graph, example_inputs, ordered) else None
     boxed = box_inputs(gm.graph, example_inputs, ordered, handed)
-    if not boxed:
-        unboxed = None
     to_ember = functools.partial(_to_ember, device=device)
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -201,9 +201,9 @@ class _Variant:
 class _Memory:
     """The memory of a call's inputs and the graph's constants (torch tensors), which no new output may lie on,
     gathered at the first question (most replays ask none). On cuda, ember hands an input's memory back only as the
-    whole input (an argument returned as it is), so an output lies on it where it starts where an input does; the
-    cpu's reference backend may hand any part of it (a NumPy view), so there an output's elements are looked up in
-    the ranges of the inputs' storages."""
+    whole input (an argument returned as it is), so an output lies on an input's memory exactly where it starts at
+    an input's address; the cpu's reference backend may hand any part of it (a NumPy view), so there an output's
+    elements are looked up in the ranges of the inputs' storages."""
 
     def __init__(self, fixed: list, args: list, exact: bool):
         import torch

@@ -122,31 +122,17 @@ def box_inputs(graph, example_inputs, skip, plan) -> dict[int, Box]:
     `skip`, those the graph writes, those whose layout is not known in numbers, overlaps itself or broadcasts, and
     every input of a graph with an `as_strided` (whose offsets address an input's storage as torch lays it out, and
     may reach past the input into memory a box would not be)."""
-    import torch
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    aten = torch.ops.aten
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     output = next(n for n in graph.nodes if n.op == "output")
     returned = collections.defaultdict(list)
     for q, node in enumerate(output.args[0]):
         returned[node].append(q)
-    written = {n.args[0] for n in graph.nodes if n.target is aten.copy_.default}
     first = next(n for n in graph.nodes if n.op != "placeholder")
     boxes: dict[int, Box] = {}
-    if any(str(n.target).rsplit(".", 1)[0] in strided.OPERATORS for n in graph.nodes if n.op == "call_function"):
-        return boxes
     with unset_fake_temporarily():
-        for p, (node, given) in enumerate(zip(placeholders, example_inputs)):
-            value = node.meta.get("val")
-            if (p in skip or not node.users or node in written
-                    or not isinstance(value, torch.Tensor) or not isinstance(given, torch.Tensor)):
-                continue
-            found = _box(given)
-            if found is None:
-                continue
-            box, steps = found
-            node.meta["val"] = view = value.new_empty(box.shape)
+        for p, (node, box, steps) in boxable(graph, example_inputs, skip).items():
+            node.meta["val"] = view = node.meta["val"].new_empty(box.shape)
             made = []
             with graph.inserting_before(first):
                 for op, args in steps:
@@ -156,6 +142,22 @@ def box_inputs(graph, example_inputs, skip, plan) -> dict[int, Box]:
             boxes[p] = box
             plan.sliced.update((q, box) for q in returned.get(node, ()))
     return boxes
+
+
+def boxable(graph, example_inputs, skip) -> dict[int, tuple]:
+    """The inputs `box_inputs` reads as boxes, by position: (the placeholder, its `Box`, the ATen operators slicing
+    the box back to it)."""
+    import torch
+
+    if any(str(n.target).rsplit(".", 1)[0] in strided.OPERATORS for n in graph.nodes if n.op == "call_function"):
+        return {}
+    written = {n.args[0] for n in graph.nodes if n.target is torch.ops.aten.copy_.default}
+    found = {}
+    for p, (node, given) in enumerate(zip([n for n in graph.nodes if n.op == "placeholder"], example_inputs)):
+        if (p not in skip and node.users and node not in written and isinstance(node.meta.get("val"), torch.Tensor)
+                and isinstance(given, torch.Tensor) and (box := _box(given)) is not None):
+            found[p] = (node, *box)
+    return found
 
 
 def _box(given) -> tuple[Box, list] | None:

@@ -172,6 +172,17 @@ def test_a_call_whose_slice_the_box_does_not_fit_runs_the_graph_reading_it_as_be
     assert copies["boxed"] == 2 and copies["boxed amiss"] == 0, copies
 
 
+def test_a_box_fits_views_of_its_layout_whatever_the_stride_of_a_dimension_of_size_one():
+    """A box fits a view with its sizes, strides (but for dimensions of size 1) and memory around it, and no other:
+    a backward's inputs are laid out by the forward, which dynamo's guards do not see."""
+    big = torch.randn(6, 8)
+    box, _ = layouts._box(big.view(6, 2, 4)[:, :1, 1:3])
+    assert box.fits(big.view(6, 2, 4)[:, :1, 1:3]) and box.fits(big[:, None, 1:3])
+    assert not box.fits(big.view(6, 2, 4)[:5, :1, 1:3])  # other sizes
+    assert not box.fits(big[:, None, 1:3].contiguous())  # other strides
+    assert not box.fits(torch.randn(47).as_strided((6, 1, 2), (8, 4, 1), 1))  # the box would leave the storage
+
+
 def _matmul_sum(x, w):
     return (x @ w).sum()
 

@@ -98,9 +98,11 @@ class Box(NamedTuple):
     strides: tuple[int, ...]
 
     def fits(self, t) -> bool:
-        """Whether torch tensor `t` is laid out as the box was made for, with the box inside its storage."""
+        """Whether torch tensor `t` is laid out as the box was made for (a dimension of size 1 with any stride),
+        with the box inside its storage."""
         start = t.storage_offset() - self.shift
-        return (t.stride() == self.strides and start >= 0
+        return (tuple(t.shape) == self.sizes and start >= 0
+                and all(n == 1 or a == b for n, a, b in zip(self.sizes, t.stride(), self.strides))
                 and (start + math.prod(self.shape)) * t.element_size() <= t.untyped_storage().nbytes())
 
     def of(self, t):

@@ -110,9 +110,9 @@ def _compile(gm, example_inputs, on_cuda: bool = False):
     handed = _fresh_outputs(gm.graph)
     writes = _written_inputs(gm.graph)
     ordered = in_memory_order(gm.graph, handed)
-    # (the graph before box_inputs, for the calls some boxes do not fit)
-    unboxed = _copy(gm.graph) if boxable(gm.graph, example_inputs, ordered) else None
-    boxed = box_inputs(gm.graph, example_inputs, ordered, handed)
+    found = boxable(gm.graph, example_inputs, ordered)
+    unboxed = _copy(gm.graph) if found else None  # (the graph before box_inputs, for calls some boxes do not fit)
+    boxed = box_inputs(gm.graph, found, handed)
     to_ember = functools.partial(_to_ember, device=device)
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -134,7 +134,7 @@ def _compile(gm, example_inputs, on_cuda: bool = False):
         variant = variants.get(misfits)
         if variant is None:
             graph, plan = _copy(unboxed), handed._replace(sliced={})
-            boxes = box_inputs(graph, example_inputs, {**ordered, **dict.fromkeys(misfits)}, plan)
+            boxes = box_inputs(graph, boxable(graph, example_inputs, {**ordered, **dict.fromkeys(misfits)}), plan)
             variant = variants[misfits] = _Variant(graph, plan, boxes, constants, placed, device)
         step, replays, plan = variant.step, variant.replays, variant.handed
         written = [args[p] for p in writes]
@@ -220,8 +220,8 @@ class _Memory:
             base = t._base
             return t.data_ptr() in self.starts or (base is not None and base.data_ptr() in self.starts)
         if self.starts is None:
-            spans = sorted(_span(a.untyped_storage().data_ptr(), a.untyped_storage().nbytes())
-                           for a in self.tensors if a.untyped_storage().nbytes())
+            storages = [a.untyped_storage() for a in self.tensors]
+            spans = sorted((u.data_ptr(), u.data_ptr() + u.nbytes()) for u in storages if u.nbytes())
             merged: list = []
             for start, end in spans:
                 if merged and start <= merged[-1][1]:
@@ -235,10 +235,6 @@ class _Memory:
         last = first + t.element_size() * sum((n - 1) * abs(d) for n, d in zip(t.shape, t.stride()))
         k = bisect.bisect_right(self.starts, last) - 1  # the last range starting at or before `last`
         return k >= 0 and self.ends[k] > first
-
-
-def _span(start: int, size: int) -> tuple[int, int]:
-    return start, start + size
 
 
 class _Replayed(NamedTuple):
@@ -350,9 +346,7 @@ def _fresh_outputs(graph) -> _Outputs:
     output shares."""
     def chain(node) -> tuple[object, list]:
         ops = []
-        while node.op == "call_function" and node.args and (getattr(node.target, "is_view", False) or (
-                node.target is operator.getitem and getattr(node.args[0], "op", None) == "call_function"
-                and getattr(node.args[0].target, "is_view", False))):  # (one of a split's or an unbind's views)
+        while _is_view(node) or node.target is operator.getitem and _is_view(node.args[0]):  # (a split's piece)
             ops.append(node)
             node = node.args[0]
         return node, ops[::-1]
@@ -392,6 +386,11 @@ def _fresh_outputs(graph) -> _Outputs:
     if len(nodes) > count:
         output.args = (type(output.args[0])(nodes),)
     return _Outputs(fresh, views, count, layouts, {}, {}, tuple(sorted(arguments)))
+
+
+def _is_view(node) -> bool:
+    """Whether fx node `node` is a view operator's (one of several views, for a split or an unbind)."""
+    return getattr(node, "op", None) == "call_function" and bool(node.args) and getattr(node.target, "is_view", False)
 
 
 class _Input(NamedTuple):
@@ -479,8 +478,8 @@ def _finish(outputs: list, plan: _Outputs, inputs: _Memory, written: list, numbe
         outputs[p] = outputs[p].permute(back)
     for p, box in plan.sliced.items():
         outputs[p] = box.within(outputs[p])
-    results = (_own_memory(outputs[:kept], plan.fresh, inputs) if replayed is None
-               else _own_memory(outputs[:kept], replayed.fresh, inputs, replayed.apart))
+    fresh, apart = (plan.fresh, frozenset()) if replayed is None else (replayed.fresh, replayed.apart)
+    results = _own_memory(outputs[:kept], fresh, inputs, apart)
     for base, (shape, strides) in plan.layouts.items():
         value = results[base]
         results[base] = value.new_empty_strided(shape, strides).copy_(value)
@@ -516,7 +515,7 @@ def _same_memory(a, b) -> bool:
             and a.stride() == b.stride() and a.dtype == b.dtype)
 
 
-def _own_memory(results: list, fresh: list[tuple[int, int]], inputs: _Memory, apart=frozenset()) -> list:
+def _own_memory(results: list, fresh: list[tuple[int, int]], inputs: _Memory, apart: frozenset[int]) -> list:
     """`results` with each new output on memory of its own: ember computes values, not tensors, so a graph's
     `clone` of an input (an optimizer's first momentum, `clone(grad)`) is the input's own value, and two outputs of
     one value are one buffer; torch may write either in place (`zero_grad(set_to_none=False)`, `add_`), so such an

@@ -54,16 +54,13 @@ def in_memory_order(graph, plan) -> dict[int, list[int]]:
         for i, base, _ in plan.views:  # made again on the value's tensor: ember computes no buffer of their own
             nodes[i] = nodes[base]
         output.args = (type(output.args[0])(nodes),)
-        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         first = next(n for n in graph.nodes if n.op != "placeholder")
-        written = {n.args[0] for n in graph.nodes if n.target is torch.ops.aten.copy_.default}
         inputs, backs = {}, {}
-        for p, node in enumerate(placeholders):
-            value = node.meta.get("val")
-            # (values such as a ReLU's mask or a max-pooling's window offsets saved for the backward; a permute of
-            # torch's tensor reads any memory right, at worst through a copy)
-            kept = node.users and node not in written and isinstance(value, torch.Tensor)
-            order = memory_order(value) if kept else None
+        # (values such as a ReLU's mask or a max-pooling's window offsets saved for the backward; a permute of
+        # torch's tensor reads any memory right, at worst through a copy)
+        for p, node in _read_inputs(graph):
+            value = node.meta["val"]
+            order = memory_order(value)
             if order is None:
                 continue
             with graph.inserting_before(first):
@@ -114,16 +111,13 @@ class Box(NamedTuple):
         return box.as_strided(self.sizes, self.strides, box.storage_offset() + self.shift)
 
 
-def box_inputs(graph, example_inputs, skip, plan) -> dict[int, Box]:
+def box_inputs(graph, found: dict[int, tuple], plan) -> dict[int, Box]:
     """Rewrites `graph` so that each input that is a strided slice of a wider tensor (not dense: the query, key and
     value of a fused projection, split and transposed into heads, as the forward saves them for the backward) is
     read as the dense box of its storage around it (`Box`) and sliced in the graph, where ember's kernels read it
     through the slice, instead of being copied to contiguous memory at each call. An input the graph returns as it
     is (saved for the backward) is returned as its box, which `plan.sliced` (frontends.dynamo's `_Outputs`) slices
-    back: torch's own tensor. Returns the boxes by input position. Left as they are: the inputs at positions in
-    `skip`, those the graph writes, those whose layout is not known in numbers, overlaps itself or broadcasts, and
-    every input of a graph with an `as_strided` (whose offsets address an input's storage as torch lays it out, and
-    may reach past the input into memory a box would not be)."""
+    back: torch's own tensor. `found`: `boxable`'s answer for `graph`. Returns the boxes by input position."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     output = next(n for n in graph.nodes if n.op == "output")
@@ -133,7 +127,7 @@ def box_inputs(graph, example_inputs, skip, plan) -> dict[int, Box]:
     first = next(n for n in graph.nodes if n.op != "placeholder")
     boxes: dict[int, Box] = {}
     with unset_fake_temporarily():
-        for p, (node, box, steps) in boxable(graph, example_inputs, skip).items():
+        for p, (node, box, steps) in found.items():
             node.meta["val"] = view = node.meta["val"].new_empty(box.shape)
             made = []
             with graph.inserting_before(first):
@@ -148,18 +142,29 @@ def box_inputs(graph, example_inputs, skip, plan) -> dict[int, Box]:
 
 def boxable(graph, example_inputs, skip) -> dict[int, tuple]:
     """The inputs `box_inputs` reads as boxes, by position: (the placeholder, its `Box`, the ATen operators slicing
-    the box back to it)."""
+    the box back to it). Left as they are: the inputs at positions in `skip`, those the graph writes, those whose
+    layout is not known in numbers, overlaps itself or broadcasts, and every input of a graph with an `as_strided`
+    (whose offsets address an input's storage as torch lays it out, and may reach past the input into memory a box
+    would not be)."""
     import torch
 
     if any(str(n.target).rsplit(".", 1)[0] in strided.OPERATORS for n in graph.nodes if n.op == "call_function"):
         return {}
-    written = {n.args[0] for n in graph.nodes if n.target is torch.ops.aten.copy_.default}
     found = {}
-    for p, (node, given) in enumerate(zip([n for n in graph.nodes if n.op == "placeholder"], example_inputs)):
-        if (p not in skip and node.users and node not in written and isinstance(node.meta.get("val"), torch.Tensor)
-                and isinstance(given, torch.Tensor) and (box := _box(given)) is not None):
+    for p, node in _read_inputs(graph):
+        given = example_inputs[p]
+        if p not in skip and isinstance(given, torch.Tensor) and (box := _box(given)) is not None:
             found[p] = (node, *box)
     return found
+
+
+def _read_inputs(graph) -> list[tuple[int, object]]:
+    """The inputs (position, placeholder) `graph` reads and does not write, that are tensors."""
+    import torch
+
+    written = {n.args[0] for n in graph.nodes if n.target is torch.ops.aten.copy_.default}
+    return [(p, node) for p, node in enumerate(n for n in graph.nodes if n.op == "placeholder")
+            if node.users and node not in written and isinstance(node.meta.get("val"), torch.Tensor)]
 
 
 def _box(given) -> tuple[Box, list] | None:

@@ -379,6 +379,42 @@ def test_an_epilogue_reduction_is_right_when_the_kernel_runs_again(rng):
     assert_matches(ember.tensor(second), (t64(a) @ t64(b)).sum(0))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("mnk", [(1, 17, 33), (17, 1, 5), (70, 150, 24), (5, 40, 1)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_a_heavy_epilogue_runs_over_each_half_of_the_tile(mnk, dtype, rng):
+    """Bias, tanh GELU, two stored outputs and reductions of rows and columns: the epilogue runs on the left half of
+    the tile's columns, then on the right half; every output element and both halves' partial sums land."""
+    m, n, k = mnk
+    a, b, bias = random(rng, m, k, dtype=dtype), random(rng, k, n, dtype=dtype), random(rng, n, dtype=dtype)
+    x, w, c = on("cuda", a, b, bias)
+    h = x @ w + c
+    g = F.gelu(h, approximate="tanh")
+    rows, cols = g.float().sum(1), g.float().amax(0)
+    p = plan(h, g, rows, cols)
+    gemm = next(kernel for kernel in p.kernels if kernel.core is not None)
+    assert "acc_left, acc_right = tl.split(" in p.sources[id(gemm)].text, str(p)
+    assert len(gemm.outputs) >= 2 and gemm.reductions, str(p)
+    ember.realize(h, g, rows, cols)  # by the plan above (realized one by one, they would be other graphs)
+    th = t64(a) @ t64(b) + t64(bias)
+    if dtype == "bfloat16":  # torch rounds the GEMM's result to bfloat16 before the GELU reads it
+        th = th.to(torch.bfloat16).double()
+    tg = torch.nn.functional.gelu(th, approximate="tanh")
+    assert_matches(h, th, dtype, what="pre-activation")
+    assert_matches(g, tg, dtype, what="activation")
+    assert_matches(rows, tg.sum(1), dtype, what="row sums")
+    assert_matches(cols, tg.amax(0), dtype, what="column maxima")
+
+
+def test_a_light_epilogue_runs_over_the_whole_tile(rng):
+    a, b, residual = random(rng, 20, 24), random(rng, 24, 19), random(rng, 20, 19)
+    out = (lambda x, w, r: x @ w + r)(*on("cuda", a, b, residual))
+    p = plan(out)
+    kernel, _ = only_gemm(p)
+    assert "tl.split" not in p.sources[id(kernel)].text, str(p)
+    assert_matches(out, t64(a) @ t64(b) + t64(residual))
+
+
 @pytest.mark.parametrize("case", ["softmax", "bfloat16 sum"])
 def test_a_reduction_the_tiles_cannot_combine_is_a_kernel_of_its_own(case, rng):
     if case == "softmax":  # the sum needs the max of the whole row first

@@ -59,7 +59,8 @@ class Lit(Expr):
 
 @dataclass(frozen=True)
 class Block(Expr):
-    """A tile edge: a compile-time block size named `name`, laid along tile axis `axis`."""
+    """A tile edge: a compile-time block size named `name` (or an expression of one, bracketed: half a GEMM tile's
+    columns), laid along tile axis `axis`."""
 
     name: str
     axis: str
@@ -142,6 +143,7 @@ FUNCTIONS = {
     "combine": "two partial results merged by a combine (max, min; argmax, argmin take four values)",
     "dot": "acc + a @ b on the matrix units (option `precision`)",
     "trans": "a 2-d tile transposed",
+    "halves": "a 2-d tile's left and right halves of its columns (`shape`: its rows, 2, half its columns)",
 }
 
 

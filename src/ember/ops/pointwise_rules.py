@@ -104,7 +104,8 @@ _define_unary(Op.RECIPROCAL, lambda g, xs, out, a: (-g * out * out,), np.recipro
               lambda t: f"lib.div_rn(1.0, {t.x})" if t.dtype is dtypes.float32 else f"1.0 / {t.x}")
 _define_unary(Op.SIN, lambda g, xs, out, a: (g * xs[0].cos(),), np.sin, lambda t: f"tl.sin({t.x})")
 _define_unary(Op.COS, lambda g, xs, out, a: (-g * xs[0].sin(),), np.cos, lambda t: f"tl.cos({t.x})")
-_define_unary(Op.TANH, lambda g, xs, out, a: (g * (1 - out * out),), np.tanh, lambda t: f"lib.tanh({t.x})")
+_define_unary(Op.TANH, lambda g, xs, out, a: (g * (1 - out * out),), np.tanh,  # bfloat16 results: the SFU's own
+              lambda t: f"lib.tanh_approx({t.x})" if t.node.dtype is dtypes.bfloat16 else f"lib.tanh({t.x})")
 _define_unary(Op.ERF, lambda g, xs, out, a: (g * (2 / math.sqrt(math.pi)) * (-(xs[0] * xs[0])).exp(),),
               scipy.special.erf, lambda t: f"tl.math.erf({t.x})")
 _define_unary(Op.FLOOR, _zero_grad, np.floor, lambda t: f"tl.floor({t.x})")

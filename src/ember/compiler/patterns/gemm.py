@@ -293,7 +293,8 @@ def lower_gemm(ctx: Context, kernel: FusedKernel) -> list[Function]:
         first.gemm, first.splits = (1, m, n, k), splits
         first.layout, first.precision = layout_a + layout_b, dot
         return [first, finishing_function(ctx, [kernel], splits, [partials], "")]
-    _epilogue(ctx, kernel, Emitter(ctx, kernel, body), tile, acc, sums, batch_dims, before_loop, mainloop.count)
+    _epilogue(ctx, kernel, Emitter(ctx, kernel, body), tile, acc, sums, batch_dims, before_loop, mainloop.count,
+              halves=_heavy_epilogue(kernel))
     function = ctx.function("", body, {"BLOCK_M": 0, "BLOCK_N": 0, "BLOCK_K": 0, "GROUP_M": 0}, 0, 4)
     function.gemm = (math.prod(batch), m, n, k)
     function.layout = layout_a + layout_b
@@ -302,18 +303,14 @@ def lower_gemm(ctx: Context, kernel: FusedKernel) -> list[Function]:
 
 
 def _epilogue(ctx: Context, kernel: FusedKernel, epilogue: Emitter, tile: _Tile, acc: Var, sums: dict[int, Var],
-              batch_dims: tuple[Expr, ...] = (), unravelled: dict | None = None, count: int = 0) -> None:
+              batch_dims: tuple[Expr, ...] = (), unravelled: dict | None = None, count: int = 0,
+              halves: bool = False) -> None:
     """A GEMM kernel's epilogue over its output tile, the core's value in `acc` and its operand sums in `sums`:
-    the sums' outputs, the outputs (stored from registers) and the epilogue's reductions across tiles."""
+    the sums' outputs, then the outputs (stored from registers) and the epilogue's reductions across tiles, over
+    the whole tile or (`halves`) over its left half and then its right one."""
     core = kernel.core
     summed = {id(r): summed_operand(core, r) for r in operand_sums(kernel)}
-    rm, rn, mask_m, mask_n = tile.rm, tile.rn, tile.mask_m, tile.mask_n
-    mask = Var("mask", frozenset({"rm", "rn"}))
     epilogue.count = count
-    epilogue.unravelled = dict(unravelled or {})  # names defined inside a mainloop are out of scope after it
-    epilogue.accumulator = acc
-    epilogue.mask_parts = {mask: {"rm": mask_m, "rn": mask_n}}
-    epilogue.tile_axes = frozenset({"rm", "rn"})
     for o in kernel.outputs:  # one row of programs stores what every row of them summed
         r = summed_output(kernel, o)
         if r is None or id(r) not in summed:
@@ -322,14 +319,60 @@ def _epilogue(ctx: Context, kernel: FusedKernel, epilogue: Emitter, tile: _Tile,
         pointer = ctx.param(ParamKind.WRITE, o, "out")  # a reshape of the sum: the same positions
         epilogue.emit(Effect(call("store", Bin("+", pointer, position), call("cast", sums[id(r)], dtype=o.dtype),
                                   mask=keep)))
+    if not halves:
+        _epilogue_tile(ctx, kernel, epilogue, tile, acc, summed, batch_dims, unravelled, GEMM_TILE)
+        return
+    parts = (Var(f"acc{epilogue.tag}_left", acc.axes), Var(f"acc{epilogue.tag}_right", acc.axes))
+    epilogue.emit(Assign(parts, call("halves", acc, shape=(GEMM_BLOCK["rm"], 2, HALF_N))))
+    rn = tile.rn
+    for h, part in enumerate(parts):
+        em = Emitter(ctx, kernel, epilogue.block, epilogue.tag)
+        em.count, em.big, em.blocks = epilogue.count, epilogue.big, {**GEMM_BLOCK, "rn": HALF_N}
+        if h == 0:
+            rn = em.bind(f"rn{em.tag}_0", Bin("+", Bin("*", widened(em, tile.pid_n), GEMM_BLOCK["rn"]),
+                                              Range(HALF_N, 1, 2)))
+        else:
+            rn = em.bind(f"rn{em.tag}_{h}", Bin("+", rn, HALF_N))
+        half = _Tile(tile.pid_m, tile.pid_n, tile.rm, rn, tile.mask_m, em.bind(f"mask_n{em.tag}_{h}",
+                     Bin("<", rn, tile.N)), tile.M, tile.N)
+        _epilogue_tile(ctx, kernel, em, half, part, summed, batch_dims, unravelled, (GEMM_BLOCK["rm"], HALF_N))
+        epilogue.count, unravelled = em.count, em.unravelled  # the rows' positions serve both halves
+
+
+def _epilogue_tile(ctx: Context, kernel: FusedKernel, epilogue: Emitter, tile: _Tile, acc: Var, summed: dict,
+                   batch_dims: tuple[Expr, ...], unravelled: dict | None, shape: tuple) -> None:
+    """The outputs and reductions of the epilogue over one tile of the output (`shape`), `acc` the core's value
+    there."""
+    core = kernel.core
+    rm, rn, mask_m, mask_n = tile.rm, tile.rn, tile.mask_m, tile.mask_n
+    mask = Var("mask", frozenset({"rm", "rn"}))
+    epilogue.unravelled = dict(unravelled or {})  # names defined inside a mainloop are out of scope after it
+    epilogue.accumulator = acc
+    epilogue.mask_parts = {mask: {"rm": mask_m, "rn": mask_n}}
+    epilogue.tile_axes = frozenset({"rm", "rn"})
     epilogue.bind("mask", Bin("&", mask_m, mask_n))
     for o in kernel.outputs:
         if summed_output(kernel, o) is None:
-            epilogue.store(o, _epilogue_index(epilogue, core, o.shape, batch_dims, rm, rn, mask),
-                           GEMM_TILE)
+            epilogue.store(o, _epilogue_index(epilogue, core, o.shape, batch_dims, rm, rn, mask), shape)
     at = Index((*batch_dims, rm, rn), None, mask, FULL)
     _epilogue_reductions(ctx, kernel, epilogue, at, [r for r in kernel.reductions if id(r) not in summed],
-                         {1: (rm, mask_m), 0: (rn, mask_n)})
+                         {1: (rm, mask_m), 0: (rn, mask_n)}, shape)
+
+
+# Half a GEMM tile's columns: an epilogue of many operations (fc1's bias and tanh GELU storing two
+# outputs, H200, 8192 x 3072 x 768 in bfloat16) runs over one half of the tile and then the other, its values for
+# half the columns live at a time: 117 us against 148 (128 x 128 tiles), 126 against 357 (128 x 256: the whole
+# tile's epilogue spilled 508 registers); the bare GEMM takes 68-72 us.
+HALF_N = Block("(BLOCK_N // 2)", "rn")
+
+HEAVY_EPILOGUE = 4  # operations an epilogue computes per element from which it runs by halves
+
+
+def _heavy_epilogue(kernel: FusedKernel) -> bool:
+    """Whether the epilogue holds enough values per element (operations, outputs) to run by halves of the tile."""
+    computed = sum(1 for n in kernel.epilogue if n.op.kind in (Kind.UNARY, Kind.BINARY, Kind.TERNARY))
+    stored = sum(1 for o in kernel.outputs if summed_output(kernel, o) is None)
+    return computed + stored >= HEAVY_EPILOGUE
 
 
 # a finishing function's rows narrow (down to 16 columns) until its programs fill this many per SM (H100: a 64 x 64
@@ -588,13 +631,13 @@ def _epilogue_index(emitter: Emitter, core: Node, shape: tuple[int, ...], batch_
 
 
 def _epilogue_reductions(ctx: Context, kernel: FusedKernel, epilogue: Emitter, at: Index, reductions: list[Node],
-                         kept: dict[int, tuple[Var, Var]]) -> None:
+                         kept: dict[int, tuple[Var, Var]], shape: tuple) -> None:
     """Rows or columns of an epilogue value reduced across tiles: each program reduces its tile and
     combines the result atomically into the output, which the runtime fills with the identity first."""
     for r in reductions:
         (axis,) = r.attrs["axes"]
         value, dt = epilogue.value(r.inputs[0], at)
-        tile = epilogue.define(call("where", at.mask, Bin("+", value, call("zeros", shape=GEMM_TILE, dtype=dt)),
+        tile = epilogue.define(call("where", at.mask, Bin("+", value, call("zeros", shape=shape, dtype=dt)),
                                     identity(r.op, dt)), "t")
         part = epilogue.define(call("reduce", tile, combine=r.op.label, axis=axis, drop="rn" if axis == 1 else "rm"),
                                "part")

@@ -235,6 +235,9 @@ class Renderer:
             return f"lib.{options['combine']}_combine({', '.join(args)})"
         if fn == "trans":
             return f"tl.trans({args[0]})"
+        if fn == "halves":  # [rows, 2, half] with the halves last, split there
+            shape = ", ".join(d.name if isinstance(d, Block) else str(d) for d in c.shape)
+            return f"tl.split(tl.permute(tl.reshape({args[0]}, [{shape}]), (0, 2, 1)))"
         if fn == "dot":
             precision = f", input_precision=\"{options['precision']}\"" if "precision" in options else ""
             return f"tl.dot({', '.join(args)}{precision})"

@@ -263,9 +263,9 @@ def kernel_kind(name: str) -> str:
 def step_breakdown(step: Callable[[], object], reps: int) -> dict:
     """Where a warm step's time goes, on a GPU: "wall" ms per step (back to back, until the GPU is done),
     "host" ms per step (until the calls return, the GPU left to finish), "gpu" ms of device work per step, and
-    "kinds": that device time by kernel kind (kernel_kind), with launch counts, and "top": the kernels taking the
-    most of it, by name, as (name, ms, launches). Device time well below the wall time means the host issues the
-    work slower than the GPU runs it."""
+    "kinds": that device time by kernel kind (kernel_kind), with launch counts, "top": the kernels taking the
+    most of it, by name, as (name, ms, launches), and "kernels": every kernel so, the costliest first. Device time
+    well below the wall time means the host issues the work slower than the GPU runs it."""
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(reps):
@@ -288,7 +288,7 @@ def step_breakdown(step: Callable[[], object], reps: int) -> dict:
     ranked = sorted(((name, ms, count) for name, (ms, count) in names.items()), key=lambda item: -item[1])
     copies = [item for item in ranked if kernel_kind(item[0]) == COPIES][:TOP_KERNELS // 2]
     return {"wall": wall, "host": host, "gpu": sum(ms for ms, _ in kinds.values()), "kinds": kinds,
-            "top": ranked[:TOP_KERNELS], "copies": copies}
+            "top": ranked[:TOP_KERNELS], "copies": copies, "kernels": ranked}
 
 
 def breakdown_lines(label: str, b: dict) -> list[str]:

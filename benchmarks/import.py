@@ -24,12 +24,14 @@ directories for a cold start). Every variant's first losses are checked against 
 
 --breakdown adds, per variant, its host time per step (until the calls return) against its wall time, its GPU time
 by kernel kind (ember's generated kernels by kind, cuDNN convolutions, cuBLAS matmuls, copies and fills, other
-torch kernels) from torch.profiler, and for the ember backend whether each of its graphs replays as CUDA graphs.
+torch kernels) from torch.profiler, and for the ember backend whether each of its graphs replays as CUDA graphs;
+--kernels FILE writes every kernel's time per step there (JSON).
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import statistics
 import sys
 import time
@@ -269,6 +271,8 @@ def main(argv: list[str] | None = None) -> None:
     def breakdown_option(parser) -> None:
         parser.add_argument("--breakdown", action="store_true", help="also where each variant's step time goes: "
                             "host against GPU time, GPU time by kernel kind, the ember backend's CUDA graph replays")
+        parser.add_argument("--kernels", type=Path, default=None, help="with --breakdown: a JSON file to write every "
+                            "kernel's GPU time per step to, per row and variant (name, ms, launches)")
 
     args = parse_named_rows(argv, "import.py", __doc__, ",".join(ROWS), VARIANTS, 10,
                             "tiny models in float64, ember on its cpu device (the reference backend), torch.compile "
@@ -296,6 +300,9 @@ def main(argv: list[str] | None = None) -> None:
     notes = ["a training step: forward, cross entropy, backward, optimizer step; torch.compile variants compile the "
              "whole step", f"loss check: the first {CHECK_STEPS} losses against torch eager's, relative tolerance "
              f"{LOSS_TOL}", *breakdown_notes(lines)]
+    if args.kernels:
+        args.kernels.write_text(json.dumps({f"{line['row']} {line['variant']}": line["breakdown"]["kernels"]
+                                            for line in lines if line.get("breakdown")}, indent=1))
     results = args.results or (None if args.cpu_smoke else HERE / "RESULTS.md")
     publish(f"Import benchmark: {environment(args.cpu_smoke)}", table, notes, results)
 

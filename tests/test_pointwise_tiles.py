@@ -98,4 +98,4 @@ def test_a_kernel_that_divides_by_powers_of_two_only_or_has_one_row_stays_flat(c
     out = fn(ember.tensor(a, device="cuda"), ember.tensor(b, device="cuda"))
     (launch,) = only_pointwise(out).launches
     assert set(launch.constexprs) == {"BLOCK"}, launch.constexprs
-    np.testing.assert_allclose(out.numpy(), want(a, b), rtol=1e-6)
+    np.testing.assert_allclose(out.numpy(), want(a, b), rtol=1e-5, atol=1e-6)  # a GPU fuses x * y + 1 (one rounding)

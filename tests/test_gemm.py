@@ -793,6 +793,65 @@ def test_gemms_too_small_to_matter_are_not_profiled(monkeypatch):
     assert autotune.worth_tuning(_problem(512, 512, 512), "1") and autotune.worth_tuning(_problem(4096, 4096, 64), "1")
 
 
+class _Stream:
+    """A GPU stream in simulation: the host issues work (a call takes `issue` ms of host time and `work` ms of the
+    GPU's); the GPU runs it in order, once issued and once the work before it is done."""
+
+    def __init__(self, issue: float, work: float, cycles_per_ms: float = 1e6):
+        self.host = self.gpu = 0.0
+        self.issue, self.work, self.cycles_per_ms = issue, work, cycles_per_ms
+
+    def queue(self, ms: float) -> float:
+        self.gpu = max(self.gpu, self.host) + ms
+        return self.gpu
+
+    def call(self) -> None:
+        self.host += self.issue
+        self.queue(self.work)
+
+    def install(self, monkeypatch, autotune, sleep: bool) -> None:
+        stream = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.at = None
+
+            def record(self):
+                self.at = stream.queue(0.0)
+
+            def synchronize(self):
+                stream.host = max(stream.host, self.at)
+
+            def elapsed_time(self, other):
+                return other.at - self.at
+
+        monkeypatch.setattr(autotune.torch.cuda, "Event", Event)
+        monkeypatch.setattr(autotune.torch.cuda, "synchronize", lambda: setattr(stream, "host", max(stream.host,
+                                                                                                      stream.gpu)))
+        monkeypatch.setattr(autotune.torch.cuda, "current_device", lambda: 0)
+        if sleep:
+            spin = lambda cycles: stream.queue(cycles / stream.cycles_per_ms)  # noqa: E731
+            monkeypatch.setattr(autotune.torch.cuda, "_sleep", spin, raising=False)
+        else:
+            monkeypatch.delattr(autotune.torch.cuda, "_sleep", raising=False)
+        monkeypatch.setattr(autotune.time, "perf_counter", lambda: stream.host / 1e3)
+        monkeypatch.setattr(autotune, "_spin_rate", {})
+
+
+@pytest.mark.parametrize("issue,work", [(0.3, 0.1), (0.02, 0.1), (5.0, 0.05)])
+def test_a_timing_counts_the_gpus_time_not_the_hosts_time_to_issue_the_calls(issue, work, monkeypatch):
+    """A split form issues a call in more host time than its GPU work takes; the steps replay as CUDA graphs, where
+    the host's time is not spent, so the choice must compare GPU times: the GPU is held while the calls queue."""
+    from ember.runtime import autotune
+
+    stream = _Stream(issue, work)
+    stream.install(monkeypatch, autotune, sleep=True)
+    assert autotune.time_ms(stream.call) == pytest.approx(work)
+    stream = _Stream(issue, work)  # a torch without its spinning kernel: the host's pace where it is the slower
+    stream.install(monkeypatch, autotune, sleep=False)
+    assert autotune.time_ms(stream.call) == pytest.approx(max(issue, work), rel=0.05)
+
+
 @pytest.fixture
 def tuning_cache(tmp_path, monkeypatch):
     from ember.runtime import autotune

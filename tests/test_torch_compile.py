@@ -246,6 +246,48 @@ def test_a_graph_break_runs_its_python_in_torch_between_two_ember_graphs():
     assert len(seen) == 2 and seen[0] == pytest.approx(seen[1], rel=1e-5)
 
 
+def test_explain_capture_around_a_step_sees_its_backward_run_on_another_thread():
+    """On a GPU, autograd runs the backward on a thread of its own (here: a thread started for it): its plans are
+    shown to the capture of the thread that ran the forward, and to no capture elsewhere."""
+    import threading
+
+    import ember
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    x = torch.randn(4, 6)
+    compiled = torch.compile(lambda x: net(x).square().sum(), backend="ember")
+    elsewhere: list = []
+
+    def other_thread():  # a capture of its own, which the step's backward must not report to
+        with ember.explain.capture() as plans:
+            started.set()
+            finished.wait(timeout=60)
+        elsewhere.extend(plans)
+
+    for call in range(2):  # the first call compiles the backward graph, the second runs it as built
+        started, finished = threading.Event(), threading.Event()
+        watcher = threading.Thread(target=other_thread)
+        watcher.start()
+        started.wait(timeout=60)
+        with ember.explain.capture() as plans:
+            loss = compiled(x)
+            forward_only = len(plans)
+            backward = threading.Thread(target=loss.backward)
+            backward.start()
+            backward.join()
+        finished.set()
+        watcher.join()
+        assert forward_only >= 1 and len(plans) > forward_only, (call, forward_only, len(plans))
+        assert not elsewhere
+    grads = [p.grad.clone() for p in net.parameters()]
+    for p in net.parameters():
+        p.grad = None
+    (net(x).square().sum() * 2).backward()  # two backward calls accumulated
+    for got, want in zip(grads, (p.grad for p in net.parameters())):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
+
+
 def test_the_forward_saves_an_activations_input_and_output_and_the_backward_recomputes_what_lies_between(
         monkeypatch):
     """GPT-2's activation as transformers writes it: a chain of powers, a tanh and products between two Linear
@@ -258,11 +300,11 @@ def test_the_forward_saves_an_activations_input_and_output_and_the_backward_reco
     saved = []
     compile_graph = dynamo._compile
 
-    def spy(gm, example_inputs, on_cuda=False):
+    def spy(gm, example_inputs, **options):
         if not saved:  # the forward graph: its outputs are the result, then what it saves for the backward
             (outputs,) = [n.args[0] for n in gm.graph.nodes if n.op == "output"]
             saved.extend(tuple(o.meta["val"].shape) for o in outputs[1:] if isinstance(o.meta["val"], torch.Tensor))
-        return compile_graph(gm, example_inputs, on_cuda)
+        return compile_graph(gm, example_inputs, **options)
 
     monkeypatch.setattr(dynamo, "_compile", spy)
     torch._dynamo.reset()  # shapes static, as at a first compile

@@ -51,6 +51,7 @@ from ember.frontends.layouts import (
     save_channels_last,
 )
 from ember.jit import GRAPHS_KEPT, jit
+from ember.runtime import executor
 from ember.runtime.dlpack import copy_tensors
 from ember.tensor import Tensor, realize
 
@@ -70,7 +71,13 @@ def backend(gm, example_inputs, options: dict | None = None):
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown or options.get("device", "cuda") != "cuda":
         raise ValueError(f'torch.compile(backend="ember"): options {options} not understood; known: "device": "cuda"')
-    compile_graph = functools.partial(_compile, on_cuda=options.get("device") == "cuda")
+    on_cuda = options.get("device") == "cuda"
+    # the thread that last ran the forward: its backward, which autograd may run on a thread of its own, shows
+    # its realizations to that thread's observers too (an ember.explain.capture around the training step)
+    caller: dict = {}
+    forward = functools.partial(_compile, on_cuda=on_cuda, caller=caller, role="forward")
+    backward = functools.partial(_compile, on_cuda=on_cuda, caller=caller, role="backward")
+    inference = functools.partial(_compile, on_cuda=on_cuda)
     # inputs a graph updates (parameters and momenta in an optimizer step, a batch norm's running statistics) stay
     # writes in the graph, made by ember (in place, or at its end in one batched copy), not one torch copy_ per
     # tensor after it.
@@ -78,7 +85,7 @@ def backend(gm, example_inputs, options: dict | None = None):
     # activation's tanh, powers and products) are recomputed inside the backward's fused kernels rather than
     # written by the forward and read back; what the backward must materialize anyway (a GEMM's or a
     # convolution's operand) stays saved
-    return aot_autograd(fw_compiler=compile_graph, bw_compiler=compile_graph, inference_compiler=compile_graph,
+    return aot_autograd(fw_compiler=forward, bw_compiler=backward, inference_compiler=inference,
                         partition_fn=min_cut_rematerialization_partition,
                         decompositions=core_aten_decompositions(), keep_inference_input_mutations=True)(
         gm, example_inputs)
@@ -98,8 +105,9 @@ def replay_report() -> list[str]:
     return lines
 
 
-def _compile(gm, example_inputs, on_cuda: bool = False):
-    """A boxed callable running the ATen graph `gm` on ember (AOTAutograd passes the inputs as one list)."""
+def _compile(gm, example_inputs, on_cuda: bool = False, caller: dict | None = None, role: str = ""):
+    """A boxed callable running the ATen graph `gm` on ember (AOTAutograd passes the inputs as one list); a
+    forward's (`role`) notes its calling thread's observers in `caller`, which its backward reports to."""
     import torch
 
     torch_device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
@@ -130,6 +138,15 @@ def _compile(gm, example_inputs, on_cuda: bool = False):
     variants = {frozenset(): _Variant(gm.graph, handed, boxed, constants, placed, device)}
 
     def run(args: list) -> list:
+        if role == "forward":
+            caller["observers"] = executor.this_thread.observers
+        elif role == "backward" and (observers := caller.get("observers")) and \
+                observers is not executor.this_thread.observers:
+            with executor.reporting_to(observers):
+                return call(args)
+        return call(args)
+
+    def call(args: list) -> list:
         misfits = frozenset(p for p, box in boxed.items() if not box.fits(args[p]))
         variant = variants.get(misfits)
         if variant is None:

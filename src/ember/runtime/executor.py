@@ -9,12 +9,13 @@ graph's device type (runtime/targets.py) computes the values.
 `this_thread.recorder` is the observer `ember.jit` installs while it records a step: realization tells it
 what the host reads and computes and what it uploads; the launcher, the plans it executes. It, the observers
 and the values waiting for the next realization are per thread: a thread that records or explains sees its
-own realizations only, as a thread building its own graph expects.
+own realizations only, as a thread building its own graph expects, and those done on its behalf (`reporting_to`).
 """
 
 from __future__ import annotations
 
 import _signal
+import contextlib
 import threading
 import weakref
 from collections.abc import Iterable
@@ -36,6 +37,20 @@ class _ThisThread(threading.local):
 
 
 this_thread = _ThisThread()
+
+
+@contextlib.contextmanager
+def reporting_to(observers: list):
+    """This thread's realizations inside the block are also shown to `observers`, another thread's: for work done
+    on that thread's behalf (a torch.compile backward, which autograd runs on a thread of its own)."""
+    added = [o for o in observers if o not in this_thread.observers]
+    this_thread.observers.extend(added)
+    try:
+        yield
+    finally:
+        for o in added:
+            this_thread.observers.remove(o)
+
 # nodes showing a buffer that a later replay of an ember.jit step overwrites (once no returned Tensor shows it),
 # each with the step's program: one whose memory is shared outside ember gets a buffer of its own first, unless
 # the program lends it (runtime.dlpack.torch_buffers)

@@ -25,7 +25,8 @@ directories for a cold start). Every variant's first losses are checked against 
 --breakdown adds, per variant, its host time per step (until the calls return) against its wall time, its GPU time
 by kernel kind (ember's generated kernels by kind, cuDNN convolutions, cuBLAS matmuls, copies and fills, other
 torch kernels) from torch.profiler, and for the ember backend whether each of its graphs replays as CUDA graphs;
---kernels FILE writes every kernel's time per step there (JSON).
+--kernels FILE writes every kernel's time per step there (JSON); --explain FILE appends the plans of ember's variants'
+first steps there.
 """
 
 from __future__ import annotations
@@ -165,10 +166,19 @@ def sync(smoke: bool) -> None:
         torch.cuda.synchronize()
 
 
-def measure(step, x, y, smoke: bool, reps: int) -> dict:
+def measure(step, x, y, smoke: bool, reps: int, explained: list | None = None) -> dict:
+    """The step's first-call time, first losses and median time per step; `explained`: a list to put the plans
+    of the first call in (ember.explain.capture; they are then planned twice, and the first call takes longer)."""
+    import contextlib
+
+    import ember
+
     start = time.perf_counter()
-    losses = [float(step(x, y).item())]
+    with ember.explain.capture() if explained is not None else contextlib.nullcontext([]) as plans:
+        losses = [float(step(x, y).item())]
     first = time.perf_counter() - start
+    if explained is not None:
+        explained.extend(plans)
     losses += [float(step(x, y).item()) for _ in range(CHECK_STEPS - 1)]
     times = []
     for _ in range(3):
@@ -205,8 +215,14 @@ def variant_line(row: str, variant: str, base, x, y, optimizer, args) -> dict:
         else:
             step = guarded(f"{row} {variant} (setup)", lambda: torch_step(
                 model, optimizer, backend, mode, backend is None and variant.endswith("channels-last")))
-        result = guarded(f"{row} {variant}", lambda: measure(step, x, y, args.cpu_smoke, args.reps)) if step else None
+        explained = [] if args.explain and (backend == "ember" or variant.startswith("ember")) else None
+        result = guarded(f"{row} {variant}", lambda: measure(step, x, y, args.cpu_smoke, args.reps,
+                                                             explained)) if step else None
         line = {"row": row, "variant": variant, **(result or {})}
+        if explained:
+            with args.explain.open("a") as out:
+                out.write(f"# {row} {variant}: the first step's plans\n\n" + "\n\n".join(map(str, explained))
+                          + "\n\n")
         if result and args.breakdown and not args.cpu_smoke:
             from common import step_breakdown
 
@@ -273,6 +289,9 @@ def main(argv: list[str] | None = None) -> None:
                             "host against GPU time, GPU time by kernel kind, the ember backend's CUDA graph replays")
         parser.add_argument("--kernels", type=Path, default=None, help="with --breakdown: a JSON file to write every "
                             "kernel's GPU time per step to, per row and variant (name, ms, launches)")
+        parser.add_argument("--explain", type=Path, default=None, help="a file to append the plans of ember's "
+                            "variants' first steps to (ember.explain, GEMM choices and their times included; the "
+                            "first step is then planned twice and takes longer)")
 
     args = parse_named_rows(argv, "import.py", __doc__, ",".join(ROWS), VARIANTS, 10,
                             "tiny models in float64, ember on its cpu device (the reference backend), torch.compile "

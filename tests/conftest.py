@@ -79,6 +79,16 @@ def use_fresh_caches(monkeypatch, tmp_path) -> None:
 
 
 @pytest.fixture
+def fresh_dynamo():
+    """torch.compile's caches emptied before the test: a test may otherwise run frames dynamo compiled for an
+    earlier test's backend options (seen: AdamW's step compiled for ember's cpu device, then run in a test compiling
+    with options={"device": "cuda"}, with tensors on both devices)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+
+
+@pytest.fixture
 def cuda_backend():
     from ember.runtime import cuda
 

@@ -14,7 +14,8 @@ from model_libraries import library
 import ember
 
 torch = pytest.importorskip("torch")
-pytestmark = pytest.mark.slow  # each model is exported and run on the reference backend: the full tier
+# each model is exported and run on the reference backend: the full tier
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_dynamo")]
 
 
 def torchvision_model(name: str):

@@ -16,6 +16,7 @@ nn, F = torch.nn, torch.nn.functional
 
 import ember.frontends.dynamo  # noqa: E402,F401  (registers the backend where the entry point is not installed)
 
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 DEVICES = ["cpu", *([pytest.param("cuda", marks=pytest.mark.gpu)] if ON_GPU else [])]
 
 

@@ -19,7 +19,7 @@ nn, F = torch.nn, torch.nn.functional
 import ember.frontends.dynamo  # noqa: E402  (registers the backend where the entry point is not installed)
 from ember.frontends import layouts  # noqa: E402
 
-pytestmark = [pytest.mark.usefixtures("cuda_backend"), *([pytest.mark.gpu] if ON_GPU else [])]
+pytestmark = [pytest.mark.usefixtures("cuda_backend", "fresh_dynamo"), *([pytest.mark.gpu] if ON_GPU else [])]
 DEVICE = "cuda" if ON_GPU else "cpu"  # torch's device; ember's is cuda either way
 OPTIONS = {"device": "cuda"}
 

@@ -18,7 +18,7 @@ from tests.conftest import check_against_torch, check_finite_differences, random
 
 torch = pytest.importorskip("torch")
 
-pytestmark = pytest.mark.usefixtures("device")
+pytestmark = pytest.mark.usefixtures("device", "fresh_dynamo")
 
 FLOAT_DTYPES = ("float32", "float64")
 

@@ -99,17 +99,14 @@ ROWS, COLS = Block("ROWS", "r"), Block("COLS", "c")
 ROW_TILE_MIN = 64
 
 
-def row_tile(ctx: Context, kernel: FusedKernel, block: int) -> int | None:
+def row_tile(kernel: FusedKernel, flat: list, block: int) -> int | None:
     """The columns (a power of two dividing the innermost size, at most `block`) of the row tiles a pointwise
-    kernel's programs take, or None: flat blocks, where the flat form divides by powers of two only."""
+    kernel's programs take, or None: flat blocks, where its flat form (the statements `flat`) divides by powers of
+    two only."""
     *outer, inner = kernel.space or (1,)
     cols = min(inner & -inner, block)
     if cols < ROW_TILE_MIN or cols == inner or math.prod(outer) == 1:  # (one row: the flat form divides nothing)
         return None
-    params, names = list(ctx.params), dict(ctx.names)  # the trial's parameters are not the kernel's
-    flat: list = []
-    _pointwise_body(ctx, kernel, flat, "", Var("pid"), None)
-    ctx.params[:], ctx.names = params, names
     divisors = {e.b.value for s in flat for top in flat_exprs(s) for e in _subexpressions(top)
                 if isinstance(e, Bin) and e.op in ("%", "//") and isinstance(e.b, Lit)}
     return cols if any(isinstance(d, int) and d & (d - 1) for d in divisors) else None
@@ -168,9 +165,14 @@ def lower_pointwise(ctx: Context, kernel: FusedKernel) -> Function:
     axis = unrolled_axis(ctx, kernel)
     numel = _threads(kernel, axis)
     block = pointwise_block(numel, element_nodes(kernel.covers), ctx.settings.multiprocessors)
-    cols = row_tile(ctx, kernel, block) if axis is None else None
     pid = program_index(Emitter(ctx, kernel, body))
-    _pointwise_body(ctx, kernel, body, "", pid, axis, cols=cols)
+    params, names = list(ctx.params), dict(ctx.names)
+    _pointwise_body(ctx, kernel, body, "", pid, axis)
+    cols = row_tile(kernel, body, block) if axis is None else None
+    if cols is not None:  # the flat form and its parameters give way to the row tiles'
+        ctx.params[:], ctx.names = params, names
+        del body[1:]
+        _pointwise_body(ctx, kernel, body, "", pid, axis, cols=cols)
     if cols is None:
         grid, constexprs = -(-numel // block), {"BLOCK": block}
     else:  # whole tiles along the innermost axis, the last tile of rows masked (no more rows than there are)
